@@ -1,0 +1,102 @@
+"""Shared equivalence harness: train a model plainly and under tfpar, compare.
+
+``build(x, y)`` must create the model in the current default graph from the
+input tensors and return ``(loss, train_op)``. The same seeded initial values
+are used in both runs, so only parallelisation can make the numbers differ.
+"""
+import numpy as np
+import tensorflow as tf
+
+import tfpar as wh
+
+__all__ = ["assert_equivalent", "dense", "make_data", "mlp_classifier", "train"]
+
+
+def dense(x, units, name, seed, activation=None):
+    """A dense layer whose initial values come from numpy (deterministic across graphs)."""
+    rng = np.random.RandomState(seed)
+    fan_in = int(x.shape[-1])
+    with tf.compat.v1.variable_scope(name):
+        kernel = tf.compat.v1.get_variable(
+            "kernel", initializer=(rng.randn(fan_in, units) / np.sqrt(fan_in)).astype(np.float32))
+        bias = tf.compat.v1.get_variable(
+            "bias", initializer=(0.1 * rng.randn(units)).astype(np.float32))
+    out = tf.matmul(x, kernel) + bias
+    return activation(out) if activation is not None else out
+
+
+def mlp_classifier(optimizer=lambda: tf.compat.v1.train.GradientDescentOptimizer(0.5),
+                   hidden=8, classes=3):
+    """build(x, y) for a 2-layer MLP with a mean softmax cross-entropy loss."""
+    def build(x, y):
+        h = dense(x, hidden, "hidden", seed=1, activation=tf.nn.tanh)
+        logits = dense(h, classes, "logits", seed=2)
+        loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(y, logits)
+        return loss, optimizer().minimize(loss)
+    return build
+
+
+def make_data(steps, batch, features=6, classes=3, seed=0):
+    rng = np.random.RandomState(seed)
+    xs = rng.randn(steps, batch, features).astype(np.float32)
+    ys = rng.randint(0, classes, size=(steps, batch)).astype(np.int64)
+    return xs, ys
+
+
+def train(build, data, tfpar_config=None, use_dataset=False, session="plain",
+          scope=None):
+    """Train for len(data[0]) steps; return (losses, {var name: value}).
+
+    Args:
+      tfpar_config: None for plain TF, else a config for wh.init.
+      use_dataset: feed through a tf.data iterator instead of feed_dict.
+      session: "plain" (tf.compat.v1.Session) or "monitored".
+      scope: optional callable returning a context manager around the model.
+    """
+    xs, ys = data
+    graph = tf.Graph()
+    with graph.as_default():
+        if tfpar_config is not None:
+            wh.init(tfpar_config)
+        if use_dataset:
+            ds = tf.data.Dataset.from_tensor_slices(
+                (xs.reshape(-1, xs.shape[-1]), ys.reshape(-1))).batch(xs.shape[1])
+            x, y = tf.compat.v1.data.make_one_shot_iterator(ds).get_next()
+            feeds = [None] * len(xs)
+        else:
+            x = tf.compat.v1.placeholder(tf.float32, [None, xs.shape[-1]], name="x")
+            y = tf.compat.v1.placeholder(tf.int64, [None], name="y")
+            feeds = [{x: a, y: b} for a, b in zip(xs, ys)]
+        if scope is not None:
+            with scope():
+                loss, train_op = build(x, y)
+        else:
+            loss, train_op = build(x, y)
+        variables = tf.compat.v1.global_variables()
+        losses = []
+        if session == "monitored":
+            with tf.compat.v1.train.MonitoredTrainingSession() as sess:
+                for feed in feeds:
+                    losses.append(sess.run([loss, train_op], feed)[0])
+                values = sess.run({v.op.name: v for v in variables})
+        else:
+            init = tf.compat.v1.global_variables_initializer()
+            with tf.compat.v1.Session() as sess:
+                sess.run(init)
+                for feed in feeds:
+                    losses.append(sess.run([loss, train_op], feed)[0])
+                values = sess.run({v.op.name: v for v in variables})
+    if tfpar_config is not None:
+        wh.reset()
+    return np.array(losses), values
+
+
+def assert_equivalent(reference, candidate, rtol=1e-5, atol=1e-6):
+    ref_losses, ref_vars = reference
+    losses, values = candidate
+    np.testing.assert_allclose(losses, ref_losses, rtol=rtol, atol=atol,
+                               err_msg="per-step losses differ")
+    assert sorted(values) == sorted(ref_vars), "different variables"
+    for name in ref_vars:
+        np.testing.assert_allclose(values[name], ref_vars[name], rtol=rtol, atol=atol,
+                                   err_msg=f"variable {name} differs")

@@ -1,0 +1,405 @@
+"""Tests for tfpar.config and tfpar.errors (pure Python, no TensorFlow)."""
+
+import json
+import os
+import pathlib
+import pickle
+import subprocess
+import sys
+
+import pytest
+
+from tfpar.config import ALIASES, SCHEMA, Config, describe
+from tfpar.errors import (AnnotationError, ConfigError, PlanError, ShardingError,
+                          TfparError)
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    """Tests never see the ambient TFPAR_* variables."""
+    for var in list(os.environ):
+        if var.startswith("TFPAR_"):
+            monkeypatch.delenv(var)
+
+
+def error(fn, *args, **kwargs):
+    with pytest.raises(ConfigError) as info:
+        fn(*args, **kwargs)
+    return str(info.value)
+
+
+# --- errors ---------------------------------------------------------------
+
+@pytest.mark.parametrize("cls", [ConfigError, AnnotationError, PlanError, ShardingError])
+def test_errors_are_value_errors(cls):
+    assert issubclass(cls, TfparError) and issubclass(cls, ValueError)
+
+
+def test_modules_do_not_import_tensorflow():
+    code = (
+        "import importlib.util, sys, types\n"
+        f"root = {str(ROOT / 'tfpar')!r}\n"
+        "pkg = types.ModuleType('tfpar'); pkg.__path__ = [root]; sys.modules['tfpar'] = pkg\n"
+        "for name in ('errors', 'config'):\n"
+        "    spec = importlib.util.spec_from_file_location('tfpar.' + name, f'{root}/{name}.py')\n"
+        "    mod = importlib.util.module_from_spec(spec); sys.modules[spec.name] = mod\n"
+        "    spec.loader.exec_module(mod)\n"
+        "assert sys.modules['tfpar.config'].Config(env={}).pipeline.num_micro_batch == 1\n"
+        "assert 'tensorflow' not in sys.modules, 'tensorflow imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd="/")
+
+
+# --- defaults and access ----------------------------------------------------
+
+def test_defaults():
+    cfg = Config()
+    for key, option in SCHEMA.items():
+        assert cfg.get(key) == option.default
+    assert cfg.to_dict() == {
+        "cluster": {"num_devices": None, "hardware": None,
+                    "colocate_split_and_replicate": False},
+        "pipeline": {"num_micro_batch": 1, "schedule": "1f1b", "group_size": 1},
+        "auto": {"auto_parallel": False, "num_task_graph": None, "opt_level": "O2",
+                 "search_time_limit_s": 60.0},
+        "balance": {"hardware_aware": True},
+        "communication": {"backend": "auto", "fusion_mb": 64.0, "timeout_s": 60.0},
+        "io": {"shard_dataset": False},
+        "plan": None,
+    }
+
+
+def test_access_forms():
+    cfg = Config({"pipeline.num_micro_batch": 4, "plan": {"task_graphs": []}})
+    assert cfg.get("pipeline.num_micro_batch") == 4
+    assert cfg["pipeline.num_micro_batch"] == 4
+    assert cfg["num_micro_batch"] == 4  # alias
+    assert cfg.pipeline.num_micro_batch == 4
+    assert cfg.plan == {"task_graphs": []}
+    assert "num_micro_batch=4" in repr(cfg.pipeline)
+    with pytest.raises(AttributeError):
+        cfg.pipeline.num_micro_batches
+    with pytest.raises(AttributeError):
+        cfg.pipelines
+    assert "did you mean 'pipeline.num_micro_batch'" in error(cfg.get, "pipeline.num_microbatch")
+
+
+def test_immutable():
+    plan = {"task_graphs": [{"name": "a"}]}
+    cfg = Config({"plan": plan})
+    with pytest.raises(AttributeError):
+        cfg.pipeline.num_micro_batch = 2
+    with pytest.raises(AttributeError):
+        cfg.plan = None
+    plan["task_graphs"].append("mutated")  # the caller's dict is copied
+    cfg.plan["task_graphs"].append("mutated")  # so is what get() returns
+    cfg.to_dict()["plan"]["task_graphs"].append("mutated")
+    assert cfg.plan == {"task_graphs": [{"name": "a"}]}
+
+
+def test_replace_equality_repr_pickle():
+    cfg = Config({"pipeline.num_micro_batch": 4})
+    new = cfg.replace({"pipeline": {"schedule": "gpipe"}}, num_task_graph=2)
+    assert new.pipeline.schedule == "gpipe" and new.auto.num_task_graph == 2
+    assert new.pipeline.num_micro_batch == 4 and cfg.pipeline.schedule == "1f1b"
+    assert cfg.replace(**{"pipeline.num_micro_batch": 8})["pipeline.num_micro_batch"] == 8
+    with pytest.raises(ConfigError):
+        cfg.replace(num_micro_batch=0)
+    assert cfg == Config(num_micro_batch=4) and cfg != Config() and cfg != 4
+    assert repr(cfg) == "Config({'pipeline.num_micro_batch': 4})"
+    assert eval(repr(new), {"Config": Config}) == new
+    assert pickle.loads(pickle.dumps(new)) == new
+
+
+def test_replace_ignores_environment(monkeypatch):
+    monkeypatch.setenv("TFPAR_PIPELINE_NUM_MICRO_BATCH", "4")
+    cfg = Config()
+    assert cfg.pipeline.num_micro_batch == 4
+    assert cfg.replace(num_micro_batch=8).pipeline.num_micro_batch == 8
+
+
+def test_describe_lists_every_key():
+    text = describe()
+    for key, option in SCHEMA.items():
+        assert key in text and option.help in text
+
+
+# --- accepted input forms ---------------------------------------------------
+
+EXPECTED = {"pipeline.num_micro_batch": 4, "auto.auto_parallel": True, "auto.num_task_graph": 2}
+
+
+def check_expected(cfg):
+    for key, value in EXPECTED.items():
+        assert cfg[key] == value
+
+
+@pytest.mark.parametrize("mapping", [
+    {"pipeline.num_micro_batch": 4, "auto.auto_parallel": True, "auto.num_task_graph": 2},
+    {"pipeline": {"num_micro_batch": 4}, "auto": {"auto_parallel": True, "num_task_graph": 2}},
+    {"num_micro_batch": 4, "auto_parallel": True, "num_task_graph": 2},
+    {"num_micro_batch": 4, "auto": {"auto_parallel": True}, "auto.num_task_graph": 2},
+    {"num_micro_batch": 4, "pipeline.num_micro_batch": 4, "auto": {"auto_parallel": True},
+     "auto.num_task_graph": 2},  # same key twice with one value is fine
+], ids=["dotted", "nested", "aliases", "mixed", "duplicate-agreeing"])
+def test_mapping_forms(mapping):
+    check_expected(Config(mapping))
+    check_expected(Config.load(mapping))
+
+
+def test_kwargs_forms():
+    check_expected(Config(num_micro_batch=4, auto={"auto_parallel": True, "num_task_graph": 2}))
+    check_expected(Config({"num_micro_batch": 4}, auto_parallel=True, num_task_graph=2))
+
+
+def test_all_aliases_resolve():
+    for alias, key in ALIASES.items():
+        assert key in SCHEMA
+
+
+def test_load_config_returns_it():
+    cfg = Config(num_micro_batch=4)
+    assert Config.load(cfg) is cfg
+
+
+@pytest.mark.parametrize("as_path", [str, pathlib.Path])
+def test_load_json_file(tmp_path, as_path):
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps({"pipeline": {"num_micro_batch": 4}, "auto_parallel": True,
+                                "auto.num_task_graph": 2}))
+    check_expected(Config.load(as_path(path)))
+
+
+def test_load_json_text():
+    check_expected(Config.load('  {"num_micro_batch": 4, "auto": {"auto_parallel": true, '
+                               '"num_task_graph": 2}}'))
+
+
+def test_load_none_without_env_gives_defaults():
+    assert Config.load() == Config() == Config.load(None, env={})
+
+
+def test_load_none_reads_tfpar_config_path(tmp_path, monkeypatch):
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(EXPECTED))
+    monkeypatch.setenv("TFPAR_CONFIG", str(path))
+    check_expected(Config.load())
+    check_expected(Config.load(env={"TFPAR_CONFIG": str(path)}))
+
+
+def test_load_none_reads_tfpar_config_text(monkeypatch):
+    monkeypatch.setenv("TFPAR_CONFIG", json.dumps(EXPECTED))
+    check_expected(Config.load())
+    assert Config().pipeline.num_micro_batch == 1  # only load() reads TFPAR_CONFIG
+
+
+def test_plan_as_json_text():
+    plan = {"data_parallel_degree": 2, "task_graphs": []}
+    assert Config(plan=json.dumps(plan)).plan == plan
+    assert Config.load({"plan": plan}).plan == plan
+    assert "line 1 column 2" in error(Config, plan="{oops}")
+    assert "JSON object" in error(Config, plan="[1, 2]")
+
+
+def test_int_accepted_for_float():
+    cfg = Config({"communication.fusion_mb": 32, "auto.search_time_limit_s": 0.5})
+    assert cfg.communication.fusion_mb == 32.0 and isinstance(cfg.communication.fusion_mb, float)
+
+
+def test_group_size_auto_and_hardware():
+    hardware = ["V100-32GB", {"name": "custom", "tflops": 10, "memory_gb": 16.0}]
+    cfg = Config({"pipeline.group_size": "auto", "cluster.hardware": tuple(hardware)})
+    assert cfg.pipeline.group_size == "auto" and cfg.cluster.hardware == hardware
+
+
+# --- environment overrides -------------------------------------------------
+
+@pytest.mark.parametrize("var, text, key, value", [
+    ("TFPAR_PIPELINE_NUM_MICRO_BATCH", "4", "pipeline.num_micro_batch", 4),
+    ("TFPAR_COMMUNICATION_FUSION_MB", "32", "communication.fusion_mb", 32.0),
+    ("TFPAR_COMMUNICATION_TIMEOUT_S", "2.5", "communication.timeout_s", 2.5),
+    ("TFPAR_AUTO_AUTO_PARALLEL", "true", "auto.auto_parallel", True),
+    ("TFPAR_AUTO_AUTO_PARALLEL", "YES", "auto.auto_parallel", True),
+    ("TFPAR_AUTO_AUTO_PARALLEL", "1", "auto.auto_parallel", True),
+    ("TFPAR_BALANCE_HARDWARE_AWARE", "False", "balance.hardware_aware", False),
+    ("TFPAR_BALANCE_HARDWARE_AWARE", "no", "balance.hardware_aware", False),
+    ("TFPAR_BALANCE_HARDWARE_AWARE", "0", "balance.hardware_aware", False),
+    ("TFPAR_PIPELINE_SCHEDULE", "kfkb", "pipeline.schedule", "kfkb"),
+    ("TFPAR_PIPELINE_GROUP_SIZE", "auto", "pipeline.group_size", "auto"),
+    ("TFPAR_PIPELINE_GROUP_SIZE", "3", "pipeline.group_size", 3),
+    ("TFPAR_AUTO_NUM_TASK_GRAPH", "None", "auto.num_task_graph", None),
+    ("TFPAR_CLUSTER_NUM_DEVICES", "null", "cluster.num_devices", None),
+    ("TFPAR_CLUSTER_NUM_DEVICES", " 8 ", "cluster.num_devices", 8),
+    ("TFPAR_CLUSTER_HARDWARE", '["T4", "T4"]', "cluster.hardware", ["T4", "T4"]),
+    ("TFPAR_PLAN", '{"task_graphs": []}', "plan", {"task_graphs": []}),
+])
+def test_env_override(monkeypatch, var, text, key, value):
+    monkeypatch.setenv(var, text)
+    source = {key: SCHEMA[key].default} if key != "auto.num_task_graph" else {key: 5}
+    for cfg in (Config(source), Config.load(source), Config.load(json.dumps(source))):
+        assert cfg[key] == value and type(cfg[key]) is type(value)
+    assert Config(env={var: text})[key] == value  # custom env mapping
+
+
+def test_env_overrides_file_values(tmp_path, monkeypatch):
+    path = tmp_path / "cfg.json"
+    path.write_text('{"pipeline": {"num_micro_batch": 2, "schedule": "gpipe"}}')
+    monkeypatch.setenv("TFPAR_CONFIG", str(path))
+    monkeypatch.setenv("TFPAR_PIPELINE_NUM_MICRO_BATCH", "8")
+    cfg = Config.load()
+    assert cfg.pipeline.num_micro_batch == 8 and cfg.pipeline.schedule == "gpipe"
+
+
+def test_env_disabled(monkeypatch):
+    monkeypatch.setenv("TFPAR_PIPELINE_NUM_MICRO_BATCH", "4")
+    monkeypatch.setenv("TFPAR_CONFIG", '{"num_micro_batch": 2}')
+    assert Config(env={}).pipeline.num_micro_batch == 1
+    assert Config.load(env={}).pipeline.num_micro_batch == 1
+
+
+def test_unknown_env_var(monkeypatch):
+    monkeypatch.setenv("TFPAR_PIPELINE_NUM_MICROBATCH", "4")
+    message = error(Config)
+    assert "TFPAR_PIPELINE_NUM_MICROBATCH" in message
+    assert "did you mean 'TFPAR_PIPELINE_NUM_MICRO_BATCH'" in message
+    assert "TFPAR_PIPELINE_NUM_MICROBATCH" in error(Config.load)
+
+
+@pytest.mark.parametrize("var, text, fragment", [
+    ("TFPAR_PIPELINE_NUM_MICRO_BATCH", "four", "expects int, got 'four' (str)"),
+    ("TFPAR_PIPELINE_NUM_MICRO_BATCH", "0", "must be >= 1, got 0"),
+    ("TFPAR_PIPELINE_NUM_MICRO_BATCH", "none", "expects int"),
+    ("TFPAR_AUTO_AUTO_PARALLEL", "maybe", "expects bool, got 'maybe'"),
+    ("TFPAR_COMMUNICATION_FUSION_MB", "big", "expects float"),
+    ("TFPAR_PIPELINE_SCHEDULE", "fast", "must be one of 'gpipe', '1f1b', 'kfkb', 'zero_bubble'"),
+    ("TFPAR_CLUSTER_HARDWARE", "[T4]", "malformed JSON in environment variable"),
+    ("TFPAR_PLAN", "{", "malformed JSON"),
+])
+def test_bad_env_values(monkeypatch, var, text, fragment):
+    monkeypatch.setenv(var, text)
+    message = error(Config)
+    assert fragment in message and var in message
+
+
+# --- validation errors -----------------------------------------------------
+
+def test_unknown_key_suggests_and_lists_valid_keys():
+    message = error(Config, {"pipeline.num_micro_batches": 4})
+    assert "'pipeline.num_micro_batches'" in message
+    assert "did you mean 'pipeline.num_micro_batch'?" in message
+    for key in SCHEMA:
+        assert key in message
+
+
+@pytest.mark.parametrize("mapping, unknown, suggestion", [
+    ({"pipeline": {"num_micro_batchs": 4}}, "pipeline.num_micro_batchs",
+     "pipeline.num_micro_batch"),
+    ({"num_micro_batches": 4}, "num_micro_batches", "pipeline.num_micro_batch"),
+    ({"comunication.backend": "auto"}, "comunication.backend", "communication.backend"),
+    ({"auto.opt_levl": "O3"}, "auto.opt_levl", "auto.opt_level"),
+])
+def test_unknown_key_variants(mapping, unknown, suggestion):
+    message = error(Config, mapping)
+    assert repr(unknown) in message and f"did you mean {suggestion!r}?" in message
+
+
+def test_unknown_key_without_close_match():
+    message = error(Config, {"zzzz": 1})
+    assert "'zzzz'" in message and "did you mean" not in message
+    assert "pipeline.num_micro_batch" in message
+
+
+@pytest.mark.parametrize("key, value, fragment", [
+    ("pipeline.num_micro_batch", True, "expects int, got True (bool)"),
+    ("pipeline.num_micro_batch", 2.0, "expects int, got 2.0 (float)"),
+    ("pipeline.num_micro_batch", "4", "expects int, got '4' (str)"),
+    ("cluster.num_devices", False, "expects int|None, got False (bool)"),
+    ("auto.num_task_graph", 1.5, "expects int|None, got 1.5 (float)"),
+    ("pipeline.group_size", True, "expects int|str, got True (bool)"),
+    ("communication.fusion_mb", True, "expects float, got True (bool)"),
+    ("communication.fusion_mb", "64", "expects float, got '64' (str)"),
+    ("auto.auto_parallel", 1, "expects bool, got 1 (int)"),
+    ("auto.auto_parallel", "true", "expects bool, got 'true' (str)"),
+    ("pipeline.schedule", None, "expects str, got None (NoneType)"),
+    ("cluster.hardware", "T4", "expects list|None, got 'T4' (str)"),
+    ("plan", [1], "expects dict|None, got [1] (list)"),
+])
+def test_wrong_types(key, value, fragment):
+    message = error(Config, {key: value})
+    assert repr(key) in message and fragment in message
+
+
+@pytest.mark.parametrize("key, value, fragment", [
+    ("pipeline.num_micro_batch", 0, "must be >= 1, got 0"),
+    ("cluster.num_devices", -1, "must be >= 1, got -1"),
+    ("auto.num_task_graph", 0, "must be >= 1, got 0"),
+    ("pipeline.group_size", 0, "must be >= 1 or 'auto', got 0"),
+    ("pipeline.group_size", "max", "must be >= 1 or 'auto', got 'max'"),
+    ("communication.fusion_mb", 0, "must be > 0, got 0"),
+    ("communication.timeout_s", -1.5, "must be > 0, got -1.5"),
+    ("auto.search_time_limit_s", 0.0, "must be > 0, got 0.0"),
+    ("pipeline.schedule", "pipedream",
+     "must be one of 'gpipe', '1f1b', 'kfkb', 'zero_bubble', got 'pipedream'"),
+    ("auto.opt_level", "O1", "must be one of 'O2', 'O3', got 'O1'"),
+    ("communication.backend", "nccl",
+     "must be one of 'auto', 'collective', 'horovod', got 'nccl'"),
+    ("cluster.hardware", [], "must be a non-empty list"),
+    ("cluster.hardware", [""], "must be a non-empty list"),
+    ("cluster.hardware", [3], "must be a non-empty list"),
+    ("cluster.hardware", [{"name": "x", "tflops": 1}], "must be a non-empty list"),
+    ("cluster.hardware", [{"name": "x", "tflops": 1, "memory_gb": 0}], "must be"),
+    ("cluster.hardware", [{"name": "x", "tflops": True, "memory_gb": 1}], "must be"),
+])
+def test_out_of_range_and_bad_choices(key, value, fragment):
+    message = error(Config, {key: value})
+    assert repr(key) in message and fragment in message
+
+
+def test_conflicting_duplicates():
+    message = error(Config, {"num_micro_batch": 2, "pipeline": {"num_micro_batch": 4}})
+    assert "'pipeline.num_micro_batch' given twice" in message
+
+
+def test_bad_section_and_mapping_types():
+    assert "section 'pipeline' must be a mapping" in error(Config, {"pipeline": 4})
+    assert "Config.load()" in error(Config, "cfg.json")
+    assert "cannot load a config from int" in error(Config.load, 42)
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "nope.json"
+    assert str(path) in error(Config.load, str(path))
+    assert str(path) in error(Config.load, path)
+
+
+def test_missing_file_from_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("TFPAR_CONFIG", str(tmp_path / "nope.json"))
+    assert "nope.json" in error(Config.load)
+
+
+def test_malformed_json_file(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{\n  "pipeline": {\n    "num_micro_batch": 4,\n  }\n}\n')
+    message = error(Config.load, path)
+    assert str(path) in message and "line 4 column 3" in message
+
+
+def test_malformed_json_text():
+    message = error(Config.load, '{"pipeline": {"num_micro_batch": }}')
+    assert "JSON text" in message and "line 1 column 34" in message
+
+
+def test_non_object_json(tmp_path):
+    path = tmp_path / "list.json"
+    path.write_text("[1, 2]")
+    assert "JSON object" in error(Config.load, path)
+    path.write_text('"text"')
+    assert "JSON object" in error(Config.load, str(path))
+
+
+def test_file_values_are_validated(tmp_path):
+    path = tmp_path / "cfg.json"
+    path.write_text('{"pipeline": {"num_micro_batch": true}}')
+    assert "expects int, got True (bool)" in error(Config.load, path)

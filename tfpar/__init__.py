@@ -1,0 +1,16 @@
+"""tfpar: parallelise TensorFlow training graphs by rewriting them.
+
+    import tfpar as wh
+    wh.init()
+    with wh.replicate(4):
+        ...
+"""
+from tfpar.api import current_plan, init, replicate, reset, set_default_strategy, split
+from tfpar.config import Config
+from tfpar.errors import AnnotationError, ConfigError, PlanError, ShardingError, TfparError
+from tfpar.ir.plan import Plan
+
+__all__ = ["AnnotationError", "Config", "ConfigError", "Plan", "PlanError", "ShardingError",
+           "TfparError", "current_plan", "init", "replicate", "reset", "set_default_strategy",
+           "split"]
+__version__ = "0.1.0"

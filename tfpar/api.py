@@ -1,0 +1,136 @@
+"""Public API: init, replicate, split, set_default_strategy, current_plan."""
+from typing import Any, List, Optional
+
+from tfpar.config import Config
+from tfpar.errors import AnnotationError, ConfigError
+from tfpar.ir.plan import Plan
+from tfpar.ir.taskgraph import Strategy
+
+__all__ = ["current_plan", "init", "replicate", "reset", "set_default_strategy", "split"]
+
+
+def init(config: Any = None) -> Config:
+    """Start tfpar for the graphs built from now on.
+
+    Args:
+      config: a ``Config``, a dict, a path to a JSON file, JSON text, or None
+        (then ``TFPAR_CONFIG`` is read if set).
+
+    Returns:
+      The validated Config in force.
+    """
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    from tfpar.hooks import capture, tf_patches  # pylint: disable=import-outside-toplevel
+    from tfpar.runtime import context, engine  # pylint: disable=import-outside-toplevel
+
+    cfg = Config.load(config)
+    tf.compat.v1.disable_eager_execution()
+    devices, device_type = _discover_devices(cfg)
+    tf_patches.install(engine.session_config, engine.before_run)
+    previous = context.active()
+    default = previous.default_strategy if previous is not None else None
+    context.activate(context.Runtime(config=cfg, devices=devices, device_type=device_type,
+                                     default_strategy=default))
+    capture.reset_captures()
+    return cfg
+
+
+def reset() -> None:
+    """Remove every tfpar hook and forget all state (for tests and notebooks)."""
+    from tfpar.hooks import capture, tf_patches  # pylint: disable=import-outside-toplevel
+    from tfpar.runtime import context  # pylint: disable=import-outside-toplevel
+
+    tf_patches.uninstall()
+    context.deactivate()
+    capture.reset_captures()
+
+
+def _discover_devices(cfg: Config):
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    from tfpar.cluster.devices import device_names  # pylint: disable=import-outside-toplevel
+
+    gpus = tf.config.list_physical_devices("GPU")
+    wanted = cfg.get("cluster.num_devices")
+    if gpus:
+        count = len(gpus) if wanted is None else wanted
+        if count > len(gpus):
+            raise ConfigError(f"tfpar: cluster.num_devices={count} but only {len(gpus)} GPUs "
+                              "are visible")
+        return device_names("GPU", count), "GPU"
+    return device_names("CPU", wanted or 1), "CPU"
+
+
+class _Scope:
+    """A TaskGraph annotation; use with ``with`` (or pass to set_default_strategy)."""
+
+    def __init__(self, strategy: Strategy, device_count: Optional[int], name: Optional[str]):
+        if device_count is not None and (isinstance(device_count, bool)
+                                         or not isinstance(device_count, int)
+                                         or device_count < 1):
+            raise AnnotationError(
+                f"tfpar: {strategy.value}(device_count={device_count!r}): device_count must "
+                "be a positive integer or None (all devices)")
+        self.strategy, self.device_count, self.name = strategy, device_count, name
+        self._capture = None
+
+    def _describe(self) -> str:
+        label = f", name={self.name!r}" if self.name else ""
+        return f"{self.strategy.value}({self.device_count}{label})"
+
+    def __enter__(self):
+        import tensorflow as tf  # pylint: disable=import-outside-toplevel
+        from tfpar.hooks.capture import capture_for  # pylint: disable=import-outside-toplevel
+
+        rt = _runtime(self._describe())
+        if self.device_count is not None and self.device_count > len(rt.devices):
+            raise AnnotationError(
+                f"tfpar: {self._describe()} asks for {self.device_count} devices but only "
+                f"{len(rt.devices)} exist; set cluster.num_devices or lower device_count")
+        self._capture = capture_for(tf.compat.v1.get_default_graph())
+        if self._capture.in_scope:
+            raise AnnotationError(f"tfpar: {self._describe()} is nested inside another scope; "
+                                  "replicate/split scopes cannot be nested")
+        self._capture.open_scope(self.strategy, self.device_count, self.name)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._capture.close_scope()
+
+
+def _runtime(what: str):
+    from tfpar.runtime.context import active  # pylint: disable=import-outside-toplevel
+
+    rt = active()
+    if rt is None:
+        raise AnnotationError(f"tfpar: {what} used before wh.init(); call wh.init() first")
+    return rt
+
+
+def replicate(device_count: Optional[int] = None, name: Optional[str] = None) -> _Scope:
+    """Scope whose ops form a data-parallel TaskGraph on ``device_count`` devices."""
+    return _Scope(Strategy.REPLICATE, device_count, name)
+
+
+def split(device_count: Optional[int] = None, name: Optional[str] = None) -> _Scope:
+    """Scope whose ops form a tensor-parallel TaskGraph over ``device_count`` devices."""
+    return _Scope(Strategy.SPLIT, device_count, name)
+
+
+def set_default_strategy(scope: _Scope) -> None:
+    """Parallelise ops outside any scope as ``scope`` says (e.g. ``wh.replicate(n)``)."""
+    if not isinstance(scope, _Scope):
+        raise AnnotationError("tfpar: set_default_strategy expects wh.replicate(...) or "
+                              f"wh.split(...), got {scope!r}")
+    _runtime("set_default_strategy").default_strategy = (scope.strategy, scope.device_count)
+
+
+def current_plan() -> Plan:
+    """The plan for the current default graph (works before any session runs)."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    from tfpar.hooks.capture import capture_for  # pylint: disable=import-outside-toplevel
+    from tfpar.runtime.engine import plan_for  # pylint: disable=import-outside-toplevel
+
+    rt = _runtime("current_plan")
+    graph = tf.compat.v1.get_default_graph()
+    capture = capture_for(graph)
+    return getattr(capture, "plan", None) or plan_for(graph, capture, rt)

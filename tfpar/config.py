@@ -1,0 +1,324 @@
+"""tfpar configuration: schema, loading, validation and environment overrides.
+
+Values come from (lowest to highest precedence) the schema defaults, the
+mapping or JSON source, and ``TFPAR_<SECTION>_<KEY>`` environment variables.
+"""
+
+__all__ = ["Config", "Option", "Section", "SCHEMA", "ALIASES", "ENV_CONFIG", "describe"]
+
+import copy
+import difflib
+import json
+import os
+import re
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from .errors import ConfigError
+
+ENV_CONFIG = "TFPAR_CONFIG"  # environment variable holding a config path or JSON text
+
+_ACCEPTS = {  # type name -> accepts(value)
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "bool": lambda v: isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+    "list": lambda v: isinstance(v, (list, tuple)),
+    "dict": lambda v: isinstance(v, Mapping),
+    "None": lambda v: v is None,
+}
+
+
+class Option(NamedTuple):
+    """Schema entry of one config key."""
+
+    type: str  # alternatives joined by "|": int, float, bool, str, list, dict, None
+    default: Any
+    rule: tuple  # (text, predicate) applied to non-None values; () for none
+    help: str
+
+
+def _at_least(low):
+    return (f">= {low}", lambda v: v >= low)
+
+
+def _one_of(*choices):
+    return ("one of " + ", ".join(map(repr, choices)), lambda v: v in choices)
+
+
+def _is_device(d):
+    if isinstance(d, str):
+        return bool(d)
+    return (isinstance(d, Mapping) and set(d) == {"name", "tflops", "memory_gb"}
+            and isinstance(d["name"], str)
+            and all(_ACCEPTS["float"](d[k]) and d[k] > 0 for k in ("tflops", "memory_gb")))
+
+
+_POSITIVE = ("> 0", lambda v: v > 0)
+_HARDWARE = ("a non-empty list of catalog names or {name, tflops, memory_gb} dicts",
+             lambda v: bool(v) and all(_is_device(d) for d in v))
+_GROUP_SIZE = (">= 1 or 'auto'", lambda v: v == "auto" or isinstance(v, int) and v >= 1)
+
+SCHEMA = {
+    "cluster.num_devices": Option("int|None", None, _at_least(1),
+                                  "devices on this host; None: all GPUs, else 1"),
+    "cluster.hardware": Option("list|None", None, _HARDWARE, "per-device specs; None: detected"),
+    "cluster.colocate_split_and_replicate": Option("bool", False, (),
+                                                   "let TaskGraphs share devices"),
+    "pipeline.num_micro_batch": Option("int", 1, _at_least(1), "micro-batches per step"),
+    "pipeline.schedule": Option("str", "1f1b", _one_of("gpipe", "1f1b", "kfkb", "zero_bubble"),
+                                "pipeline schedule"),
+    "pipeline.group_size": Option("int|str", 1, _GROUP_SIZE, "k of kFkB, or 'auto' (Ada-Grouper)"),
+    "auto.auto_parallel": Option("bool", False, (), "let the planner choose TaskGraphs"),
+    "auto.num_task_graph": Option("int|None", None, _at_least(1),
+                                  "stage count for auto pipeline; None: planner decides"),
+    "auto.opt_level": Option("str", "O2", _one_of("O2", "O3"),
+                             "O2: segmented search, O3: whole-graph ILP"),
+    "auto.search_time_limit_s": Option("float", 60.0, _POSITIVE, "planner search time limit"),
+    "balance.hardware_aware": Option("bool", True, (), "Whale Algorithm 1 on mixed devices"),
+    "communication.backend": Option("str", "auto", _one_of("auto", "collective", "horovod"),
+                                    "collective-communication backend"),
+    "communication.fusion_mb": Option("float", 64.0, _POSITIVE, "gradient fusion bucket (MB)"),
+    "communication.timeout_s": Option("float", 60.0, _POSITIVE, "collective timeout"),
+    "io.shard_dataset": Option("bool", False, (), "shard input datasets across replicas"),
+    "plan": Option("dict|None", None, (), "plan JSON (dict or text) that pins the plan"),
+}
+
+ALIASES = {  # Whale paper flat names
+    "num_micro_batch": "pipeline.num_micro_batch",
+    "num_task_graph": "auto.num_task_graph",
+    "auto_parallel": "auto.auto_parallel",
+}
+
+_SECTIONS = tuple(dict.fromkeys(k.split(".")[0] for k in SCHEMA if "." in k))
+_ENV_VARS = {"TFPAR_" + k.replace(".", "_").upper(): k for k in SCHEMA}
+_BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def _unknown(what, name, candidates):
+    close = difflib.get_close_matches(str(name), list(candidates), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ConfigError(f"unknown {what} {name!r}{hint} Valid {what}s: {', '.join(candidates)}")
+
+
+def _loads(text, where):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"malformed JSON in {where}: {e.msg} at line {e.lineno} "
+                          f"column {e.colno}") from None
+
+
+def _parse_json(text, where):
+    """Parse JSON text that must hold an object."""
+    value = _loads(text, where)
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where} must hold a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _read_json_file(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {os.fspath(path)!r}: {e.strerror}") from None
+    return _parse_json(text, f"config file {os.fspath(path)!r}")
+
+
+def _check(key, value, origin=""):
+    """Return the validated, normalised value of ``key``."""
+    opt, label = SCHEMA[key], f"config key {key!r}{origin}"
+    kinds = opt.type.split("|")
+    if "dict" in kinds and isinstance(value, str):
+        value = _parse_json(value, f"{label} (JSON text)")
+    if not any(_ACCEPTS[kind](value) for kind in kinds):
+        raise ConfigError(f"{label} expects {opt.type}, got {value!r} ({type(value).__name__})")
+    if value is not None and opt.rule and not opt.rule[1](value):
+        raise ConfigError(f"{label} must be {opt.rule[0]}, got {value!r}")
+    if isinstance(value, tuple):
+        value = list(value)
+    elif isinstance(value, Mapping):
+        value = dict(value)
+    elif "float" in kinds and isinstance(value, int):
+        value = float(value)
+    return copy.deepcopy(value)
+
+
+def _flatten(*mappings):
+    """Map dotted keys, nested sections and aliases to ``{dotted_key: value}``."""
+    flat = {}
+
+    def put(key, value):
+        if key not in SCHEMA:
+            raise _unknown("config key", key, SCHEMA)
+        if key in flat and flat[key] != value:
+            raise ConfigError(f"config key {key!r} given twice: {flat[key]!r} and {value!r}")
+        flat[key] = value
+
+    for mapping in mappings:
+        if not isinstance(mapping, Mapping):
+            raise ConfigError(f"Config expects a mapping, got {type(mapping).__name__}; "
+                              "use Config.load() for paths and JSON text")
+        for key, value in mapping.items():
+            key = ALIASES.get(key, key)
+            if key not in _SECTIONS:
+                put(key, value)
+            elif not isinstance(value, Mapping):
+                raise ConfigError(f"config section {key!r} must be a mapping, got {value!r}")
+            else:
+                for sub, sub_value in value.items():
+                    put(f"{key}.{sub}", sub_value)
+    return flat
+
+
+def _parse_env_value(text, kinds, var):
+    text = text.strip()
+    low = text.lower()
+    if "None" in kinds and low in ("none", "null"):
+        return None
+    if "bool" in kinds and low in _BOOLS:
+        return _BOOLS[low]
+    if "int" in kinds and re.fullmatch(r"[+-]?\d+", text):
+        return int(text)
+    if "float" in kinds:
+        try:
+            return float(text)
+        except ValueError:
+            pass
+    if "list" in kinds:
+        return _loads(text, f"environment variable {var}")
+    return text  # str values; dict values are parsed by _check
+
+
+def _env_overrides(env):
+    """Validated ``{dotted_key: value}`` from ``TFPAR_<SECTION>_<KEY>`` variables."""
+    values = {}
+    for var, text in env.items():
+        if not var.startswith("TFPAR_") or var == ENV_CONFIG:
+            continue
+        if var not in _ENV_VARS:
+            raise _unknown("environment variable", var, [*_ENV_VARS, ENV_CONFIG])
+        key = _ENV_VARS[var]
+        value = _parse_env_value(text, SCHEMA[key].type.split("|"), var)
+        values[key] = _check(key, value, f" (from environment variable {var})")
+    return values
+
+
+class Section:
+    """Read-only view of one config section, e.g. ``cfg.pipeline.num_micro_batch``."""
+
+    def __init__(self, config, name):
+        object.__setattr__(self, "_config", config)
+        object.__setattr__(self, "_name", name)
+
+    def __getattr__(self, attr):
+        key = f"{self._name}.{attr}"
+        if key not in SCHEMA:
+            raise AttributeError(f"config section {self._name!r} has no key {attr!r}")
+        return self._config.get(key)
+
+    def __setattr__(self, attr, value):
+        raise AttributeError("Config is immutable; use Config.replace()")
+
+    def __repr__(self):
+        keys = [k for k in SCHEMA if k.startswith(self._name + ".")]
+        items = ", ".join(f"{k.split('.', 1)[1]}={self._config.get(k)!r}" for k in keys)
+        return f"Section({self._name!r}, {items})"
+
+
+class Config:
+    """Validated, immutable tfpar configuration.
+
+    ``mapping`` and ``kwargs`` may use dotted keys, nested section dicts and the
+    Whale aliases. ``TFPAR_<SECTION>_<KEY>`` variables from ``env`` (default
+    ``os.environ``; pass ``{}`` to ignore the environment) override them.
+    """
+
+    def __init__(self, mapping=None, *, env=None, **kwargs):
+        given = _flatten({} if mapping is None else mapping, kwargs)
+        values = {key: opt.default for key, opt in SCHEMA.items()}
+        values.update({key: _check(key, value) for key, value in given.items()})
+        values.update(_env_overrides(os.environ if env is None else env))
+        object.__setattr__(self, "_values", values)
+
+    @classmethod
+    def load(cls, source=None, *, env=None):
+        """Build a Config from a Config, mapping, JSON file path, JSON text or None.
+
+        None reads the ``TFPAR_CONFIG`` variable (path or JSON text) if set.
+        """
+        environ = os.environ if env is None else env
+        if source is None:
+            source = environ.get(ENV_CONFIG) or {}
+        if isinstance(source, Config):
+            return source
+        if isinstance(source, Mapping):
+            return cls(source, env=environ)
+        if isinstance(source, str) and source.strip().startswith("{"):
+            return cls(_parse_json(source, "JSON text"), env=environ)
+        if isinstance(source, (str, os.PathLike)):
+            return cls(_read_json_file(source), env=environ)
+        raise ConfigError(f"cannot load a config from {type(source).__name__}; expected a "
+                          "Config, dict, JSON file path, JSON text or None")
+
+    def get(self, key):
+        """Value of a dotted key (or alias)."""
+        key = ALIASES.get(key, key)
+        if key not in SCHEMA:
+            raise _unknown("config key", key, SCHEMA)
+        return copy.deepcopy(self._values[key])
+
+    __getitem__ = get
+
+    def __getattr__(self, name):
+        if name in _SECTIONS:
+            return Section(self, name)
+        if name in SCHEMA:  # top-level keys such as "plan"
+            return self.get(name)
+        raise AttributeError(f"Config has no section or key {name!r}")
+
+    def __setattr__(self, name, value):
+        raise AttributeError("Config is immutable; use Config.replace()")
+
+    def to_dict(self):
+        """Nested dict of every value, defaults included."""
+        out = {}
+        for key, value in self._values.items():
+            section, _, sub = key.rpartition(".")
+            (out.setdefault(section, {}) if section else out)[sub] = copy.deepcopy(value)
+        return out
+
+    def replace(self, mapping=None, **kwargs):
+        """New validated Config with the given keys changed (environment not re-applied)."""
+        changes = _flatten({} if mapping is None else mapping, kwargs)
+        return Config({**self._values, **changes}, env={})
+
+    def __eq__(self, other):
+        if not isinstance(other, Config):
+            return NotImplemented
+        return self.to_dict() == other.to_dict()
+
+    __hash__ = None
+
+    def __reduce__(self):
+        return (_restore, (self._values,))
+
+    def __repr__(self):
+        changed = {k: v for k, v in self._values.items() if v != SCHEMA[k].default}
+        return f"Config({changed!r})"
+
+
+def _restore(values):
+    return Config(values, env={})
+
+
+def describe():
+    """Human-readable table of every config key: type, default, allowed values, help."""
+    rows = [("key", "type", "default", "allowed", "help")]
+    rows += [(k, o.type, repr(o.default), o.rule[0] if o.rule else "", o.help)
+             for k, o in SCHEMA.items()]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[4] for row in rows]
+    lines.insert(1, "-" * len(max(lines, key=len)))
+    return "\n".join(lines)

@@ -1,0 +1,23 @@
+"""Typed errors raised by tfpar. Every one is a ValueError subclass."""
+
+__all__ = ["TfparError", "ConfigError", "AnnotationError", "PlanError", "ShardingError"]
+
+
+class TfparError(ValueError):
+    """Base class of the errors tfpar raises deliberately."""
+
+
+class ConfigError(TfparError):
+    """Invalid configuration: unknown key, wrong type or value, unreadable source."""
+
+
+class AnnotationError(TfparError):
+    """Invalid use of ``replicate``/``split`` scopes or ``set_default_strategy``."""
+
+
+class PlanError(TfparError):
+    """No valid parallel plan, or a pinned plan that does not fit the graph or cluster."""
+
+
+class ShardingError(TfparError):
+    """An op or layer cannot be sharded with the requested pattern."""

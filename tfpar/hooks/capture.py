@@ -1,0 +1,121 @@
+"""Side tables recording, per tf.Graph, the TaskGraph and phase of every op.
+
+Hooks only record here; rewriters read these tables later (DESIGN.md:
+replica / phase identity lives in side tables, not in op names).
+"""
+import contextlib
+import dataclasses
+import threading
+import weakref
+from typing import Any, Dict, List, Optional
+
+from tfpar.ir.taskgraph import Phase, Strategy, TaskGraphSpec
+
+__all__ = ["ApplyCall", "GradientCall", "GraphCapture", "capture_for", "existing_capture",
+           "recording_paused", "reset_captures"]
+
+
+@dataclasses.dataclass
+class GradientCall:
+    """One ``tf.gradients`` call: ys differentiated, xs, and the returned grads."""
+
+    ys: List[Any]
+    xs: List[Any]
+    grads: List[Any]
+
+
+@dataclasses.dataclass
+class ApplyCall:
+    """One ``Optimizer.apply_gradients`` call and the op it returned."""
+
+    grads_and_vars: List[Any]
+    global_step: Any
+    train_op: Any
+
+
+class GraphCapture:
+    """What tfpar learnt about one graph while the user built it.
+
+    Attributes:
+      task_graphs: scopes opened in this graph, in order.
+      op_task_graph: op name -> TaskGraph index, for ops created inside a scope.
+      op_phase: op name -> Phase for ops created in backward/apply phases
+        (forward ops are absent).
+      gradient_calls / apply_calls: the training API calls seen.
+      rewrite: the rewrite applied to the graph (set once, by the runtime).
+    """
+
+    def __init__(self) -> None:
+        self.task_graphs: List[TaskGraphSpec] = []
+        self.op_task_graph: Dict[str, int] = {}
+        self.op_phase: Dict[str, Phase] = {}
+        self.gradient_calls: List[GradientCall] = []
+        self.apply_calls: List[ApplyCall] = []
+        self.rewrite: Any = None
+        self._scopes: List[int] = []
+        self._phases: List[Phase] = []
+
+    # -- recording -----------------------------------------------------------------
+    def record_op(self, op: Any) -> None:
+        if self._scopes:
+            self.op_task_graph[op.name] = self._scopes[-1]
+        if self._phases:
+            self.op_phase[op.name] = self._phases[-1]
+
+    def open_scope(self, strategy: Strategy, device_count: Optional[int],
+                   name: Optional[str]) -> TaskGraphSpec:
+        index = len(self.task_graphs)
+        spec = TaskGraphSpec(index=index, name=name or f"{strategy.value}_{index}",
+                             strategy=strategy, device_count=device_count)
+        self.task_graphs.append(spec)
+        self._scopes.append(index)
+        return spec
+
+    def close_scope(self) -> None:
+        self._scopes.pop()
+
+    @contextlib.contextmanager
+    def phase(self, phase: Phase):
+        self._phases.append(phase)
+        try:
+            yield
+        finally:
+            self._phases.pop()
+
+    @property
+    def in_scope(self) -> bool:
+        return bool(self._scopes)
+
+
+_captures: "weakref.WeakKeyDictionary[Any, GraphCapture]" = weakref.WeakKeyDictionary()
+_paused = threading.local()
+
+
+def capture_for(graph: Any) -> GraphCapture:
+    """The capture of ``graph``, created on first use."""
+    cap = _captures.get(graph)
+    if cap is None:
+        cap = _captures[graph] = GraphCapture()
+    return cap
+
+
+def existing_capture(graph: Any) -> Optional[GraphCapture]:
+    return _captures.get(graph)
+
+
+def is_paused() -> bool:
+    return getattr(_paused, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def recording_paused():
+    """Ops created inside (tfpar's own rewrites) are not recorded as user ops."""
+    _paused.depth = getattr(_paused, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _paused.depth -= 1
+
+
+def reset_captures() -> None:
+    _captures.clear()

@@ -1,0 +1,148 @@
+"""The TensorFlow seams tfpar intercepts. Each wrapper records, then forwards.
+
+* ``Graph._create_op_helper``: every new op joins the open scope / phase.
+* ``gradients_util._GradientsHelper``: ops made by ``tf.gradients`` (and hence
+  ``Optimizer.compute_gradients``) are BACKWARD; the call is recorded.
+* ``Optimizer.apply_gradients`` (and subclasses' overrides): APPLY; recorded.
+* ``BaseSession.__init__``: tfpar's devices are merged into the ConfigProto.
+* ``BaseSession.run`` and ``Graph.finalize``: the graph is rewritten before it
+  first runs or freezes; fetches are translated to their parallel versions.
+"""
+from typing import Any, Callable, Optional
+
+from tensorflow.python.client import session as tf_session
+from tensorflow.python.framework import ops
+from tensorflow.python.ops import gradients_util
+from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.training import optimizer as tf_optimizer
+
+from tfpar.hooks import capture as cap_lib
+from tfpar.hooks.patching import PatchSet
+from tfpar.ir.taskgraph import Phase
+
+__all__ = ["install", "installed", "uninstall"]
+
+_patches = PatchSet()
+# Set by install(): callables provided by the runtime.
+_on_session_config: Optional[Callable[[Any], Any]] = None
+_on_before_run: Optional[Callable[[Any], Any]] = None
+
+
+def installed() -> bool:
+    return _patches.installed
+
+
+def install(session_config: Callable[[Any], Any], before_run: Callable[[Any], Any]) -> None:
+    """Install every patch (idempotent).
+
+    Args:
+      session_config: ConfigProto-or-None -> ConfigProto for new sessions.
+      before_run: graph -> fetch translator (or None); called before each run
+        and before a graph is finalized.
+    """
+    global _on_session_config, _on_before_run
+    _on_session_config, _on_before_run = session_config, before_run
+    if _patches.installed:
+        return
+    _patches.add(ops.Graph, "_create_op_helper", _wrap_create_op)
+    _patches.add(ops.Graph, "finalize", _wrap_finalize)
+    _patches.add(gradients_util, "_GradientsHelper", _wrap_gradients)
+    _patch_optimizer_class(tf_optimizer.Optimizer)
+    _patches.add(tf_optimizer.Optimizer, "__init__", _wrap_optimizer_init)
+    _patches.add(tf_session.BaseSession, "__init__", _wrap_session_init)
+    _patches.add(tf_session.BaseSession, "run", _wrap_session_run)
+
+
+def uninstall() -> None:
+    global _on_session_config, _on_before_run
+    _patches.remove()
+    _on_session_config = _on_before_run = None
+
+
+def _wrap_create_op(original):
+    def _create_op_helper(self, op, compute_device=True):
+        original(self, op, compute_device)
+        if not cap_lib.is_paused() and not self.building_function:
+            cap_lib.capture_for(self).record_op(op)
+    return _create_op_helper
+
+
+def _wrap_finalize(original):
+    def finalize(self):
+        if not self.finalized and _on_before_run is not None:
+            _on_before_run(self)
+        original(self)
+    return finalize
+
+
+def _as_list(x):
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _wrap_gradients(original):
+    def _GradientsHelper(ys, xs, *args, **kwargs):  # pylint: disable=invalid-name
+        graph = ops.get_default_graph()
+        if graph.building_function:
+            return original(ys, xs, *args, **kwargs)
+        cap = cap_lib.capture_for(graph)
+        with cap.phase(Phase.BACKWARD):
+            grads = original(ys, xs, *args, **kwargs)
+        xs_list = [x.handle if resource_variable_ops.is_resource_variable(x) else x
+                   for x in _as_list(xs)]
+        cap.gradient_calls.append(cap_lib.GradientCall(
+            ys=_as_list(ys), xs=xs_list, grads=list(grads)))
+        return grads
+    return _GradientsHelper
+
+
+def _wrap_apply(original):
+    def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+        graph = ops.get_default_graph()
+        cap = cap_lib.capture_for(graph)
+        grads_and_vars = tuple(grads_and_vars)
+        nested = getattr(cap, "_applying", False)
+        cap._applying = True  # pylint: disable=protected-access
+        try:
+            with cap.phase(Phase.APPLY):
+                result = original(self, grads_and_vars, global_step=global_step, name=name)
+        finally:
+            cap._applying = nested  # pylint: disable=protected-access
+        if not nested:
+            cap.apply_calls.append(cap_lib.ApplyCall(
+                grads_and_vars=list(grads_and_vars), global_step=global_step,
+                train_op=result))
+        return result
+    return apply_gradients
+
+
+def _patch_optimizer_class(cls) -> None:
+    """Wrap ``apply_gradients`` where ``cls`` defines it itself."""
+    if "apply_gradients" in cls.__dict__ and not _patches.is_patched(cls, "apply_gradients"):
+        _patches.add(cls, "apply_gradients", _wrap_apply)
+
+
+def _wrap_optimizer_init(original):
+    def __init__(self, *args, **kwargs):
+        # Subclasses defined after install() get their overrides wrapped here.
+        for klass in type(self).__mro__:
+            if isinstance(klass, type) and issubclass(klass, tf_optimizer.Optimizer):
+                _patch_optimizer_class(klass)
+        original(self, *args, **kwargs)
+    return __init__
+
+
+def _wrap_session_init(original):
+    def __init__(self, target="", graph=None, config=None):
+        if _on_session_config is not None:
+            config = _on_session_config(config)
+        original(self, target, graph, config)
+    return __init__
+
+
+def _wrap_session_run(original):
+    def run(self, fetches, feed_dict=None, options=None, run_metadata=None):
+        translate = _on_before_run(self.graph) if _on_before_run is not None else None
+        if translate is not None:
+            fetches = translate(fetches)
+        return original(self, fetches, feed_dict, options, run_metadata)
+    return run

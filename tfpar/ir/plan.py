@@ -1,0 +1,156 @@
+"""Plan: the parallel program tfpar will run, as data the user can read and pin.
+
+The JSON layout is a contract (DESIGN.md "Plan JSON"): fields may be added,
+never removed.
+"""
+import dataclasses
+import json
+from typing import Any, Dict, List, Optional, Tuple
+
+__all__ = ["Plan", "TaskGraphPlan"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskGraphPlan:
+    """How one TaskGraph runs.
+
+    Attributes:
+      name: TaskGraph name.
+      strategy: ``"replicate"`` or ``"split"``.
+      device_count: devices one copy of the TaskGraph uses (the scope's request).
+      replicas: device names of every replica, replica-major (for replicate,
+        one device per replica).
+      patterns: ShardingUnit name -> pattern name (split TaskGraphs).
+      num_ops: ops captured in the TaskGraph (forward + backward + apply).
+      param_bytes: bytes of the variables the TaskGraph trains (one copy).
+    """
+
+    name: str
+    strategy: str
+    device_count: int
+    replicas: Tuple[Tuple[str, ...], ...]
+    patterns: Dict[str, str] = dataclasses.field(default_factory=dict)
+    num_ops: int = 0
+    param_bytes: int = 0
+
+    @property
+    def devices(self) -> List[str]:
+        """Every device the TaskGraph runs on, all replicas together."""
+        return [d for group in self.replicas for d in group]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Whole-model plan: TaskGraphs, degrees, schedule and cost estimates.
+
+    Attributes:
+      task_graphs: one entry per TaskGraph, in creation order.
+      data_parallel_degree: replicas of the whole model (nested DP degree
+        times the replicate degree of a single replicate TaskGraph).
+      num_micro_batch, schedule, group_size: pipeline settings.
+      estimate: ``step_time_s`` (None until a cost model estimates it),
+        ``memory_bytes_per_device`` and ``comm_bytes`` per step.
+    """
+
+    task_graphs: Tuple[TaskGraphPlan, ...]
+    data_parallel_degree: int
+    num_micro_batch: int = 1
+    schedule: str = "1f1b"
+    group_size: Any = 1
+    estimate: Dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The plan as the JSON-ready dict of DESIGN.md."""
+        return {
+            "data_parallel_degree": self.data_parallel_degree,
+            "pipeline": {
+                "num_micro_batch": self.num_micro_batch,
+                "schedule": self.schedule,
+                "group_size": self.group_size,
+                "num_stages": len(self.task_graphs),
+            },
+            "task_graphs": [
+                {
+                    "name": tg.name,
+                    "strategy": tg.strategy,
+                    "device_count": tg.device_count,
+                    "devices": tg.devices,
+                    "replicas": [list(r) for r in tg.replicas],
+                    "patterns": dict(tg.patterns),
+                    "num_ops": tg.num_ops,
+                    "param_bytes": tg.param_bytes,
+                }
+                for tg in self.task_graphs
+            ],
+            "estimate": dict(self.estimate),
+        }
+
+    def to_json(self, indent: Optional[int] = 2) -> str:
+        """The plan as JSON text; ``wh.init({"plan": text})`` pins it."""
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "Plan":
+        """Inverse of :meth:`to_dict` (unknown extra fields are ignored)."""
+        pipeline = data.get("pipeline", {})
+        tgs = []
+        for tg in data["task_graphs"]:
+            replicas = tg.get("replicas")
+            if replicas is None:
+                count = tg["device_count"]
+                devs = tg["devices"]
+                replicas = [devs[i:i + count] for i in range(0, len(devs), count)]
+            tgs.append(TaskGraphPlan(
+                name=tg["name"], strategy=tg["strategy"],
+                device_count=tg["device_count"],
+                replicas=tuple(tuple(r) for r in replicas),
+                patterns=dict(tg.get("patterns", {})),
+                num_ops=tg.get("num_ops", 0), param_bytes=tg.get("param_bytes", 0)))
+        return cls(task_graphs=tuple(tgs),
+                   data_parallel_degree=data["data_parallel_degree"],
+                   num_micro_batch=pipeline.get("num_micro_batch", 1),
+                   schedule=pipeline.get("schedule", "1f1b"),
+                   group_size=pipeline.get("group_size", 1),
+                   estimate=dict(data.get("estimate", {})))
+
+    def summary(self) -> str:
+        """A human-readable table of the plan."""
+        lines = [
+            f"tfpar plan: data_parallel_degree={self.data_parallel_degree} "
+            f"num_micro_batch={self.num_micro_batch} schedule={self.schedule}",
+        ]
+        header = ("TaskGraph", "strategy", "devices", "ops", "params", "placement")
+        rows = [header]
+        for tg in self.task_graphs:
+            rows.append((tg.name, tg.strategy, str(len(tg.devices)), str(tg.num_ops),
+                         _human_bytes(tg.param_bytes), _short_devices(tg.devices)))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        for i, row in enumerate(rows):
+            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+            if i == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        for tg in self.task_graphs:
+            for unit, pattern in sorted(tg.patterns.items()):
+                lines.append(f"  {tg.name}: {unit} -> {pattern}")
+        est = self.estimate
+        if est:
+            step = est.get("step_time_s")
+            mem = est.get("memory_bytes_per_device") or [0]
+            lines.append(
+                "estimate: step_time=" + ("n/a" if step is None else f"{step * 1e3:.2f} ms")
+                + f"  peak memory/device={_human_bytes(max(mem))}"
+                + f"  comm/step={_human_bytes(est.get('comm_bytes', 0))}")
+        return "\n".join(lines)
+
+
+def _short_devices(devices: List[str]) -> str:
+    """``/job:localhost/replica:0/task:0/device:CPU:3`` -> ``CPU:3``."""
+    return ",".join(d.rsplit("device:", 1)[-1] for d in devices)
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024.0
+    return f"{n:.1f} GiB"

@@ -1,0 +1,80 @@
+"""Translate what the user fetches into what the parallel graph computes."""
+from typing import Any, Dict
+
+from tensorflow.python.framework import ops
+from tensorflow.python.framework import tensor as tensor_lib
+from tensorflow.python.ops import control_flow_ops
+from tensorflow.python.util import nest
+
+from tfpar.hooks.capture import recording_paused
+from tfpar.rewriters import graph_edit
+from tfpar.rewriters.data_parallel import DataParallelRewrite, sync_new_writers
+
+__all__ = ["FetchTranslator"]
+
+
+class FetchTranslator:
+    """Callable mapping a ``Session.run`` fetch structure to parallel fetches.
+
+    * a step tensor (loss, logits) -> merged over replicas and micro-batches;
+    * a raw gradient -> the reduced gradient;
+    * a step or update op -> a group running every copy of it;
+    * a variable writer outside training (initializer) -> writer + replica sync;
+    * anything else is fetched as is. Strings (``"loss:0"``) are translated too.
+    """
+
+    def __init__(self, graph: ops.Graph, rewrite: DataParallelRewrite) -> None:
+        self._graph = graph
+        self._rw = rewrite
+        self._step = set(rewrite.selection.step_ops)
+        self._update = set(rewrite.selection.update_ops)
+        self._groups: Dict[ops.Operation, ops.Operation] = {}
+        self._known_ops = len(graph.get_operations())
+        self._version = graph.version
+
+    def __call__(self, fetches: Any) -> Any:
+        if self._rw.num_units == 1:
+            return fetches
+        self._sync_new_writers()
+        with graph_edit.unfinalized(self._graph), self._graph.as_default(), recording_paused():
+            return nest.map_structure(self._translate, fetches)
+
+    def _translate(self, fetch: Any) -> Any:
+        if isinstance(fetch, (str, bytes)):
+            try:
+                element = self._graph.as_graph_element(fetch)
+            except (KeyError, ValueError, TypeError):
+                return fetch
+            new = self._translate(element)
+            return fetch if new is element else new.name
+        if isinstance(fetch, ops.Operation):
+            return self._translate_op(fetch)
+        if isinstance(fetch, tensor_lib.Tensor):
+            if fetch in self._rw.reduced:
+                return self._rw.reduced[fetch][0]
+            if fetch.op in self._step:
+                return self._rw.merged_tensor(fetch)
+        return fetch
+
+    def _translate_op(self, op: ops.Operation) -> ops.Operation:
+        if op in self._rw.sync_ops:
+            return self._rw.sync_ops[op]
+        if op in self._step or op in self._update:
+            if op not in self._groups:
+                versions = (self._rw.unit_versions(op) if op in self._step
+                            else self._rw.replica_versions(op))
+                with ops.name_scope(None), ops.name_scope("tfpar"):
+                    self._groups[op] = control_flow_ops.group(*versions, name="all_copies")
+            return self._groups[op]
+        return op
+
+    def _sync_new_writers(self) -> None:
+        """Writers of mirrored variables created after the rewrite (a Saver built
+        after the first run) get replica syncs too."""
+        if self._graph.version == self._version:
+            return
+        new_ops = self._graph.get_operations()[self._known_ops:]
+        with graph_edit.unfinalized(self._graph), recording_paused():
+            sync_new_writers(self._graph, self._rw, new_ops)
+        self._known_ops = len(self._graph.get_operations())
+        self._version = self._graph.version

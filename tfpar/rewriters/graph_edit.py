@@ -1,0 +1,111 @@
+"""Graph-surgery verbs. The only module that calls TF's private op mutators.
+
+Every verb takes explicit ops/tensors and returns what it created, so tests
+can assert on it. A graph must not be mutated after a session ran it.
+"""
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence
+
+from tensorflow.core.framework import attr_value_pb2, graph_pb2
+from tensorflow.python.framework import importer, ops
+from tensorflow.python.framework import tensor as tensor_lib
+
+__all__ = ["add_control_input", "clone_ops", "set_device", "unfinalized", "update_input"]
+
+_VARIABLE_TYPES = ("VarHandleOp", "VariableV2", "Variable")
+
+
+def update_input(op: ops.Operation, index: int, tensor: tensor_lib.Tensor) -> None:
+    """Make ``op`` read ``tensor`` as its input ``index``."""
+    op._update_input(index, tensor)  # pylint: disable=protected-access
+
+
+def add_control_input(op: ops.Operation, dep: ops.Operation) -> None:
+    """Make ``op`` run after ``dep``."""
+    if dep not in op.control_inputs:
+        op._add_control_input(dep)  # pylint: disable=protected-access
+
+
+def set_device(op: ops.Operation, device: str) -> None:
+    op._set_device(device)  # pylint: disable=protected-access
+
+
+class unfinalized:  # pylint: disable=invalid-name
+    """Context manager that lets tfpar add ops to a finalized graph, then re-finalizes."""
+
+    def __init__(self, graph: ops.Graph) -> None:
+        self._graph = graph
+        self._was_final = graph.finalized
+
+    def __enter__(self) -> ops.Graph:
+        if self._was_final:
+            self._graph._unsafe_unfinalize()  # pylint: disable=protected-access
+        return self._graph
+
+    def __exit__(self, *exc) -> None:
+        if self._was_final:
+            self._graph._finalized = True  # pylint: disable=protected-access
+
+
+def clone_ops(graph: ops.Graph, op_list: Sequence[ops.Operation], prefix: str,
+              device: Optional[str],
+              input_map: Mapping[tensor_lib.Tensor, tensor_lib.Tensor]) -> Dict[ops.Operation, ops.Operation]:
+    """Copy ``op_list`` into ``graph`` under a fresh name scope ``prefix``.
+
+    Edges between copied ops point at the copies. A data input from outside the
+    set reads ``input_map[t]`` when given, else the original tensor ``t``;
+    control inputs from outside keep pointing at the original op. Variables get
+    a ``shared_name`` of their own so a copy is a distinct variable. Colocation
+    constraints follow the copies.
+
+    Returns:
+      original op -> copied op.
+    """
+    names = {op.name for op in op_list}
+    scope = graph.unique_name(prefix, mark_as_used=False)
+    graph_def = graph_pb2.GraphDef()
+    graph_def.versions.CopyFrom(graph.graph_def_versions)
+    external: Dict[str, tensor_lib.Tensor] = {}
+    outside_controls: List[tuple] = []
+    for op in op_list:
+        node = graph_def.node.add()
+        node.CopyFrom(op.node_def)
+        if device is not None:
+            node.device = device
+        del node.input[:]
+        for t in op.inputs:
+            node.input.append(t.name)
+            if t.op.name not in names:
+                external[t.name] = input_map.get(t, t)
+        for dep in op.control_inputs:
+            if dep.name in names:
+                node.input.append("^" + dep.name)
+            else:
+                outside_controls.append((op.name, dep))
+        _retarget_colocation(node, names)
+        if op.type in _VARIABLE_TYPES:
+            shared = op.get_attr("shared_name").decode() or op.name
+            node.attr["shared_name"].s = f"{scope}/{shared}".encode()
+    imported = importer.import_graph_def(
+        graph_def, input_map=external, return_elements=[op.name for op in op_list],
+        name=scope)
+    mapping = dict(zip(op_list, imported))
+    by_name = {op.name: new for op, new in mapping.items()}
+    for name, dep in outside_controls:
+        add_control_input(by_name[name], dep)
+    return mapping
+
+
+def _retarget_colocation(node, names: Iterable[str]) -> None:
+    """Keep ``loc:@op`` constraints to copied ops (the importer prefixes them); drop the rest."""
+    if "_class" not in node.attr:
+        return
+    kept = []
+    for loc in node.attr["_class"].list.s:
+        target = loc.decode()[len("loc:@"):]
+        if target in names:
+            kept.append(f"loc:@{target}".encode())
+    if kept:
+        node.attr["_class"].CopyFrom(attr_value_pb2.AttrValue(
+            list=attr_value_pb2.AttrValue.ListValue(s=kept)))
+    else:
+        del node.attr["_class"]

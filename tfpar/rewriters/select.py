@@ -1,0 +1,202 @@
+"""Read-only views of a captured graph: which ops a replica copies, which
+tensors carry the batch, which variables are mirrored. Nothing here mutates.
+"""
+import collections
+import dataclasses
+from typing import Dict, Iterable, List, Optional, Set
+
+from tensorflow.python.framework import indexed_slices, ops
+
+from tfpar.hooks.capture import GraphCapture
+from tfpar.ir.taskgraph import Phase
+
+__all__ = ["GraphIndex", "Selection", "select_replication", "variable_writers"]
+
+INPUT_TYPES = frozenset({"Placeholder", "PlaceholderWithDefault", "IteratorGetNext",
+                         "IteratorGetNextSync", "OptionalGetValue"})
+VARIABLE_TYPES = frozenset({"VarHandleOp", "VariableV2", "Variable"})
+READ_ONLY_RESOURCE_TYPES = frozenset({"ReadVariableOp", "VarIsInitializedOp", "ResourceGather",
+                                      "ResourceGatherNd", "VariableShape"})
+# Ops that only read a reference variable; every other consumer of its ref writes it.
+REF_READ_TYPES = frozenset({"Identity", "IsVariableInitialized"})
+# Summaries and checkpoint I/O observe the model; they are never copied.
+AUX_TYPES = frozenset({
+    "ScalarSummary", "HistogramSummary", "ImageSummary", "AudioSummary", "AudioSummaryV2",
+    "TensorSummary", "TensorSummaryV2", "MergeSummary", "WriteScalarSummary", "WriteSummary",
+    "WriteHistogramSummary", "WriteImageSummary", "WriteAudioSummary", "SaveV2", "Save",
+    "SaveSlices", "RestoreV2", "Restore", "RestoreSlice", "MergeV2Checkpoints",
+    "ShardedFilename", "ShardedFilespec", "StringJoin"})
+
+
+class GraphIndex:
+    """Consumer indexes of a graph, built once per rewrite pass."""
+
+    def __init__(self, graph: ops.Graph) -> None:
+        self.graph = graph
+        self.ops: List[ops.Operation] = graph.get_operations()
+        self.control_consumers: Dict[ops.Operation, List[ops.Operation]] = (
+            collections.defaultdict(list))
+        for op in self.ops:
+            for dep in op.control_inputs:
+                self.control_consumers[dep].append(op)
+
+    def descendants(self, sources: Iterable[ops.Operation]) -> Set[ops.Operation]:
+        """Ops reachable from ``sources`` along data edges (sources excluded)."""
+        seen: Set[ops.Operation] = set()
+        stack = list(sources)
+        while stack:
+            op = stack.pop()
+            for t in op.outputs:
+                for c in t.consumers():
+                    if c not in seen:
+                        seen.add(c)
+                        stack.append(c)
+        return seen
+
+
+def ancestors(roots: Iterable[ops.Operation], stop) -> Set[ops.Operation]:
+    """Ops ``roots`` depend on (data and control edges), roots included,
+    not walking through ops for which ``stop(op)`` is true (they are excluded)."""
+    seen: Set[ops.Operation] = set()
+    stack = [op for op in roots if not stop(op)]
+    seen.update(stack)
+    while stack:
+        op = stack.pop()
+        for dep in list(op.control_inputs) + [t.op for t in op.inputs]:
+            if dep not in seen and not stop(dep):
+                seen.add(dep)
+                stack.append(dep)
+    return seen
+
+
+def variable_writers(var_op: ops.Operation) -> List[ops.Operation]:
+    """Ops that modify the variable defined by ``var_op``."""
+    handle = var_op.outputs[0]
+    result = []
+    for c in handle.consumers():
+        if var_op.type == "VarHandleOp":
+            if c.type not in READ_ONLY_RESOURCE_TYPES:
+                result.append(c)
+        elif c.type not in REF_READ_TYPES:
+            result.append(c)
+    return result
+
+
+@dataclasses.dataclass
+class Selection:
+    """What data parallelism copies.
+
+    Attributes:
+      step_ops: forward + backward ops copied per replica and micro-batch,
+        in graph order.
+      update_ops: ops between the raw gradients and the variable updates
+        (clipping, optimizer), copied once per replica.
+      variables: variable ops mirrored per replica.
+      batch_inputs: tensors from feeds / iterators entering ``step_ops``;
+        split along dimension 0.
+      raw_grads: (gradient, variable op) pairs reduced across units.
+      sync_writers: ops outside the training step that write a mirrored
+        variable (initializers, restores, user assigns).
+    """
+
+    step_ops: List[ops.Operation]
+    update_ops: List[ops.Operation]
+    variables: List[ops.Operation]
+    batch_inputs: list
+    raw_grads: list
+    sync_writers: List[ops.Operation]
+    batch_dependent: Set[ops.Operation]
+
+
+def _var_op_of(x) -> Optional[ops.Operation]:
+    op = getattr(x, "op", None)
+    return op if op is not None and op.type in VARIABLE_TYPES else None
+
+
+def select_replication(graph: ops.Graph, capture: GraphCapture, index: GraphIndex,
+                       global_step_ops: Set[ops.Operation],
+                       unmirrored: Set[ops.Operation]) -> Selection:
+    """Choose the ops, variables and inputs one data-parallel replica copies.
+
+    Args:
+      global_step_ops: variable ops updated once per step (the global step).
+      unmirrored: variable ops shared by every replica (metric accumulators).
+    """
+    phase = capture.op_phase
+    def frozen(op):
+        return op.type in VARIABLE_TYPES or op.type in INPUT_TYPES or op.type in AUX_TYPES
+
+    # Forward + backward: what the losses and gradients need, and what the batch feeds.
+    roots = []
+    raw_grads = []
+    for call in capture.gradient_calls:
+        roots.extend(y.op for y in call.ys if hasattr(y, "op"))
+        for x, g in zip(call.xs, call.grads):
+            if g is None:
+                continue
+            tensors = [g.values, g.indices] if isinstance(g, indexed_slices.IndexedSlices) else [g]
+            roots.extend(t.op for t in tensors)
+            var_op = _var_op_of(x)
+            if var_op is not None and var_op not in global_step_ops:
+                raw_grads.append((g, var_op))
+    needed = ancestors(roots, frozen)
+    # Batch sources are the feeds / iterators the losses read (not, say, a Saver's
+    # filename placeholder); whatever descends from them depends on the batch.
+    inputs = {t.op for op in needed for t in op.inputs if t.op.type in INPUT_TYPES}
+    batch_dependent = index.descendants(inputs)
+    raw_grad_ops = {t.op for g, _ in raw_grads for t in _tensors(g)}
+    # Side outputs of the batch (accuracy, predictions) are per unit too, but what
+    # consumes the raw gradients (clipping) acts on the reduced ones instead.
+    side = batch_dependent - index.descendants(raw_grad_ops)
+    step = {op for op in needed | side
+            if phase.get(op.name, Phase.FORWARD) != Phase.APPLY and not frozen(op)}
+
+    # Updates: ancestors of apply-phase writers, cut at raw gradients and step ops.
+    initializers = {v.initializer for v in _all_variables(graph)}
+    apply_writers = []
+    for op in index.ops:
+        if phase.get(op.name) != Phase.APPLY or op in initializers:
+            continue
+        written = [t.op for t in op.inputs if t.op.type in VARIABLE_TYPES]
+        if any(v not in global_step_ops for v in written) and op in _writers_of(written):
+            apply_writers.append(op)
+    update = ancestors(apply_writers, lambda op: frozen(op) or op in step or op in raw_grad_ops)
+
+    used_vars = {t.op for op in step | update for t in op.inputs if t.op.type in VARIABLE_TYPES}
+    variables = [op for op in index.ops
+                 if op in used_vars and op not in global_step_ops and op not in unmirrored]
+    copied = step | update
+    sync_writers = [w for v in variables for w in variable_writers(v) if w not in copied]
+    batch_inputs = []
+    seen = set()
+    for op in index.ops:
+        if op not in step:
+            continue
+        for t in op.inputs:
+            if (t.op not in step and t.op in batch_dependent | inputs and t not in seen
+                    and t.op not in copied and t.shape.rank != 0):
+                seen.add(t)
+                batch_inputs.append(t)
+    order = {op: i for i, op in enumerate(index.ops)}
+    return Selection(
+        step_ops=sorted(step, key=order.get), update_ops=sorted(update, key=order.get),
+        variables=variables, batch_inputs=batch_inputs, raw_grads=raw_grads,
+        sync_writers=sorted(set(sync_writers), key=order.get), batch_dependent=batch_dependent)
+
+
+def _writers_of(var_ops) -> Set[ops.Operation]:
+    return {w for v in var_ops for w in variable_writers(v)}
+
+
+def _tensors(g) -> list:
+    return [g.values, g.indices] if isinstance(g, indexed_slices.IndexedSlices) else [g]
+
+
+def _all_variables(graph: ops.Graph) -> list:
+    seen, result = set(), []
+    for key in (ops.GraphKeys.GLOBAL_VARIABLES, ops.GraphKeys.LOCAL_VARIABLES):
+        for v in graph.get_collection(key):
+            if id(v) not in seen:
+                seen.add(id(v))
+                result.append(v)
+    return result

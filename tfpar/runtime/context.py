@@ -1,0 +1,44 @@
+"""The process-wide tfpar runtime set up by ``wh.init``."""
+import dataclasses
+from typing import List, Optional, Tuple
+
+from tfpar.config import Config
+from tfpar.ir.taskgraph import Strategy
+
+__all__ = ["Runtime", "activate", "active", "deactivate"]
+
+
+@dataclasses.dataclass
+class Runtime:
+    """Active configuration and the devices tfpar may use.
+
+    Attributes:
+      config: the validated Config.
+      devices: full device names tfpar places work on, in order.
+      device_type: ``"GPU"`` or ``"CPU"``.
+      default_strategy: (strategy, device_count) for ops outside any scope,
+        set by ``wh.set_default_strategy``; None means "whole model replicate
+        when no scope exists".
+    """
+
+    config: Config
+    devices: List[str]
+    device_type: str
+    default_strategy: Optional[Tuple[Strategy, Optional[int]]] = None
+
+
+_active: Optional[Runtime] = None
+
+
+def activate(runtime: Runtime) -> None:
+    global _active
+    _active = runtime
+
+
+def deactivate() -> None:
+    global _active
+    _active = None
+
+
+def active() -> Optional[Runtime]:
+    return _active
