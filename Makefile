@@ -1,0 +1,40 @@
+# `make demo` and `make test` work on a fresh machine: they create .venv/ and install
+# everything (tensorflow-cpu 2.15.1, tensorflow-estimator 2.15.0, numpy<2, ortools,
+# networkx, pytest) before running.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-fast bench horovod clean
+
+$(STAMP): requirements.txt setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/data_parallel_mlp.py
+
+test: $(STAMP)
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+# Everything but the tests marked slow.
+test-fast: $(STAMP)
+	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) benchmarks/overhead.py
+
+# Horovod 0.28.1 built from source against the installed TF (~3 min; for the
+# horovod communication backend, not needed by the default collective backend).
+horovod: $(STAMP)
+	HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
+	HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
+	$(PY) -m pip install --no-build-isolation horovod==0.28.1
+
+clean:
+	rm -rf $(VENV) *.egg-info
