@@ -22,10 +22,21 @@ def communication_hint(device_type: str) -> str:
 @dataclasses.dataclass
 class CollectiveKeys:
     """Deterministic group / instance keys (same build order -> same keys in
-    every process; never Python ``hash``)."""
+    every process; never Python ``hash``), and the last collective built on each
+    device: every collective waits for the previous one on its device, so all
+    devices launch them in one order (unordered collectives can deadlock)."""
 
     next_group: int = 1
     next_instance: int = 1
+    last_on_device: dict = dataclasses.field(default_factory=dict)
+
+    def after_previous(self, device: str):
+        """Control dependencies that order a new collective on ``device``."""
+        last = self.last_on_device.get(device)
+        return ops.control_dependencies([last] if last is not None else [])
+
+    def launched(self, device: str, op) -> None:
+        self.last_on_device[device] = op
 
     def group(self) -> int:
         self.next_group += 1
@@ -71,7 +82,6 @@ def all_reduce_sum(per_replica: Sequence[Sequence[tensor_lib.Tensor]], devices: 
     buckets = bucketize(sizes, [t.dtype for t in first], fusion_bytes)
     group_key = keys.group()
     result = [[None] * len(first) for _ in range(n)]
-    previous = [None] * n
     for bucket in buckets:
         instance_key = keys.instance()
         reduced = []
@@ -79,14 +89,13 @@ def all_reduce_sum(per_replica: Sequence[Sequence[tensor_lib.Tensor]], devices: 
             with ops.device(device):
                 parts = [array_ops.reshape(per_replica[r][i], [-1]) for i in bucket]
                 flat = parts[0] if len(parts) == 1 else array_ops.concat(parts, 0)
-                deps = [previous[r]] if previous[r] is not None else []
-                with ops.control_dependencies(deps):
+                with keys.after_previous(device):
                     reduced.append(collective_ops.all_reduce_v2(
                         flat, group_size=n, group_key=group_key, instance_key=instance_key,
                         merge_op="Add", final_op="Id", communication_hint=hint,
                         timeout=timeout_s))
+                keys.launched(device, reduced[-1].op)
         for r, device in enumerate(devices):
-            previous[r] = reduced[r].op
             with ops.device(device), ops.control_dependencies([t.op for t in reduced]):
                 flat = array_ops.identity(reduced[r])
                 pieces = array_ops.split(flat, [_num_elements(per_replica[r][i]) for i in bucket]) \

@@ -238,10 +238,11 @@ def _reduce_sparse(rw: DataParallelRewrite, g: indexed_slices.IndexedSlices, *, 
             instance = keys.instance()
             outs = []
             for r, device in enumerate(rw.devices):
-                with ops.device(device):
+                with ops.device(device), keys.after_previous(device):
                     outs.append(collective_ops.all_gather_v2(
                         per_replica[r][part], group_size=num_replicas, group_key=group,
                         instance_key=instance, communication_hint=hint, timeout=timeout_s))
+                keys.launched(device, outs[-1].op)
             gathered.append(outs)
         per_replica = list(zip(gathered[0], gathered[1]))
     rw.reduced[g.values] = [v for v, _ in per_replica]
@@ -255,7 +256,8 @@ def _copy_updates(graph: ops.Graph, rw: DataParallelRewrite) -> None:
     step = set(sel.step_ops)
     for r in range(1, len(rw.devices)):
         imap = {v.outputs[0]: rw.replica_maps[r][v].outputs[0] for v in sel.variables}
-        imap.update({t: red[r] for t, red in rw.reduced.items()})
+        # The originals already read replica 0's reduced gradients: copies read replica r's.
+        imap.update({red[0]: red[r] for red in rw.reduced.values()})
         for op in sel.update_ops:
             for t in op.inputs:
                 if t.op in step and t not in imap:

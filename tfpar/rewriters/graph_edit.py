@@ -85,9 +85,10 @@ def clone_ops(graph: ops.Graph, op_list: Sequence[ops.Operation], prefix: str,
         if op.type in _VARIABLE_TYPES:
             shared = op.get_attr("shared_name").decode() or op.name
             node.attr["shared_name"].s = f"{scope}/{shared}".encode()
-    imported = importer.import_graph_def(
-        graph_def, input_map=external, return_elements=[op.name for op in op_list],
-        name=scope)
+    with ops.name_scope(None):
+        imported = importer.import_graph_def(
+            graph_def, input_map=external, return_elements=[op.name for op in op_list],
+            name=scope)
     mapping = dict(zip(op_list, imported))
     by_name = {op.name: new for op, new in mapping.items()}
     for name, dep in outside_controls:

@@ -1,0 +1,119 @@
+"""Equivalence: data parallelism and gradient accumulation vs single-device TF."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from equivalence import assert_equivalent, dense, make_data, mlp_classifier, train
+
+import tfpar as wh
+
+DATA = make_data(steps=4, batch=8)
+SGD = mlp_classifier()
+
+
+@pytest.fixture(scope="module")
+def sgd_reference():
+    return train(SGD, DATA)
+
+
+@pytest.mark.parametrize("devices", [1, 2, 4])
+@pytest.mark.parametrize("use_dataset", [False, True], ids=["feed_dict", "tf.data"])
+def test_dp_matches_single_device(devices, use_dataset, sgd_reference):
+    reference = sgd_reference if not use_dataset else train(SGD, DATA, use_dataset=True)
+    result = train(SGD, DATA, {"cluster.num_devices": devices}, use_dataset=use_dataset)
+    assert_equivalent(reference, result)
+
+
+@pytest.mark.parametrize("devices,micro", [(1, 2), (1, 4), (2, 2)])
+def test_gradient_accumulation_matches_full_batch(devices, micro, sgd_reference):
+    config = {"cluster.num_devices": devices, "pipeline.num_micro_batch": micro}
+    assert_equivalent(sgd_reference, train(SGD, DATA, config))
+
+
+def test_explicit_replicate_scope(sgd_reference):
+    result = train(SGD, DATA, {"cluster.num_devices": 2}, scope=lambda: wh.replicate(2))
+    assert_equivalent(sgd_reference, result)
+
+
+def test_nested_dp_of_replicate_one(sgd_reference):
+    """replicate(1) on 4 devices becomes 4-way nested data parallelism (Whale §3.2.1)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        wh.init({"cluster.num_devices": 4})
+        x = tf.compat.v1.placeholder(tf.float32, [None, 6])
+        y = tf.compat.v1.placeholder(tf.int64, [None])
+        with wh.replicate(1):
+            SGD(x, y)
+        assert wh.current_plan().data_parallel_degree == 4
+    result = train(SGD, DATA, {"cluster.num_devices": 4}, scope=lambda: wh.replicate(1))
+    assert_equivalent(sgd_reference, result)
+
+
+@pytest.mark.parametrize("name,make,rtol", [
+    ("momentum", lambda: tf.compat.v1.train.MomentumOptimizer(0.1, 0.9), 1e-5),
+    ("adam", lambda: tf.compat.v1.train.AdamOptimizer(0.01), 1e-4),
+])
+def test_optimizers_with_slots(name, make, rtol):
+    build = mlp_classifier(make)
+    reference = train(build, DATA)
+    assert_equivalent(reference, train(build, DATA, {"cluster.num_devices": 2}), rtol=rtol)
+
+
+def test_uneven_batch_split():
+    """A batch of 10 on 4 replicas (3/2/3/2 rows) still equals the full batch."""
+    data = make_data(steps=3, batch=10)
+    assert_equivalent(train(SGD, data), train(SGD, data, {"cluster.num_devices": 4}))
+
+
+def test_clipping_acts_on_the_global_gradient():
+    """clip_by_global_norm between compute and apply sees the reduced gradient."""
+    def build(x, y):
+        h = dense(x, 8, "hidden", seed=1, activation=tf.nn.tanh)
+        logits = dense(h, 3, "logits", seed=2)
+        loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(y, logits)
+        opt = tf.compat.v1.train.GradientDescentOptimizer(0.5)
+        grads, variables = zip(*opt.compute_gradients(loss))
+        clipped, _ = tf.clip_by_global_norm(grads, 0.05)
+        step = tf.compat.v1.train.get_or_create_global_step()
+        return loss, opt.apply_gradients(zip(clipped, variables), global_step=step)
+    reference = train(build, DATA)
+    result = train(build, DATA, {"cluster.num_devices": 4})
+    assert_equivalent(reference, result)
+    assert result[1]["global_step"] == len(DATA[0])
+
+
+def test_monitored_training_session(sgd_reference):
+    reference = train(SGD, DATA, session="monitored")
+    assert_equivalent(reference, train(SGD, DATA, {"cluster.num_devices": 2},
+                                       session="monitored"))
+
+
+def test_embedding_gradients_are_indexed_slices():
+    """Sparse (IndexedSlices) gradients are gathered across replicas."""
+    rng = np.random.RandomState(3)
+    ids = rng.randint(0, 20, size=(3, 8)).astype(np.int64)
+    labels = rng.randint(0, 3, size=(3, 8)).astype(np.int64)
+
+    def run(config):
+        graph = tf.Graph()
+        with graph.as_default():
+            if config:
+                wh.init(config)
+            x = tf.compat.v1.placeholder(tf.int64, [None])
+            y = tf.compat.v1.placeholder(tf.int64, [None])
+            table = tf.compat.v1.get_variable(
+                "table", initializer=rng_table())
+            logits = dense(tf.nn.embedding_lookup(table, x), 3, "head", seed=4)
+            loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(y, logits)
+            train_op = tf.compat.v1.train.AdagradOptimizer(0.3).minimize(loss)
+            with tf.compat.v1.Session() as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                losses = [sess.run([loss, train_op], {x: a, y: b})[0] for a, b in zip(ids, labels)]
+                values = sess.run({v.op.name: v for v in tf.compat.v1.global_variables()})
+        wh.reset()
+        return np.array(losses), values
+
+    def rng_table():
+        return np.random.RandomState(5).randn(20, 4).astype(np.float32)
+
+    assert_equivalent(run(None), run({"cluster.num_devices": 2}))
