@@ -21,7 +21,7 @@ def dense(x, units, name, seed, activation=None):
             "kernel", initializer=(rng.randn(fan_in, units) / np.sqrt(fan_in)).astype(np.float32))
         bias = tf.compat.v1.get_variable(
             "bias", initializer=(0.1 * rng.randn(units)).astype(np.float32))
-    out = tf.matmul(x, kernel) + bias
+        out = tf.matmul(x, kernel) + bias
     return activation(out) if activation is not None else out
 
 

@@ -1,7 +1,7 @@
 """The ``tfpar`` command.
 
     tfpar config                       list every config key, its default and meaning
-    tfpar plan SCRIPT [--config CFG] [--json] [-- ARGS...]
+    tfpar plan [--config CFG] [--json] SCRIPT [ARGS...]
                                        run SCRIPT until its first session run and print
                                        the plan tfpar would execute, without training
 """

@@ -1,0 +1,58 @@
+"""Checkpoints keep single-device names: they restore across 1 and N devices."""
+import numpy as np
+import tensorflow as tf
+
+from equivalence import assert_equivalent, make_data, mlp_classifier
+
+import tfpar as wh
+
+DATA = make_data(steps=3, batch=8)
+BUILD = mlp_classifier(lambda: tf.compat.v1.train.MomentumOptimizer(0.1, 0.9))
+
+
+def _session(path_in, path_out, config, data, saver_after_first_run=False):
+    """Restore ``path_in`` (or initialize), train on ``data``, save to ``path_out``."""
+    graph = tf.Graph()
+    with graph.as_default():
+        if config:
+            wh.init(config)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 6])
+        y = tf.compat.v1.placeholder(tf.int64, [None])
+        loss, train_op = BUILD(x, y)
+        init = tf.compat.v1.global_variables_initializer()
+        saver = None if saver_after_first_run else tf.compat.v1.train.Saver()
+        with tf.compat.v1.Session() as sess:
+            sess.run(init)
+            if saver is None:
+                saver = tf.compat.v1.train.Saver()
+            if path_in:
+                saver.restore(sess, path_in)
+            losses = [sess.run([loss, train_op], {x: a, y: b})[0] for a, b in zip(*data)]
+            if path_out:
+                saver.save(sess, path_out)
+            values = sess.run({v.op.name: v for v in tf.compat.v1.global_variables()})
+    wh.reset()
+    return np.array(losses), values
+
+
+def test_single_device_checkpoint_restores_into_parallel_graph(tmp_path):
+    first, second = (DATA[0][:1], DATA[1][:1]), (DATA[0][1:], DATA[1][1:])
+    ckpt = str(tmp_path / "single")
+    _session(None, ckpt, None, first)
+    reference = _session(ckpt, None, None, second)
+    assert_equivalent(reference, _session(ckpt, None, {"cluster.num_devices": 2}, second))
+    # A Saver built after the first run still syncs the replicas on restore.
+    assert_equivalent(reference, _session(ckpt, None, {"cluster.num_devices": 4}, second,
+                                          saver_after_first_run=True))
+
+
+def test_parallel_checkpoint_restores_on_one_device(tmp_path):
+    first, second = (DATA[0][:1], DATA[1][:1]), (DATA[0][1:], DATA[1][1:])
+    ckpt_parallel, ckpt_single = str(tmp_path / "parallel"), str(tmp_path / "single")
+    _session(None, ckpt_parallel, {"cluster.num_devices": 4}, first)
+    _session(None, ckpt_single, None, first)
+    names = sorted(n for n, _ in tf.train.list_variables(ckpt_parallel))
+    assert names == sorted(n for n, _ in tf.train.list_variables(ckpt_single))
+    assert not any("tfpar" in n for n in names)
+    assert_equivalent(_session(ckpt_single, None, None, second),
+                      _session(ckpt_parallel, None, None, second))

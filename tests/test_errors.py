@@ -1,0 +1,85 @@
+"""Bad input gets a tfpar error naming the culprit, never a hang."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from equivalence import mlp_classifier
+
+import tfpar as wh
+
+
+def test_scope_asking_for_too_many_devices():
+    with tf.Graph().as_default():
+        wh.init({"cluster.num_devices": 2})
+        with pytest.raises(wh.AnnotationError, match=r"replicate\(3, name='head'\).*only 2"):
+            with wh.replicate(3, name="head"):
+                pass
+
+
+@pytest.mark.parametrize("count", [0, -1, 1.5, True, "2"])
+def test_bad_device_counts(count):
+    with pytest.raises(wh.AnnotationError, match="positive integer"):
+        wh.replicate(count)
+
+
+def test_nested_scopes_rejected():
+    with tf.Graph().as_default():
+        wh.init({"cluster.num_devices": 2})
+        with wh.replicate(2):
+            with pytest.raises(wh.AnnotationError, match="nested"):
+                with wh.split(2):
+                    pass
+
+
+def test_scope_before_init():
+    with tf.Graph().as_default():
+        with pytest.raises(wh.AnnotationError, match=r"before wh.init\(\)"):
+            with wh.replicate(2):
+                pass
+
+
+def test_bad_config_names_the_key():
+    with pytest.raises(wh.ConfigError, match="pipeline.num_micro_batch"):
+        wh.init({"pipeline.num_micro_batches": 2})
+    with pytest.raises(wh.ConfigError, match="cluster.num_devices"):
+        wh.init({"cluster": {"num_devices": -2}})
+
+
+def test_errors_are_value_errors():
+    for err in (wh.ConfigError, wh.AnnotationError, wh.PlanError, wh.ShardingError):
+        assert issubclass(err, ValueError)
+
+
+def test_batch_smaller_than_replicas_fails_fast():
+    with tf.Graph().as_default():
+        wh.init({"cluster.num_devices": 4})
+        x = tf.compat.v1.placeholder(tf.float32, [None, 6])
+        y = tf.compat.v1.placeholder(tf.int64, [None])
+        loss, train_op = mlp_classifier()(x, y)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            with pytest.raises(tf.errors.InvalidArgumentError, match="fewer rows than the 4"):
+                sess.run(train_op, {x: np.zeros((2, 6), np.float32), y: np.zeros(2, np.int64)})
+
+
+def test_unsupported_annotations_raise_plan_error():
+    with tf.Graph().as_default():
+        wh.init({"cluster.num_devices": 2})
+        x = tf.compat.v1.placeholder(tf.float32, [None, 6])
+        with wh.replicate(1):
+            h = tf.compat.v1.layers.dense(x, 4)
+        with wh.split(2):
+            tf.compat.v1.layers.dense(h, 4)
+        with pytest.raises(wh.PlanError, match="replicate_0=replicate, split_1=split"):
+            wh.current_plan()
+
+
+def test_feed_without_batch_input_is_named():
+    with tf.Graph().as_default():
+        wh.init({"cluster.num_devices": 2})
+        w = tf.compat.v1.get_variable("w", initializer=np.ones(3, np.float32))
+        loss = tf.reduce_sum(w * w)
+        train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        with tf.compat.v1.Session() as sess:
+            with pytest.raises(wh.PlanError, match="no batch input"):
+                sess.run(train_op)

@@ -1,0 +1,84 @@
+"""The plan is visible before any session runs, serialisable, and pinnable."""
+import json
+
+import pytest
+import tensorflow as tf
+
+from equivalence import assert_equivalent, make_data, mlp_classifier, train
+
+import tfpar as wh
+from tfpar.cluster import assign_devices, device_names
+from tfpar.ir.plan import Plan
+
+
+def _plan(config, scope=None):
+    with tf.Graph().as_default():
+        wh.init(config)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 6])
+        y = tf.compat.v1.placeholder(tf.int64, [None])
+        if scope is None:
+            mlp_classifier()(x, y)
+        else:
+            with scope:
+                mlp_classifier()(x, y)
+        return wh.current_plan()
+
+
+def test_plan_summary_and_json():
+    plan = _plan({"cluster.num_devices": 4})
+    data = json.loads(plan.to_json())
+    assert data["data_parallel_degree"] == 4
+    assert data["pipeline"] == {"num_micro_batch": 1, "schedule": "1f1b", "group_size": 1,
+                                "num_stages": 1}
+    tg = data["task_graphs"][0]
+    assert tg["strategy"] == "replicate" and len(tg["devices"]) == 4
+    assert tg["devices"][3].endswith("device:CPU:3")
+    assert tg["param_bytes"] == 4 * (6 * 8 + 8 + 8 * 3 + 3)
+    assert set(data["estimate"]) >= {"step_time_s", "memory_bytes_per_device", "comm_bytes"}
+    assert Plan.from_dict(data) == plan
+    text = plan.summary()
+    assert "replicate_all" in text and "CPU:0,CPU:1,CPU:2,CPU:3" in text
+
+
+def test_scope_plan_uses_its_devices():
+    plan = _plan({"cluster.num_devices": 4}, scope=wh.replicate(2, name="body"))
+    # replicate(2) on 4 devices: nested data parallelism of degree 2.
+    assert plan.task_graphs[0].name == "body"
+    assert plan.data_parallel_degree == 4
+
+
+def test_pinned_plan_is_followed():
+    plan = _plan({"cluster.num_devices": 4}).to_dict()
+    plan["task_graphs"][0]["replicas"] = [[d] for d in plan["task_graphs"][0]["devices"][2:]]
+    plan["task_graphs"][0]["devices"] = plan["task_graphs"][0]["devices"][2:]
+    pinned = _plan({"cluster.num_devices": 4, "plan": plan})
+    assert pinned.data_parallel_degree == 2
+    assert [d[-5:] for d in pinned.task_graphs[0].devices] == ["CPU:2", "CPU:3"]
+    data = make_data(steps=2, batch=8)
+    build = mlp_classifier()
+    assert_equivalent(train(build, data), train(build, data, {"cluster.num_devices": 4,
+                                                              "plan": plan}))
+
+
+def test_pinned_plan_with_unknown_device():
+    plan = _plan({"cluster.num_devices": 2}).to_dict()
+    plan["task_graphs"][0]["devices"] = ["/job:localhost/replica:0/task:0/device:CPU:7"]
+    plan["task_graphs"][0]["replicas"] = [plan["task_graphs"][0]["devices"]]
+    with pytest.raises(wh.PlanError, match="CPU:7"):
+        _plan({"cluster.num_devices": 2, "plan": plan})
+
+
+def test_virtual_devices_disjoint_nested_and_shared():
+    devs = device_names("GPU", 8)
+    a = assign_devices([("s0", 2), ("s1", 2)], devs)
+    assert a.nested_dp == 2
+    assert a.virtual_devices[0] == (tuple(devs[0:2]), tuple(devs[4:6]))
+    assert a.virtual_devices[1] == (tuple(devs[2:4]), tuple(devs[6:8]))
+    shared = assign_devices([("backbone", 8), ("head", 8)], devs)  # Whale Example 2
+    assert shared.nested_dp == 1 and shared.virtual_devices[1] == (tuple(devs),)
+    forced = assign_devices([("a", 4), ("b", 4)], devs, share=True)
+    assert forced.nested_dp == 2 and forced.virtual_devices[1][1] == tuple(devs[4:8])
+    odd = assign_devices([("a", 3)], device_names("CPU", 4))
+    assert odd.nested_dp == 1
+    with pytest.raises(wh.AnnotationError, match="'big' asks for 9 devices"):
+        assign_devices([("big", 9)], devs)
