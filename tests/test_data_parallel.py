@@ -117,3 +117,27 @@ def test_embedding_gradients_are_indexed_slices():
         return np.random.RandomState(5).randn(20, 4).astype(np.float32)
 
     assert_equivalent(run(None), run({"cluster.num_devices": 2}))
+
+
+@pytest.mark.parametrize("fusion_mb,collectives_per_replica", [(64, 1), (1e-9, 4)])
+def test_gradient_fusion_buckets(fusion_mb, collectives_per_replica, sgd_reference):
+    """64 MiB fuses the MLP's 4 gradients into one all-reduce; a tiny bucket gives 4."""
+    config = {"cluster.num_devices": 2, "communication.fusion_mb": fusion_mb}
+    graph = tf.Graph()
+    with graph.as_default():
+        wh.init(config)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 6])
+        y = tf.compat.v1.placeholder(tf.int64, [None])
+        loss, train_op = SGD(x, y)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+        reduces = [op for op in graph.get_operations() if op.type == "CollectiveReduceV2"]
+    assert len(reduces) == 2 * collectives_per_replica
+    assert_equivalent(sgd_reference, train(SGD, DATA, config))
+
+
+def test_bucketize_respects_size_and_dtype():
+    from tfpar.rewriters.allreduce import bucketize
+    assert bucketize([4, 4, 4], ["f", "f", "f"], 8) == [[0, 1], [2]]
+    assert bucketize([4, 4, 4], ["f", "h", "f"], 100) == [[0, 2], [1]]
+    assert bucketize([16, 4], ["f", "f"], 8) == [[0], [1]]
