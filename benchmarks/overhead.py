@@ -1,21 +1,23 @@
 """tfpar overhead benchmark: three tfpar/baseline ratios, measured in the same run.
 
 1. Graph-build time of an N-layer transformer (forward + AdamOptimizer.minimize,
-   no session) with tfpar's hooks installed (``wh.init`` in the graph) vs plain TF.
+   no session) with tfpar's hooks installed vs plain TF (the tfpar side's time
+   includes its ``wh.init`` and ``wh.reset`` calls).
 2. Step time of ``wh.replicate(1)`` (``cluster.num_devices=1``) vs plain TF, MLP.
 3. Step time of tfpar data parallelism on 4 logical CPU devices vs
-   ``tf.distribute.MirroredStrategy`` on the same 4 devices (TF1 graph mode),
-   same MLP and global batch.
+   ``tf.distribute.MirroredStrategy`` on the same 4 devices (TF1 graph mode, its
+   default cross-device ops), same MLP, global batch and update rule.
 
-The machine may be noisy, so the two sides of each ratio run alternately
-(ABBA order, ``--reps`` rounds of ``--steps`` timed steps, or one build per side
-per round) and medians are compared. tfpar's hooks are on only while its own
-side runs, so the plain-TF and MirroredStrategy sides run unhooked.
+The machine may be noisy, so the two sides of each ratio run alternately (ABBA
+order, ``--reps`` rounds of ``--steps`` timed steps or of one build per side) and
+their medians are compared. tfpar's hooks are on only while its own side runs.
+``--check`` also verifies that every setup trains, from the same step-0 loss.
 
     cd /work/main && .venv/bin/python benchmarks/overhead.py [--quick] [--check] [--json]
 """
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import math
@@ -26,17 +28,25 @@ import time
 import numpy as np
 import tensorflow as tf
 
+import tfpar as wh
+from tfpar.hooks import tf_patches
+from tfpar.runtime import context as tfpar_context, engine as tfpar_engine
+
+v1 = tf.compat.v1
+
 NUM_CPUS = 4  # logical CPU devices for measurement 3
 CLASSES = 10
+SIZES = {"steps": (20, 5, "timed steps per side per round"), "reps": (5, 3, "ABBA rounds"),
+         "layers": (24, 2, "transformer layers"), "hidden": (256, 64, "transformer hidden size"),
+         "width": (1024, 128, "MLP width"), "batch": (256, 64, "global batch")}
 
 
 def _dense(x, units, name, seed=None, activation=None):
     """x @ W + b over the last axis (any rank), variables via get_variable."""
     d = int(x.shape[-1])
-    with tf.compat.v1.variable_scope(name):
-        w = tf.compat.v1.get_variable(
-            "kernel", [d, units], initializer=tf.compat.v1.glorot_uniform_initializer(seed=seed))
-        b = tf.compat.v1.get_variable("bias", [units], initializer=tf.compat.v1.zeros_initializer())
+    with v1.variable_scope(name):
+        w = v1.get_variable("kernel", [d, units], initializer=v1.glorot_uniform_initializer(seed))
+        b = v1.get_variable("bias", [units], initializer=v1.zeros_initializer())
     y = tf.matmul(tf.reshape(x, [-1, d]), w) + b
     if x.shape.rank > 2:
         y = tf.reshape(y, tf.concat([tf.shape(x)[:-1], [units]], 0))
@@ -44,26 +54,25 @@ def _dense(x, units, name, seed=None, activation=None):
 
 
 def _layer_norm(x, name):
-    with tf.compat.v1.variable_scope(name):
+    with v1.variable_scope(name):
         d = int(x.shape[-1])
-        gamma = tf.compat.v1.get_variable("gamma", [d], initializer=tf.compat.v1.ones_initializer())
-        beta = tf.compat.v1.get_variable("beta", [d], initializer=tf.compat.v1.zeros_initializer())
+        gamma = v1.get_variable("gamma", [d], initializer=v1.ones_initializer())
+        beta = v1.get_variable("beta", [d], initializer=v1.zeros_initializer())
     mean, var = tf.nn.moments(x, axes=[-1], keepdims=True)
     return (x - mean) * tf.math.rsqrt(var + 1e-6) * gamma + beta
 
 
 def transformer_train_op(layers, hidden, heads, seq):
     """Pre-LN transformer encoder on float inputs, MSE loss, Adam; returns the train op."""
-    x = tf.compat.v1.placeholder(tf.float32, [None, seq, hidden], name="x")
-    target = tf.compat.v1.placeholder(tf.float32, [None, seq, hidden], name="target")
+    x = v1.placeholder(tf.float32, [None, seq, hidden], name="x")
+    target = v1.placeholder(tf.float32, [None, seq, hidden], name="target")
     dh = hidden // heads
 
     def heads_first(t):  # [B, S, H] -> [B, heads, S, dh]
         return tf.transpose(tf.reshape(t, [-1, seq, heads, dh]), [0, 2, 1, 3])
-
     h = x
     for i in range(layers):
-        with tf.compat.v1.variable_scope(f"layer_{i}"):
+        with v1.variable_scope(f"layer_{i}"):
             a = _layer_norm(h, "ln_attn")
             q, k, v = (heads_first(_dense(a, hidden, n)) for n in ("q", "k", "v"))
             att = tf.nn.softmax(tf.matmul(q, k, transpose_b=True) / math.sqrt(dh))
@@ -72,7 +81,7 @@ def transformer_train_op(layers, hidden, heads, seq):
             f = _dense(_layer_norm(h, "ln_ffn"), 4 * hidden, "ffn_in", activation=tf.nn.gelu)
             h = h + _dense(f, hidden, "ffn_out")
     loss = tf.reduce_mean(tf.square(_layer_norm(h, "ln_final") - target))
-    return tf.compat.v1.train.AdamOptimizer(1e-4).minimize(loss)
+    return v1.train.AdamOptimizer(1e-4).minimize(loss)
 
 
 def mlp_builder(width, layers, lr=0.1, grad_scale=1.0):
@@ -83,9 +92,8 @@ def mlp_builder(width, layers, lr=0.1, grad_scale=1.0):
         for i in range(layers):
             h = _dense(h, width, f"fc{i}", seed=i, activation=tf.nn.relu)
         logits = _dense(h, CLASSES, "logits", seed=layers)
-        loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(y, logits)
-        scaled = loss * grad_scale if grad_scale != 1.0 else loss
-        return loss, tf.compat.v1.train.GradientDescentOptimizer(lr).minimize(scaled)
+        loss = v1.losses.sparse_softmax_cross_entropy(y, logits)
+        return loss, v1.train.GradientDescentOptimizer(lr).minimize(loss * grad_scale)
     return build
 
 
@@ -104,72 +112,59 @@ def mirrored_builder(build):
     return wrapped
 
 
-@contextlib.contextmanager
-def tfpar_hooks(runtime):
-    """tfpar's hooks on, for one timed block of a graph tfpar already rewrote.
+def tfpar_hooks_off():
+    """Switch tfpar's hooks off and return a context manager factory that switches them
+    back on. Unlike wh.reset() this keeps the graphs' captures and rewrites (it uses
+    tfpar internals), so an already rewritten graph can be timed with hooks on again."""
+    runtime = tfpar_context.active()
+    tf_patches.uninstall()
+    tfpar_context.deactivate()
 
-    wh.reset() would also forget the graph's rewrite, so this re-installs the
-    patches and runtime directly (tfpar internals) and removes them afterwards.
-    """
-    from tfpar.hooks import tf_patches  # pylint: disable=import-outside-toplevel
-    from tfpar.runtime import context, engine  # pylint: disable=import-outside-toplevel
-    context.activate(runtime)
-    tf_patches.install(engine.session_config, engine.before_run)
-    try:
-        yield
-    finally:
-        tf_patches.uninstall()
-        context.deactivate()
+    @contextlib.contextmanager
+    def on():
+        tfpar_context.activate(runtime)
+        tf_patches.install(tfpar_engine.session_config, tfpar_engine.before_run)
+        try:
+            yield
+        finally:
+            tf_patches.uninstall()
+            tfpar_context.deactivate()
+    return on
 
 
 class Trainer:
     """One graph + session training ``build`` on a fixed batch; ``step()`` is one step.
 
-    With ``tfpar_config`` the graph is built under ``wh.init`` (and ``scope``),
-    warmed up (tfpar rewrites it on the first run), then tfpar's hooks are
-    switched off; ``hooks()`` switches them on for a timed block. A later
-    ``wh.init`` forgets this graph's capture, so time a tfpar Trainer before
-    building the next one.
-    """
+    With ``tfpar_config``: built under wh.init (and ``scope``), warmed up (tfpar rewrites
+    the graph at the first run), then hooks off; ``with self.hooks():`` turns them on.
+    A later wh.init forgets this graph's capture: time each tfpar Trainer before the next."""
 
-    def __init__(self, name, build, data, tfpar_config=None, scope=None, config=None,
-                 warmup=3):
-        import tfpar as wh  # pylint: disable=import-outside-toplevel
-        from tfpar.runtime import context  # pylint: disable=import-outside-toplevel
-        self.name, self.losses, self.runtime = name, [], None
+    def __init__(self, name, build, data, tfpar_config=None, scope=None, config=None, warmup=3):
+        self.name, self.losses, self.hooks = name, [], contextlib.nullcontext
         graph = tf.Graph()
         with graph.as_default():
             if tfpar_config is not None:
                 wh.init(tfpar_config)
-            x = tf.compat.v1.placeholder(tf.float32, [None, data[0].shape[1]], name="x")
-            y = tf.compat.v1.placeholder(tf.int64, [None], name="y")
+            x = v1.placeholder(tf.float32, [None, data[0].shape[1]], name="x")
+            y = v1.placeholder(tf.int64, [None], name="y")
             with scope() if scope is not None else contextlib.nullcontext():
                 self.fetches = build(x, y)
-            init = tf.compat.v1.global_variables_initializer()
-        self.sess = tf.compat.v1.Session(graph=graph, config=config)
+            init = v1.global_variables_initializer()
+        self.sess = v1.Session(graph=graph, config=config)
         self.sess.run(init)
         self.feed = {x: data[0], y: data[1]}
         for _ in range(warmup):
             self.step()
-        if tfpar_config is not None:  # hooks off, but keep the graph's capture + rewrite
-            from tfpar.hooks import tf_patches  # pylint: disable=import-outside-toplevel
-            self.runtime = context.active()
-            tf_patches.uninstall()
-            context.deactivate()
+        if tfpar_config is not None:
+            self.hooks = tfpar_hooks_off()
 
     def step(self):
         self.losses.append(float(self.sess.run(self.fetches, self.feed)[0]))
 
-    def hooks(self):
-        return tfpar_hooks(self.runtime) if self.runtime else contextlib.nullcontext()
-
 
 def alternate(a, b, reps, samples):
-    """Median seconds of a_fn() and b_fn() timed alternately.
-
-    ``a``/``b`` are (fn, context factory). Each of ``reps`` rounds runs, in ABBA
-    order, ``samples`` timed calls of each side inside that side's context.
-    """
+    """Median seconds per call of two sides, each (fn, context factory): each of ``reps``
+    rounds runs, in ABBA order, ``samples`` timed calls of each side inside its context."""
     times = ([], [])
     for r in range(reps):
         for i in ((0, 1) if r % 2 == 0 else (1, 0)):
@@ -185,34 +180,29 @@ def alternate(a, b, reps, samples):
 
 def row(measurement, tfpar_s, baseline_s, target):
     ratio = tfpar_s / baseline_s
-    return {"measurement": measurement, "tfpar_ms": 1e3 * tfpar_s,
-            "baseline_ms": 1e3 * baseline_s, "ratio": ratio, "target": target,
-            "met": ratio <= target}
+    return {"measurement": measurement, "tfpar_ms": 1e3 * tfpar_s, "baseline_ms": 1e3 * baseline_s,
+            "ratio": ratio, "target": target, "met": ratio <= target}
 
 
 def measure_build(args):
     """1. Transformer graph-build time, tfpar hooks installed vs plain TF."""
-    import tfpar as wh  # pylint: disable=import-outside-toplevel
-
     def build(with_tfpar):
         with tf.Graph().as_default():
             if with_tfpar:
                 wh.init({"cluster.num_devices": NUM_CPUS})
-            try:
-                transformer_train_op(args.layers, args.hidden, args.heads, args.seq)
-            finally:
-                if with_tfpar:
-                    wh.reset()
+            transformer_train_op(args.layers, args.hidden, args.heads, args.seq)
+        if with_tfpar:
+            wh.reset()
 
-    none = contextlib.nullcontext
-    build(True), build(False)  # warm-up: one-time imports and caches
-    t, b = alternate((lambda: build(True), none), (lambda: build(False), none), args.reps, 1)
+    sides = [(functools.partial(build, with_tfpar), contextlib.nullcontext)
+             for with_tfpar in (True, False)]
+    alternate(*sides, reps=1, samples=1)  # warm-up: one-time imports and caches
+    t, b = alternate(*sides, reps=args.reps, samples=1)
     return row(f"graph build, {args.layers}-layer transformer (wh.init vs plain)", t, b, 1.15)
 
 
 def measure_replicate1(args, data, trainers):
     """2. Step time of wh.replicate(1) vs plain TF (same MLP, batch, initial weights)."""
-    import tfpar as wh  # pylint: disable=import-outside-toplevel
     build = mlp_builder(args.width, args.mlp_layers)
     plain = Trainer("plain TF", build, data)
     rep1 = Trainer("tfpar replicate(1)", build, data, {"cluster.num_devices": 1},
@@ -229,7 +219,7 @@ def measure_data_parallel(args, data, trainers):
     # Estimator did), so each replica minimises loss / replicas: the global-batch mean.
     per_replica = mlp_builder(args.width, args.mlp_layers, grad_scale=1.0 / NUM_CPUS)
     mirrored = Trainer("MirroredStrategy x4", mirrored_builder(per_replica), data,
-                       config=tf.compat.v1.ConfigProto(device_count={"CPU": NUM_CPUS}))
+                       config=v1.ConfigProto(device_count={"CPU": NUM_CPUS}))
     dp = Trainer(f"tfpar DP x{NUM_CPUS}", build, data, {"cluster.num_devices": NUM_CPUS})
     trainers += [mirrored, dp]
     t, b = alternate((dp.step, dp.hooks), (mirrored.step, mirrored.hooks), args.reps, args.steps)
@@ -248,18 +238,16 @@ def loss_checks(trainers):
     """Loss must fall for every setup; step-0 losses must agree (same weights, batch)."""
     first = trainers[0].losses[0]
     return [{"setup": t.name, "first_loss": t.losses[0], "last_loss": t.losses[-1],
-             "steps": len(t.losses),
-             "ok": t.losses[-1] < t.losses[0] and math.isclose(t.losses[0], first, rel_tol=1e-3)}
-            for t in trainers]
+             "steps": len(t.losses), "ok": t.losses[-1] < t.losses[0]
+             and math.isclose(t.losses[0], first, rel_tol=1e-3)} for t in trainers]
 
 
 def print_table(rows, checks, args):
     print(f"tfpar overhead (medians; transformer {args.layers}x{args.hidden}, {args.heads} heads,"
           f" seq {args.seq}; MLP {args.mlp_layers}x{args.width}, global batch {args.batch};"
           f" {args.reps} rounds x {args.steps} steps)")
-    head = ("measurement", "tfpar", "baseline", "ratio", "target", "")
     width = max(len(r["measurement"]) for r in rows)
-    print(f"{head[0]:<{width}}  {head[1]:>10}  {head[2]:>10}  {head[3]:>6}  {head[4]:>7}")
+    print(f"{'measurement':<{width}}  {'tfpar':>10}  {'baseline':>10}  {'ratio':>6}  target  met")
     for r in rows:
         print(f"{r['measurement']:<{width}}  {r['tfpar_ms']:>7.1f} ms  {r['baseline_ms']:>7.1f} ms"
               f"  {r['ratio']:>6.3f}  <= {r['target']:<4}  {'met' if r['met'] else 'not met'}")
@@ -274,19 +262,12 @@ def parse_args(argv):
     p.add_argument("--check", action="store_true",
                    help="also check that every setup trains (loss falls, step-0 losses agree)")
     p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test, < 60 s)")
-    p.add_argument("--steps", type=int, help="timed steps per side per round (default 10)")
-    p.add_argument("--reps", type=int, help="alternating rounds (default 5)")
-    p.add_argument("--layers", type=int, help="transformer layers (default 24)")
-    p.add_argument("--hidden", type=int, help="transformer hidden size (default 256)")
-    p.add_argument("--width", type=int, help="MLP width (default 1024)")
-    p.add_argument("--batch", type=int, help="global batch (default 256)")
+    for key, (full, quick, text) in SIZES.items():
+        p.add_argument(f"--{key}", type=int, help=f"{text} (default {full}, --quick {quick})")
     args = p.parse_args(argv)
-    sizes = dict(steps=10, reps=5, layers=24, hidden=256, width=1024, batch=256)
-    if args.quick:
-        sizes = dict(steps=5, reps=3, layers=2, hidden=64, width=128, batch=64)
-    for key, value in sizes.items():
+    for key, (full, quick, _) in SIZES.items():
         if getattr(args, key) is None:
-            setattr(args, key, value)
+            setattr(args, key, quick if args.quick else full)
     args.heads, args.seq, args.mlp_layers = 4, (16 if args.quick else 64), 4
     if args.batch % NUM_CPUS or min(args.steps, args.reps, args.layers) < 1:
         p.error(f"--batch must be a multiple of {NUM_CPUS}; --steps/--reps/--layers >= 1")
@@ -294,14 +275,11 @@ def parse_args(argv):
 
 
 def main(argv=None):
-    import tfpar as wh  # pylint: disable=import-outside-toplevel
     args = parse_args(argv)
-    # Before anything initialises TF's context: both tfpar sessions and MirroredStrategy
-    # then see NUM_CPUS logical CPU devices.
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * NUM_CPUS)
-    tf.compat.v1.disable_eager_execution()
+    # Before anything initialises TF's context: tfpar and MirroredStrategy see NUM_CPUS CPUs.
+    tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
+                                               [tf.config.LogicalDeviceConfiguration()] * NUM_CPUS)
+    v1.disable_eager_execution()
     data, trainers = make_data(args.batch, args.width), []
     rows = [measure_build(args), measure_replicate1(args, data, trainers),
             measure_data_parallel(args, data, trainers)]

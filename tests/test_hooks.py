@@ -70,3 +70,35 @@ def test_session_gets_logical_devices():
         with tf.compat.v1.Session() as sess:
             cpus = [d.name for d in sess.list_devices() if d.device_type == "CPU"]
     assert len(cpus) == 3
+
+
+def test_session_keeps_tf_config_settings(monkeypatch):
+    """With no ConfigProto, sessions start from tf.config's settings, as in plain TF."""
+    import types
+    from tensorflow.core.protobuf import config_pb2
+    from tfpar.runtime import engine
+    fake = types.SimpleNamespace(config=config_pb2.ConfigProto(intra_op_parallelism_threads=1))
+    monkeypatch.setattr(engine.context, "context", lambda: fake)
+    with tf.Graph().as_default():
+        wh.init({"cluster.num_devices": 2})
+        merged = engine.session_config(None)
+    assert merged.intra_op_parallelism_threads == 1 and merged.device_count["CPU"] == 2
+
+
+def test_init_in_another_graph_keeps_earlier_rewrites():
+    import numpy as np
+    from equivalence import mlp_classifier
+    graph = tf.Graph()
+    with graph.as_default():
+        wh.init({"cluster.num_devices": 2})
+        x = tf.compat.v1.placeholder(tf.float32, [None, 6])
+        y = tf.compat.v1.placeholder(tf.int64, [None])
+        loss, train_op = mlp_classifier()(x, y)
+        sess = tf.compat.v1.Session()
+        sess.run(tf.compat.v1.global_variables_initializer())
+    with tf.Graph().as_default():
+        wh.init({"cluster.num_devices": 2})
+    feed = {x: np.ones((4, 6), np.float32), y: np.zeros(4, np.int64)}
+    assert existing_capture(graph) is not None and existing_capture(graph).rewrite is not None
+    sess.run([loss, train_op], feed)
+    sess.close()

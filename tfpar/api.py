@@ -31,7 +31,8 @@ def init(config: Any = None) -> Config:
     default = previous.default_strategy if previous is not None else None
     context.activate(context.Runtime(config=cfg, devices=devices, device_type=device_type,
                                      default_strategy=default))
-    capture.reset_captures()
+    # Other graphs (and sessions still running them) keep their rewrites.
+    capture.reset_captures(tf.compat.v1.get_default_graph())
     return cfg
 
 

@@ -117,5 +117,9 @@ def recording_paused():
         _paused.depth -= 1
 
 
-def reset_captures() -> None:
-    _captures.clear()
+def reset_captures(graph: Any = None) -> None:
+    """Forget what was recorded for ``graph`` (every graph when None)."""
+    if graph is None:
+        _captures.clear()
+    else:
+        _captures.pop(graph, None)

@@ -3,6 +3,7 @@ import logging
 from typing import Any, Callable, Optional
 
 from tensorflow.core.protobuf import config_pb2
+from tensorflow.python.eager import context
 from tensorflow.python.framework import ops
 
 from tfpar.errors import ConfigError, PlanError
@@ -25,8 +26,8 @@ def session_config(config: Optional[config_pb2.ConfigProto]) -> config_pb2.Confi
     """The user's ConfigProto plus tfpar's devices (N logical CPUs on a CPU host)."""
     rt = active()
     merged = config_pb2.ConfigProto()
-    if config is not None:
-        merged.CopyFrom(config)
+    # Like tf.compat.v1.Session: no ConfigProto means the settings made through tf.config.
+    merged.CopyFrom(config if config is not None else context.context().config)
     if rt is None:
         return merged
     if rt.device_type == "CPU" and len(rt.devices) > 1:
