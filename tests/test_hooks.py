@@ -78,10 +78,11 @@ def test_session_keeps_tf_config_settings(monkeypatch):
     from tensorflow.core.protobuf import config_pb2
     from tfpar.runtime import engine
     fake = types.SimpleNamespace(config=config_pb2.ConfigProto(intra_op_parallelism_threads=1))
-    monkeypatch.setattr(engine.context, "context", lambda: fake)
     with tf.Graph().as_default():
         wh.init({"cluster.num_devices": 2})
+        monkeypatch.setattr(engine.context, "context", lambda: fake)
         merged = engine.session_config(None)
+        monkeypatch.undo()
     assert merged.intra_op_parallelism_threads == 1 and merged.device_count["CPU"] == 2
 
 
