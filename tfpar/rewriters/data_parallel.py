@@ -32,7 +32,8 @@ from tfpar.rewriters import graph_edit
 from tfpar.rewriters.allreduce import CollectiveKeys, all_reduce_sum
 from tfpar.rewriters.batch_split import BatchSplit, split_batch
 from tfpar.rewriters.merge import merge_units
-from tfpar.rewriters.select import GraphIndex, Selection, select_replication, variable_writers
+from tfpar.rewriters.select import (GraphIndex, Selection, gradient_tensors,
+                                    select_replication, variable_writers)
 
 __all__ = ["DataParallelRewrite", "add_replica_sync", "replicate", "sync_new_writers"]
 
@@ -113,7 +114,7 @@ def replicate(graph: ops.Graph, capture: GraphCapture, devices: List[str],
             "tf.compat.v1.placeholder or a tf.data iterator so tfpar can split the batch")
     step = set(sel.step_ops)
     copied = step | set(sel.update_ops)
-    raw = {t for g, _ in sel.raw_grads for t in _components(g)}
+    raw = {t for g, _ in sel.raw_grads for t in gradient_tensors(g)}
     # Snapshot consumers before tfpar adds ops of its own.
     outside_readers = [(t, c, k) for op in sel.step_ops for t in op.outputs
                        for c in t.consumers() if c not in copied
@@ -154,10 +155,6 @@ def replicate(graph: ops.Graph, capture: GraphCapture, devices: List[str],
             for writer in sel.sync_writers:
                 add_replica_sync(rw, writer, control_readers[writer])
     return rw
-
-
-def _components(g) -> list:
-    return [g.values, g.indices] if isinstance(g, indexed_slices.IndexedSlices) else [g]
 
 
 def _reroute(consumer: ops.Operation, old: tensor_lib.Tensor, new: tensor_lib.Tensor) -> int:
@@ -252,7 +249,6 @@ def _reduce_sparse(rw: DataParallelRewrite, g: indexed_slices.IndexedSlices, *, 
 def _copy_updates(graph: ops.Graph, rw: DataParallelRewrite) -> None:
     """Replica r > 0 runs its own copy of the update ops on the reduced gradients."""
     sel = rw.selection
-    update = set(sel.update_ops)
     step = set(sel.step_ops)
     for r in range(1, len(rw.devices)):
         imap = {v.outputs[0]: rw.replica_maps[r][v].outputs[0] for v in sel.variables}
@@ -263,7 +259,7 @@ def _copy_updates(graph: ops.Graph, rw: DataParallelRewrite) -> None:
                 if t.op in step and t not in imap:
                     imap[t] = rw.unit_versions(t.op)[r * rw.num_micro_batch].outputs[t.value_index]
         rw.replica_maps[r].update(graph_edit.clone_ops(
-            graph, [op for op in sel.update_ops if op in update], f"replica_{r}/update",
+            graph, sel.update_ops, f"replica_{r}/update",
             rw.devices[r], imap))
 
 

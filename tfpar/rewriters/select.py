@@ -10,7 +10,8 @@ from tensorflow.python.framework import indexed_slices, ops
 from tfpar.hooks.capture import GraphCapture
 from tfpar.ir.taskgraph import Phase
 
-__all__ = ["GraphIndex", "Selection", "select_replication", "variable_writers"]
+__all__ = ["GraphIndex", "Selection", "gradient_tensors", "select_replication",
+           "variable_writers"]
 
 INPUT_TYPES = frozenset({"Placeholder", "PlaceholderWithDefault", "IteratorGetNext",
                          "IteratorGetNextSync", "OptionalGetValue"})
@@ -144,7 +145,7 @@ def select_replication(graph: ops.Graph, capture: GraphCapture, index: GraphInde
     # filename placeholder); whatever descends from them depends on the batch.
     inputs = {t.op for op in needed for t in op.inputs if t.op.type in INPUT_TYPES}
     batch_dependent = index.descendants(inputs)
-    raw_grad_ops = {t.op for g, _ in raw_grads for t in _tensors(g)}
+    raw_grad_ops = {t.op for g, _ in raw_grads for t in gradient_tensors(g)}
     # Side outputs of the batch (accuracy, predictions) are per unit too, but what
     # consumes the raw gradients (clipping) acts on the reduced ones instead.
     side = batch_dependent - index.descendants(raw_grad_ops)
@@ -188,7 +189,8 @@ def _writers_of(var_ops) -> Set[ops.Operation]:
     return {w for v in var_ops for w in variable_writers(v)}
 
 
-def _tensors(g) -> list:
+def gradient_tensors(g) -> list:
+    """The tensors of a gradient: itself, or an IndexedSlices' values and indices."""
     return [g.values, g.indices] if isinstance(g, indexed_slices.IndexedSlices) else [g]
 
 
