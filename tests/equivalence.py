@@ -9,7 +9,8 @@ import tensorflow as tf
 
 import tfpar as wh
 
-__all__ = ["assert_equivalent", "dense", "make_data", "mlp_classifier", "train"]
+__all__ = ["assert_equivalent", "dense", "make_data", "mlp_classifier", "rewritten_op_types",
+           "train"]
 
 
 def dense(x, units, name, seed, activation=None):
@@ -89,6 +90,21 @@ def train(build, data, tfpar_config=None, use_dataset=False, session="plain",
     if tfpar_config is not None:
         wh.reset()
     return np.array(losses), values
+
+
+def rewritten_op_types(build, tfpar_config, features=6):
+    """Types of every op in the graph tfpar made of ``build`` (rewritten at the
+    first run: the initializer)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        wh.init(tfpar_config)
+        x = tf.compat.v1.placeholder(tf.float32, [None, features])
+        y = tf.compat.v1.placeholder(tf.int64, [None])
+        build(x, y)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+    wh.reset()
+    return [op.type for op in graph.get_operations()]
 
 
 def assert_equivalent(reference, candidate, rtol=1e-5, atol=1e-6):

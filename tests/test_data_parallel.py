@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from equivalence import assert_equivalent, dense, make_data, mlp_classifier, train
+from equivalence import (assert_equivalent, dense, make_data, mlp_classifier,
+                         rewritten_op_types, train)
 
 import tfpar as wh
 
@@ -16,18 +17,92 @@ def sgd_reference():
     return train(SGD, DATA)
 
 
+# "auto" sums on one device (CPU devices of one process); "collective" runs the
+# CollectiveReduceV2 ring that multi-process and GPU runs use.
+BACKENDS = ["auto", "collective"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("devices", [1, 2, 4])
 @pytest.mark.parametrize("use_dataset", [False, True], ids=["feed_dict", "tf.data"])
-def test_dp_matches_single_device(devices, use_dataset, sgd_reference):
+def test_dp_matches_single_device(devices, use_dataset, backend, sgd_reference):
     reference = sgd_reference if not use_dataset else train(SGD, DATA, use_dataset=True)
-    result = train(SGD, DATA, {"cluster.num_devices": devices}, use_dataset=use_dataset)
-    assert_equivalent(reference, result)
+    config = {"cluster.num_devices": devices, "communication.backend": backend}
+    assert_equivalent(reference, train(SGD, DATA, config, use_dataset=use_dataset))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("devices,micro", [(1, 2), (1, 4), (2, 2)])
-def test_gradient_accumulation_matches_full_batch(devices, micro, sgd_reference):
-    config = {"cluster.num_devices": devices, "pipeline.num_micro_batch": micro}
+def test_gradient_accumulation_matches_full_batch(devices, micro, backend, sgd_reference):
+    config = {"cluster.num_devices": devices, "pipeline.num_micro_batch": micro,
+              "communication.backend": backend}
     assert_equivalent(sgd_reference, train(SGD, DATA, config))
+
+
+def test_backend_choice():
+    """auto: one-device sum for CPUs of one process, collectives across processes
+    or on GPUs; "collective" forces collectives."""
+    from tfpar.rewriters.allreduce import (CollectiveKeys, CollectiveReducer, LocalReducer,
+                                           make_reducer)
+
+    def kind(backend, devices, device_type="CPU"):
+        return type(make_reducer(backend, devices, device_type, CollectiveKeys(),
+                                 fusion_bytes=1.0, timeout_s=1.0))
+    local = ["/device:CPU:0", "/device:CPU:1"]
+    workers = ["/job:worker/task:0/device:CPU:0", "/job:worker/task:1/device:CPU:0"]
+    assert kind("auto", local) is LocalReducer
+    assert kind("collective", local) is CollectiveReducer
+    assert kind("auto", workers) is CollectiveReducer
+    assert kind("auto", ["/device:GPU:0", "/device:GPU:1"], "GPU") is CollectiveReducer
+    assert make_reducer("auto", local, "GPU", CollectiveKeys(), 1.0, 1.0).hint == "nccl"
+
+
+@pytest.mark.parametrize("backend,copies", [("auto", 1), ("collective", 4)])
+def test_variables_shared_or_mirrored(backend, copies):
+    """CPU devices of one process share one copy of each variable, updated once;
+    collectives keep a mirrored copy per replica."""
+    kinds = rewritten_op_types(SGD, {"cluster.num_devices": 4, "communication.backend": backend})
+    assert kinds.count("VarHandleOp") == 4 * copies
+    assert kinds.count("ResourceApplyGradientDescent") == 4 * copies
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_higher_order_gradients_weigh_gradients_not_seeds(devices):
+    """An input-gradient penalty makes a forward op depend on a gradient seed, so
+    unit weights cannot ride on the seeds; gradients are weighted instead."""
+    def build(x, y):
+        h = dense(x, 8, "hidden", seed=1, activation=tf.nn.tanh)
+        logits = dense(h, 3, "logits", seed=2)
+        (grad_x,) = tf.gradients(tf.reduce_sum(logits), [x])  # per-example rows
+        penalty = tf.reduce_mean(tf.reduce_sum(tf.square(grad_x), 1))
+        loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(y, logits) + 0.1 * penalty
+        return loss, tf.compat.v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+    assert_equivalent(train(build, DATA), train(build, DATA, {"cluster.num_devices": devices}))
+
+
+def test_fetched_backward_tensors_are_global():
+    """Fetching a gradient w.r.t. the input (batch-major) or an intermediate
+    gradient gives the single-device values."""
+    def run(config):
+        graph = tf.Graph()
+        with graph.as_default():
+            if config:
+                wh.init(config)
+            x = tf.compat.v1.placeholder(tf.float32, [None, 6])
+            y = tf.compat.v1.placeholder(tf.int64, [None])
+            h = dense(x, 8, "hidden", seed=1, activation=tf.nn.tanh)
+            logits = dense(h, 3, "logits", seed=2)
+            loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(y, logits)
+            grad_x, grad_h = tf.gradients(loss, [x, h])
+            with tf.compat.v1.Session() as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                out = sess.run([grad_x, tf.reduce_sum(grad_h, 0), loss],
+                               {x: DATA[0][0], y: DATA[1][0]})
+        wh.reset()
+        return out
+
+    for ref, got in zip(run(None), run({"cluster.num_devices": 4})):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-7)
 
 
 def test_explicit_replicate_scope(sgd_reference):
@@ -116,23 +191,19 @@ def test_embedding_gradients_are_indexed_slices():
     def rng_table():
         return np.random.RandomState(5).randn(20, 4).astype(np.float32)
 
-    assert_equivalent(run(None), run({"cluster.num_devices": 2}))
+    reference = run(None)
+    for backend in BACKENDS:
+        assert_equivalent(reference, run({"cluster.num_devices": 2,
+                                          "communication.backend": backend}))
 
 
 @pytest.mark.parametrize("fusion_mb,collectives_per_replica", [(64, 1), (1e-9, 4)])
 def test_gradient_fusion_buckets(fusion_mb, collectives_per_replica, sgd_reference):
     """64 MiB fuses the MLP's 4 gradients into one all-reduce; a tiny bucket gives 4."""
-    config = {"cluster.num_devices": 2, "communication.fusion_mb": fusion_mb}
-    graph = tf.Graph()
-    with graph.as_default():
-        wh.init(config)
-        x = tf.compat.v1.placeholder(tf.float32, [None, 6])
-        y = tf.compat.v1.placeholder(tf.int64, [None])
-        loss, train_op = SGD(x, y)
-        with tf.compat.v1.Session() as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
-        reduces = [op for op in graph.get_operations() if op.type == "CollectiveReduceV2"]
-    assert len(reduces) == 2 * collectives_per_replica
+    config = {"cluster.num_devices": 2, "communication.fusion_mb": fusion_mb,
+              "communication.backend": "collective"}
+    reduces = rewritten_op_types(SGD, config).count("CollectiveReduceV2")
+    assert reduces == 2 * collectives_per_replica
     assert_equivalent(sgd_reference, train(SGD, DATA, config))
 
 

@@ -1,5 +1,5 @@
 """Public API: init, replicate, split, set_default_strategy, current_plan."""
-from typing import Any, List, Optional
+from typing import Any, Optional
 
 from tfpar.config import Config
 from tfpar.errors import AnnotationError, ConfigError

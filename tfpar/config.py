@@ -76,8 +76,9 @@ SCHEMA = {
                              "O2: segmented search, O3: whole-graph ILP"),
     "auto.search_time_limit_s": Option("float", 60.0, _POSITIVE, "planner search time limit"),
     "balance.hardware_aware": Option("bool", True, (), "Whale Algorithm 1 on mixed devices"),
-    "communication.backend": Option("str", "auto", _one_of("auto", "collective", "horovod"),
-                                    "collective-communication backend"),
+    "communication.backend": Option(
+        "str", "auto", _one_of("auto", "collective", "horovod"),
+        "auto: one-process CPUs share variables and sum on one device; else collective"),
     "communication.fusion_mb": Option("float", 64.0, _POSITIVE, "gradient fusion bucket (MB)"),
     "communication.timeout_s": Option("float", 60.0, _POSITIVE, "collective timeout"),
     "io.shard_dataset": Option("bool", False, (), "shard input datasets across replicas"),

@@ -8,7 +8,7 @@ a multiple of the devices one model copy uses, the whole model is replicated
 ``K // used`` times (nested data parallelism) on the following devices.
 """
 import dataclasses
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 from tfpar.errors import AnnotationError
 

@@ -17,11 +17,13 @@ __all__ = ["ApplyCall", "GradientCall", "GraphCapture", "capture_for", "existing
 
 @dataclasses.dataclass
 class GradientCall:
-    """One ``tf.gradients`` call: ys differentiated, xs, and the returned grads."""
+    """One ``tf.gradients`` call: ys differentiated, xs, the returned grads, and
+    the seeds (``grad_ys``: TF's default ones or the user's) backprop started from."""
 
     ys: List[Any]
     xs: List[Any]
     grads: List[Any]
+    seeds: List[Any] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

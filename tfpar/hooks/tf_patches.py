@@ -2,12 +2,14 @@
 
 * ``Graph._create_op_helper``: every new op joins the open scope / phase.
 * ``gradients_util._GradientsHelper``: ops made by ``tf.gradients`` (and hence
-  ``Optimizer.compute_gradients``) are BACKWARD; the call is recorded.
+  ``Optimizer.compute_gradients``) are BACKWARD; the call is recorded, with the
+  seeds ``gradients_util._DefaultGradYs`` returned for it.
 * ``Optimizer.apply_gradients`` (and subclasses' overrides): APPLY; recorded.
 * ``BaseSession.__init__``: tfpar's devices are merged into the ConfigProto.
 * ``BaseSession.run`` and ``Graph.finalize``: the graph is rewritten before it
   first runs or freezes; fetches are translated to their parallel versions.
 """
+import threading
 from typing import Any, Callable, Optional
 
 from tensorflow.python.client import session as tf_session
@@ -47,6 +49,7 @@ def install(session_config: Callable[[Any], Any], before_run: Callable[[Any], An
     _patches.add(ops.Graph, "_create_op_helper", _wrap_create_op)
     _patches.add(ops.Graph, "finalize", _wrap_finalize)
     _patches.add(gradients_util, "_GradientsHelper", _wrap_gradients)
+    _patches.add(gradients_util, "_DefaultGradYs", _wrap_default_grad_ys)
     _patch_optimizer_class(tf_optimizer.Optimizer)
     _patches.add(tf_optimizer.Optimizer, "__init__", _wrap_optimizer_init)
     _patches.add(tf_session.BaseSession, "__init__", _wrap_session_init)
@@ -79,20 +82,39 @@ def _as_list(x):
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
+# Seeds returned by _DefaultGradYs during the innermost running _GradientsHelper.
+_seeds = threading.local()
+
+
 def _wrap_gradients(original):
     def _GradientsHelper(ys, xs, *args, **kwargs):  # pylint: disable=invalid-name
         graph = ops.get_default_graph()
         if graph.building_function:
             return original(ys, xs, *args, **kwargs)
         cap = cap_lib.capture_for(graph)
-        with cap.phase(Phase.BACKWARD):
-            grads = original(ys, xs, *args, **kwargs)
+        outer = getattr(_seeds, "value", None)
+        _seeds.value = []
+        try:
+            with cap.phase(Phase.BACKWARD):
+                grads = original(ys, xs, *args, **kwargs)
+            seeds = _seeds.value
+        finally:
+            _seeds.value = outer
         xs_list = [x.handle if resource_variable_ops.is_resource_variable(x) else x
                    for x in _as_list(xs)]
         cap.gradient_calls.append(cap_lib.GradientCall(
-            ys=_as_list(ys), xs=xs_list, grads=list(grads)))
+            ys=_as_list(ys), xs=xs_list, grads=list(grads), seeds=seeds))
         return grads
     return _GradientsHelper
+
+
+def _wrap_default_grad_ys(original):
+    def _DefaultGradYs(*args, **kwargs):  # pylint: disable=invalid-name
+        grad_ys = original(*args, **kwargs)
+        if getattr(_seeds, "value", None) is not None:
+            _seeds.value = list(grad_ys)
+        return grad_ys
+    return _DefaultGradYs
 
 
 def _wrap_apply(original):

@@ -1,5 +1,5 @@
 """Plan from the user's scopes (no search): VirtualDevices + simple estimates."""
-from typing import Dict, Optional, Sequence
+from typing import Dict, Sequence
 
 from tfpar.cluster.virtual_device import assign_devices
 from tfpar.config import Config

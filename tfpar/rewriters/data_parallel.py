@@ -7,19 +7,22 @@ After, with R replicas x M micro-batches (U = R*M units, unit u = r*M + m):
   * the batch inputs are sliced into U parts (``batch_split``);
   * unit 0 is the original ops, rerouted to slice 0; unit u > 0 is a copy on
     replica r's device reading slice u and replica r's variables;
-  * per replica, unit gradients are summed with weights n_u/N, then summed
-    across replicas by collective all-reduce (``allreduce``), giving the
-    gradient of the global-batch mean loss;
-  * the update ops (clipping, optimizer) run once per replica on the reduced
-    gradient against replica r's mirrored variables (replica 0 = originals);
-  * every op outside the training step that writes a mirrored variable
-    (initializer, Saver restore, assign) is followed by a copy to the other
-    replicas, so replicas never diverge;
+  * unit u's gradients are weighted by n_u/N, at no cost by scaling the seeds
+    its backprop starts from (backprop is linear in them), or, for higher-order
+    gradients, by scaling its gradients; a replica sums its units' gradients, then the replicas' sums are
+    summed (``allreduce``), giving the gradient of the global-batch mean loss;
+  * with mirrored variables (the collective reducer): the update ops
+    (clipping, optimizer) run once per replica on the reduced gradient against
+    replica r's copy of the variables (replica 0 = originals), and every op
+    outside the training step that writes a mirrored variable (initializer,
+    Saver restore, assign) is followed by a copy to the other replicas, so
+    replicas never diverge;
+  * with shared variables (the local reducer: CPU devices of one process):
+    every replica reads the original variables and the update ops run once;
   * ops outside the step that read step tensors (summaries) read merged values.
 """
-import collections
 import dataclasses
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set
 
 from tensorflow.python.framework import dtypes, indexed_slices, ops
 from tensorflow.python.framework import tensor as tensor_lib
@@ -29,7 +32,6 @@ from tensorflow.python.ops import gen_resource_variable_ops
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture
 from tfpar.rewriters import graph_edit
-from tfpar.rewriters.allreduce import CollectiveKeys, all_reduce_sum
 from tfpar.rewriters.batch_split import BatchSplit, split_batch
 from tfpar.rewriters.merge import merge_units
 from tfpar.rewriters.select import (GraphIndex, Selection, gradient_tensors,
@@ -51,7 +53,11 @@ class DataParallelRewrite:
       split: the batch slices and unit weights (None when nothing was split).
       reduced: raw gradient tensor -> reduced gradient per replica.
       sync_ops: writer op -> op that runs it and copies the result to replicas.
+      mirrored: replicas hold their own copies of the variables (else they
+        share the originals and ``replica_maps`` are empty).
       merged: step tensor -> merged tensor, filled on demand.
+      seed_weighted: step ops downstream of scaled gradient seeds: their unit
+        values are already multiplied by the unit weight.
       edits: number of in-place edits of original ops.
     """
 
@@ -63,7 +69,9 @@ class DataParallelRewrite:
     split: Optional[BatchSplit] = None
     reduced: Dict[tensor_lib.Tensor, List[tensor_lib.Tensor]] = dataclasses.field(default_factory=dict)
     sync_ops: Dict[ops.Operation, ops.Operation] = dataclasses.field(default_factory=dict)
+    mirrored: bool = True
     merged: Dict[tensor_lib.Tensor, tensor_lib.Tensor] = dataclasses.field(default_factory=dict)
+    seed_weighted: Set[ops.Operation] = dataclasses.field(default_factory=set)
     edits: int = 0
 
     @property
@@ -75,7 +83,10 @@ class DataParallelRewrite:
         return [m.get(op, op) if u else op for u, m in enumerate(self.unit_maps)]
 
     def replica_versions(self, op: ops.Operation) -> List[ops.Operation]:
-        """Every replica's copy of an update op or variable."""
+        """Every replica's copy of an update op or variable (just ``op`` when
+        the replicas share variables)."""
+        if not self.mirrored:
+            return [op]
         return [m.get(op, op) if r else op for r, m in enumerate(self.replica_maps)]
 
     def merged_tensor(self, t: tensor_lib.Tensor) -> tensor_lib.Tensor:
@@ -85,15 +96,16 @@ class DataParallelRewrite:
             versions = [op.outputs[t.value_index] for op in self.unit_versions(t.op)]
             static = self.selection.batch_inputs[0].shape[0]
             self.merged[t] = merge_units(t, versions, self.split.weights,
-                                         self.selection.batch_dependent, static)
+                                         self.selection.batch_dependent, static,
+                                         weighted=t.op in self.seed_weighted)
         return self.merged[t]
 
 
 def replicate(graph: ops.Graph, capture: GraphCapture, devices: List[str],
-              num_micro_batch: int, *, keys: CollectiveKeys, fusion_bytes: float,
-              hint: str, timeout_s: float) -> DataParallelRewrite:
+              num_micro_batch: int, reducer) -> DataParallelRewrite:
     """Rewrite ``graph`` for data parallelism over ``devices`` with
-    ``num_micro_batch`` micro-batches per replica (see module docstring)."""
+    ``num_micro_batch`` micro-batches per replica (see module docstring);
+    ``reducer`` (``allreduce.make_reducer``) sums gradients across replicas."""
     index = GraphIndex(graph)
     global_steps = {v.op for v in graph.get_collection(ops.GraphKeys.GLOBAL_STEP)}
     global_steps |= {c.global_step.op for c in capture.apply_calls if c.global_step is not None}
@@ -103,7 +115,8 @@ def replicate(graph: ops.Graph, capture: GraphCapture, devices: List[str],
     num_replicas = len(devices)
     rw = DataParallelRewrite(devices=list(devices), num_micro_batch=num_micro_batch,
                              selection=sel, unit_maps=[{}] * (num_replicas * num_micro_batch),
-                             replica_maps=[{} for _ in range(num_replicas)])
+                             replica_maps=[{} for _ in range(num_replicas)],
+                             mirrored=reducer.mirrors_variables and num_replicas > 1)
     for op in sel.step_ops + sel.update_ops + sel.variables:
         graph_edit.set_device(op, devices[0])
     if rw.num_units == 1:
@@ -129,7 +142,7 @@ def replicate(graph: ops.Graph, capture: GraphCapture, devices: List[str],
                 if c in step:
                     rw.edits += _reroute(c, t, split.parts[i][0])
         for r in range(num_replicas):
-            if r:
+            if r and rw.mirrored:
                 rw.replica_maps[r] = graph_edit.clone_ops(
                     graph, sel.variables, f"replica_{r}/variables", devices[r], {})
             for m in range(num_micro_batch):
@@ -139,19 +152,20 @@ def replicate(graph: ops.Graph, capture: GraphCapture, devices: List[str],
                 # Unit 0 already reads slice 0: copies read slice u instead.
                 imap = {split.parts[i][0]: split.parts[i][u] for i in range(len(split.parts))}
                 imap.update({v.outputs[0]: rw.replica_maps[r][v].outputs[0]
-                             for v in sel.variables if r})
+                             for v in sel.variables if r and rw.mirrored})
                 unit_maps[u] = graph_edit.clone_ops(
                     graph, sel.step_ops, f"replica_{r}/micro_{m}", devices[r], imap)
         _sequence_micro_batches(rw, raw)
-        _reduce_gradients(rw, raw, keys=keys, fusion_bytes=fusion_bytes, hint=hint,
-                          timeout_s=timeout_s)
-        _copy_updates(graph, rw)
+        _scale_seeds(rw, capture, index)
+        _reduce_gradients(rw, raw, reducer)
+        if rw.mirrored:
+            _copy_updates(graph, rw)
         _wire_control_edges(rw, control_readers, step, copied)
         for t, c, k in outside_readers:
             if t not in raw:
                 graph_edit.update_input(c, k, rw.merged_tensor(t))
                 rw.edits += 1
-        if num_replicas > 1:
+        if rw.mirrored:
             for writer in sel.sync_writers:
                 add_replica_sync(rw, writer, control_readers[writer])
     return rw
@@ -181,28 +195,73 @@ def _sequence_micro_batches(rw: DataParallelRewrite, raw) -> None:
                         graph_edit.add_control_input(op, dep)
 
 
-def _reduce_gradients(rw: DataParallelRewrite, raw, **collective) -> None:
-    """Weighted sum over a replica's micro-batches, then all-reduce across replicas."""
-    num_replicas, mb = len(rw.devices), rw.num_micro_batch
-    dense = [g for g, _ in rw.selection.raw_grads if not isinstance(g, indexed_slices.IndexedSlices)]
-    sparse = [g for g, _ in rw.selection.raw_grads if isinstance(g, indexed_slices.IndexedSlices)]
+def _scale_seeds(rw: DataParallelRewrite, capture: GraphCapture, index: GraphIndex) -> None:
+    """Weight unit u's backprop by n_u/N by scaling the seeds it starts from.
+
+    Sets ``rw.seed_weighted``: every step op downstream of a seed, whose unit
+    values then equal the global-batch backprop restricted to the unit's rows
+    (so fetched gradients merge by concatenation or plain sums). Leaves it empty,
+    and gradients are weighted instead, when a seed is unknown or a
+    differentiated tensor depends on a seed (higher-order gradients, where the
+    backprop is no longer linear in the seed)."""
+    seeds = {s for call in capture.gradient_calls for s in call.seeds}
+    if not seeds or not all(isinstance(s, tensor_lib.Tensor) for s in seeds):
+        return
+    step = set(rw.selection.step_ops)
+    downstream = {op for op in index.descendants({s.op for s in seeds}) if op in step}
+    if any(getattr(y, "op", None) in downstream or getattr(y, "op", None) in
+           {s.op for s in seeds} for call in capture.gradient_calls for y in call.ys):
+        return
+    rw.seed_weighted = downstream
+    mb = rw.num_micro_batch
+    for u in range(rw.num_units):
+        unit_ops = set(rw.unit_maps[u].values()) if u else step
+        with ops.device(rw.devices[u // mb]):
+            for seed in sorted(seeds, key=lambda t: t.name):
+                seed_u = (rw.unit_versions(seed.op)[u].outputs[seed.value_index]
+                          if seed.op in step else seed)
+                readers = [c for c in seed_u.consumers() if c in unit_ops]
+                scaled = seed_u * math_ops.cast(rw.split.weights[u], seed.dtype)
+                for c in readers:
+                    rw.edits += _reroute(c, seed_u, scaled)
+
+
+def _unit_terms(rw: DataParallelRewrite, t: tensor_lib.Tensor, r: int,
+                weigh: bool = True) -> List[tensor_lib.Tensor]:
+    """Replica r's units' versions of ``t``, each weighted by n_u/N if ``weigh``."""
+    mb = rw.num_micro_batch
+    versions = [op.outputs[t.value_index] for op in rw.unit_versions(t.op)][r * mb:(r + 1) * mb]
+    if not weigh or t.op in rw.seed_weighted:
+        return versions
+    return [v * math_ops.cast(rw.split.weights[r * mb + m], t.dtype)
+            for m, v in enumerate(versions)]
+
+
+def _reduce_gradients(rw: DataParallelRewrite, raw, reducer) -> None:
+    """Weighted sum over a replica's micro-batches, then summed across replicas
+    (IndexedSlices: values and indices concatenated, then gathered; duplicates
+    are summed by the optimizer, as for any IndexedSlices gradient)."""
+    num_replicas = len(rw.devices)
+    grads = [g for g, _ in rw.selection.raw_grads]
+    dense = [g for g in grads if not isinstance(g, indexed_slices.IndexedSlices)]
+    sparse = [g for g in grads if isinstance(g, indexed_slices.IndexedSlices)]
     consumers = {t: [(c, k) for c in t.consumers() for k, x in enumerate(c.inputs) if x is t]
                  for t in raw}
-    local = []
+    dense_local, sparse_local = [], []
     for r, device in enumerate(rw.devices):
         with ops.device(device):
-            per_grad = []
-            for g in dense:
-                versions = [op.outputs[g.value_index] for op in rw.unit_versions(g.op)]
-                terms = [versions[r * mb + m] * math_ops.cast(rw.split.weights[r * mb + m], g.dtype)
-                         for m in range(mb)]
-                per_grad.append(terms[0] if mb == 1 else math_ops.add_n(terms))
-            local.append(per_grad)
-    summed = all_reduce_sum(local, rw.devices, **collective) if num_replicas > 1 and dense else local
+            dense_local.append([_sum(_unit_terms(rw, g, r)) for g in dense])
+            sparse_local.append(
+                [array_ops.concat(_unit_terms(rw, g.values, r), 0) for g in sparse]
+                + [array_ops.concat(_unit_terms(rw, g.indices, r, weigh=False), 0) for g in sparse])
+    if num_replicas > 1:
+        dense_local = reducer.sum(dense_local) if dense else dense_local
+        sparse_local = reducer.gather(sparse_local) if sparse else sparse_local
     for i, g in enumerate(dense):
-        rw.reduced[g] = [summed[r][i] for r in range(num_replicas)]
-    for g in sparse:
-        _reduce_sparse(rw, g, **collective)
+        rw.reduced[g] = [dense_local[r][i] for r in range(num_replicas)]
+    for i, g in enumerate(sparse):
+        rw.reduced[g.values] = [sparse_local[r][i] for r in range(num_replicas)]
+        rw.reduced[g.indices] = [sparse_local[r][len(sparse) + i] for r in range(num_replicas)]
     step = set(rw.selection.step_ops)
     for t in raw:
         for c, k in consumers[t]:
@@ -211,39 +270,8 @@ def _reduce_gradients(rw: DataParallelRewrite, raw, **collective) -> None:
                 rw.edits += 1
 
 
-def _reduce_sparse(rw: DataParallelRewrite, g: indexed_slices.IndexedSlices, *, keys, fusion_bytes,
-                   hint, timeout_s) -> None:
-    """IndexedSlices: weighted values and their indices are concatenated over
-    units; across replicas they are all-gathered (duplicates are summed by the
-    optimizer, as for any IndexedSlices gradient)."""
-    from tensorflow.python.ops import collective_ops  # local: only sparse models need it
-    num_replicas, mb = len(rw.devices), rw.num_micro_batch
-    values = [op.outputs[g.values.value_index] for op in rw.unit_versions(g.values.op)]
-    indices = [op.outputs[g.indices.value_index] for op in rw.unit_versions(g.indices.op)]
-    per_replica = []
-    for r, device in enumerate(rw.devices):
-        with ops.device(device):
-            us = range(r * mb, (r + 1) * mb)
-            v = array_ops.concat([values[u] * math_ops.cast(rw.split.weights[u], values[u].dtype)
-                                  for u in us], 0)
-            i = array_ops.concat([indices[u] for u in us], 0)
-            per_replica.append((v, i))
-    if num_replicas > 1:
-        group = keys.group()
-        gathered = []
-        for part in range(2):
-            instance = keys.instance()
-            outs = []
-            for r, device in enumerate(rw.devices):
-                with ops.device(device), keys.after_previous(device):
-                    outs.append(collective_ops.all_gather_v2(
-                        per_replica[r][part], group_size=num_replicas, group_key=group,
-                        instance_key=instance, communication_hint=hint, timeout=timeout_s))
-                keys.launched(device, outs[-1].op)
-            gathered.append(outs)
-        per_replica = list(zip(gathered[0], gathered[1]))
-    rw.reduced[g.values] = [v for v, _ in per_replica]
-    rw.reduced[g.indices] = [i for _, i in per_replica]
+def _sum(terms: List[tensor_lib.Tensor]) -> tensor_lib.Tensor:
+    return terms[0] if len(terms) == 1 else math_ops.add_n(terms)
 
 
 def _copy_updates(graph: ops.Graph, rw: DataParallelRewrite) -> None:
@@ -271,7 +299,7 @@ def _wire_control_edges(rw: DataParallelRewrite, control_readers, step, copied) 
         for c in control_readers[x]:
             if c in step:
                 continue
-            if c in copied:
+            if c in copied and rw.mirrored:
                 for r, c_r in enumerate(rw.replica_versions(c)):
                     for dep in versions[r * mb:(r + 1) * mb]:
                         graph_edit.add_control_input(c_r, dep)
@@ -311,7 +339,7 @@ def add_replica_sync(rw: DataParallelRewrite, writer: ops.Operation, readers) ->
 def sync_new_writers(graph: ops.Graph, rw: DataParallelRewrite, new_ops) -> None:
     """Add replica syncs for mirrored-variable writers among ``new_ops`` (ops
     built after the rewrite, e.g. a Saver made after the first run)."""
-    if len(rw.devices) < 2 or not new_ops:
+    if not rw.mirrored or not new_ops:
         return
     fresh = set(new_ops)
     index = GraphIndex(graph)

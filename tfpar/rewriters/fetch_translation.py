@@ -21,11 +21,15 @@ class FetchTranslator:
     * a step or update op -> a group running every copy of it;
     * a variable writer outside training (initializer) -> writer + replica sync;
     * anything else is fetched as is. Strings (``"loss:0"``) are translated too.
+
+    Ops the user builds after the rewrite (between runs) are adopted first: those
+    writing mirrored variables get replica syncs, and those reading step tensors
+    or raw gradients read the merged / reduced ones instead.
     """
 
     def __init__(self, graph: ops.Graph, rewrite: DataParallelRewrite) -> None:
         self._graph = graph
-        self._rw = rewrite
+        self.rewrite = rewrite
         self._step = set(rewrite.selection.step_ops)
         self._update = set(rewrite.selection.update_ops)
         self._groups: Dict[ops.Operation, ops.Operation] = {}
@@ -33,11 +37,15 @@ class FetchTranslator:
         self._version = graph.version
 
     def __call__(self, fetches: Any) -> Any:
-        if self._rw.num_units == 1:
+        if self.rewrite.num_units == 1:
             return fetches
-        self._sync_new_writers()
         with graph_edit.unfinalized(self._graph), self._graph.as_default(), recording_paused():
-            return nest.map_structure(self._translate, fetches)
+            if self._graph.version != self._version:
+                self._adopt(self._graph.get_operations()[self._known_ops:])
+            translated = nest.map_structure(self._translate, fetches)
+            self._known_ops = len(self._graph.get_operations())
+            self._version = self._graph.version
+        return translated
 
     def _translate(self, fetch: Any) -> Any:
         if isinstance(fetch, (str, bytes)):
@@ -50,31 +58,29 @@ class FetchTranslator:
         if isinstance(fetch, ops.Operation):
             return self._translate_op(fetch)
         if isinstance(fetch, tensor_lib.Tensor):
-            if fetch in self._rw.reduced:
-                return self._rw.reduced[fetch][0]
+            if fetch in self.rewrite.reduced:
+                return self.rewrite.reduced[fetch][0]
             if fetch.op in self._step:
-                return self._rw.merged_tensor(fetch)
+                return self.rewrite.merged_tensor(fetch)
         return fetch
 
     def _translate_op(self, op: ops.Operation) -> ops.Operation:
-        if op in self._rw.sync_ops:
-            return self._rw.sync_ops[op]
+        if op in self.rewrite.sync_ops:
+            return self.rewrite.sync_ops[op]
         if op in self._step or op in self._update:
             if op not in self._groups:
-                versions = (self._rw.unit_versions(op) if op in self._step
-                            else self._rw.replica_versions(op))
+                versions = (self.rewrite.unit_versions(op) if op in self._step
+                            else self.rewrite.replica_versions(op))
                 with ops.name_scope(None), ops.name_scope("tfpar"):
                     self._groups[op] = control_flow_ops.group(*versions, name="all_copies")
             return self._groups[op]
         return op
 
-    def _sync_new_writers(self) -> None:
-        """Writers of mirrored variables created after the rewrite (a Saver built
-        after the first run) get replica syncs too."""
-        if self._graph.version == self._version:
-            return
-        new_ops = self._graph.get_operations()[self._known_ops:]
-        with graph_edit.unfinalized(self._graph), recording_paused():
-            sync_new_writers(self._graph, self._rw, new_ops)
-        self._known_ops = len(self._graph.get_operations())
-        self._version = self._graph.version
+    def _adopt(self, new_ops) -> None:
+        sync_new_writers(self._graph, self.rewrite, new_ops)
+        for op in new_ops:
+            for k, t in enumerate(op.inputs):
+                if t in self.rewrite.reduced:
+                    graph_edit.update_input(op, k, self.rewrite.reduced[t][0])
+                elif t.op in self._step:
+                    graph_edit.update_input(op, k, self.rewrite.merged_tensor(t))

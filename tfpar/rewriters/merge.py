@@ -9,13 +9,15 @@ __all__ = ["merge_units"]
 
 
 def merge_units(t: tensor_lib.Tensor, versions: List[tensor_lib.Tensor], weights: List[tensor_lib.Tensor],
-                batch_dependent: Set[ops.Operation], static_batch: Optional[int]) -> tensor_lib.Tensor:
+                batch_dependent: Set[ops.Operation], static_batch: Optional[int],
+                weighted: bool = False) -> tensor_lib.Tensor:
     """Merge ``versions`` (one per unit, in batch order) of step tensor ``t``.
 
     * not derived from the batch (a variable read): unit 0's value;
     * rank >= 1 with dimension 0 unknown at build time or equal to the static
       global batch ``static_batch``: concatenated along dimension 0;
-    * float, otherwise (batch means, per-class means): weighted by n_u / N;
+    * float, otherwise (batch means, per-class means): weighted by n_u / N, or
+      summed when ``weighted`` (the versions already carry their weights);
     * other dtypes: unit 0's value.
     """
     if t.op not in batch_dependent:
@@ -23,6 +25,8 @@ def merge_units(t: tensor_lib.Tensor, versions: List[tensor_lib.Tensor], weights
     with ops.name_scope("tfpar_merge"):
         if _batch_major(t, static_batch):
             return array_ops.concat(versions, 0)
+        if t.dtype.is_floating and weighted:
+            return math_ops.add_n(versions)
         if t.dtype.is_floating:
             return math_ops.add_n([v * math_ops.cast(w, t.dtype)
                                    for v, w in zip(versions, weights)])

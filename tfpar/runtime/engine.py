@@ -12,7 +12,7 @@ from tfpar.ir.plan import Plan
 from tfpar.ir.taskgraph import Strategy, TaskGraphSpec
 from tfpar.planner.from_annotations import plan_from_annotations
 from tfpar.rewriters import graph_edit
-from tfpar.rewriters.allreduce import CollectiveKeys, communication_hint
+from tfpar.rewriters.allreduce import CollectiveKeys, make_reducer
 from tfpar.rewriters.data_parallel import replicate
 from tfpar.rewriters.fetch_translation import FetchTranslator
 from tfpar.runtime.context import Runtime, active
@@ -72,11 +72,11 @@ def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
         devices = [group[0] for group in plan.task_graphs[0].replicas]
         cfg = rt.config
         with graph_edit.unfinalized(graph), recording_paused():
-            rewrite = replicate(
-                graph, capture, devices, plan.num_micro_batch, keys=CollectiveKeys(),
+            reducer = make_reducer(
+                cfg.get("communication.backend"), devices, rt.device_type, CollectiveKeys(),
                 fusion_bytes=cfg.get("communication.fusion_mb") * 2 ** 20,
-                hint=communication_hint(rt.device_type),
                 timeout_s=cfg.get("communication.timeout_s"))
+            rewrite = replicate(graph, capture, devices, plan.num_micro_batch, reducer)
         capture.plan = plan
         capture.rewrite = FetchTranslator(graph, rewrite)
         log.info("tfpar rewrote the graph:\n%s", plan.summary())
