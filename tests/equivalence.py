@@ -48,6 +48,9 @@ def train(build, data, tfpar_config=None, use_dataset=False, session="plain",
           scope=None):
     """Train for len(data[0]) steps; return (losses, {var name: value}).
 
+    ``data`` is (xs, ys): ``xs[step]`` is the batch fed to ``x`` (any dtype and
+    rank), ``ys[step]`` the int64 labels fed to ``y``.
+
     Args:
       tfpar_config: None for plain TF, else a config for wh.init.
       use_dataset: feed through a tf.data iterator instead of feed_dict.
@@ -61,11 +64,11 @@ def train(build, data, tfpar_config=None, use_dataset=False, session="plain",
             wh.init(tfpar_config)
         if use_dataset:
             ds = tf.data.Dataset.from_tensor_slices(
-                (xs.reshape(-1, xs.shape[-1]), ys.reshape(-1))).batch(xs.shape[1])
+                (xs.reshape(-1, *xs.shape[2:]), ys.reshape(-1))).batch(xs.shape[1])
             x, y = tf.compat.v1.data.make_one_shot_iterator(ds).get_next()
             feeds = [None] * len(xs)
         else:
-            x = tf.compat.v1.placeholder(tf.float32, [None, xs.shape[-1]], name="x")
+            x = tf.compat.v1.placeholder(tf.as_dtype(xs.dtype), [None, *xs.shape[2:]], name="x")
             y = tf.compat.v1.placeholder(tf.int64, [None], name="y")
             feeds = [{x: a, y: b} for a, b in zip(xs, ys)]
         if scope is not None:

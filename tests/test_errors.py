@@ -70,7 +70,35 @@ def test_unsupported_annotations_raise_plan_error():
             h = tf.compat.v1.layers.dense(x, 4)
         with wh.split(2):
             tf.compat.v1.layers.dense(h, 4)
-        with pytest.raises(wh.PlanError, match="replicate_0=replicate, split_1=split"):
+        with pytest.raises(wh.PlanError, match=r"split TaskGraphs \(split_1\)"):
+            wh.current_plan()
+
+
+@pytest.mark.parametrize("config,match", [
+    ({"pipeline.schedule": "zero_bubble"}, "zero_bubble' is not implemented"),
+    ({"pipeline.schedule": "kfkb", "pipeline.group_size": "auto"}, "Ada-Grouper"),
+])
+def test_unsupported_pipeline_settings_raise_plan_error(config, match):
+    with tf.Graph().as_default():
+        wh.init({"cluster.num_devices": 2, "pipeline.num_micro_batch": 2, **config})
+        x = tf.compat.v1.placeholder(tf.float32, [None, 6])
+        with wh.replicate(1):
+            h = tf.compat.v1.layers.dense(x, 4)
+        with wh.replicate(1):
+            tf.compat.v1.layers.dense(h, 4)
+        with pytest.raises(wh.PlanError, match=match):
+            wh.current_plan()
+
+
+def test_stages_with_different_replica_counts_need_bridges():
+    with tf.Graph().as_default():
+        wh.init({"cluster.num_devices": 3})
+        x = tf.compat.v1.placeholder(tf.float32, [None, 6])
+        with wh.replicate(2):
+            h = tf.compat.v1.layers.dense(x, 4)
+        with wh.replicate(1):
+            tf.compat.v1.layers.dense(h, 4)
+        with pytest.raises(wh.PlanError, match="bridge layers"):
             wh.current_plan()
 
 

@@ -58,11 +58,24 @@ class GraphCapture:
         self._phases: List[Phase] = []
 
     # -- recording -----------------------------------------------------------------
-    def record_op(self, op: Any) -> None:
-        if self._scopes:
-            self.op_task_graph[op.name] = self._scopes[-1]
-        if self._phases:
-            self.op_phase[op.name] = self._phases[-1]
+    def record_op(self, op: Any, differentiated: Any = None) -> None:
+        """Tag a new op with its phase and TaskGraph. A backward op joins the
+        TaskGraph of the forward op it differentiates (``differentiated``), or
+        else of its first tagged input (gradient sums, seeds); other ops join
+        the innermost open scope."""
+        phase = self._phases[-1] if self._phases else None
+        if phase is not None:
+            self.op_phase[op.name] = phase
+        task_graph = None
+        if phase == Phase.BACKWARD:
+            sources = [differentiated] if differentiated is not None else []
+            sources += [t.op for t in op.inputs]
+            task_graph = next((self.op_task_graph[s.name] for s in sources
+                               if s.name in self.op_task_graph), None)
+        if task_graph is None and self._scopes:
+            task_graph = self._scopes[-1]
+        if task_graph is not None:
+            self.op_task_graph[op.name] = task_graph
 
     def open_scope(self, strategy: Strategy, device_count: Optional[int],
                    name: Optional[str]) -> TaskGraphSpec:

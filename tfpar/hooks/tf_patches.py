@@ -66,7 +66,8 @@ def _wrap_create_op(original):
     def _create_op_helper(self, op, compute_device=True):
         original(self, op, compute_device)
         if not cap_lib.is_paused() and not self.building_function:
-            cap_lib.capture_for(self).record_op(op)
+            # tf.gradients builds each gradient function under _original_op(forward op).
+            cap_lib.capture_for(self).record_op(op, self._default_original_op)
     return _create_op_helper
 
 

@@ -1,73 +1,100 @@
 """Plan from the user's scopes (no search): VirtualDevices + simple estimates."""
-from typing import Dict, Sequence
+import dataclasses
+from typing import Dict, List, Sequence
 
 from tfpar.cluster.virtual_device import assign_devices
 from tfpar.config import Config
 from tfpar.errors import PlanError
 from tfpar.ir.plan import Plan, TaskGraphPlan
 from tfpar.ir.taskgraph import Strategy, TaskGraphSpec
+from tfpar.planner.schedule import SCHEDULES
 
 __all__ = ["plan_from_annotations"]
 
 
 def plan_from_annotations(specs: Sequence[TaskGraphSpec], devices: Sequence[str],
-                          config: Config, stats: Dict[str, int]) -> Plan:
-    """Turn annotated TaskGraphs into a Plan.
+                          config: Config, stats: Dict[str, Sequence[int]]) -> Plan:
+    """Turn annotated TaskGraphs into a Plan: one TaskGraph is data parallelism
+    (with gradient accumulation when micro-batched); several form a pipeline,
+    one stage per TaskGraph in creation order (Whale §3.1.2), replicated whole
+    when the devices allow (nested data parallelism, Whale §3.2.1).
 
     Args:
       specs: the TaskGraphs (one implicit replicate TaskGraph when unannotated).
       devices: available devices.
       config: tfpar config (pipeline settings, sharing, a pinned plan).
-      stats: ``num_ops`` and ``param_bytes`` (trainable, one copy) of the model.
+      stats: per TaskGraph, ``num_ops`` and ``param_bytes`` (trainable, one copy).
 
     Raises:
       PlanError: the annotations need a feature this build does not provide yet,
         or a pinned plan does not fit the model / devices.
     """
-    if len(specs) != 1 or specs[0].strategy != Strategy.REPLICATE:
-        kinds = ", ".join(f"{s.name}={s.strategy.value}" for s in specs)
-        raise PlanError(
-            f"tfpar: only a single replicate TaskGraph (data parallelism) is supported by "
-            f"this build; the model declares [{kinds}]. Pipelines of several TaskGraphs "
-            "and split scopes are not implemented yet")
-    spec = specs[0]
-    pinned = config.plan
-    if pinned is not None:
-        tg = _pinned_task_graph(Plan.from_dict(pinned), spec, devices)
-        num_micro_batch = Plan.from_dict(pinned).num_micro_batch
+    split = [s.name for s in specs if s.strategy != Strategy.REPLICATE]
+    if split:
+        raise PlanError(f"tfpar: split TaskGraphs ({', '.join(split)}) are not implemented "
+                        "in this build; use wh.replicate scopes")
+    if config.plan is not None:
+        pinned = Plan.from_dict(config.plan)
+        tgs = _pinned_task_graphs(pinned, specs, devices)
+        num_micro_batch, schedule, group_size = (pinned.num_micro_batch, pinned.schedule,
+                                                 pinned.group_size)
     else:
-        assignment = assign_devices([(spec.name, spec.device_count)], devices,
-                                    config.get("cluster.colocate_split_and_replicate"))
-        replicas = tuple((d,) for vd in assignment.virtual_devices[0] for d in vd)
-        tg = TaskGraphPlan(name=spec.name, strategy=spec.strategy.value,
-                           device_count=len(assignment.virtual_devices[0][0]),
-                           replicas=replicas)
+        tgs = _annotated_task_graphs(specs, devices, config)
         num_micro_batch = config.get("pipeline.num_micro_batch")
-    tg = TaskGraphPlan(name=tg.name, strategy=tg.strategy, device_count=tg.device_count,
-                       replicas=tg.replicas, num_ops=stats.get("num_ops", 0),
-                       param_bytes=stats.get("param_bytes", 0))
-    r = len(tg.replicas)
-    grad_bytes = stats.get("param_bytes", 0)
+        schedule, group_size = config.get("pipeline.schedule"), config.get("pipeline.group_size")
+    _check_pipeline(tgs, num_micro_batch, schedule, group_size)
+    tgs = [dataclasses.replace(tg, num_ops=stats["num_ops"][i], param_bytes=stats["param_bytes"][i])
+           for i, tg in enumerate(tgs)]
+    r = len(tgs[0].replicas)
+    # Per device: its stage's weights + gradients (one stage per device here).
+    memory = {d: 2 * tg.param_bytes for tg in tgs for d in tg.devices}
     estimate = {
         "step_time_s": None,  # no cost model for annotated plans yet
-        "memory_bytes_per_device": [2 * grad_bytes] * r,  # weights + gradients
-        "comm_bytes": int(2 * (r - 1) / r * grad_bytes) if r > 1 else 0,  # ring all-reduce
+        "memory_bytes_per_device": [memory[d] for d in sorted(memory)],
+        "comm_bytes": sum(int(2 * (r - 1) / r * tg.param_bytes) for tg in tgs) if r > 1 else 0,
     }
-    return Plan(task_graphs=(tg,), data_parallel_degree=r, num_micro_batch=num_micro_batch,
-                schedule=config.get("pipeline.schedule"),
-                group_size=config.get("pipeline.group_size"), estimate=estimate)
+    return Plan(task_graphs=tuple(tgs), data_parallel_degree=r, num_micro_batch=num_micro_batch,
+                schedule=schedule, group_size=group_size, estimate=estimate)
 
 
-def _pinned_task_graph(plan: Plan, spec: TaskGraphSpec, devices: Sequence[str]) -> TaskGraphPlan:
-    if len(plan.task_graphs) != 1:
+def _annotated_task_graphs(specs, devices, config) -> List[TaskGraphPlan]:
+    """Each device of each VirtualDevice runs one replica of its TaskGraph."""
+    assignment = assign_devices([(s.name, s.device_count) for s in specs], devices,
+                                config.get("cluster.colocate_split_and_replicate"))
+    return [TaskGraphPlan(name=spec.name, strategy=spec.strategy.value,
+                          device_count=len(vds[0]),
+                          replicas=tuple((d,) for vd in vds for d in vd))
+            for spec, vds in zip(specs, assignment.virtual_devices)]
+
+
+def _check_pipeline(tgs: Sequence[TaskGraphPlan], num_micro_batch: int, schedule: str,
+                    group_size) -> None:
+    counts = {tg.name: len(tg.replicas) for tg in tgs}
+    if len(set(counts.values())) > 1:
+        raise PlanError(
+            "tfpar: pipeline stages with different replica counts need bridge layers, not "
+            f"implemented in this build: {counts}; give every stage the same device_count")
+    if len(tgs) == 1 and num_micro_batch == 1:
+        return
+    if schedule not in SCHEDULES:
+        raise PlanError(f"tfpar: pipeline.schedule '{schedule}' is not implemented in this "
+                        f"build; choose one of {', '.join(SCHEDULES)}")
+    if schedule == "kfkb" and group_size == "auto":
+        raise PlanError("tfpar: pipeline.group_size 'auto' (Ada-Grouper tuning) needs the "
+                        "cost model, not in this build; give k as an integer")
+
+
+def _pinned_task_graphs(plan: Plan, specs: Sequence[TaskGraphSpec],
+                        devices: Sequence[str]) -> List[TaskGraphPlan]:
+    if len(plan.task_graphs) != len(specs):
         raise PlanError(f"tfpar: the pinned plan has {len(plan.task_graphs)} TaskGraphs but "
-                        f"the model has 1 ('{spec.name}')")
-    tg = plan.task_graphs[0]
-    unknown = [d for d in tg.devices if d not in devices]
-    if unknown:
-        raise PlanError(f"tfpar: pinned plan TaskGraph '{tg.name}' uses devices {unknown} "
-                        f"that do not exist; available: {list(devices)}")
-    if tg.strategy != spec.strategy.value:
-        raise PlanError(f"tfpar: pinned plan TaskGraph '{tg.name}' has strategy "
-                        f"'{tg.strategy}' but the model's is '{spec.strategy.value}'")
-    return tg
+                        f"the model has {len(specs)} ({', '.join(s.name for s in specs)})")
+    for tg, spec in zip(plan.task_graphs, specs):
+        unknown = [d for d in tg.devices if d not in devices]
+        if unknown:
+            raise PlanError(f"tfpar: pinned plan TaskGraph '{tg.name}' uses devices {unknown} "
+                            f"that do not exist; available: {list(devices)}")
+        if tg.strategy != spec.strategy.value:
+            raise PlanError(f"tfpar: pinned plan TaskGraph '{tg.name}' has strategy "
+                            f"'{tg.strategy}' but the model's is '{spec.strategy.value}'")
+    return list(plan.task_graphs)

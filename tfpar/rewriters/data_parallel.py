@@ -1,16 +1,21 @@
-"""Data parallelism and gradient accumulation as one rewrite (Whale §2.1 replicate).
+"""Data parallelism, gradient accumulation and pipelines as one rewrite
+(Whale §2.1 replicate, §3.1.2 pipeline of TaskGraphs).
 
 Before: one copy of the forward/backward ops reads the whole fed batch, and the
 optimizer applies its gradients.
 
-After, with R replicas x M micro-batches (U = R*M units, unit u = r*M + m):
+After, with R replicas x M micro-batches (U = R*M units, unit u = r*M + m), each
+replica a chain of S stages (S = 1 without a pipeline; ``stages.Placement``):
   * the batch inputs are sliced into U parts (``batch_split``);
-  * unit 0 is the original ops, rerouted to slice 0; unit u > 0 is a copy on
-    replica r's device reading slice u and replica r's variables;
+  * unit 0 is the original ops, rerouted to slice 0; unit u > 0 is a copy reading
+    slice u and replica r's variables, each op on replica r's device of its stage;
+  * each stage device runs its units' forward and backward tasks in the order of
+    the pipeline schedule (``pipeline.lower_schedule``);
   * unit u's gradients are weighted by n_u/N, at no cost by scaling the seeds
     its backprop starts from (backprop is linear in them), or, for higher-order
-    gradients, by scaling its gradients; a replica sums its units' gradients, then the replicas' sums are
-    summed (``allreduce``), giving the gradient of the global-batch mean loss;
+    gradients, by scaling its gradients; a replica sums its units' gradients,
+    then the sums are summed across the replicas of each stage (``allreduce``),
+    giving the gradient of the global-batch mean loss;
   * with mirrored variables (the collective reducer): the update ops
     (clipping, optimizer) run once per replica on the reduced gradient against
     replica r's copy of the variables (replica 0 = originals), and every op
@@ -21,7 +26,9 @@ After, with R replicas x M micro-batches (U = R*M units, unit u = r*M + m):
     every replica reads the original variables and the update ops run once;
   * ops outside the step that read step tensors (summaries) read merged values.
 """
+import collections
 import dataclasses
+import functools
 from typing import Dict, List, Optional, Set
 
 from tensorflow.python.framework import dtypes, indexed_slices, ops
@@ -34,8 +41,10 @@ from tfpar.hooks.capture import GraphCapture
 from tfpar.rewriters import graph_edit
 from tfpar.rewriters.batch_split import BatchSplit, split_batch
 from tfpar.rewriters.merge import merge_units
+from tfpar.rewriters.pipeline import lower_schedule
 from tfpar.rewriters.select import (GraphIndex, Selection, gradient_tensors,
                                     select_replication, variable_writers)
+from tfpar.rewriters.stages import Placement
 
 __all__ = ["DataParallelRewrite", "add_replica_sync", "replicate", "sync_new_writers"]
 
@@ -45,7 +54,7 @@ class DataParallelRewrite:
     """What ``replicate`` did; read by fetch translation and tests.
 
     Attributes:
-      devices: device of each replica.
+      placement: devices of every (replica, stage); stage of every op.
       num_micro_batch: micro-batches per replica.
       selection: the ops/variables/inputs that were copied.
       unit_maps: per unit, original step op -> its copy (unit 0: identity).
@@ -58,10 +67,12 @@ class DataParallelRewrite:
       merged: step tensor -> merged tensor, filled on demand.
       seed_weighted: step ops downstream of scaled gradient seeds: their unit
         values are already multiplied by the unit weight.
+      task_ops: (replica, stage, "F"/"B", micro-batch) -> the ops of that
+        pipeline task (``pipeline.task_ops``).
       edits: number of in-place edits of original ops.
     """
 
-    devices: List[str]
+    placement: Placement
     num_micro_batch: int
     selection: Selection
     unit_maps: List[Dict[ops.Operation, ops.Operation]]
@@ -72,11 +83,16 @@ class DataParallelRewrite:
     mirrored: bool = True
     merged: Dict[tensor_lib.Tensor, tensor_lib.Tensor] = dataclasses.field(default_factory=dict)
     seed_weighted: Set[ops.Operation] = dataclasses.field(default_factory=set)
+    task_ops: Dict[tuple, List[ops.Operation]] = dataclasses.field(default_factory=dict)
     edits: int = 0
 
     @property
+    def num_replicas(self) -> int:
+        return self.placement.num_replicas
+
+    @property
     def num_units(self) -> int:
-        return len(self.devices) * self.num_micro_batch
+        return self.num_replicas * self.num_micro_batch
 
     def unit_versions(self, op: ops.Operation) -> List[ops.Operation]:
         """Every unit's copy of a step op (unit order)."""
@@ -101,30 +117,36 @@ class DataParallelRewrite:
         return self.merged[t]
 
 
-def replicate(graph: ops.Graph, capture: GraphCapture, devices: List[str],
-              num_micro_batch: int, reducer) -> DataParallelRewrite:
-    """Rewrite ``graph`` for data parallelism over ``devices`` with
-    ``num_micro_batch`` micro-batches per replica (see module docstring);
-    ``reducer`` (``allreduce.make_reducer``) sums gradients across replicas."""
-    index = GraphIndex(graph)
+def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placement: Placement,
+              num_micro_batch: int, reducers, schedule) -> DataParallelRewrite:
+    """Rewrite ``graph`` (see module docstring).
+
+    Args:
+      index: ``GraphIndex(graph)``, the one ``placement`` was computed on.
+      placement: devices of every (replica, stage) and the stage of every op.
+      num_micro_batch: micro-batches per replica.
+      reducers: per stage, the ``allreduce`` reducer over that stage's devices.
+      schedule: per stage, the ordered forward/backward tasks of a replica
+        (``planner.schedule.build_schedule``).
+    """
     global_steps = {v.op for v in graph.get_collection(ops.GraphKeys.GLOBAL_STEP)}
     global_steps |= {c.global_step.op for c in capture.apply_calls if c.global_step is not None}
     shared = {v.op for key in (ops.GraphKeys.LOCAL_VARIABLES, ops.GraphKeys.METRIC_VARIABLES)
               for v in graph.get_collection(key)}
     sel = select_replication(graph, capture, index, global_steps, shared)
-    num_replicas = len(devices)
-    rw = DataParallelRewrite(devices=list(devices), num_micro_batch=num_micro_batch,
+    num_replicas = placement.num_replicas
+    rw = DataParallelRewrite(placement=placement, num_micro_batch=num_micro_batch,
                              selection=sel, unit_maps=[{}] * (num_replicas * num_micro_batch),
                              replica_maps=[{} for _ in range(num_replicas)],
-                             mirrored=reducer.mirrors_variables and num_replicas > 1)
+                             mirrored=reducers[0].mirrors_variables and num_replicas > 1)
     for op in sel.step_ops + sel.update_ops + sel.variables:
-        graph_edit.set_device(op, devices[0])
+        graph_edit.set_device(op, placement.device(op))
     if rw.num_units == 1:
         return rw
     if not sel.batch_inputs:
         raise PlanError(
-            "tfpar: data parallelism found no batch input: feed the model through a "
-            "tf.compat.v1.placeholder or a tf.data iterator so tfpar can split the batch")
+            "tfpar: found no batch input to split into replicas / micro-batches: feed the "
+            "model through a tf.compat.v1.placeholder or a tf.data iterator")
     step = set(sel.step_ops)
     copied = step | set(sel.update_ops)
     raw = {t for g, _ in sel.raw_grads for t in gradient_tensors(g)}
@@ -142,9 +164,10 @@ def replicate(graph: ops.Graph, capture: GraphCapture, devices: List[str],
                 if c in step:
                     rw.edits += _reroute(c, t, split.parts[i][0])
         for r in range(num_replicas):
+            on_replica = functools.partial(placement.device, replica=r)
             if r and rw.mirrored:
                 rw.replica_maps[r] = graph_edit.clone_ops(
-                    graph, sel.variables, f"replica_{r}/variables", devices[r], {})
+                    graph, sel.variables, f"replica_{r}/variables", on_replica, {})
             for m in range(num_micro_batch):
                 u = r * num_micro_batch + m
                 if u == 0:
@@ -154,10 +177,10 @@ def replicate(graph: ops.Graph, capture: GraphCapture, devices: List[str],
                 imap.update({v.outputs[0]: rw.replica_maps[r][v].outputs[0]
                              for v in sel.variables if r and rw.mirrored})
                 unit_maps[u] = graph_edit.clone_ops(
-                    graph, sel.step_ops, f"replica_{r}/micro_{m}", devices[r], imap)
-        _sequence_micro_batches(rw, raw)
+                    graph, sel.step_ops, f"replica_{r}/micro_{m}", on_replica, imap)
+        lower_schedule(rw, capture, index, schedule)
         _scale_seeds(rw, capture, index)
-        _reduce_gradients(rw, raw, reducer)
+        _reduce_gradients(rw, raw, reducers)
         if rw.mirrored:
             _copy_updates(graph, rw)
         _wire_control_edges(rw, control_readers, step, copied)
@@ -178,21 +201,6 @@ def _reroute(consumer: ops.Operation, old: tensor_lib.Tensor, new: tensor_lib.Te
             graph_edit.update_input(consumer, k, new)
             count += 1
     return count
-
-
-def _sequence_micro_batches(rw: DataParallelRewrite, raw) -> None:
-    """Micro-batch m+1 of a replica starts after micro-batch m's gradients exist,
-    so only one micro-batch's activations are alive at a time."""
-    grad_ops = sorted({t.op for t in raw}, key=lambda op: op.name)
-    split_parts = {p for parts in rw.split.parts for p in parts}
-    for r in range(len(rw.devices)):
-        for m in range(1, rw.num_micro_batch):
-            u = r * rw.num_micro_batch + m
-            prev = [rw.unit_versions(op)[u - 1] for op in grad_ops]
-            for op in rw.unit_maps[u].values():
-                if any(x in split_parts for x in op.inputs):
-                    for dep in prev:
-                        graph_edit.add_control_input(op, dep)
 
 
 def _scale_seeds(rw: DataParallelRewrite, capture: GraphCapture, index: GraphIndex) -> None:
@@ -216,11 +224,11 @@ def _scale_seeds(rw: DataParallelRewrite, capture: GraphCapture, index: GraphInd
     mb = rw.num_micro_batch
     for u in range(rw.num_units):
         unit_ops = set(rw.unit_maps[u].values()) if u else step
-        with ops.device(rw.devices[u // mb]):
-            for seed in sorted(seeds, key=lambda t: t.name):
-                seed_u = (rw.unit_versions(seed.op)[u].outputs[seed.value_index]
-                          if seed.op in step else seed)
-                readers = [c for c in seed_u.consumers() if c in unit_ops]
+        for seed in sorted(seeds, key=lambda t: t.name):
+            seed_u = (rw.unit_versions(seed.op)[u].outputs[seed.value_index]
+                      if seed.op in step else seed)
+            readers = [c for c in seed_u.consumers() if c in unit_ops]
+            with ops.device(rw.placement.device(seed.op, u // mb)):
                 scaled = seed_u * math_ops.cast(rw.split.weights[u], seed.dtype)
                 for c in readers:
                     rw.edits += _reroute(c, seed_u, scaled)
@@ -237,37 +245,46 @@ def _unit_terms(rw: DataParallelRewrite, t: tensor_lib.Tensor, r: int,
             for m, v in enumerate(versions)]
 
 
-def _reduce_gradients(rw: DataParallelRewrite, raw, reducer) -> None:
-    """Weighted sum over a replica's micro-batches, then summed across replicas
-    (IndexedSlices: values and indices concatenated, then gathered; duplicates
-    are summed by the optimizer, as for any IndexedSlices gradient)."""
-    num_replicas = len(rw.devices)
-    grads = [g for g, _ in rw.selection.raw_grads]
-    dense = [g for g in grads if not isinstance(g, indexed_slices.IndexedSlices)]
-    sparse = [g for g in grads if isinstance(g, indexed_slices.IndexedSlices)]
+def _reduce_gradients(rw: DataParallelRewrite, raw, reducers) -> None:
+    """Weighted sum over a replica's micro-batches, then summed across the
+    replicas of each stage (IndexedSlices: values and indices concatenated,
+    then gathered; duplicates are summed by the optimizer, as for any
+    IndexedSlices gradient)."""
     consumers = {t: [(c, k) for c in t.consumers() for k, x in enumerate(c.inputs) if x is t]
                  for t in raw}
-    dense_local, sparse_local = [], []
-    for r, device in enumerate(rw.devices):
-        with ops.device(device):
-            dense_local.append([_sum(_unit_terms(rw, g, r)) for g in dense])
-            sparse_local.append(
-                [array_ops.concat(_unit_terms(rw, g.values, r), 0) for g in sparse]
-                + [array_ops.concat(_unit_terms(rw, g.indices, r, weigh=False), 0) for g in sparse])
-    if num_replicas > 1:
-        dense_local = reducer.sum(dense_local) if dense else dense_local
-        sparse_local = reducer.gather(sparse_local) if sparse else sparse_local
-    for i, g in enumerate(dense):
-        rw.reduced[g] = [dense_local[r][i] for r in range(num_replicas)]
-    for i, g in enumerate(sparse):
-        rw.reduced[g.values] = [sparse_local[r][i] for r in range(num_replicas)]
-        rw.reduced[g.indices] = [sparse_local[r][len(sparse) + i] for r in range(num_replicas)]
+    by_stage = collections.defaultdict(list)
+    for g, _ in rw.selection.raw_grads:
+        by_stage[rw.placement.stage(gradient_tensors(g)[0].op)].append(g)
+    for stage, grads in sorted(by_stage.items()):
+        _reduce_stage_gradients(rw, grads, reducers[stage])
     step = set(rw.selection.step_ops)
     for t in raw:
         for c, k in consumers[t]:
             if c not in step:
                 graph_edit.update_input(c, k, rw.reduced[t][0])
                 rw.edits += 1
+
+
+def _reduce_stage_gradients(rw: DataParallelRewrite, grads, reducer) -> None:
+    dense = [g for g in grads if not isinstance(g, indexed_slices.IndexedSlices)]
+    sparse = [g for g in grads if isinstance(g, indexed_slices.IndexedSlices)]
+    dense_local, sparse_local = [], []
+    for r in range(rw.num_replicas):
+        with ops.device(rw.placement.device(gradient_tensors(grads[0])[0].op, r)):
+            dense_local.append([_sum(_unit_terms(rw, g, r)) for g in dense])
+            sparse_local.append(
+                [array_ops.concat(_unit_terms(rw, g.values, r), 0) for g in sparse]
+                + [array_ops.concat(_unit_terms(rw, g.indices, r, weigh=False), 0)
+                   for g in sparse])
+    if rw.num_replicas > 1:
+        dense_local = reducer.sum(dense_local) if dense else dense_local
+        sparse_local = reducer.gather(sparse_local) if sparse else sparse_local
+    replicas = range(rw.num_replicas)
+    for i, g in enumerate(dense):
+        rw.reduced[g] = [dense_local[r][i] for r in replicas]
+    for i, g in enumerate(sparse):
+        rw.reduced[g.values] = [sparse_local[r][i] for r in replicas]
+        rw.reduced[g.indices] = [sparse_local[r][len(sparse) + i] for r in replicas]
 
 
 def _sum(terms: List[tensor_lib.Tensor]) -> tensor_lib.Tensor:
@@ -278,7 +295,7 @@ def _copy_updates(graph: ops.Graph, rw: DataParallelRewrite) -> None:
     """Replica r > 0 runs its own copy of the update ops on the reduced gradients."""
     sel = rw.selection
     step = set(sel.step_ops)
-    for r in range(1, len(rw.devices)):
+    for r in range(1, rw.num_replicas):
         imap = {v.outputs[0]: rw.replica_maps[r][v].outputs[0] for v in sel.variables}
         # The originals already read replica 0's reduced gradients: copies read replica r's.
         imap.update({red[0]: red[r] for red in rw.reduced.values()})
@@ -288,7 +305,7 @@ def _copy_updates(graph: ops.Graph, rw: DataParallelRewrite) -> None:
                     imap[t] = rw.unit_versions(t.op)[r * rw.num_micro_batch].outputs[t.value_index]
         rw.replica_maps[r].update(graph_edit.clone_ops(
             graph, sel.update_ops, f"replica_{r}/update",
-            rw.devices[r], imap))
+            functools.partial(rw.placement.device, replica=r), imap))
 
 
 def _wire_control_edges(rw: DataParallelRewrite, control_readers, step, copied) -> None:
@@ -318,13 +335,13 @@ def add_replica_sync(rw: DataParallelRewrite, writer: ops.Operation, readers) ->
     assigns = []
     for var in (t.op for t in writer.inputs if t.op in set(rw.selection.variables)):
         dtype = dtypes.as_dtype(var.get_attr("dtype"))
-        with ops.device(rw.devices[0]), ops.control_dependencies([writer]):
+        with ops.device(rw.placement.device(var)), ops.control_dependencies([writer]):
             if var.type == "VarHandleOp":
                 value = gen_resource_variable_ops.read_variable_op(var.outputs[0], dtype)
             else:
                 value = array_ops.identity(var.outputs[0])
         for r, copy in enumerate(rw.replica_versions(var)[1:], start=1):
-            with ops.device(rw.devices[r]):
+            with ops.device(rw.placement.device(var, r)):
                 if var.type == "VarHandleOp":
                     assigns.append(gen_resource_variable_ops.assign_variable_op(
                         copy.outputs[0], value))

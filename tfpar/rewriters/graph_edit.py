@@ -3,7 +3,7 @@
 Every verb takes explicit ops/tensors and returns what it created, so tests
 can assert on it. A graph must not be mutated after a session ran it.
 """
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Mapping, Sequence, Union
 
 from tensorflow.core.framework import attr_value_pb2, graph_pb2
 from tensorflow.python.framework import importer, ops
@@ -47,9 +47,10 @@ class unfinalized:  # pylint: disable=invalid-name
 
 
 def clone_ops(graph: ops.Graph, op_list: Sequence[ops.Operation], prefix: str,
-              device: Optional[str],
+              device: Union[None, str, Callable[[ops.Operation], str]],
               input_map: Mapping[tensor_lib.Tensor, tensor_lib.Tensor]) -> Dict[ops.Operation, ops.Operation]:
-    """Copy ``op_list`` into ``graph`` under a fresh name scope ``prefix``.
+    """Copy ``op_list`` into ``graph`` under a fresh name scope ``prefix``, on
+    ``device`` (a name, a function of the original op, or None: unchanged).
 
     Edges between copied ops point at the copies. A data input from outside the
     set reads ``input_map[t]`` when given, else the original tensor ``t``;
@@ -70,7 +71,7 @@ def clone_ops(graph: ops.Graph, op_list: Sequence[ops.Operation], prefix: str,
         node = graph_def.node.add()
         node.CopyFrom(op.node_def)
         if device is not None:
-            node.device = device
+            node.device = device(op) if callable(device) else device
         del node.input[:]
         for t in op.inputs:
             node.input.append(t.name)

@@ -13,7 +13,10 @@ from tfpar.ir.taskgraph import Strategy, TaskGraphSpec
 from tfpar.planner.from_annotations import plan_from_annotations
 from tfpar.rewriters import graph_edit
 from tfpar.rewriters.allreduce import CollectiveKeys, make_reducer
+from tfpar.planner.schedule import build_schedule
 from tfpar.rewriters.data_parallel import replicate
+from tfpar.rewriters.select import GraphIndex
+from tfpar.rewriters.stages import Placement, assign_stages
 from tfpar.rewriters.fetch_translation import FetchTranslator
 from tfpar.runtime.context import Runtime, active
 
@@ -54,11 +57,23 @@ def plan_for(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> Plan:
     if rt.config.get("communication.backend") == "horovod":
         raise ConfigError("tfpar: communication.backend 'horovod' is not implemented in this "
                           "build; use 'auto' or 'collective'")
-    trainable = graph.get_collection(ops.GraphKeys.TRAINABLE_VARIABLES)
-    param_bytes = sum(v.shape.num_elements() * v.dtype.size for v in trainable
-                      if v.shape.is_fully_defined())
-    stats = {"num_ops": len(graph.get_operations()), "param_bytes": int(param_bytes)}
-    return plan_from_annotations(task_graph_specs(capture, rt), rt.devices, rt.config, stats)
+    specs = task_graph_specs(capture, rt)
+    return plan_from_annotations(specs, rt.devices, rt.config, _stats(graph, capture, len(specs)))
+
+
+def _stats(graph: ops.Graph, capture: GraphCapture, num_task_graphs: int):
+    """Per TaskGraph: ops and trainable bytes (everything in TaskGraph 0 when
+    there is only one)."""
+    def task_graph(name):
+        return 0 if num_task_graphs == 1 else capture.op_task_graph.get(name, 0)
+    num_ops = [0] * num_task_graphs
+    for op in graph.get_operations():
+        num_ops[task_graph(op.name)] += 1
+    param_bytes = [0] * num_task_graphs
+    for v in graph.get_collection(ops.GraphKeys.TRAINABLE_VARIABLES):
+        if v.shape.is_fully_defined():
+            param_bytes[task_graph(v.op.name)] += v.shape.num_elements() * v.dtype.size
+    return {"num_ops": num_ops, "param_bytes": param_bytes}
 
 
 def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
@@ -69,14 +84,25 @@ def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
         return None
     if capture.rewrite is None:
         plan = plan_for(graph, capture, rt)
-        devices = [group[0] for group in plan.task_graphs[0].replicas]
         cfg = rt.config
+        index = GraphIndex(graph)
+        names = [tg.name for tg in plan.task_graphs]
+        placement = Placement(
+            stage_devices=[[tg.replicas[r][0] for tg in plan.task_graphs]
+                           for r in range(plan.data_parallel_degree)],
+            stage_of=assign_stages(index, capture, len(names), names), task_graph_names=names)
+        keys = CollectiveKeys()
+        reducers = [make_reducer(cfg.get("communication.backend"), placement.stage_group(s),
+                                 rt.device_type, keys,
+                                 fusion_bytes=cfg.get("communication.fusion_mb") * 2 ** 20,
+                                 timeout_s=cfg.get("communication.timeout_s"))
+                    for s in range(placement.num_stages)]
+        # One micro-batch needs no schedule; otherwise the plan's was validated.
+        schedule = [] if plan.num_micro_batch == 1 else build_schedule(
+            plan.schedule, placement.num_stages, plan.num_micro_batch, plan.group_size)
         with graph_edit.unfinalized(graph), recording_paused():
-            reducer = make_reducer(
-                cfg.get("communication.backend"), devices, rt.device_type, CollectiveKeys(),
-                fusion_bytes=cfg.get("communication.fusion_mb") * 2 ** 20,
-                timeout_s=cfg.get("communication.timeout_s"))
-            rewrite = replicate(graph, capture, devices, plan.num_micro_batch, reducer)
+            rewrite = replicate(graph, capture, index, placement, plan.num_micro_batch,
+                                reducers, schedule)
         capture.plan = plan
         capture.rewrite = FetchTranslator(graph, rewrite)
         log.info("tfpar rewrote the graph:\n%s", plan.summary())

@@ -1,0 +1,197 @@
+"""Equivalence: pipelines of TaskGraphs (Whale §3.1.2, §4) vs single-device TF."""
+import contextlib
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from equivalence import assert_equivalent, dense, make_data, train
+
+import tfpar as wh
+
+DATA = make_data(steps=3, batch=8)
+v1 = tf.compat.v1
+
+
+def stage(tfpar: bool):
+    """The scope of one pipeline stage: replicate(1) under tfpar, nothing plainly."""
+    return wh.replicate(1) if tfpar else contextlib.nullcontext()
+
+
+def mlp_stages(num_stages, tfpar, optimizer=lambda: v1.train.GradientDescentOptimizer(0.5)):
+    """build(x, y): a tanh MLP with one hidden layer per stage; the logits and
+    the loss are built in the last stage, the optimizer outside every scope."""
+    def build(x, y):
+        h = x
+        for s in range(num_stages):
+            with stage(tfpar):
+                h = dense(h, 8, f"stage{s}", seed=s, activation=tf.nn.tanh)
+                if s == num_stages - 1:
+                    logits = dense(h, 3, "logits", seed=99)
+                    loss = v1.losses.sparse_softmax_cross_entropy(y, logits)
+        return loss, optimizer().minimize(loss)
+    return build
+
+
+@pytest.fixture(scope="module")
+def two_stage_reference():
+    return train(mlp_stages(2, False), DATA)
+
+
+def test_whale_example_1(two_stage_reference):
+    """Example 1 as written: two replicate(1) stages, num_micro_batch 4."""
+    config = {"num_micro_batch": 4, "cluster.num_devices": 2}
+    assert_equivalent(two_stage_reference, train(mlp_stages(2, True), DATA, config))
+
+
+@pytest.mark.parametrize("schedule,group_size", [("gpipe", 1), ("1f1b", 1), ("kfkb", 2),
+                                                 ("kfkb", 4)])
+def test_every_schedule(schedule, group_size, two_stage_reference):
+    config = {"pipeline.num_micro_batch": 4, "cluster.num_devices": 2,
+              "pipeline.schedule": schedule, "pipeline.group_size": group_size}
+    assert_equivalent(two_stage_reference, train(mlp_stages(2, True), DATA, config))
+
+
+def test_four_stages():
+    config = {"pipeline.num_micro_batch": 4, "cluster.num_devices": 4}
+    assert_equivalent(train(mlp_stages(4, False), DATA),
+                      train(mlp_stages(4, True), DATA, config))
+
+
+@pytest.mark.parametrize("backend", ["auto", "collective"])
+def test_nested_data_parallel_pipeline(backend, two_stage_reference):
+    """2 stages on 4 devices: the pipeline is replicated twice (Whale §3.2.1)."""
+    config = {"pipeline.num_micro_batch": 2, "cluster.num_devices": 4,
+              "communication.backend": backend}
+    graph = tf.Graph()
+    with graph.as_default():
+        wh.init(config)
+        x = v1.placeholder(tf.float32, [None, 6])
+        y = v1.placeholder(tf.int64, [None])
+        mlp_stages(2, True)(x, y)
+        plan = wh.current_plan()
+    wh.reset()
+    assert plan.data_parallel_degree == 2
+    assert [len(tg.devices) for tg in plan.task_graphs] == [2, 2]
+    assert_equivalent(two_stage_reference, train(mlp_stages(2, True), DATA, config))
+
+
+def test_pipeline_with_momentum_and_tf_data():
+    build = mlp_stages(2, False, lambda: v1.train.MomentumOptimizer(0.1, 0.9))
+    staged = mlp_stages(2, True, lambda: v1.train.MomentumOptimizer(0.1, 0.9))
+    config = {"pipeline.num_micro_batch": 2, "cluster.num_devices": 2}
+    assert_equivalent(train(build, DATA, use_dataset=True),
+                      train(staged, DATA, config, use_dataset=True))
+
+
+def test_ops_run_on_their_stage_device():
+    graph = tf.Graph()
+    with graph.as_default():
+        wh.init({"pipeline.num_micro_batch": 2, "cluster.num_devices": 2})
+        x = v1.placeholder(tf.float32, [None, 6])
+        y = v1.placeholder(tf.int64, [None])
+        loss, train_op = mlp_stages(2, True)(x, y)
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+        devices = {op.name: op.device for op in graph.get_operations()}
+    wh.reset()
+    assert devices["stage0/kernel"].endswith("CPU:0")
+    assert devices["stage1/kernel"].endswith("CPU:1")
+    # Backward ops follow the forward op they differentiate; updates follow the variable.
+    assert devices["gradients/stage0/MatMul_grad/MatMul_1"].endswith("CPU:0")
+    assert devices["gradients/stage1/MatMul_grad/MatMul_1"].endswith("CPU:1")
+    assert devices["GradientDescent/update_stage1/kernel/ResourceApplyGradientDescent"
+                   ].endswith("CPU:1")
+
+
+def transformer(num_stages, tfpar, vocab=20, seq=4, hidden=8, heads=2, layers=2):
+    """build(ids, y): a BERT-like encoder (embedding; pre-norm self-attention and
+    MLP blocks) classifying the first token; its layers split evenly into stages,
+    the embedding in the first, the classifier and loss in the last."""
+    dh = hidden // heads
+
+    def norm(h, name):
+        with v1.variable_scope(name):
+            gamma = v1.get_variable("gamma", initializer=np.ones(hidden, np.float32))
+        mean, var = tf.nn.moments(h, [-1], keepdims=True)
+        return (h - mean) * tf.math.rsqrt(var + 1e-6) * gamma
+
+    def tokens_dense(h, units, name, seed, activation=None):
+        out = dense(tf.reshape(h, [-1, int(h.shape[-1])]), units, name, seed, activation)
+        return tf.reshape(out, [-1, seq, units])
+
+    def heads_first(t):
+        return tf.transpose(tf.reshape(t, [-1, seq, heads, dh]), [0, 2, 1, 3])
+
+    def block(h, i):
+        with v1.variable_scope(f"layer{i}"):
+            a = norm(h, "ln_attention")
+            q, k, v = (heads_first(tokens_dense(a, hidden, n, 10 * i + j))
+                       for j, n in enumerate("qkv"))
+            att = tf.nn.softmax(tf.matmul(q, k, transpose_b=True) / np.sqrt(dh))
+            ctx = tf.reshape(tf.transpose(tf.matmul(att, v), [0, 2, 1, 3]), [-1, seq, hidden])
+            h = h + tokens_dense(ctx, hidden, "out", 10 * i + 3)
+            m = tokens_dense(norm(h, "ln_mlp"), 2 * hidden, "fc1", 10 * i + 4, tf.nn.tanh)
+            return h + tokens_dense(m, hidden, "fc2", 10 * i + 5)
+
+    def build(ids, y):
+        per_stage = layers // num_stages
+        for s in range(num_stages):
+            with stage(tfpar):
+                if s == 0:
+                    table = v1.get_variable("embedding", initializer=np.random.RandomState(7)
+                                            .randn(vocab, hidden).astype(np.float32))
+                    h = tf.nn.embedding_lookup(table, ids)
+                for i in range(s * per_stage, (s + 1) * per_stage):
+                    h = block(h, i)
+                if s == num_stages - 1:
+                    logits = dense(h[:, 0, :], 3, "classifier", seed=50)
+                    loss = v1.losses.sparse_softmax_cross_entropy(y, logits)
+        return loss, v1.train.MomentumOptimizer(0.05, 0.9).minimize(loss)
+    return build
+
+
+def test_bert_like_transformer_in_two_stages():
+    rng = np.random.RandomState(11)
+    data = (rng.randint(0, 20, size=(3, 8, 4)).astype(np.int64),
+            rng.randint(0, 3, size=(3, 8)).astype(np.int64))
+    config = {"pipeline.num_micro_batch": 4, "cluster.num_devices": 2}
+    assert_equivalent(train(transformer(2, False), data),
+                      train(transformer(2, True), data, config))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_traced_step_follows_the_schedule(schedule):
+    """In a traced step every stage device runs its tasks in schedule order, each
+    task's ops all after the previous task's."""
+    from tfpar.hooks.capture import existing_capture
+    from tfpar.planner.schedule import build_schedule
+    graph = tf.Graph()
+    with graph.as_default():
+        wh.init({"pipeline.num_micro_batch": 4, "cluster.num_devices": 2,
+                 "pipeline.schedule": schedule})
+        x = v1.placeholder(tf.float32, [None, 6])
+        y = v1.placeholder(tf.int64, [None])
+        loss, train_op = mlp_stages(2, True)(x, y)
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            metadata = v1.RunMetadata()
+            sess.run(train_op, {x: DATA[0][0], y: DATA[1][0]},
+                     options=v1.RunOptions(trace_level=v1.RunOptions.FULL_TRACE),
+                     run_metadata=metadata)
+        rewrite = existing_capture(graph).rewrite.rewrite
+    wh.reset()
+    times = {}
+    for device in metadata.step_stats.dev_stats:
+        for node in device.node_stats:
+            times[node.node_name] = (node.all_start_micros,
+                                     node.all_start_micros + node.all_end_rel_micros)
+    for s, tasks in enumerate(build_schedule(schedule, 2, 4)):
+        spans = []
+        for task in tasks:
+            ran = [times[op.name] for op in rewrite.task_ops[(0, s, task.kind, task.micro_batch)]
+                   if op.name in times]
+            assert ran, f"no op of stage {s} task {task} was traced"
+            spans.append((min(a for a, _ in ran), max(b for _, b in ran), str(task)))
+        for before, after in zip(spans, spans[1:]):
+            assert before[1] <= after[0], f"stage {s}: {after[2]} started before {before[2]} ended"

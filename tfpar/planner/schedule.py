@@ -1,0 +1,94 @@
+"""Per-stage task orders of a pipeline step (GPipe, 1F1B, kFkB); no TensorFlow.
+
+A pipeline of ``p`` stages runs ``M`` micro-batches per step. Stage ``s`` runs,
+for every micro-batch ``m``, a forward task ``F m`` and a backward task ``B m``,
+one task at a time in the order of its task list.
+"""
+import dataclasses
+from typing import List, Sequence
+
+__all__ = ["Task", "SCHEDULES", "build_schedule", "validate_schedule"]
+
+SCHEDULES = ("gpipe", "1f1b", "kfkb")
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One forward ("F") or backward ("B") task of a micro-batch on a stage."""
+    kind: str
+    micro_batch: int
+
+    def __str__(self):
+        return f"{self.kind}{self.micro_batch}"
+
+
+def build_schedule(kind: str, num_stages: int, num_micro_batch: int,
+                   group_size: int = 1) -> List[List[Task]]:
+    """Ordered task list per stage (index = stage).
+
+    Args:
+      kind: "gpipe" (all forwards, then all backwards), "1f1b" (PipeDream-flush:
+        ``min(p - s - 1, M)`` warm-up forwards, then one forward / one backward)
+        or "kfkb" (1F1B over groups of ``group_size`` consecutive micro-batches).
+      num_stages: number of pipeline stages ``p``.
+      num_micro_batch: micro-batches per step ``M``.
+      group_size: micro-batches per group ``k`` (only for "kfkb").
+
+    Raises:
+      ValueError: unknown kind, or an argument that is not an int >= 1.
+    """
+    if kind not in SCHEDULES:
+        raise ValueError(f"unknown schedule kind {kind!r}; valid kinds: {', '.join(SCHEDULES)}")
+    _check_positive_int("num_stages", num_stages)
+    _check_positive_int("num_micro_batch", num_micro_batch)
+    if kind == "gpipe":
+        return [_gpipe(num_micro_batch) for _ in range(num_stages)]
+    if kind == "kfkb":
+        _check_positive_int("group_size", group_size)
+    else:
+        group_size = 1
+    groups = _groups(num_micro_batch, group_size)
+    return [_grouped_one_f_one_b(groups, num_stages - stage - 1) for stage in range(num_stages)]
+
+
+def validate_schedule(schedule: List[List[Task]], num_micro_batch: int) -> None:
+    """Raise ValueError unless every stage runs each ``F m`` and ``B m`` once, ``F m`` first."""
+    if not schedule:
+        raise ValueError("schedule has no stages")
+    expected = sorted((kind, m) for kind in "FB" for m in range(num_micro_batch))
+    for stage, tasks in enumerate(schedule):
+        got = sorted((t.kind, t.micro_batch) for t in tasks)
+        if got != expected:
+            raise ValueError(f"stage {stage} must run F0..F{num_micro_batch - 1} and "
+                             f"B0..B{num_micro_batch - 1} exactly once each, got "
+                             f"[{' '.join(map(str, tasks))}]")
+        position = {(t.kind, t.micro_batch): i for i, t in enumerate(tasks)}
+        for m in range(num_micro_batch):
+            if position[("B", m)] < position[("F", m)]:
+                raise ValueError(f"stage {stage} runs B{m} before F{m}")
+
+
+def _check_positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def _gpipe(num_micro_batch: int) -> List[Task]:
+    return ([Task("F", m) for m in range(num_micro_batch)]
+            + [Task("B", m) for m in range(num_micro_batch)])
+
+
+def _groups(num_micro_batch: int, group_size: int) -> List[range]:
+    """Consecutive micro-batch groups of ``group_size`` (the last may be smaller)."""
+    return [range(first, min(first + group_size, num_micro_batch))
+            for first in range(0, num_micro_batch, group_size)]
+
+
+def _grouped_one_f_one_b(groups: Sequence[range], stages_after: int) -> List[Task]:
+    """1F1B over groups: warm-up group forwards, then group forward / group backward."""
+    warmup = min(stages_after, len(groups))
+    order = [("F", g) for g in range(warmup)]
+    for i in range(len(groups) - warmup):
+        order += [("F", warmup + i), ("B", i)]
+    order += [("B", g) for g in range(len(groups) - warmup, len(groups))]
+    return [Task(kind, m) for kind, g in order for m in groups[g]]

@@ -1,0 +1,165 @@
+"""List-scheduling simulation of a pipeline schedule (timing, bubbles, memory); no TensorFlow.
+
+``F(s, m)`` waits for ``F(s-1, m)`` plus a transfer; ``B(s, m)`` waits for ``F(s, m)``
+and for ``B(s+1, m)`` plus a transfer. Each stage runs its tasks in list order,
+one at a time, each starting as soon as its stage and its inputs are ready.
+"""
+import dataclasses
+import numbers
+from typing import Dict, List, Sequence, Tuple, Union
+
+from tfpar.planner.schedule import Task, validate_schedule
+
+__all__ = ["TimedTask", "Transfer", "SimulationResult", "simulate"]
+
+Times = Union[float, Sequence[float]]
+_Key = Tuple[int, str, int]  # (stage, kind, micro_batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class TimedTask:
+    """A task placed on its stage's timeline."""
+    stage: int
+    task: Task
+    start: float
+    end: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """A cross-stage transfer: activation ("F") to ``s+1`` or gradient ("B") to ``s-1``."""
+    src_stage: int
+    dst_stage: int
+    micro_batch: int
+    kind: str
+    start: float
+    end: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SimulationResult:
+    """Timeline of one simulated step.
+
+    Attributes:
+      tasks: every task with its times, stage by stage in list order.
+      transfers: every cross-stage transfer, by start time.
+      length: time when the last task ends.
+      bubble_fraction: ``1 - busy time / (num_stages * length)``.
+      peak_in_flight: per stage, the most forwards finished whose backward has not.
+    """
+    tasks: List[TimedTask]
+    transfers: List[Transfer]
+    length: float
+    bubble_fraction: float
+    peak_in_flight: List[int]
+
+
+def simulate(schedule: List[List[Task]], forward_time: Times, backward_time: Times,
+             transfer_time: float = 0.0) -> SimulationResult:
+    """Simulate one step of ``schedule``.
+
+    Args:
+      schedule: ordered task list per stage (see ``build_schedule``).
+      forward_time / backward_time: task duration, one number or one per stage.
+      transfer_time: delay of every cross-stage transfer.
+
+    Raises:
+      ValueError: malformed schedule or times, or a deadlocked schedule.
+    """
+    num_micro_batch = sum(t.kind == "F" for t in schedule[0]) if schedule else 0
+    validate_schedule(schedule, num_micro_batch)
+    num_stages = len(schedule)
+    durations = {"F": _per_stage("forward_time", forward_time, num_stages),
+                 "B": _per_stage("backward_time", backward_time, num_stages)}
+    delay = _non_negative("transfer_time", transfer_time)
+
+    ends: Dict[_Key, float] = {}
+    placed: List[List[TimedTask]] = [[] for _ in range(num_stages)]
+    while any(len(placed[s]) < len(schedule[s]) for s in range(num_stages)):
+        if not _place_ready_tasks(schedule, placed, ends, durations, delay):
+            raise ValueError(_deadlock_message(schedule, placed, ends))
+
+    tasks = [timed for stage_tasks in placed for timed in stage_tasks]
+    length = max(t.end for t in tasks)
+    busy = sum(t.end - t.start for t in tasks)
+    bubble = 1.0 - busy / (num_stages * length) if length > 0 else 0.0
+    return SimulationResult(tasks=tasks, transfers=_transfers(tasks, num_stages, delay),
+                            length=length, bubble_fraction=bubble,
+                            peak_in_flight=[_peak_in_flight(stage) for stage in schedule])
+
+
+def _per_stage(name: str, value: Times, num_stages: int) -> List[float]:
+    if isinstance(value, numbers.Real):
+        return [_non_negative(name, value)] * num_stages
+    values = list(value)
+    if len(values) != num_stages:
+        raise ValueError(f"{name} has {len(values)} entries for {num_stages} stages")
+    return [_non_negative(f"{name}[{s}]", v) for s, v in enumerate(values)]
+
+
+def _non_negative(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value < 0:
+        raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+    return float(value)
+
+
+def _dependencies(stage: int, task: Task, num_stages: int) -> List[Tuple[_Key, bool]]:
+    """``(key, crosses_stages)`` of each task that must end before ``task`` starts."""
+    m = task.micro_batch
+    if task.kind == "F":
+        return [((stage - 1, "F", m), True)] if stage > 0 else []
+    deps = [((stage, "F", m), False)]
+    if stage < num_stages - 1:
+        deps.append(((stage + 1, "B", m), True))
+    return deps
+
+
+def _place_ready_tasks(schedule, placed, ends, durations, delay) -> bool:
+    """Place every next task whose inputs have ended; True if any was placed."""
+    progressed = False
+    for stage, stage_tasks in enumerate(schedule):
+        while len(placed[stage]) < len(stage_tasks):
+            task = stage_tasks[len(placed[stage])]
+            deps = _dependencies(stage, task, len(schedule))
+            if any(key not in ends for key, _ in deps):
+                break
+            ready = max([ends[key] + (delay if cross else 0.0) for key, cross in deps], default=0.0)
+            previous_end = placed[stage][-1].end if placed[stage] else 0.0
+            start = max(previous_end, ready)
+            end = start + durations[task.kind][stage]
+            placed[stage].append(TimedTask(stage, task, start, end))
+            ends[(stage, task.kind, task.micro_batch)] = end
+            progressed = True
+    return progressed
+
+
+def _deadlock_message(schedule, placed, ends) -> str:
+    stuck = []
+    for stage, stage_tasks in enumerate(schedule):
+        if len(placed[stage]) == len(stage_tasks):
+            continue
+        task = stage_tasks[len(placed[stage])]
+        missing = [f"{kind}{m} on stage {s}"
+                   for (s, kind, m), _ in _dependencies(stage, task, len(schedule))
+                   if (s, kind, m) not in ends]
+        stuck.append(f"stage {stage} at {task} (waits for {', '.join(missing)})")
+    return "infeasible pipeline schedule (deadlock): " + "; ".join(stuck)
+
+
+def _transfers(tasks: List[TimedTask], num_stages: int, delay: float) -> List[Transfer]:
+    transfers = []
+    for t in tasks:
+        dst = t.stage + 1 if t.task.kind == "F" else t.stage - 1
+        if 0 <= dst < num_stages:
+            transfers.append(Transfer(t.stage, dst, t.task.micro_batch, t.task.kind,
+                                      t.end, t.end + delay))
+    return sorted(transfers, key=lambda x: (x.start, x.src_stage, x.dst_stage))
+
+
+def _peak_in_flight(stage_tasks: List[Task]) -> int:
+    """Tasks of a stage end in list order, so the count changes in that order."""
+    count = peak = 0
+    for task in stage_tasks:
+        count += 1 if task.kind == "F" else -1
+        peak = max(peak, count)
+    return peak
