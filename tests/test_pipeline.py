@@ -1,5 +1,6 @@
 """Equivalence: pipelines of TaskGraphs (Whale §3.1.2, §4) vs single-device TF."""
 import contextlib
+import json
 
 import numpy as np
 import pytest
@@ -161,10 +162,9 @@ def test_bert_like_transformer_in_two_stages():
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_traced_step_follows_the_schedule(schedule):
+def test_traced_step_follows_the_schedule(schedule, tmp_path):
     """In a traced step every stage device runs its tasks in schedule order, each
-    task's ops all after the previous task's."""
-    from tfpar.hooks.capture import existing_capture
+    task's ops all after the previous task's; wh.step_timeline writes it."""
     from tfpar.planner.schedule import build_schedule
     graph = tf.Graph()
     with graph.as_default():
@@ -179,19 +179,34 @@ def test_traced_step_follows_the_schedule(schedule):
             sess.run(train_op, {x: DATA[0][0], y: DATA[1][0]},
                      options=v1.RunOptions(trace_level=v1.RunOptions.FULL_TRACE),
                      run_metadata=metadata)
-        rewrite = existing_capture(graph).rewrite.rewrite
+        result = wh.step_timeline(metadata, str(tmp_path / "step.json"))
     wh.reset()
-    times = {}
-    for device in metadata.step_stats.dev_stats:
-        for node in device.node_stats:
-            times[node.node_name] = (node.all_start_micros,
-                                     node.all_start_micros + node.all_end_rel_micros)
     for s, tasks in enumerate(build_schedule(schedule, 2, 4)):
-        spans = []
-        for task in tasks:
-            ran = [times[op.name] for op in rewrite.task_ops[(0, s, task.kind, task.micro_batch)]
-                   if op.name in times]
-            assert ran, f"no op of stage {s} task {task} was traced"
-            spans.append((min(a for a, _ in ran), max(b for _, b in ran), str(task)))
-        for before, after in zip(spans, spans[1:]):
-            assert before[1] <= after[0], f"stage {s}: {after[2]} started before {before[2]} ended"
+        ran = [t for t in result.tasks if t.stage == s]
+        assert [str(t.task) for t in ran] == [str(t) for t in tasks]
+        for before, after in zip(ran, ran[1:]):
+            assert before.end <= after.start, f"stage {s}: {after.task} overlaps {before.task}"
+    # GPipe keeps every micro-batch's activations on stage 0; 1F1B at most 2.
+    assert result.peak_in_flight[0] == (4 if schedule == "gpipe" else 2)
+    trace = json.loads((tmp_path / "step.json").read_text())
+    assert sum(e["ph"] == "X" for e in trace["traceEvents"]) == 2 * 2 * 4
+
+
+def test_plan_timeline_writes_the_planned_schedule(tmp_path):
+    graph = tf.Graph()
+    with graph.as_default():
+        wh.init({"pipeline.num_micro_batch": 4, "cluster.num_devices": 2})
+        x = v1.placeholder(tf.float32, [None, 6])
+        y = v1.placeholder(tf.int64, [None])
+        mlp_stages(2, True)(x, y)
+        plan = wh.current_plan()
+    wh.reset()
+    result = plan.timeline(str(tmp_path / "plan.json"), forward_time=1, backward_time=2)
+    assert result.length == (4 + 2 - 1) * 3
+    assert result.bubble_fraction == pytest.approx((2 - 1) / (4 + 2 - 1))
+    trace = json.loads((tmp_path / "plan.json").read_text())
+    rows = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert {"replicate_0 (CPU:0)", "replicate_1 (CPU:1)"} <= rows
+    assert sum(e["cat"] in ("forward", "backward") for e in trace["traceEvents"]
+               if e["ph"] == "X") == 2 * 2 * 4
+    assert plan.simulate().length > 0  # default: op-count units

@@ -113,6 +113,33 @@ class Plan:
                    group_size=pipeline.get("group_size", 1),
                    estimate=dict(data.get("estimate", {})))
 
+    def simulate(self, forward_time=None, backward_time=None, transfer_time: float = 0.0):
+        """Simulate one step of the plan's pipeline schedule (one replica).
+
+        Times are per stage; by default each TaskGraph's op count (forward a
+        third, backward two thirds): relative units until the cost model
+        estimates seconds. Returns a ``planner.simulate.SimulationResult``."""
+        from tfpar.planner.schedule import build_schedule  # planner imports ir, not back
+        from tfpar.planner.simulate import simulate
+        ops_per_stage = [max(tg.num_ops, 1) for tg in self.task_graphs]
+        schedule = build_schedule(self.schedule, len(self.task_graphs), self.num_micro_batch,
+                                  self.group_size if isinstance(self.group_size, int) else 1)
+        if forward_time is None:
+            forward_time = [n / 3 for n in ops_per_stage]
+        if backward_time is None:
+            backward_time = [2 * n / 3 for n in ops_per_stage]
+        return simulate(schedule, forward_time, backward_time, transfer_time)
+
+    def timeline(self, path: str, **times) -> Any:
+        """Write the planned schedule as a Chrome trace (one row per device of
+        the first replica, a block per forward / backward task and transfer) to
+        ``path``; ``times`` go to :meth:`simulate`. Returns the simulation."""
+        from tfpar.planner.trace import chrome_trace, write_chrome_trace
+        result = self.simulate(**times)
+        names = [f"{tg.name} ({_short_devices(list(tg.replicas[0]))})" for tg in self.task_graphs]
+        write_chrome_trace(chrome_trace(result, names), path)
+        return result
+
     def summary(self) -> str:
         """A human-readable table of the plan."""
         lines = [

@@ -10,7 +10,7 @@ from typing import Dict, List, Sequence, Tuple, Union
 
 from tfpar.planner.schedule import Task, validate_schedule
 
-__all__ = ["TimedTask", "Transfer", "SimulationResult", "simulate"]
+__all__ = ["TimedTask", "Transfer", "SimulationResult", "measured", "simulate"]
 
 Times = Union[float, Sequence[float]]
 _Key = Tuple[int, str, int]  # (stage, kind, micro_batch)
@@ -80,12 +80,28 @@ def simulate(schedule: List[List[Task]], forward_time: Times, backward_time: Tim
             raise ValueError(_deadlock_message(schedule, placed, ends))
 
     tasks = [timed for stage_tasks in placed for timed in stage_tasks]
+    return _result(tasks, _transfers(tasks, num_stages, delay), schedule)
+
+
+def measured(tasks: Sequence[TimedTask], num_stages: int) -> SimulationResult:
+    """The same summary for tasks timed in a real run: times are shifted to
+    start at 0, each stage's order is its tasks' start order; transfers are not
+    measured (empty)."""
+    origin = min(t.start for t in tasks)
+    shifted = sorted((dataclasses.replace(t, start=t.start - origin, end=t.end - origin)
+                      for t in tasks), key=lambda t: (t.stage, t.start))
+    order = [[t.task for t in shifted if t.stage == s] for s in range(num_stages)]
+    return _result(shifted, [], order)
+
+
+def _result(tasks: List[TimedTask], transfers: List[Transfer],
+            order: Sequence[Sequence[Task]]) -> SimulationResult:
     length = max(t.end for t in tasks)
     busy = sum(t.end - t.start for t in tasks)
-    bubble = 1.0 - busy / (num_stages * length) if length > 0 else 0.0
-    return SimulationResult(tasks=tasks, transfers=_transfers(tasks, num_stages, delay),
-                            length=length, bubble_fraction=bubble,
-                            peak_in_flight=[_peak_in_flight(stage) for stage in schedule])
+    bubble = 1.0 - busy / (len(order) * length) if length > 0 else 0.0
+    return SimulationResult(tasks=tasks, transfers=transfers, length=length,
+                            bubble_fraction=bubble,
+                            peak_in_flight=[_peak_in_flight(stage) for stage in order])
 
 
 def _per_stage(name: str, value: Times, num_stages: int) -> List[float]:
@@ -156,7 +172,7 @@ def _transfers(tasks: List[TimedTask], num_stages: int, delay: float) -> List[Tr
     return sorted(transfers, key=lambda x: (x.start, x.src_stage, x.dst_stage))
 
 
-def _peak_in_flight(stage_tasks: List[Task]) -> int:
+def _peak_in_flight(stage_tasks: Sequence[Task]) -> int:
     """Tasks of a stage end in list order, so the count changes in that order."""
     count = peak = 0
     for task in stage_tasks:

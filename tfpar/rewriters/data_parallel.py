@@ -41,7 +41,7 @@ from tfpar.hooks.capture import GraphCapture
 from tfpar.rewriters import graph_edit
 from tfpar.rewriters.batch_split import BatchSplit, split_batch
 from tfpar.rewriters.merge import merge_units
-from tfpar.rewriters.pipeline import lower_schedule
+from tfpar.rewriters.pipeline import lower_schedule, task_ops
 from tfpar.rewriters.select import (GraphIndex, Selection, gradient_tensors,
                                     select_replication, variable_writers)
 from tfpar.rewriters.stages import Placement
@@ -142,6 +142,7 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
     for op in sel.step_ops + sel.update_ops + sel.variables:
         graph_edit.set_device(op, placement.device(op))
     if rw.num_units == 1:
+        rw.task_ops = task_ops(rw, capture, index)
         return rw
     if not sel.batch_inputs:
         raise PlanError(

@@ -19,7 +19,7 @@ from tfpar.rewriters import graph_edit
 from tfpar.rewriters.select import GraphIndex
 from tfpar.rewriters.stages import backward_dependent
 
-__all__ = ["lower_schedule"]
+__all__ = ["lower_schedule", "task_ops"]
 
 TaskKey = Tuple[int, int, str, int]  # (replica, stage, "F" or "B", micro-batch)
 

@@ -1,0 +1,54 @@
+"""Timeline of a traced training step: when each pipeline task really ran."""
+from typing import Optional
+
+from tensorflow.core.protobuf import config_pb2
+from tensorflow.python.framework import ops
+
+from tfpar.errors import PlanError
+from tfpar.hooks.capture import existing_capture
+from tfpar.planner.schedule import Task
+from tfpar.planner.simulate import SimulationResult, TimedTask, measured
+from tfpar.planner.trace import chrome_trace, write_chrome_trace
+
+__all__ = ["step_timeline"]
+
+
+def step_timeline(run_metadata: config_pb2.RunMetadata, path: Optional[str] = None,
+                  graph: Optional[ops.Graph] = None) -> SimulationResult:
+    """Pipeline tasks of a step traced with ``RunOptions(trace_level=FULL_TRACE)``.
+
+    Per stage device of the first replica, each forward / backward task spans
+    its ops' first start to last end (microseconds from the first task). With
+    ``path``, also written as a Chrome trace laid out like ``Plan.timeline``.
+
+    Raises:
+      PlanError: ``graph`` (default: the default graph) was not rewritten by
+        tfpar, or ``run_metadata`` holds no trace of its tasks.
+    """
+    graph = graph if graph is not None else ops.get_default_graph()
+    capture = existing_capture(graph)
+    if capture is None or capture.rewrite is None:
+        raise PlanError("tfpar: step_timeline needs a graph tfpar has rewritten (run a "
+                        "training step first)")
+    rewrite = capture.rewrite.rewrite
+    times = {}
+    for device in run_metadata.step_stats.dev_stats:
+        for node in device.node_stats:
+            times[node.node_name] = (node.all_start_micros,
+                                     node.all_start_micros + node.all_end_rel_micros)
+    tasks = []
+    for (replica, stage, kind, micro_batch), members in sorted(rewrite.task_ops.items()):
+        spans = [times[op.name] for op in members if op.name in times]
+        if replica == 0 and spans:
+            tasks.append(TimedTask(stage, Task(kind, micro_batch), min(a for a, _ in spans),
+                                   max(b for _, b in spans)))
+    if not tasks:
+        raise PlanError("tfpar: the RunMetadata has no trace of the training step; run it "
+                        "with options=RunOptions(trace_level=RunOptions.FULL_TRACE)")
+    placement = rewrite.placement
+    result = measured(tasks, placement.num_stages)
+    if path is not None:
+        names = [f"{name} ({device.rsplit('device:', 1)[-1]})" for name, device in
+                 zip(placement.task_graph_names, placement.stage_devices[0])]
+        write_chrome_trace(chrome_trace(result, names), path)
+    return result
