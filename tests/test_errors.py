@@ -90,18 +90,6 @@ def test_unsupported_pipeline_settings_raise_plan_error(config, match):
             wh.current_plan()
 
 
-def test_stages_with_different_replica_counts_need_bridges():
-    with tf.Graph().as_default():
-        wh.init({"cluster.num_devices": 3})
-        x = tf.compat.v1.placeholder(tf.float32, [None, 6])
-        with wh.replicate(2):
-            h = tf.compat.v1.layers.dense(x, 4)
-        with wh.replicate(1):
-            tf.compat.v1.layers.dense(h, 4)
-        with pytest.raises(wh.PlanError, match="bridge layers"):
-            wh.current_plan()
-
-
 def test_feed_without_batch_input_is_named():
     with tf.Graph().as_default():
         wh.init({"cluster.num_devices": 2})

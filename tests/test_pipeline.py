@@ -14,18 +14,22 @@ DATA = make_data(steps=3, batch=8)
 v1 = tf.compat.v1
 
 
-def stage(tfpar: bool):
-    """The scope of one pipeline stage: replicate(1) under tfpar, nothing plainly."""
-    return wh.replicate(1) if tfpar else contextlib.nullcontext()
+def stage(tfpar: bool, devices: int = 1):
+    """The scope of one pipeline stage: replicate(devices) under tfpar, nothing plainly."""
+    return wh.replicate(devices) if tfpar else contextlib.nullcontext()
 
 
-def mlp_stages(num_stages, tfpar, optimizer=lambda: v1.train.GradientDescentOptimizer(0.5)):
-    """build(x, y): a tanh MLP with one hidden layer per stage; the logits and
-    the loss are built in the last stage, the optimizer outside every scope."""
+def mlp_stages(num_stages, tfpar, optimizer=lambda: v1.train.GradientDescentOptimizer(0.5),
+               widths=None):
+    """build(x, y): a tanh MLP with one hidden layer per stage (stage s a
+    replicate(widths[s]) scope); the logits and the loss are built in the last
+    stage, the optimizer outside every scope."""
+    widths = widths or [1] * num_stages
+
     def build(x, y):
         h = x
         for s in range(num_stages):
-            with stage(tfpar):
+            with stage(tfpar, widths[s]):
                 h = dense(h, 8, f"stage{s}", seed=s, activation=tf.nn.tanh)
                 if s == num_stages - 1:
                     logits = dense(h, 3, "logits", seed=99)
@@ -210,3 +214,38 @@ def test_plan_timeline_writes_the_planned_schedule(tmp_path):
     assert sum(e["cat"] in ("forward", "backward") for e in trace["traceEvents"]
                if e["ph"] == "X") == 2 * 2 * 4
     assert plan.simulate().length > 0  # default: op-count units
+
+
+BRIDGED = [([2, 1], 3), ([1, 2], 3), ([2, 1], 6), ([2, 4], 6), ([4, 2], 6), ([2, 3], 5)]
+
+
+@pytest.mark.parametrize("widths,devices", BRIDGED, ids=[f"{w}-on-{d}" for w, d in BRIDGED])
+@pytest.mark.parametrize("backend", ["auto", "collective"])
+def test_bridges_between_stages_of_different_widths(widths, devices, backend):
+    """replicate(a) then replicate(b): stage rows are regrouped by bridge layers
+    (Whale §3.2.3); with 6 devices [2, 1] is also nested twice."""
+    data = make_data(steps=3, batch=12)
+    config = {"pipeline.num_micro_batch": 2, "cluster.num_devices": devices,
+              "communication.backend": backend}
+    assert_equivalent(train(mlp_stages(2, False), data),
+                      train(mlp_stages(2, True, widths=widths), data, config))
+
+
+@pytest.mark.parametrize("widths,reads", [([2, 4], "SplitV"), ([4, 2], "ConcatV2"),
+                                          ([2, 2], "Tanh")])
+def test_bridge_fuses_gather_and_partition(widths, reads):
+    """Splitting each producer's rows for narrower consumers needs no gather;
+    gathering for wider ones needs no split; equal widths read directly."""
+    graph = tf.Graph()
+    with graph.as_default():
+        wh.init({"cluster.num_devices": 6 if widths != [2, 2] else 4})
+        x = v1.placeholder(tf.float32, [None, 6])
+        y = v1.placeholder(tf.int64, [None])
+        mlp_stages(2, True, widths=widths)(x, y)
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+        matmuls = [op for op in graph.get_operations()
+                   if op.type == "MatMul" and op.name.endswith("stage1/MatMul")]
+    wh.reset()
+    assert len(matmuls) == widths[1]
+    assert {m.inputs[0].op.type for m in matmuls} == {reads}

@@ -1,5 +1,6 @@
 """Plan from the user's scopes (no search): VirtualDevices + simple estimates."""
 import dataclasses
+import math
 from typing import Dict, List, Sequence
 
 from tfpar.cluster.virtual_device import assign_devices
@@ -45,13 +46,16 @@ def plan_from_annotations(specs: Sequence[TaskGraphSpec], devices: Sequence[str]
     _check_pipeline(tgs, num_micro_batch, schedule, group_size)
     tgs = [dataclasses.replace(tg, num_ops=stats["num_ops"][i], param_bytes=stats["param_bytes"][i])
            for i, tg in enumerate(tgs)]
-    r = len(tgs[0].replicas)
+    # Copies of the whole model; a TaskGraph with more replicas than that splits
+    # each copy's rows further (bridge layers between it and its neighbours).
+    r = math.gcd(*(len(tg.replicas) for tg in tgs))
     # Per device: its stage's weights + gradients (one stage per device here).
     memory = {d: 2 * tg.param_bytes for tg in tgs for d in tg.devices}
     estimate = {
         "step_time_s": None,  # no cost model for annotated plans yet
         "memory_bytes_per_device": [memory[d] for d in sorted(memory)],
-        "comm_bytes": sum(int(2 * (r - 1) / r * tg.param_bytes) for tg in tgs) if r > 1 else 0,
+        "comm_bytes": sum(int(2 * (n - 1) / n * tg.param_bytes)
+                          for tg, n in ((tg, len(tg.replicas)) for tg in tgs)),
     }
     return Plan(task_graphs=tuple(tgs), data_parallel_degree=r, num_micro_batch=num_micro_batch,
                 schedule=schedule, group_size=group_size, estimate=estimate)
@@ -69,11 +73,6 @@ def _annotated_task_graphs(specs, devices, config) -> List[TaskGraphPlan]:
 
 def _check_pipeline(tgs: Sequence[TaskGraphPlan], num_micro_batch: int, schedule: str,
                     group_size) -> None:
-    counts = {tg.name: len(tg.replicas) for tg in tgs}
-    if len(set(counts.values())) > 1:
-        raise PlanError(
-            "tfpar: pipeline stages with different replica counts need bridge layers, not "
-            f"implemented in this build: {counts}; give every stage the same device_count")
     if len(tgs) == 1 and num_micro_batch == 1:
         return
     if schedule not in SCHEDULES:

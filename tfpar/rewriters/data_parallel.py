@@ -1,34 +1,35 @@
 """Data parallelism, gradient accumulation and pipelines as one rewrite
-(Whale §2.1 replicate, §3.1.2 pipeline of TaskGraphs).
+(Whale §2.1 replicate, §3.1.2 pipeline of TaskGraphs, §3.2.3 bridge layers).
 
 Before: one copy of the forward/backward ops reads the whole fed batch, and the
 optimizer applies its gradients.
 
-After, with R replicas x M micro-batches (U = R*M units, unit u = r*M + m), each
-replica a chain of S stages (S = 1 without a pipeline; ``stages.Placement``):
-  * the batch inputs are sliced into U parts (``batch_split``);
-  * unit 0 is the original ops, rerouted to slice 0; unit u > 0 is a copy reading
-    slice u and replica r's variables, each op on replica r's device of its stage;
-  * each stage device runs its units' forward and backward tasks in the order of
-    the pipeline schedule (``pipeline.lower_schedule``);
-  * unit u's gradients are weighted by n_u/N, at no cost by scaling the seeds
-    its backprop starts from (backprop is linear in them), or, for higher-order
-    gradients, by scaling its gradients; a replica sums its units' gradients,
-    then the sums are summed across the replicas of each stage (``allreduce``),
-    giving the gradient of the global-batch mean loss;
+After, with R pipeline replicas x M micro-batches, each replica a chain of S
+stages (S = 1 without a pipeline), stage s replicated ``width[s]`` times within
+a pipeline replica (``layout.Layout``, ``stages.Placement``):
+  * the batch inputs are cut into pieces (``batch_split``); version v of stage s
+    computes the rows of ``layout.pieces(s, v)``;
+  * version 0 of each stage is the original ops; version v > 0 is a copy on its
+    stage device; inputs from other stages go through bridges (``bridge``);
+  * each stage device runs its versions' forward and backward tasks in the
+    order of the pipeline schedule (``pipeline.lower_schedule``);
+  * a version's gradients are weighted by its share of the batch, at no cost by
+    scaling the seeds its backprop starts from (backprop is linear in them), or,
+    for higher-order gradients, by scaling its gradients; each stage device sums
+    its versions' gradients, then the sums are summed across the stage's devices
+    (``allreduce``), giving the gradient of the global-batch mean loss;
   * with mirrored variables (the collective reducer): the update ops
-    (clipping, optimizer) run once per replica on the reduced gradient against
-    replica r's copy of the variables (replica 0 = originals), and every op
-    outside the training step that writes a mirrored variable (initializer,
-    Saver restore, assign) is followed by a copy to the other replicas, so
-    replicas never diverge;
+    (clipping, optimizer) run once per stage device on the reduced gradient
+    against that device's copy of the variables (device 0 = originals), and
+    every op outside the training step that writes a mirrored variable
+    (initializer, Saver restore, assign) is followed by a copy to the other
+    devices, so copies never diverge;
   * with shared variables (the local reducer: CPU devices of one process):
-    every replica reads the original variables and the update ops run once;
+    every version reads the original variables and the update ops run once;
   * ops outside the step that read step tensors (summaries) read merged values.
 """
 import collections
 import dataclasses
-import functools
 from typing import Dict, List, Optional, Set
 
 from tensorflow.python.framework import dtypes, indexed_slices, ops
@@ -39,7 +40,9 @@ from tensorflow.python.ops import gen_resource_variable_ops
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture
 from tfpar.rewriters import graph_edit
-from tfpar.rewriters.batch_split import BatchSplit, split_batch
+from tfpar.rewriters.batch_split import split_batch
+from tfpar.rewriters.bridge import Bridges
+from tfpar.rewriters.layout import Layout
 from tfpar.rewriters.merge import merge_units
 from tfpar.rewriters.pipeline import lower_schedule, task_ops
 from tfpar.rewriters.select import (GraphIndex, Selection, gradient_tensors,
@@ -54,30 +57,31 @@ class DataParallelRewrite:
     """What ``replicate`` did; read by fetch translation and tests.
 
     Attributes:
-      placement: devices of every (replica, stage); stage of every op.
-      num_micro_batch: micro-batches per replica.
+      placement: stage devices; stage of every op.
+      layout: the rows of every version of every stage.
       selection: the ops/variables/inputs that were copied.
-      unit_maps: per unit, original step op -> its copy (unit 0: identity).
-      replica_maps: per replica, original update/variable op -> copy.
-      split: the batch slices and unit weights (None when nothing was split).
-      reduced: raw gradient tensor -> reduced gradient per replica.
+      version_maps: ``version_maps[s][v]``: original op of stage s -> its
+        version v (empty for v = 0, the originals).
+      device_maps: ``device_maps[s][j]``: original variable / update op of stage
+        s -> its copy on stage device j (mirrored variables only; j = 0 empty).
+      bridges: the batch pieces, version weights and cross-stage tensors.
+      reduced: raw gradient tensor -> reduced gradient per stage device.
       sync_ops: writer op -> op that runs it and copies the result to replicas.
-      mirrored: replicas hold their own copies of the variables (else they
-        share the originals and ``replica_maps`` are empty).
+      mirrored: stage devices hold their own copies of the variables.
       merged: step tensor -> merged tensor, filled on demand.
-      seed_weighted: step ops downstream of scaled gradient seeds: their unit
-        values are already multiplied by the unit weight.
-      task_ops: (replica, stage, "F"/"B", micro-batch) -> the ops of that
+      seed_weighted: step ops downstream of scaled gradient seeds: their
+        versions' values are already multiplied by the version weight.
+      task_ops: (stage device j, stage, "F"/"B", micro-batch) -> the ops of that
         pipeline task (``pipeline.task_ops``).
       edits: number of in-place edits of original ops.
     """
 
     placement: Placement
-    num_micro_batch: int
+    layout: Layout
     selection: Selection
-    unit_maps: List[Dict[ops.Operation, ops.Operation]]
-    replica_maps: List[Dict[ops.Operation, ops.Operation]]
-    split: Optional[BatchSplit] = None
+    version_maps: List[List[Dict[ops.Operation, ops.Operation]]]
+    device_maps: List[List[Dict[ops.Operation, ops.Operation]]]
+    bridges: Optional[Bridges] = None
     reduced: Dict[tensor_lib.Tensor, List[tensor_lib.Tensor]] = dataclasses.field(default_factory=dict)
     sync_ops: Dict[ops.Operation, ops.Operation] = dataclasses.field(default_factory=dict)
     mirrored: bool = True
@@ -87,33 +91,37 @@ class DataParallelRewrite:
     edits: int = 0
 
     @property
-    def num_replicas(self) -> int:
-        return self.placement.num_replicas
+    def num_micro_batch(self) -> int:
+        return self.layout.num_micro_batch
 
     @property
-    def num_units(self) -> int:
-        return self.num_replicas * self.num_micro_batch
+    def trivial(self) -> bool:
+        """One version of everything: the graph runs as built."""
+        return self.layout.num_pieces == 1
 
-    def unit_versions(self, op: ops.Operation) -> List[ops.Operation]:
-        """Every unit's copy of a step op (unit order)."""
-        return [m.get(op, op) if u else op for u, m in enumerate(self.unit_maps)]
+    def versions(self, op: ops.Operation) -> List[ops.Operation]:
+        """Every version of a step op, in batch order."""
+        maps = self.version_maps[self.placement.stage(op)]
+        return [m.get(op, op) if v else op for v, m in enumerate(maps)]
 
     def replica_versions(self, op: ops.Operation) -> List[ops.Operation]:
-        """Every replica's copy of an update op or variable (just ``op`` when
-        the replicas share variables)."""
+        """Every stage device's copy of an update op or variable (just ``op``
+        when the devices share variables)."""
         if not self.mirrored:
             return [op]
-        return [m.get(op, op) if r else op for r, m in enumerate(self.replica_maps)]
+        maps = self.device_maps[self.placement.stage(op)]
+        return [m.get(op, op) if j else op for j, m in enumerate(maps)]
 
     def merged_tensor(self, t: tensor_lib.Tensor) -> tensor_lib.Tensor:
-        """``t`` (a step tensor) merged over units: batch-major concatenated,
-        others averaged with unit weights. Builds ops on first use."""
+        """``t`` (a step tensor) merged over versions: batch-major concatenated,
+        others averaged with version weights. Builds ops on first use."""
         if t not in self.merged:
-            versions = [op.outputs[t.value_index] for op in self.unit_versions(t.op)]
+            stage = self.placement.stage(t.op)
+            versions = [op.outputs[t.value_index] for op in self.versions(t.op)]
+            weights = [self.bridges.weight(stage, v) for v in range(len(versions))]
             static = self.selection.batch_inputs[0].shape[0]
-            self.merged[t] = merge_units(t, versions, self.split.weights,
-                                         self.selection.batch_dependent, static,
-                                         weighted=t.op in self.seed_weighted)
+            self.merged[t] = merge_units(t, versions, weights, self.selection.batch_dependent,
+                                         static, weighted=t.op in self.seed_weighted)
         return self.merged[t]
 
 
@@ -123,25 +131,27 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
 
     Args:
       index: ``GraphIndex(graph)``, the one ``placement`` was computed on.
-      placement: devices of every (replica, stage) and the stage of every op.
-      num_micro_batch: micro-batches per replica.
+      placement: stage devices and the stage of every op.
+      num_micro_batch: micro-batches per pipeline replica.
       reducers: per stage, the ``allreduce`` reducer over that stage's devices.
-      schedule: per stage, the ordered forward/backward tasks of a replica
-        (``planner.schedule.build_schedule``).
+      schedule: per stage, the ordered forward/backward tasks of one stage
+        device (``planner.schedule.build_schedule``).
     """
     global_steps = {v.op for v in graph.get_collection(ops.GraphKeys.GLOBAL_STEP)}
     global_steps |= {c.global_step.op for c in capture.apply_calls if c.global_step is not None}
     shared = {v.op for key in (ops.GraphKeys.LOCAL_VARIABLES, ops.GraphKeys.METRIC_VARIABLES)
               for v in graph.get_collection(key)}
     sel = select_replication(graph, capture, index, global_steps, shared)
-    num_replicas = placement.num_replicas
-    rw = DataParallelRewrite(placement=placement, num_micro_batch=num_micro_batch,
-                             selection=sel, unit_maps=[{}] * (num_replicas * num_micro_batch),
-                             replica_maps=[{} for _ in range(num_replicas)],
-                             mirrored=reducers[0].mirrors_variables and num_replicas > 1)
+    layout = Layout(placement.num_replicas, num_micro_batch, placement.widths)
+    stages = range(placement.num_stages)
+    rw = DataParallelRewrite(
+        placement=placement, layout=layout, selection=sel,
+        version_maps=[[{} for _ in range(layout.num_versions(s))] for s in stages],
+        device_maps=[[{} for _ in placement.stage_devices[s]] for s in stages],
+        mirrored=reducers[0].mirrors_variables and max(map(len, placement.stage_devices)) > 1)
     for op in sel.step_ops + sel.update_ops + sel.variables:
         graph_edit.set_device(op, placement.device(op))
-    if rw.num_units == 1:
+    if rw.trivial:
         rw.task_ops = task_ops(rw, capture, index)
         return rw
     if not sel.batch_inputs:
@@ -151,34 +161,25 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
     step = set(sel.step_ops)
     copied = step | set(sel.update_ops)
     raw = {t for g, _ in sel.raw_grads for t in gradient_tensors(g)}
-    # Snapshot consumers before tfpar adds ops of its own.
+    # Snapshot edges before tfpar adds ops of its own.
     outside_readers = [(t, c, k) for op in sel.step_ops for t in op.outputs
                        for c in t.consumers() if c not in copied
                        for k, x in enumerate(c.inputs) if x is t]
     control_readers = {op: list(index.control_consumers.get(op, ()))
                        for op in sel.step_ops + sel.update_ops + sel.sync_writers}
-    unit_maps = rw.unit_maps = [{} for _ in range(rw.num_units)]
+    crossing = [(c, k, t) for c in sel.step_ops for k, t in enumerate(c.inputs)
+                if t.op in step and placement.stage(t.op) != placement.stage(c)]
+    crossing_controls = [(c, p) for c in sel.step_ops for p in c.control_inputs
+                         if p in step and placement.stage(p) != placement.stage(c)]
     with graph.as_default(), ops.name_scope(None), ops.name_scope("tfpar"):
-        rw.split = split = split_batch(sel.batch_inputs, rw.num_units)
-        for i, t in enumerate(sel.batch_inputs):
-            for c in t.consumers():
-                if c in step:
-                    rw.edits += _reroute(c, t, split.parts[i][0])
-        for r in range(num_replicas):
-            on_replica = functools.partial(placement.device, replica=r)
-            if r and rw.mirrored:
-                rw.replica_maps[r] = graph_edit.clone_ops(
-                    graph, sel.variables, f"replica_{r}/variables", on_replica, {})
-            for m in range(num_micro_batch):
-                u = r * num_micro_batch + m
-                if u == 0:
-                    continue
-                # Unit 0 already reads slice 0: copies read slice u instead.
-                imap = {split.parts[i][0]: split.parts[i][u] for i in range(len(split.parts))}
-                imap.update({v.outputs[0]: rw.replica_maps[r][v].outputs[0]
-                             for v in sel.variables if r and rw.mirrored})
-                unit_maps[u] = graph_edit.clone_ops(
-                    graph, sel.step_ops, f"replica_{r}/micro_{m}", on_replica, imap)
+        split = split_batch(sel.batch_inputs, layout.num_pieces)
+        rw.bridges = Bridges(layout, placement, split, rw.versions, sel.batch_dependent)
+        _reroute_batch_inputs(rw, step)
+        if rw.mirrored:
+            _clone_variables(graph, rw)
+        for s in stages:
+            _clone_stage(graph, rw, s)
+        _connect_stages(rw, crossing, crossing_controls)
         lower_schedule(rw, capture, index, schedule)
         _scale_seeds(rw, capture, index)
         _reduce_gradients(rw, raw, reducers)
@@ -195,6 +196,75 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
     return rw
 
 
+def _reroute_batch_inputs(rw: DataParallelRewrite, step) -> None:
+    """The originals (version 0 of each stage) read their stage's first rows."""
+    for i, t in enumerate(rw.selection.batch_inputs):
+        for c in t.consumers():
+            if c in step:
+                rw.edits += _reroute(c, t, rw.bridges.batch_input(i, rw.placement.stage(c), 0))
+
+
+def _clone_variables(graph: ops.Graph, rw: DataParallelRewrite) -> None:
+    """Mirrored: a copy of each stage's variables on its stage devices 1.."""
+    placement = rw.placement
+    single = placement.num_stages == 1
+    for stage, devices in enumerate(placement.stage_devices):
+        variables = [v for v in rw.selection.variables if placement.stage(v) == stage]
+        for j in range(1, len(devices)):
+            rw.device_maps[stage][j] = graph_edit.clone_ops(
+                graph, variables, _prefix(stage, j, single) + "/variables", devices[j], {})
+
+
+def _clone_stage(graph: ops.Graph, rw: DataParallelRewrite, stage: int) -> None:
+    """Versions 1.. of ``stage``'s step ops on their stage devices; inputs from
+    other stages are connected later."""
+    sel, layout, placement = rw.selection, rw.layout, rw.placement
+    stage_ops = [op for op in sel.step_ops if placement.stage(op) == stage]
+    devices = placement.stage_devices[stage]
+    single = placement.num_stages == 1
+    for v in range(1, layout.num_versions(stage)):
+        j, m = layout.slot(stage, v)
+        imap = {rw.bridges.batch_input(i, stage, 0): rw.bridges.batch_input(i, stage, v)
+                for i in range(len(sel.batch_inputs))}
+        if rw.mirrored:
+            imap.update(_variable_copies(rw, stage, j))
+        rw.version_maps[stage][v] = graph_edit.clone_ops(
+            graph, stage_ops, f"{_prefix(stage, j, single)}/micro_{m}", devices[j], imap)
+
+
+def _prefix(stage: int, device: int, single_stage: bool) -> str:
+    return f"replica_{device}" if single_stage else f"stage_{stage}/replica_{device}"
+
+
+def _variable_copies(rw: DataParallelRewrite, stage: int, device: int) -> Dict:
+    """Original variable handle -> the copy stage device ``device`` reads."""
+    result = {}
+    for var in rw.selection.variables:
+        owner = rw.placement.stage(var)
+        peer = rw.layout.peer(device, stage, owner)
+        if peer:
+            result[var.outputs[0]] = rw.device_maps[owner][peer][var].outputs[0]
+    return result
+
+
+def _connect_stages(rw: DataParallelRewrite, crossing, crossing_controls) -> None:
+    """Every version reads other stages' tensors for its own rows (bridges) and
+    waits on their ops of its own unit."""
+    stage_of = rw.placement.stage
+    for c, k, t in crossing:
+        for v, c_v in enumerate(rw.versions(c)):
+            new = rw.bridges.tensor(t, stage_of(c), v)
+            if c_v.inputs[k] is not new:
+                graph_edit.update_input(c_v, k, new)
+                rw.edits += 1 if v == 0 else 0
+    for c, p in crossing_controls:
+        producer_versions = rw.versions(p)
+        for v, c_v in enumerate(rw.versions(c)):
+            unit = rw.layout.unit(stage_of(c), v)
+            for source in rw.layout.unit_versions(stage_of(p), unit):
+                graph_edit.add_control_input(c_v, producer_versions[source])
+
+
 def _reroute(consumer: ops.Operation, old: tensor_lib.Tensor, new: tensor_lib.Tensor) -> int:
     count = 0
     for k, x in enumerate(consumer.inputs):
@@ -205,59 +275,68 @@ def _reroute(consumer: ops.Operation, old: tensor_lib.Tensor, new: tensor_lib.Te
 
 
 def _scale_seeds(rw: DataParallelRewrite, capture: GraphCapture, index: GraphIndex) -> None:
-    """Weight unit u's backprop by n_u/N by scaling the seeds it starts from.
+    """Weight each version's backprop by its batch share by scaling the seeds it
+    starts from.
 
-    Sets ``rw.seed_weighted``: every step op downstream of a seed, whose unit
-    values then equal the global-batch backprop restricted to the unit's rows
-    (so fetched gradients merge by concatenation or plain sums). Leaves it empty,
+    Sets ``rw.seed_weighted``: every step op downstream of a seed, whose
+    versions then equal the global-batch backprop restricted to their rows (so
+    fetched gradients merge by concatenation or plain sums). Leaves it empty,
     and gradients are weighted instead, when a seed is unknown or a
     differentiated tensor depends on a seed (higher-order gradients, where the
-    backprop is no longer linear in the seed)."""
+    backprop is no longer linear in the seed).
+
+    Raises:
+      PlanError: higher-order gradients across stages of different widths.
+    """
     seeds = {s for call in capture.gradient_calls for s in call.seeds}
-    if not seeds or not all(isinstance(s, tensor_lib.Tensor) for s in seeds):
-        return
     step = set(rw.selection.step_ops)
-    downstream = {op for op in index.descendants({s.op for s in seeds}) if op in step}
-    if any(getattr(y, "op", None) in downstream or getattr(y, "op", None) in
-           {s.op for s in seeds} for call in capture.gradient_calls for y in call.ys):
+    seed_ops = {s.op for s in seeds if isinstance(s, tensor_lib.Tensor) and s.op in step}
+    downstream = {op for op in index.descendants(seed_ops) if op in step}
+    if (not seeds or len(seed_ops) < len({getattr(s, "op", None) for s in seeds})
+            or any(getattr(y, "op", None) in downstream | seed_ops
+                   for call in capture.gradient_calls for y in call.ys)):
+        if len(set(rw.layout.widths)) > 1:
+            raise PlanError("tfpar: higher-order gradients are not supported across bridged "
+                            f"TaskGraphs of different widths {rw.layout.widths}")
         return
     rw.seed_weighted = downstream
-    mb = rw.num_micro_batch
-    for u in range(rw.num_units):
-        unit_ops = set(rw.unit_maps[u].values()) if u else step
-        for seed in sorted(seeds, key=lambda t: t.name):
-            seed_u = (rw.unit_versions(seed.op)[u].outputs[seed.value_index]
-                      if seed.op in step else seed)
-            readers = [c for c in seed_u.consumers() if c in unit_ops]
-            with ops.device(rw.placement.device(seed.op, u // mb)):
-                scaled = seed_u * math_ops.cast(rw.split.weights[u], seed.dtype)
-                for c in readers:
-                    rw.edits += _reroute(c, seed_u, scaled)
+    everything = {x for op in step for x in rw.versions(op)}
+    for seed in sorted(seeds, key=lambda t: t.name):
+        stage = rw.placement.stage(seed.op)
+        for v, seed_op in enumerate(rw.versions(seed.op)):
+            seed_v = seed_op.outputs[seed.value_index]
+            readers = [c for c in seed_v.consumers() if c in everything]
+            with ops.device(rw.bridges.device(stage, v)):
+                scaled = seed_v * math_ops.cast(rw.bridges.weight(stage, v), seed.dtype)
+            for c in readers:
+                rw.edits += _reroute(c, seed_v, scaled)
 
 
-def _unit_terms(rw: DataParallelRewrite, t: tensor_lib.Tensor, r: int,
-                weigh: bool = True) -> List[tensor_lib.Tensor]:
-    """Replica r's units' versions of ``t``, each weighted by n_u/N if ``weigh``."""
-    mb = rw.num_micro_batch
-    versions = [op.outputs[t.value_index] for op in rw.unit_versions(t.op)][r * mb:(r + 1) * mb]
+def _device_terms(rw: DataParallelRewrite, t: tensor_lib.Tensor, device: int,
+                  weigh: bool = True) -> List[tensor_lib.Tensor]:
+    """Stage device ``device``'s versions of ``t`` (one per micro-batch), each
+    weighted by its batch share if ``weigh`` and not weighted already."""
+    stage = rw.placement.stage(t.op)
+    versions = rw.versions(t.op)
+    picks = [rw.layout.version(stage, device, m) for m in range(rw.num_micro_batch)]
+    terms = [versions[v].outputs[t.value_index] for v in picks]
     if not weigh or t.op in rw.seed_weighted:
-        return versions
-    return [v * math_ops.cast(rw.split.weights[r * mb + m], t.dtype)
-            for m, v in enumerate(versions)]
+        return terms
+    return [x * math_ops.cast(rw.bridges.weight(stage, v), t.dtype) for x, v in zip(terms, picks)]
 
 
 def _reduce_gradients(rw: DataParallelRewrite, raw, reducers) -> None:
-    """Weighted sum over a replica's micro-batches, then summed across the
-    replicas of each stage (IndexedSlices: values and indices concatenated,
-    then gathered; duplicates are summed by the optimizer, as for any
-    IndexedSlices gradient)."""
+    """Weighted sum over a stage device's micro-batches, then summed across the
+    stage's devices (IndexedSlices: values and indices concatenated, then
+    gathered; duplicates are summed by the optimizer, as for any IndexedSlices
+    gradient)."""
     consumers = {t: [(c, k) for c in t.consumers() for k, x in enumerate(c.inputs) if x is t]
                  for t in raw}
     by_stage = collections.defaultdict(list)
     for g, _ in rw.selection.raw_grads:
         by_stage[rw.placement.stage(gradient_tensors(g)[0].op)].append(g)
     for stage, grads in sorted(by_stage.items()):
-        _reduce_stage_gradients(rw, grads, reducers[stage])
+        _reduce_stage_gradients(rw, stage, grads, reducers[stage])
     step = set(rw.selection.step_ops)
     for t in raw:
         for c, k in consumers[t]:
@@ -266,26 +345,26 @@ def _reduce_gradients(rw: DataParallelRewrite, raw, reducers) -> None:
                 rw.edits += 1
 
 
-def _reduce_stage_gradients(rw: DataParallelRewrite, grads, reducer) -> None:
+def _reduce_stage_gradients(rw: DataParallelRewrite, stage: int, grads, reducer) -> None:
     dense = [g for g in grads if not isinstance(g, indexed_slices.IndexedSlices)]
     sparse = [g for g in grads if isinstance(g, indexed_slices.IndexedSlices)]
+    devices = rw.placement.stage_devices[stage]
     dense_local, sparse_local = [], []
-    for r in range(rw.num_replicas):
-        with ops.device(rw.placement.device(gradient_tensors(grads[0])[0].op, r)):
-            dense_local.append([_sum(_unit_terms(rw, g, r)) for g in dense])
+    for j, device in enumerate(devices):
+        with ops.device(device):
+            dense_local.append([_sum(_device_terms(rw, g, j)) for g in dense])
             sparse_local.append(
-                [array_ops.concat(_unit_terms(rw, g.values, r), 0) for g in sparse]
-                + [array_ops.concat(_unit_terms(rw, g.indices, r, weigh=False), 0)
+                [array_ops.concat(_device_terms(rw, g.values, j), 0) for g in sparse]
+                + [array_ops.concat(_device_terms(rw, g.indices, j, weigh=False), 0)
                    for g in sparse])
-    if rw.num_replicas > 1:
+    if len(devices) > 1:
         dense_local = reducer.sum(dense_local) if dense else dense_local
         sparse_local = reducer.gather(sparse_local) if sparse else sparse_local
-    replicas = range(rw.num_replicas)
     for i, g in enumerate(dense):
-        rw.reduced[g] = [dense_local[r][i] for r in replicas]
+        rw.reduced[g] = [local[i] for local in dense_local]
     for i, g in enumerate(sparse):
-        rw.reduced[g.values] = [sparse_local[r][i] for r in replicas]
-        rw.reduced[g.indices] = [sparse_local[r][len(sparse) + i] for r in replicas]
+        rw.reduced[g.values] = [local[i] for local in sparse_local]
+        rw.reduced[g.indices] = [local[len(sparse) + i] for local in sparse_local]
 
 
 def _sum(terms: List[tensor_lib.Tensor]) -> tensor_lib.Tensor:
@@ -293,37 +372,38 @@ def _sum(terms: List[tensor_lib.Tensor]) -> tensor_lib.Tensor:
 
 
 def _copy_updates(graph: ops.Graph, rw: DataParallelRewrite) -> None:
-    """Replica r > 0 runs its own copy of the update ops on the reduced gradients."""
-    sel = rw.selection
+    """Stage device j > 0 runs its own copy of the update ops of its stage on the
+    reduced gradients and its copies of the variables."""
+    sel, placement, layout = rw.selection, rw.placement, rw.layout
     step = set(sel.step_ops)
-    for r in range(1, rw.num_replicas):
-        imap = {v.outputs[0]: rw.replica_maps[r][v].outputs[0] for v in sel.variables}
-        # The originals already read replica 0's reduced gradients: copies read replica r's.
-        imap.update({red[0]: red[r] for red in rw.reduced.values()})
-        for op in sel.update_ops:
-            for t in op.inputs:
-                if t.op in step and t not in imap:
-                    imap[t] = rw.unit_versions(t.op)[r * rw.num_micro_batch].outputs[t.value_index]
-        rw.replica_maps[r].update(graph_edit.clone_ops(
-            graph, sel.update_ops, f"replica_{r}/update",
-            functools.partial(rw.placement.device, replica=r), imap))
+    single = placement.num_stages == 1
+    for stage, devices in enumerate(placement.stage_devices):
+        update_ops = [op for op in sel.update_ops if placement.stage(op) == stage]
+        for j in range(1, len(devices)) if update_ops else ():
+            imap = _variable_copies(rw, stage, j)
+            # The originals read device 0's reduced gradients: copies read their peer's.
+            for grad, red in rw.reduced.items():
+                imap[red[0]] = red[layout.peer(j, stage, placement.stage(grad.op))]
+            for op in update_ops:
+                for t in op.inputs:
+                    if t.op in step and t not in imap:
+                        owner = placement.stage(t.op)
+                        v = layout.version(owner, layout.peer(j, stage, owner), 0)
+                        imap[t] = rw.versions(t.op)[v].outputs[t.value_index]
+            rw.device_maps[stage][j].update(graph_edit.clone_ops(
+                graph, update_ops, _prefix(stage, j, single) + "/update", devices[j], imap))
 
 
 def _wire_control_edges(rw: DataParallelRewrite, control_readers, step, copied) -> None:
     """An op waiting on a copied op also waits on every copy of it."""
-    mb = rw.num_micro_batch
     for x in rw.selection.step_ops:
-        versions = rw.unit_versions(x)
+        versions = rw.versions(x)
         for c in control_readers[x]:
             if c in step:
                 continue
-            if c in copied and rw.mirrored:
-                for r, c_r in enumerate(rw.replica_versions(c)):
-                    for dep in versions[r * mb:(r + 1) * mb]:
-                        graph_edit.add_control_input(c_r, dep)
-            else:
-                for dep in versions[1:]:
-                    graph_edit.add_control_input(c, dep)
+            for c_j in rw.replica_versions(c) if c in copied else [c]:
+                for dep in versions:
+                    graph_edit.add_control_input(c_j, dep)
     for x in rw.selection.update_ops:
         for c in control_readers[x]:
             if c not in copied:
@@ -332,7 +412,7 @@ def _wire_control_edges(rw: DataParallelRewrite, control_readers, step, copied) 
 
 
 def add_replica_sync(rw: DataParallelRewrite, writer: ops.Operation, readers) -> None:
-    """After ``writer`` changes a mirrored variable, copy it to every replica."""
+    """After ``writer`` changes a mirrored variable, copy it to every stage device."""
     assigns = []
     for var in (t.op for t in writer.inputs if t.op in set(rw.selection.variables)):
         dtype = dtypes.as_dtype(var.get_attr("dtype"))
@@ -341,8 +421,8 @@ def add_replica_sync(rw: DataParallelRewrite, writer: ops.Operation, readers) ->
                 value = gen_resource_variable_ops.read_variable_op(var.outputs[0], dtype)
             else:
                 value = array_ops.identity(var.outputs[0])
-        for r, copy in enumerate(rw.replica_versions(var)[1:], start=1):
-            with ops.device(rw.placement.device(var, r)):
+        for j, copy in enumerate(rw.replica_versions(var)[1:], start=1):
+            with ops.device(rw.placement.device(var, j)):
                 if var.type == "VarHandleOp":
                     assigns.append(gen_resource_variable_ops.assign_variable_op(
                         copy.outputs[0], value))

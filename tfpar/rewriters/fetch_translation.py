@@ -37,7 +37,7 @@ class FetchTranslator:
         self._version = graph.version
 
     def __call__(self, fetches: Any) -> Any:
-        if self.rewrite.num_units == 1:
+        if self.rewrite.trivial:
             return fetches
         with graph_edit.unfinalized(self._graph), self._graph.as_default(), recording_paused():
             if self._graph.version != self._version:
@@ -69,7 +69,7 @@ class FetchTranslator:
             return self.rewrite.sync_ops[op]
         if op in self._step or op in self._update:
             if op not in self._groups:
-                versions = (self.rewrite.unit_versions(op) if op in self._step
+                versions = (self.rewrite.versions(op) if op in self._step
                             else self.rewrite.replica_versions(op))
                 with ops.name_scope(None), ops.name_scope("tfpar"):
                     self._groups[op] = control_flow_ops.group(*versions, name="all_copies")

@@ -1,8 +1,8 @@
 """Lowering a pipeline schedule to control dependencies (Whale §4, Ada-Grouper §4).
 
 The schedule (``planner.schedule.build_schedule``) is data: per stage, the
-ordered forward / backward tasks of a replica's micro-batches. A task is the ops
-of one unit (replica r, micro-batch m) in one stage and one direction; backward
+ordered forward / backward tasks of the micro-batches. A task is the ops of the
+version a stage device runs for one micro-batch, in one direction; backward
 means backward-phase ops and every step op depending on one
 (``stages.backward_dependent``). Consecutive tasks on a stage device are chained
 through a NoOp barrier that waits for the earlier task's sinks and that the later
@@ -21,7 +21,7 @@ from tfpar.rewriters.stages import backward_dependent
 
 __all__ = ["lower_schedule", "task_ops"]
 
-TaskKey = Tuple[int, int, str, int]  # (replica, stage, "F" or "B", micro-batch)
+TaskKey = Tuple[int, int, str, int]  # (stage device j, stage, "F" or "B", micro-batch)
 
 
 def lower_schedule(rw, capture: GraphCapture, index: GraphIndex,
@@ -35,30 +35,29 @@ def lower_schedule(rw, capture: GraphCapture, index: GraphIndex,
     rw.task_ops = task_ops(rw, capture, index)
     if rw.num_micro_batch == 1:
         return
-    for r in range(rw.num_replicas):
-        for s, tasks in enumerate(schedule):
+    for s, tasks in enumerate(schedule):
+        for j, device in enumerate(rw.placement.stage_devices[s]):
             previous = None
             for task in tasks:
-                members = rw.task_ops.get((r, s, task.kind, task.micro_batch))
+                members = rw.task_ops.get((j, s, task.kind, task.micro_batch))
                 if not members:
                     continue
                 if previous is not None:
-                    _chain(previous, members, rw.placement.stage_devices[r][s],
-                           f"r{r}_s{s}_{task.kind}{task.micro_batch}")
+                    _chain(previous, members, device, f"s{s}_d{j}_{task.kind}{task.micro_batch}")
                 previous = members
 
 
 def task_ops(rw, capture: GraphCapture, index: GraphIndex) -> Dict[TaskKey, List[ops.Operation]]:
-    """The ops of every task, keyed (replica, stage, kind, micro-batch)."""
+    """The ops of every task, keyed (stage device j, stage, kind, micro-batch)."""
     backward = backward_dependent(rw.selection.step_ops, capture, index)
     groups: Dict[Tuple[int, str], List[ops.Operation]] = {}
     for op in rw.selection.step_ops:
         groups.setdefault((rw.placement.stage(op), "B" if op in backward else "F"), []).append(op)
     result = {}
-    for u, unit_map in enumerate(rw.unit_maps):
-        r, m = divmod(u, rw.num_micro_batch)
-        for (s, kind), originals in groups.items():
-            result[(r, s, kind, m)] = [unit_map.get(op, op) if u else op for op in originals]
+    for (s, kind), originals in groups.items():
+        for v, version_map in enumerate(rw.version_maps[s]):
+            j, m = rw.layout.slot(s, v)
+            result[(j, s, kind, m)] = [version_map.get(op, op) if v else op for op in originals]
     return result
 
 

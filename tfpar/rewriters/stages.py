@@ -8,11 +8,13 @@ inferred here, in graph order:
 * an op colocated with a staged op (optimizer slots) joins that stage;
 * an op reading a staged variable (optimizer updates) joins the variable's;
 * a backward op joins the stage of the forward op it differentiates;
-* anything else joins the latest stage among its inputs (stage 0 if none), so
-  an unscoped loss after the last stage runs in the last stage.
+* anything else joins the latest stage among its inputs, so an unscoped loss
+  after the last stage runs in the last stage;
+* an op none of these place (a constant, or a gradient seed built from
+  constants) joins the earliest stage among its consumers, else stage 0.
 """
 import dataclasses
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from tensorflow.python.framework import ops
 
@@ -26,36 +28,36 @@ __all__ = ["Placement", "assign_stages", "backward_dependent"]
 
 @dataclasses.dataclass
 class Placement:
-    """Devices of every (replica, stage) and the stage of every original op.
+    """Devices of every stage and the stage of every original op.
 
     Attributes:
-      stage_devices: ``stage_devices[r][s]``: device of stage s in replica r.
+      stage_devices: ``stage_devices[s][j]``: device j of stage s, j = r * width
+        + k for pipeline replica r and sub-replica k (``layout.Layout``).
+      num_replicas: copies of the whole pipeline (R).
       stage_of: original op -> stage (ops not listed run in stage 0).
       task_graph_names: name of each stage's TaskGraph (for messages).
     """
 
     stage_devices: List[List[str]]
+    num_replicas: int
     stage_of: Dict[ops.Operation, int]
     task_graph_names: Sequence[str] = ()
 
     @property
-    def num_replicas(self) -> int:
+    def num_stages(self) -> int:
         return len(self.stage_devices)
 
     @property
-    def num_stages(self) -> int:
-        return len(self.stage_devices[0])
+    def widths(self) -> List[int]:
+        """Sub-replicas of each stage per pipeline replica."""
+        return [len(d) // self.num_replicas for d in self.stage_devices]
 
     def stage(self, op: ops.Operation) -> int:
         return self.stage_of.get(op, 0)
 
-    def device(self, op: ops.Operation, replica: int = 0) -> str:
-        """Device of replica ``replica``'s copy of original op ``op``."""
-        return self.stage_devices[replica][self.stage(op)]
-
-    def stage_group(self, stage: int) -> List[str]:
-        """The devices of ``stage`` in every replica (its all-reduce group)."""
-        return [row[stage] for row in self.stage_devices]
+    def device(self, op: ops.Operation, index: int = 0) -> str:
+        """Device ``index`` of the stage of original op ``op``."""
+        return self.stage_devices[self.stage(op)][index]
 
 
 def assign_stages(index: GraphIndex, capture: GraphCapture, num_stages: int,
@@ -71,17 +73,24 @@ def assign_stages(index: GraphIndex, capture: GraphCapture, num_stages: int,
     tagged = capture.op_task_graph
     stage_of: Dict[ops.Operation, int] = {}
     by_name = {}
+    unplaced = []
     for op in index.ops:
         by_name[op.name] = op
         stage = tagged.get(op.name)
         if stage is None:
             stage = _inferred_stage(op, stage_of, by_name)
-        stage_of[op] = stage
+        if stage is None:
+            unplaced.append(op)
+        else:
+            stage_of[op] = stage
+    for op in reversed(unplaced):  # consumers come later in graph order
+        consumers = [stage_of[c] for t in op.outputs for c in t.consumers() if c in stage_of]
+        stage_of[op] = min(consumers, default=0)
     _check_order(index, capture, stage_of, names)
     return stage_of
 
 
-def _inferred_stage(op: ops.Operation, stage_of, by_name) -> int:
+def _inferred_stage(op: ops.Operation, stage_of, by_name) -> Optional[int]:
     for loc in _colocation(op):
         target = by_name.get(loc)
         if target is not None and target is not op and target in stage_of:
@@ -93,7 +102,7 @@ def _inferred_stage(op: ops.Operation, stage_of, by_name) -> int:
     differentiated = getattr(op, "_original_op", None)
     if differentiated is not None and differentiated in stage_of:
         return stage_of[differentiated]
-    return max((stage_of[x] for x in inputs if x in stage_of), default=0)
+    return max((stage_of[x] for x in inputs if x in stage_of), default=None)
 
 
 def _colocation(op: ops.Operation) -> List[str]:

@@ -88,11 +88,11 @@ def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
         index = GraphIndex(graph)
         names = [tg.name for tg in plan.task_graphs]
         placement = Placement(
-            stage_devices=[[tg.replicas[r][0] for tg in plan.task_graphs]
-                           for r in range(plan.data_parallel_degree)],
+            stage_devices=[[d for group in tg.replicas for d in group] for tg in plan.task_graphs],
+            num_replicas=plan.data_parallel_degree,
             stage_of=assign_stages(index, capture, len(names), names), task_graph_names=names)
         keys = CollectiveKeys()
-        reducers = [make_reducer(cfg.get("communication.backend"), placement.stage_group(s),
+        reducers = [make_reducer(cfg.get("communication.backend"), placement.stage_devices[s],
                                  rt.device_type, keys,
                                  fusion_bytes=cfg.get("communication.fusion_mb") * 2 ** 20,
                                  timeout_s=cfg.get("communication.timeout_s"))

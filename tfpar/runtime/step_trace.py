@@ -17,7 +17,7 @@ def step_timeline(run_metadata: config_pb2.RunMetadata, path: Optional[str] = No
                   graph: Optional[ops.Graph] = None) -> SimulationResult:
     """Pipeline tasks of a step traced with ``RunOptions(trace_level=FULL_TRACE)``.
 
-    Per stage device of the first replica, each forward / backward task spans
+    On the first device of every stage, each forward / backward task spans
     its ops' first start to last end (microseconds from the first task). With
     ``path``, also written as a Chrome trace laid out like ``Plan.timeline``.
 
@@ -37,9 +37,9 @@ def step_timeline(run_metadata: config_pb2.RunMetadata, path: Optional[str] = No
             times[node.node_name] = (node.all_start_micros,
                                      node.all_start_micros + node.all_end_rel_micros)
     tasks = []
-    for (replica, stage, kind, micro_batch), members in sorted(rewrite.task_ops.items()):
+    for (device, stage, kind, micro_batch), members in sorted(rewrite.task_ops.items()):
         spans = [times[op.name] for op in members if op.name in times]
-        if replica == 0 and spans:
+        if device == 0 and spans:
             tasks.append(TimedTask(stage, Task(kind, micro_batch), min(a for a, _ in spans),
                                    max(b for _, b in spans)))
     if not tasks:
@@ -49,6 +49,6 @@ def step_timeline(run_metadata: config_pb2.RunMetadata, path: Optional[str] = No
     result = measured(tasks, placement.num_stages)
     if path is not None:
         names = [f"{name} ({device.rsplit('device:', 1)[-1]})" for name, device in
-                 zip(placement.task_graph_names, placement.stage_devices[0])]
+                 zip(placement.task_graph_names, (d[0] for d in placement.stage_devices))]
         write_chrome_trace(chrome_trace(result, names), path)
     return result

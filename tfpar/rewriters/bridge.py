@@ -1,0 +1,134 @@
+"""Bridge layers (Whale §3.2.3, Fig. 7): what a version of one stage reads from
+the batch or from another stage that spreads the rows differently.
+
+Every version holds its pieces of the batch (``layout.Layout``). A consumer
+version reads a batch-major tensor of another stage as its own pieces: producer
+versions it needs whole pass as they are, several are concatenated (gather), and
+a producer spanning several consumers is split into their parts on its own
+device (partition), so each consumer receives only its rows. Gather followed by
+partition along the same (batch) dimension is thereby fused: no tensor is
+gathered only to be cut again. Stages of equal width read version to version.
+"""
+from typing import Callable, Dict, List
+
+from tensorflow.python.framework import ops
+from tensorflow.python.framework import tensor as tensor_lib
+from tensorflow.python.ops import array_ops, array_ops_stack, math_ops
+
+from tfpar.errors import PlanError
+from tfpar.rewriters.batch_split import BatchSplit
+from tfpar.rewriters.layout import Layout
+from tfpar.rewriters.stages import Placement
+
+__all__ = ["Bridges"]
+
+
+class Bridges:
+    """Builds (and caches) the tensors versions read across stages and batch pieces.
+
+    Args:
+      layout: the rows of every version.
+      placement: stage devices and op stages.
+      split: the batch pieces (``batch_split.split_batch`` with
+        ``layout.num_pieces`` parts).
+      versions: original op -> its versions (version order).
+      batch_dependent: ops whose values depend on the batch.
+    """
+
+    def __init__(self, layout: Layout, placement: Placement, split: BatchSplit,
+                 versions: Callable[[ops.Operation], List[ops.Operation]],
+                 batch_dependent) -> None:
+        self._layout = layout
+        self._placement = placement
+        self._split = split
+        self._versions = versions
+        self._batch_dependent = batch_dependent
+        self._cache: Dict[tuple, tensor_lib.Tensor] = {}
+
+    def device(self, stage: int, version: int) -> str:
+        return self._placement.stage_devices[stage][self._layout.slot(stage, version)[0]]
+
+    def batch_input(self, index: int, stage: int, version: int) -> tensor_lib.Tensor:
+        """Batch input ``index`` as version ``version`` of ``stage`` reads it."""
+        key = ("batch", index, stage, version)
+        if key not in self._cache:
+            parts = [self._split.parts[index][p] for p in self._layout.pieces(stage, version)]
+            with ops.device(self.device(stage, version)):
+                self._cache[key] = _concat(parts)
+        return self._cache[key]
+
+    def weight(self, stage: int, version: int) -> tensor_lib.Tensor:
+        """Share of the global batch a version computes (float32)."""
+        key = ("weight", stage, version)
+        if key not in self._cache:
+            terms = [self._split.weights[p] for p in self._layout.pieces(stage, version)]
+            self._cache[key] = terms[0] if len(terms) == 1 else math_ops.add_n(terms)
+        return self._cache[key]
+
+    def tensor(self, t: tensor_lib.Tensor, stage: int, version: int) -> tensor_lib.Tensor:
+        """What version ``version`` of ``stage`` reads for ``t``, an output of an
+        op of another stage."""
+        producer = self._placement.stage(t.op)
+        layout = self._layout
+        if layout.widths[producer] == layout.widths[stage]:
+            return self._output(t, version)
+        unit = layout.unit(stage, version)
+        sources = layout.unit_versions(producer, unit)
+        if t.op not in self._batch_dependent:
+            return self._output(t, sources[0])
+        self._check_batch_major(t, producer, stage)
+        key = ("bridge", t, stage, version)
+        if key not in self._cache:
+            wanted = layout.pieces(stage, version)
+            parts = [self._partition(t, source, stage)[version] for source in sources
+                     if _overlap(layout.pieces(producer, source), wanted)]
+            with ops.device(self.device(stage, version)):
+                self._cache[key] = _concat(parts)
+        return self._cache[key]
+
+    def _output(self, t: tensor_lib.Tensor, version: int) -> tensor_lib.Tensor:
+        return self._versions(t.op)[version].outputs[t.value_index]
+
+    def _partition(self, t: tensor_lib.Tensor, source: int,
+                   stage: int) -> Dict[int, tensor_lib.Tensor]:
+        """Version ``source`` of ``t`` cut into the rows each version of
+        ``stage`` needs from it, keyed by that version (uncut for just one)."""
+        key = ("partition", t, source, stage)
+        if key not in self._cache:
+            producer = self._placement.stage(t.op)
+            have = self._layout.pieces(producer, source)
+            chunks = {}
+            for consumer in self._layout.unit_versions(stage, self._layout.unit(producer, source)):
+                common = _overlap(have, self._layout.pieces(stage, consumer))
+                if common:
+                    chunks[consumer] = common
+            value = self._output(t, source)
+            if len(chunks) == 1:
+                self._cache[key] = {consumer: value for consumer in chunks}
+            else:
+                sizes = [_total([self._split.sizes[p] for p in rows]) for rows in chunks.values()]
+                with ops.device(self.device(producer, source)):
+                    cut = array_ops.split(value, array_ops_stack.stack(sizes), num=len(sizes), axis=0)
+                self._cache[key] = dict(zip(chunks, cut))
+        return self._cache[key]
+
+    def _check_batch_major(self, t: tensor_lib.Tensor, producer: int, consumer: int) -> None:
+        if t.shape.rank is None or t.shape.rank == 0:
+            names = self._placement.task_graph_names
+            raise PlanError(
+                f"tfpar: '{t.name}' depends on the batch and flows between TaskGraphs "
+                f"'{names[producer]}' ({self._layout.widths[producer]} replicas) and "
+                f"'{names[consumer]}' ({self._layout.widths[consumer]}), but it is not "
+                "batch-major; a bridge can only regroup rows of batch-major tensors")
+
+
+def _overlap(a: range, b: range) -> range:
+    return range(max(a.start, b.start), min(a.stop, b.stop))
+
+
+def _concat(parts: List[tensor_lib.Tensor]) -> tensor_lib.Tensor:
+    return parts[0] if len(parts) == 1 else array_ops.concat(parts, 0)
+
+
+def _total(sizes: List[tensor_lib.Tensor]) -> tensor_lib.Tensor:
+    return sizes[0] if len(sizes) == 1 else math_ops.add_n(sizes)
