@@ -8,8 +8,10 @@ and the per-step losses side by side: they agree to float32 rounding.
 """
 import argparse
 import os
+import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+warnings.filterwarnings("ignore", message=".*is deprecated.*")  # tf.compat.v1.layers
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402

@@ -249,3 +249,38 @@ def test_bridge_fuses_gather_and_partition(widths, reads):
     wh.reset()
     assert len(matmuls) == widths[1]
     assert {m.inputs[0].op.type for m in matmuls} == {reads}
+
+
+@pytest.mark.parametrize("hardware,devices,first_stage", [
+    (["T4", "V100-32GB"], 2, ["CPU:1"]),
+    (["T4", "A100-80GB", "V100-32GB", "T4"], 4, ["CPU:1", "CPU:2"]),
+    (["T4", "T4", {"name": "big", "tflops": 10, "memory_gb": 48}], 3, ["CPU:2"]),
+])
+def test_earlier_stages_get_devices_with_more_memory(hardware, devices, first_stage):
+    """Whale §3.3.2: with heterogeneous cluster.hardware, stage 0 (which keeps the
+    most micro-batches in flight) goes to the devices with the most memory."""
+    graph = tf.Graph()
+    with graph.as_default():
+        wh.init({"cluster.num_devices": devices, "cluster.hardware": hardware,
+                 "pipeline.num_micro_batch": 2})
+        x = v1.placeholder(tf.float32, [None, 6])
+        y = v1.placeholder(tf.int64, [None])
+        mlp_stages(2, True)(x, y)
+        plan = wh.current_plan()
+    wh.reset()
+    assert [d.rsplit("device:", 1)[-1] for d in plan.task_graphs[0].devices] == first_stage
+    used = [d for tg in plan.task_graphs for d in tg.devices]
+    assert len(used) == len(set(used))
+
+
+def test_unknown_or_miscounted_hardware_is_named():
+    for hardware, match in ((["K80"], "unknown device 'K80'"),
+                            (["T4", "T4", "T4"], "lists 3 devices but there are 2")):
+        with tf.Graph().as_default():
+            wh.init({"cluster.num_devices": 2, "cluster.hardware": hardware})
+            x = v1.placeholder(tf.float32, [None, 6])
+            y = v1.placeholder(tf.int64, [None])
+            mlp_stages(2, True)(x, y)
+            with pytest.raises(wh.ConfigError, match=match):
+                wh.current_plan()
+        wh.reset()

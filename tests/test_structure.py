@@ -88,6 +88,14 @@ def test_example_runs_and_is_equivalent():
     assert "(equivalent)" in out.stdout and "replicate_all" in out.stdout
 
 
+def test_pipeline_example_runs_and_is_equivalent(tmp_path):
+    out = _run("examples/pipeline_transformer.py", "--devices", "2", "--steps", "2",
+               "--micro-batches", "2", "--trace-dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "(equivalent)" in out.stdout and "replicate_1" in out.stdout
+    assert (tmp_path / "plan_timeline.json").exists() and (tmp_path / "step_timeline.json").exists()
+
+
 def test_cli_plan_prints_the_plan_without_training():
     out = _run("-m", "tfpar.cli", "plan", "--json", "--config", '{"cluster.num_devices": 3}',
                "examples/data_parallel_mlp.py", "--steps", "2")

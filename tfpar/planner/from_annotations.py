@@ -3,6 +3,7 @@ import dataclasses
 import math
 from typing import Dict, List, Sequence
 
+from tfpar.cluster.hardware import device_hardware
 from tfpar.cluster.virtual_device import assign_devices
 from tfpar.config import Config
 from tfpar.errors import PlanError
@@ -63,12 +64,33 @@ def plan_from_annotations(specs: Sequence[TaskGraphSpec], devices: Sequence[str]
 
 def _annotated_task_graphs(specs, devices, config) -> List[TaskGraphPlan]:
     """Each device of each VirtualDevice runs one replica of its TaskGraph."""
-    assignment = assign_devices([(s.name, s.device_count) for s in specs], devices,
-                                config.get("cluster.colocate_split_and_replicate"))
+    requests = [(s.name, s.device_count) for s in specs]
+    share = config.get("cluster.colocate_split_and_replicate")
+    assignment = assign_devices(requests, devices, share)
+    hardware = device_hardware(config.get("cluster.hardware"), len(devices))
+    if hardware is not None and len(specs) > 1:
+        devices = _by_memory_for_stages(devices, hardware, assignment)
+        assignment = assign_devices(requests, devices, share)
     return [TaskGraphPlan(name=spec.name, strategy=spec.strategy.value,
                           device_count=len(vds[0]),
                           replicas=tuple((d,) for vd in vds for d in vd))
             for spec, vds in zip(specs, assignment.virtual_devices)]
+
+
+def _by_memory_for_stages(devices: Sequence[str], hardware, assignment) -> List[str]:
+    """Reorder ``devices`` so that, re-assigned, earlier pipeline stages get the
+    devices with more memory (Whale §3.3.2: early stages keep more micro-batches'
+    activations alive). Stage-major slots take devices by memory, descending."""
+    position = {d: i for i, d in enumerate(devices)}
+    slots = [position[d] for vds in assignment.virtual_devices for vd in vds for d in vd]
+    if len(set(slots)) < len(slots):  # TaskGraphs share devices: nothing to order
+        return list(devices)
+    slots += [p for p in range(len(devices)) if p not in set(slots)]  # unused last
+    ranked = sorted(range(len(devices)), key=lambda i: -hardware[i].memory_gb)
+    reordered = list(devices)
+    for slot, i in zip(slots, ranked):
+        reordered[slot] = devices[i]
+    return reordered
 
 
 def _check_pipeline(tgs: Sequence[TaskGraphPlan], num_micro_batch: int, schedule: str,

@@ -62,17 +62,17 @@ def plan_for(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> Plan:
 
 
 def _stats(graph: ops.Graph, capture: GraphCapture, num_task_graphs: int):
-    """Per TaskGraph: ops and trainable bytes (everything in TaskGraph 0 when
-    there is only one)."""
-    def task_graph(name):
-        return 0 if num_task_graphs == 1 else capture.op_task_graph.get(name, 0)
+    """Per TaskGraph: ops (as placed: backward and updates with their forward
+    TaskGraph) and trainable bytes."""
+    index = GraphIndex(graph)
+    stage_of = assign_stages(index, capture, num_task_graphs)
     num_ops = [0] * num_task_graphs
-    for op in graph.get_operations():
-        num_ops[task_graph(op.name)] += 1
+    for op in index.ops:
+        num_ops[stage_of.get(op, 0)] += 1
     param_bytes = [0] * num_task_graphs
     for v in graph.get_collection(ops.GraphKeys.TRAINABLE_VARIABLES):
         if v.shape.is_fully_defined():
-            param_bytes[task_graph(v.op.name)] += v.shape.num_elements() * v.dtype.size
+            param_bytes[stage_of.get(v.op, 0)] += v.shape.num_elements() * v.dtype.size
     return {"num_ops": num_ops, "param_bytes": param_bytes}
 
 
