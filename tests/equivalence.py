@@ -10,7 +10,7 @@ import tensorflow as tf
 import tfpar as wh
 
 __all__ = ["assert_equivalent", "dense", "make_data", "mlp_classifier", "rewritten_op_types",
-           "train"]
+           "train", "variable_values"]
 
 
 def dense(x, units, name, seed, activation=None):
@@ -82,17 +82,33 @@ def train(build, data, tfpar_config=None, use_dataset=False, session="plain",
             with tf.compat.v1.train.MonitoredTrainingSession() as sess:
                 for feed in feeds:
                     losses.append(sess.run([loss, train_op], feed)[0])
-                values = sess.run({v.op.name: v for v in variables})
+                values = variable_values(sess, variables)
         else:
             init = tf.compat.v1.global_variables_initializer()
             with tf.compat.v1.Session() as sess:
                 sess.run(init)
                 for feed in feeds:
                     losses.append(sess.run([loss, train_op], feed)[0])
-                values = sess.run({v.op.name: v for v in variables})
+                values = variable_values(sess, variables)
     if tfpar_config is not None:
         wh.reset()
     return np.array(losses), values
+
+
+def variable_values(sess, variables):
+    """{single-device name: value}; the slices of a partitioned (split) variable
+    are put back together under the name of the whole."""
+    raw = sess.run({v.op.name: v for v in variables})
+    values = {}
+    for v in variables:
+        info = getattr(v, "_save_slice_info", None)
+        if info is None:
+            values[v.op.name] = raw[v.op.name]
+            continue
+        whole = values.setdefault(info.full_name, np.zeros(info.full_shape, raw[v.op.name].dtype))
+        whole[tuple(slice(o, o + n) for o, n in zip(info.var_offset, info.var_shape))] = \
+            raw[v.op.name]
+    return values
 
 
 def rewritten_op_types(build, tfpar_config, features=6):

@@ -62,18 +62,6 @@ def test_batch_smaller_than_replicas_fails_fast():
                 sess.run(train_op, {x: np.zeros((2, 6), np.float32), y: np.zeros(2, np.int64)})
 
 
-def test_unsupported_annotations_raise_plan_error():
-    with tf.Graph().as_default():
-        wh.init({"cluster.num_devices": 2})
-        x = tf.compat.v1.placeholder(tf.float32, [None, 6])
-        with wh.replicate(1):
-            h = tf.compat.v1.layers.dense(x, 4)
-        with wh.split(2):
-            tf.compat.v1.layers.dense(h, 4)
-        with pytest.raises(wh.PlanError, match=r"split TaskGraphs \(split_1\)"):
-            wh.current_plan()
-
-
 @pytest.mark.parametrize("config,match", [
     ({"pipeline.schedule": "zero_bubble"}, "zero_bubble' is not implemented"),
     ({"pipeline.schedule": "kfkb", "pipeline.group_size": "auto"}, "Ada-Grouper"),

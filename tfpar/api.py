@@ -91,11 +91,25 @@ class _Scope:
         if self._capture.in_scope:
             raise AnnotationError(f"tfpar: {self._describe()} is nested inside another scope; "
                                   "replicate/split scopes cannot be nested")
-        self._capture.open_scope(self.strategy, self.device_count, self.name)
+        spec = self._capture.open_scope(self.strategy, self.device_count, self.name)
+        if self.strategy == Strategy.SPLIT:
+            self._capture.split_contexts[spec.index] = _split_context(self._capture, spec, rt)
         return self
 
     def __exit__(self, *exc) -> None:
         self._capture.close_scope()
+
+
+def _split_context(capture, spec, rt):
+    """Shard devices of a split scope, fixed now because its variables are built
+    sharded: its VirtualDevice given the scopes opened so far (Whale §3.2.1)."""
+    from tfpar.cluster.virtual_device import assign_devices  # pylint: disable=import-outside-toplevel
+    from tfpar.patterns.sharded import SplitContext  # pylint: disable=import-outside-toplevel
+
+    assignment = assign_devices([(s.name, s.device_count) for s in capture.task_graphs],
+                                rt.devices, rt.config.get("cluster.colocate_split_and_replicate"))
+    return SplitContext(spec.name, assignment.virtual_devices[-1][0],
+                        rt.config.get("split.patterns"))
 
 
 def _runtime(what: str):

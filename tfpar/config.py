@@ -69,6 +69,8 @@ SCHEMA = {
     "pipeline.schedule": Option("str", "1f1b", _one_of("gpipe", "1f1b", "kfkb", "zero_bubble"),
                                 "pipeline schedule"),
     "pipeline.group_size": Option("int|str", 1, _GROUP_SIZE, "k of kFkB, or 'auto' (Ada-Grouper)"),
+    "split.patterns": Option("dict|None", None, (),
+                             "ShardingUnit name -> sharding pattern the matcher must use"),
     "auto.auto_parallel": Option("bool", False, (), "let the planner choose TaskGraphs"),
     "auto.num_task_graph": Option("int|None", None, _at_least(1),
                                   "stage count for auto pipeline; None: planner decides"),

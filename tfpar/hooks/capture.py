@@ -55,6 +55,8 @@ class GraphCapture:
         self.apply_calls: List[ApplyCall] = []
         self.rewrite: Any = None
         self._scopes: List[int] = []
+        # TaskGraph index -> patterns.sharded.SplitContext of each split scope.
+        self.split_contexts: Dict[int, Any] = {}
         self._phases: List[Phase] = []
 
     # -- recording -----------------------------------------------------------------
@@ -100,6 +102,10 @@ class GraphCapture:
     @property
     def in_scope(self) -> bool:
         return bool(self._scopes)
+
+    def current_split(self) -> Any:
+        """The SplitContext of the open split scope, or None."""
+        return self.split_contexts.get(self._scopes[-1]) if self._scopes else None
 
 
 _captures: "weakref.WeakKeyDictionary[Any, GraphCapture]" = weakref.WeakKeyDictionary()

@@ -20,6 +20,7 @@ from tensorflow.python.training import optimizer as tf_optimizer
 
 from tfpar.hooks import capture as cap_lib
 from tfpar.hooks.patching import PatchSet
+from tfpar.hooks.split_patches import add_split_patches
 from tfpar.ir.taskgraph import Phase
 
 __all__ = ["install", "installed", "uninstall"]
@@ -54,6 +55,7 @@ def install(session_config: Callable[[Any], Any], before_run: Callable[[Any], An
     _patches.add(tf_optimizer.Optimizer, "__init__", _wrap_optimizer_init)
     _patches.add(tf_session.BaseSession, "__init__", _wrap_session_init)
     _patches.add(tf_session.BaseSession, "run", _wrap_session_run)
+    add_split_patches(_patches)
 
 
 def uninstall() -> None:

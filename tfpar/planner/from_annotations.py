@@ -25,23 +25,21 @@ def plan_from_annotations(specs: Sequence[TaskGraphSpec], devices: Sequence[str]
       specs: the TaskGraphs (one implicit replicate TaskGraph when unannotated).
       devices: available devices.
       config: tfpar config (pipeline settings, sharing, a pinned plan).
-      stats: per TaskGraph, ``num_ops`` and ``param_bytes`` (trainable, one copy).
+      stats: per TaskGraph, ``num_ops`` and ``param_bytes`` (trainable, one copy);
+        ``split`` maps a split TaskGraph's index to (the devices its shards were
+        built on, its chosen patterns).
 
     Raises:
       PlanError: the annotations need a feature this build does not provide yet,
         or a pinned plan does not fit the model / devices.
     """
-    split = [s.name for s in specs if s.strategy != Strategy.REPLICATE]
-    if split:
-        raise PlanError(f"tfpar: split TaskGraphs ({', '.join(split)}) are not implemented "
-                        "in this build; use wh.replicate scopes")
     if config.plan is not None:
         pinned = Plan.from_dict(config.plan)
         tgs = _pinned_task_graphs(pinned, specs, devices)
         num_micro_batch, schedule, group_size = (pinned.num_micro_batch, pinned.schedule,
                                                  pinned.group_size)
     else:
-        tgs = _annotated_task_graphs(specs, devices, config)
+        tgs = _annotated_task_graphs(specs, devices, config, stats.get("split", {}))
         num_micro_batch = config.get("pipeline.num_micro_batch")
         schedule, group_size = config.get("pipeline.schedule"), config.get("pipeline.group_size")
     _check_pipeline(tgs, num_micro_batch, schedule, group_size)
@@ -62,8 +60,9 @@ def plan_from_annotations(specs: Sequence[TaskGraphSpec], devices: Sequence[str]
                 schedule=schedule, group_size=group_size, estimate=estimate)
 
 
-def _annotated_task_graphs(specs, devices, config) -> List[TaskGraphPlan]:
-    """Each device of each VirtualDevice runs one replica of its TaskGraph."""
+def _annotated_task_graphs(specs, devices, config, split) -> List[TaskGraphPlan]:
+    """Each device of a replicate TaskGraph's VirtualDevices runs one replica;
+    each VirtualDevice of a split TaskGraph runs one sharded replica."""
     requests = [(s.name, s.device_count) for s in specs]
     share = config.get("cluster.colocate_split_and_replicate")
     assignment = assign_devices(requests, devices, share)
@@ -71,10 +70,23 @@ def _annotated_task_graphs(specs, devices, config) -> List[TaskGraphPlan]:
     if hardware is not None and len(specs) > 1:
         devices = _by_memory_for_stages(devices, hardware, assignment)
         assignment = assign_devices(requests, devices, share)
-    return [TaskGraphPlan(name=spec.name, strategy=spec.strategy.value,
-                          device_count=len(vds[0]),
-                          replicas=tuple((d,) for vd in vds for d in vd))
-            for spec, vds in zip(specs, assignment.virtual_devices)]
+    tgs = []
+    for spec, vds in zip(specs, assignment.virtual_devices):
+        if spec.strategy == Strategy.SPLIT:
+            built, patterns = split.get(spec.index, (list(vds[0]), {}))
+            if list(vds[0]) != list(built):
+                raise PlanError(
+                    f"tfpar: split TaskGraph '{spec.name}' was built on {list(built)}, but the "
+                    f"scopes opened after it move it to {list(vds[0])}; set "
+                    "cluster.colocate_split_and_replicate or reorder the scopes")
+            tgs.append(TaskGraphPlan(name=spec.name, strategy=spec.strategy.value,
+                                     device_count=len(vds[0]), replicas=tuple(vds),
+                                     patterns=dict(patterns)))
+        else:
+            tgs.append(TaskGraphPlan(name=spec.name, strategy=spec.strategy.value,
+                                     device_count=len(vds[0]),
+                                     replicas=tuple((d,) for vd in vds for d in vd)))
+    return tgs
 
 
 def _by_memory_for_stages(devices: Sequence[str], hardware, assignment) -> List[str]:

@@ -30,6 +30,7 @@ a pipeline replica (``layout.Layout``, ``stages.Placement``):
 """
 import collections
 import dataclasses
+import functools
 from typing import Dict, List, Optional, Set
 
 from tensorflow.python.framework import dtypes, indexed_slices, ops
@@ -126,14 +127,14 @@ class DataParallelRewrite:
 
 
 def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placement: Placement,
-              num_micro_batch: int, reducers, schedule) -> DataParallelRewrite:
+              num_micro_batch: int, reducer_for, schedule) -> DataParallelRewrite:
     """Rewrite ``graph`` (see module docstring).
 
     Args:
       index: ``GraphIndex(graph)``, the one ``placement`` was computed on.
       placement: stage devices and the stage of every op.
       num_micro_batch: micro-batches per pipeline replica.
-      reducers: per stage, the ``allreduce`` reducer over that stage's devices.
+      reducer_for: devices -> the ``allreduce`` reducer summing across them.
       schedule: per stage, the ordered forward/backward tasks of one stage
         device (``planner.schedule.build_schedule``).
     """
@@ -148,7 +149,8 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
         placement=placement, layout=layout, selection=sel,
         version_maps=[[{} for _ in range(layout.num_versions(s))] for s in stages],
         device_maps=[[{} for _ in placement.stage_devices[s]] for s in stages],
-        mirrored=reducers[0].mirrors_variables and max(map(len, placement.stage_devices)) > 1)
+        mirrored=(reducer_for(placement.stage_devices[0]).mirrors_variables
+                  and max(map(len, placement.stage_devices)) > 1))
     for op in sel.step_ops + sel.update_ops + sel.variables:
         graph_edit.set_device(op, placement.device(op))
     if rw.trivial:
@@ -182,7 +184,7 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
         _connect_stages(rw, crossing, crossing_controls)
         lower_schedule(rw, capture, index, schedule)
         _scale_seeds(rw, capture, index)
-        _reduce_gradients(rw, raw, reducers)
+        _reduce_gradients(rw, raw, reducer_for)
         if rw.mirrored:
             _copy_updates(graph, rw)
         _wire_control_edges(rw, control_readers, step, copied)
@@ -212,7 +214,8 @@ def _clone_variables(graph: ops.Graph, rw: DataParallelRewrite) -> None:
         variables = [v for v in rw.selection.variables if placement.stage(v) == stage]
         for j in range(1, len(devices)):
             rw.device_maps[stage][j] = graph_edit.clone_ops(
-                graph, variables, _prefix(stage, j, single) + "/variables", devices[j], {})
+                graph, variables, _prefix(stage, j, single) + "/variables",
+                functools.partial(placement.device, index=j), {})
 
 
 def _clone_stage(graph: ops.Graph, rw: DataParallelRewrite, stage: int) -> None:
@@ -220,7 +223,6 @@ def _clone_stage(graph: ops.Graph, rw: DataParallelRewrite, stage: int) -> None:
     other stages are connected later."""
     sel, layout, placement = rw.selection, rw.layout, rw.placement
     stage_ops = [op for op in sel.step_ops if placement.stage(op) == stage]
-    devices = placement.stage_devices[stage]
     single = placement.num_stages == 1
     for v in range(1, layout.num_versions(stage)):
         j, m = layout.slot(stage, v)
@@ -229,7 +231,8 @@ def _clone_stage(graph: ops.Graph, rw: DataParallelRewrite, stage: int) -> None:
         if rw.mirrored:
             imap.update(_variable_copies(rw, stage, j))
         rw.version_maps[stage][v] = graph_edit.clone_ops(
-            graph, stage_ops, f"{_prefix(stage, j, single)}/micro_{m}", devices[j], imap)
+            graph, stage_ops, f"{_prefix(stage, j, single)}/micro_{m}",
+            functools.partial(placement.device, index=j), imap)
 
 
 def _prefix(stage: int, device: int, single_stage: bool) -> str:
@@ -325,18 +328,24 @@ def _device_terms(rw: DataParallelRewrite, t: tensor_lib.Tensor, device: int,
     return [x * math_ops.cast(rw.bridges.weight(stage, v), t.dtype) for x, v in zip(terms, picks)]
 
 
-def _reduce_gradients(rw: DataParallelRewrite, raw, reducers) -> None:
+def _reduce_gradients(rw: DataParallelRewrite, raw, reducer_for) -> None:
     """Weighted sum over a stage device's micro-batches, then summed across the
-    stage's devices (IndexedSlices: values and indices concatenated, then
-    gathered; duplicates are summed by the optimizer, as for any IndexedSlices
-    gradient)."""
+    devices holding the same variable (a stage's devices; for a split stage,
+    the same shard's devices) (IndexedSlices: values and indices concatenated,
+    then gathered; duplicates are summed by the optimizer, as for any
+    IndexedSlices gradient)."""
     consumers = {t: [(c, k) for c in t.consumers() for k, x in enumerate(c.inputs) if x is t]
                  for t in raw}
-    by_stage = collections.defaultdict(list)
+    groups = collections.defaultdict(list)
     for g, _ in rw.selection.raw_grads:
-        by_stage[rw.placement.stage(gradient_tensors(g)[0].op)].append(g)
-    for stage, grads in sorted(by_stage.items()):
-        _reduce_stage_gradients(rw, stage, grads, reducers[stage])
+        op = gradient_tensors(g)[0].op
+        slots = range(len(rw.placement.stage_devices[rw.placement.stage(op)]))
+        groups[tuple(rw.placement.device(op, j) for j in slots)].append(g)
+    reducers = {}
+    for devices, grads in groups.items():
+        if devices not in reducers:
+            reducers[devices] = reducer_for(list(devices))
+        _reduce_group_gradients(rw, list(devices), grads, reducers[devices])
     step = set(rw.selection.step_ops)
     for t in raw:
         for c, k in consumers[t]:
@@ -345,10 +354,9 @@ def _reduce_gradients(rw: DataParallelRewrite, raw, reducers) -> None:
                 rw.edits += 1
 
 
-def _reduce_stage_gradients(rw: DataParallelRewrite, stage: int, grads, reducer) -> None:
+def _reduce_group_gradients(rw: DataParallelRewrite, devices, grads, reducer) -> None:
     dense = [g for g in grads if not isinstance(g, indexed_slices.IndexedSlices)]
     sparse = [g for g in grads if isinstance(g, indexed_slices.IndexedSlices)]
-    devices = rw.placement.stage_devices[stage]
     dense_local, sparse_local = [], []
     for j, device in enumerate(devices):
         with ops.device(device):
@@ -391,7 +399,8 @@ def _copy_updates(graph: ops.Graph, rw: DataParallelRewrite) -> None:
                         v = layout.version(owner, layout.peer(j, stage, owner), 0)
                         imap[t] = rw.versions(t.op)[v].outputs[t.value_index]
             rw.device_maps[stage][j].update(graph_edit.clone_ops(
-                graph, update_ops, _prefix(stage, j, single) + "/update", devices[j], imap))
+                graph, update_ops, _prefix(stage, j, single) + "/update",
+                functools.partial(placement.device, index=j), imap))
 
 
 def _wire_control_edges(rw: DataParallelRewrite, control_readers, step, copied) -> None:

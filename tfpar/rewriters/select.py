@@ -41,17 +41,21 @@ class GraphIndex:
             for dep in op.control_inputs:
                 self.control_consumers[dep].append(op)
 
-    def descendants(self, sources: Iterable[ops.Operation]) -> Set[ops.Operation]:
-        """Ops reachable from ``sources`` along data edges (sources excluded)."""
+    def descendants(self, sources: Iterable[ops.Operation],
+                    control: bool = False) -> Set[ops.Operation]:
+        """Ops reachable from ``sources`` along data edges, and control edges
+        too when ``control`` (sources excluded)."""
         seen: Set[ops.Operation] = set()
         stack = list(sources)
         while stack:
             op = stack.pop()
-            for t in op.outputs:
-                for c in t.consumers():
-                    if c not in seen:
-                        seen.add(c)
-                        stack.append(c)
+            following = [c for t in op.outputs for c in t.consumers()]
+            if control:
+                following += self.control_consumers.get(op, [])
+            for c in following:
+                if c not in seen:
+                    seen.add(c)
+                    stack.append(c)
         return seen
 
 
@@ -144,11 +148,12 @@ def select_replication(graph: ops.Graph, capture: GraphCapture, index: GraphInde
     # Batch sources are the feeds / iterators the losses read (not, say, a Saver's
     # filename placeholder); whatever descends from them depends on the batch.
     inputs = {t.op for op in needed for t in op.inputs if t.op.type in INPUT_TYPES}
-    batch_dependent = index.descendants(inputs)
+    # Control edges count: tf.gradients' tuple() NoOps wait on a unit's gradients.
+    batch_dependent = index.descendants(inputs, control=True)
     raw_grad_ops = {t.op for g, _ in raw_grads for t in gradient_tensors(g)}
     # Side outputs of the batch (accuracy, predictions) are per unit too, but what
     # consumes the raw gradients (clipping) acts on the reduced ones instead.
-    side = batch_dependent - index.descendants(raw_grad_ops)
+    side = batch_dependent - index.descendants(raw_grad_ops, control=True)
     step = {op for op in needed | side
             if phase.get(op.name, Phase.FORWARD) != Phase.APPLY and not frozen(op)}
 

@@ -14,8 +14,9 @@ inferred here, in graph order:
   constants) joins the earliest stage among its consumers, else stage 0.
 """
 import dataclasses
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
+from tensorflow.python.framework import device as device_lib
 from tensorflow.python.framework import ops
 
 from tfpar.errors import PlanError
@@ -23,7 +24,7 @@ from tfpar.hooks.capture import GraphCapture
 from tfpar.ir.taskgraph import Phase
 from tfpar.rewriters.select import VARIABLE_TYPES, GraphIndex
 
-__all__ = ["Placement", "assign_stages", "backward_dependent"]
+__all__ = ["Placement", "assign_stages", "backward_dependent", "split_op_devices"]
 
 
 @dataclasses.dataclass
@@ -36,12 +37,18 @@ class Placement:
       num_replicas: copies of the whole pipeline (R).
       stage_of: original op -> stage (ops not listed run in stage 0).
       task_graph_names: name of each stage's TaskGraph (for messages).
+      split_groups: split stage -> its device group per stage device index j
+        (``stage_devices[s][j]`` is the group's first device).
+      op_devices: op of a split stage -> its device in group 0
+        (``split_op_devices``).
     """
 
     stage_devices: List[List[str]]
     num_replicas: int
     stage_of: Dict[ops.Operation, int]
     task_graph_names: Sequence[str] = ()
+    split_groups: Dict[int, List[Tuple[str, ...]]] = dataclasses.field(default_factory=dict)
+    op_devices: Dict[ops.Operation, str] = dataclasses.field(default_factory=dict)
 
     @property
     def num_stages(self) -> int:
@@ -56,8 +63,42 @@ class Placement:
         return self.stage_of.get(op, 0)
 
     def device(self, op: ops.Operation, index: int = 0) -> str:
-        """Device ``index`` of the stage of original op ``op``."""
-        return self.stage_devices[self.stage(op)][index]
+        """Device of original op ``op`` in stage device slot ``index``: the
+        stage's device, or for a split stage the op's shard device in group
+        ``index``."""
+        stage = self.stage(op)
+        groups = self.split_groups.get(stage)
+        if groups is None:
+            return self.stage_devices[stage][index]
+        base = self.op_devices.get(op, groups[0][0])
+        return groups[index][groups[0].index(base)]
+
+
+def split_op_devices(index: GraphIndex, stage_of: Dict[ops.Operation, int],
+                     split_groups: Dict[int, List[Tuple[str, ...]]]) -> Dict[ops.Operation, str]:
+    """The device (in group 0) of every op of a split stage: the one a pattern
+    gave it, else that of the forward op it differentiates, a colocated op or
+    its first placed input (gradients and optimizer updates of a shard stay on
+    the shard's device), else the group's first device."""
+    result: Dict[ops.Operation, str] = {}
+    by_name = {op.name: op for op in index.ops}
+    for op in index.ops:
+        groups = split_groups.get(stage_of.get(op, 0))
+        if groups is None:
+            continue
+        own = _canonical(op.device) if op.device else None
+        if own in groups[0]:
+            result[op] = own
+            continue
+        candidates = [getattr(op, "_original_op", None)]
+        candidates += [by_name.get(name) for name in _colocation(op)]
+        candidates += [t.op for t in op.inputs]
+        result[op] = next((result[c] for c in candidates if c in result), groups[0][0])
+    return result
+
+
+def _canonical(device: str) -> str:
+    return device_lib.DeviceSpec.from_string(device).to_string()
 
 
 def assign_stages(index: GraphIndex, capture: GraphCapture, num_stages: int,

@@ -4,6 +4,7 @@ from typing import Any, Callable, Optional
 
 from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.eager import context
+from tensorflow.python.framework import device as device_lib
 from tensorflow.python.framework import ops
 
 from tfpar.errors import ConfigError, PlanError
@@ -16,7 +17,7 @@ from tfpar.rewriters.allreduce import CollectiveKeys, make_reducer
 from tfpar.planner.schedule import build_schedule
 from tfpar.rewriters.data_parallel import replicate
 from tfpar.rewriters.select import GraphIndex
-from tfpar.rewriters.stages import Placement, assign_stages
+from tfpar.rewriters.stages import Placement, assign_stages, split_op_devices
 from tfpar.rewriters.fetch_translation import FetchTranslator
 from tfpar.runtime.context import Runtime, active
 
@@ -73,7 +74,12 @@ def _stats(graph: ops.Graph, capture: GraphCapture, num_task_graphs: int):
     for v in graph.get_collection(ops.GraphKeys.TRAINABLE_VARIABLES):
         if v.shape.is_fully_defined():
             param_bytes[stage_of.get(v.op, 0)] += v.shape.num_elements() * v.dtype.size
-    return {"num_ops": num_ops, "param_bytes": param_bytes}
+    split = {i: (ctx.devices, ctx.decisions) for i, ctx in capture.split_contexts.items()}
+    return {"num_ops": num_ops, "param_bytes": param_bytes, "split": split}
+
+
+def _canonical(device: str) -> str:
+    return device_lib.DeviceSpec.from_string(device).to_string()
 
 
 def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
@@ -87,22 +93,26 @@ def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
         cfg = rt.config
         index = GraphIndex(graph)
         names = [tg.name for tg in plan.task_graphs]
+        stage_of = assign_stages(index, capture, len(names), names)
+        split_groups = {s: [tuple(_canonical(d) for d in g) for g in tg.replicas]
+                        for s, tg in enumerate(plan.task_graphs) if tg.strategy == "split"}
         placement = Placement(
-            stage_devices=[[d for group in tg.replicas for d in group] for tg in plan.task_graphs],
-            num_replicas=plan.data_parallel_degree,
-            stage_of=assign_stages(index, capture, len(names), names), task_graph_names=names)
+            stage_devices=[[group[0] for group in tg.replicas] for tg in plan.task_graphs],
+            num_replicas=plan.data_parallel_degree, stage_of=stage_of, task_graph_names=names,
+            split_groups=split_groups,
+            op_devices=split_op_devices(index, stage_of, split_groups))
         keys = CollectiveKeys()
-        reducers = [make_reducer(cfg.get("communication.backend"), placement.stage_devices[s],
-                                 rt.device_type, keys,
-                                 fusion_bytes=cfg.get("communication.fusion_mb") * 2 ** 20,
-                                 timeout_s=cfg.get("communication.timeout_s"))
-                    for s in range(placement.num_stages)]
+
+        def reducer_for(devices):
+            return make_reducer(cfg.get("communication.backend"), devices, rt.device_type, keys,
+                                fusion_bytes=cfg.get("communication.fusion_mb") * 2 ** 20,
+                                timeout_s=cfg.get("communication.timeout_s"))
         # One micro-batch needs no schedule; otherwise the plan's was validated.
         schedule = [] if plan.num_micro_batch == 1 else build_schedule(
             plan.schedule, placement.num_stages, plan.num_micro_batch, plan.group_size)
         with graph_edit.unfinalized(graph), recording_paused():
             rewrite = replicate(graph, capture, index, placement, plan.num_micro_batch,
-                                reducers, schedule)
+                                reducer_for, schedule)
         capture.plan = plan
         capture.rewrite = FetchTranslator(graph, rewrite)
         log.info("tfpar rewrote the graph:\n%s", plan.summary())

@@ -1,0 +1,179 @@
+"""Equivalence: split TaskGraphs (tensor parallelism, Whale §3.2.2) vs single-device TF."""
+import contextlib
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from equivalence import assert_equivalent, dense, make_data, train
+
+import tfpar as wh
+
+v1 = tf.compat.v1
+DATA = make_data(steps=3, batch=8, classes=10)
+
+
+def scope(tfpar, kind, devices):
+    return getattr(wh, kind)(devices) if tfpar else contextlib.nullcontext()
+
+
+def layer(h, units, name, seed, activation=None):
+    """tf.compat.v1.layers.dense with numpy initial values (same in every run)."""
+    rng = np.random.RandomState(seed)
+    kernel = (rng.randn(int(h.shape[-1]), units) / np.sqrt(int(h.shape[-1]))).astype(np.float32)
+    return v1.layers.dense(h, units, activation, name=name,
+                           kernel_initializer=v1.constant_initializer(kernel),
+                           bias_initializer=v1.constant_initializer(0.1 * rng.randn(units)))
+
+
+def classifier(tfpar, classes=10, backbone="replicate", devices=4, dense_labels=False,
+               optimizer=lambda: v1.train.GradientDescentOptimizer(0.5)):
+    """Whale Example 2: a replicated feature extractor and a split classifier head
+    (fc + softmax cross-entropy) on the same devices."""
+    def build(x, y):
+        with scope(tfpar, backbone, devices) if backbone else contextlib.nullcontext():
+            features = dense(x, 8, "features", seed=1, activation=tf.nn.tanh)
+        with scope(tfpar, "split", devices):
+            logits = layer(features, classes, "logits", seed=2)
+            if dense_labels:
+                loss = v1.losses.softmax_cross_entropy(tf.one_hot(y, classes), logits)
+            else:
+                loss = v1.losses.sparse_softmax_cross_entropy(y, logits)
+        return loss, optimizer().minimize(loss)
+    return build
+
+
+def test_whale_example_2_with_1000_classes():
+    data = make_data(steps=3, batch=8, classes=1000)
+    config = {"cluster.num_devices": 4}
+    assert_equivalent(train(classifier(False, 1000), data),
+                      train(classifier(True, 1000), data, config))
+
+
+@pytest.mark.parametrize("dense_labels", [False, True], ids=["sparse", "dense"])
+@pytest.mark.parametrize("devices", [2, 4])
+def test_split_head_alone(devices, dense_labels):
+    """Uneven shards too: 10 classes on 4 devices are 3, 3, 2, 2."""
+    config = {"cluster.num_devices": devices}
+    assert_equivalent(train(classifier(False, dense_labels=dense_labels), DATA),
+                      train(classifier(True, backbone=None, devices=devices,
+                                       dense_labels=dense_labels), DATA, config))
+
+
+def test_split_with_adam():
+    build = classifier(False, optimizer=lambda: v1.train.AdamOptimizer(0.01))
+    staged = classifier(True, optimizer=lambda: v1.train.AdamOptimizer(0.01))
+    assert_equivalent(train(build, DATA), train(staged, DATA, {"cluster.num_devices": 4}),
+                      rtol=1e-4)
+
+
+def megatron_mlp(tfpar, devices=2):
+    """A split MLP: fc -> fc -> classifier, all in one split scope."""
+    def build(x, y):
+        with scope(tfpar, "split", devices):
+            h = layer(x, 16, "fc1", seed=1, activation=tf.nn.tanh)
+            h = layer(h, 8, "fc2", seed=2, activation=tf.nn.tanh)
+            logits = layer(h, 10, "logits", seed=3)
+            loss = v1.losses.sparse_softmax_cross_entropy(y, logits)
+        return loss, v1.train.MomentumOptimizer(0.1, 0.9).minimize(loss)
+    return build
+
+
+def _plan(build, config):
+    graph = tf.Graph()
+    with graph.as_default():
+        wh.init(config)
+        build(v1.placeholder(tf.float32, [None, 6]), v1.placeholder(tf.int64, [None]))
+        plan = wh.current_plan()
+    wh.reset()
+    return plan
+
+
+def test_matcher_picks_the_cheaper_pattern():
+    """fc1 sees a whole input: column (SP1) moves 2*6 floats a row, row (SP2) 16+6.
+    fc2 sees fc1's column-split output: row needs no gather (Megatron's column
+    then row). The cross-entropy stays distributed (3 floats vs 10 classes)."""
+    plan = _plan(megatron_mlp(True), {"cluster.num_devices": 2})
+    assert plan.task_graphs[0].patterns == {
+        "fc1": "column", "fc2": "row", "logits": "column", "sparse_softmax_xent": "distributed"}
+    assert "fc2 -> row" in plan.summary()
+
+
+def test_megatron_mlp_and_forced_patterns():
+    reference = train(megatron_mlp(False), DATA)
+    assert_equivalent(reference, train(megatron_mlp(True), DATA, {"cluster.num_devices": 2}))
+    forced = {"cluster.num_devices": 2, "split.patterns": {
+        "fc1": "row", "fc2": "column", "logits": "column", "sparse_softmax_xent": "gather"}}
+    assert _plan(megatron_mlp(True), forced).task_graphs[0].patterns == forced["split.patterns"]
+    assert_equivalent(reference, train(megatron_mlp(True), DATA, forced))
+
+
+def test_forcing_a_pattern_that_does_not_match_is_named():
+    config = {"cluster.num_devices": 2, "split.patterns": {"sparse_softmax_xent": "nope"}}
+    with pytest.raises(wh.ConfigError, match="forces 'nope' on ShardingUnit "
+                                            "'sparse_softmax_xent'.*distributed, gather"):
+        _plan(megatron_mlp(True), config)
+
+
+def test_variables_are_sharded_across_devices():
+    """Each device holds 1/n of the split weights; no full weight exists."""
+    graph = tf.Graph()
+    with graph.as_default():
+        wh.init({"cluster.num_devices": 4})
+        x = v1.placeholder(tf.float32, [None, 6])
+        y = v1.placeholder(tf.int64, [None])
+        classifier(True, classes=1000)(x, y)
+        kernels = [op for op in graph.get_operations()
+                   if op.type == "VarHandleOp" and op.name.startswith("logits/kernel")]
+        names = sorted(v.op.name for v in v1.global_variables())
+    wh.reset()
+    assert sorted(k.get_attr("shape").dim[1].size for k in kernels) == [250] * 4
+    assert sorted(k.device.rsplit(":", 1)[-1] for k in kernels) == ["0", "1", "2", "3"]
+    assert "logits/kernel/part_0" in names and "logits/kernel" not in names
+
+
+def test_argmax_accuracy_over_split_logits():
+    def run(tfpar):
+        graph = tf.Graph()
+        with graph.as_default():
+            if tfpar:
+                wh.init({"cluster.num_devices": 4})
+            x = v1.placeholder(tf.float32, [None, 6])
+            with scope(tfpar, "split", 4):
+                logits = layer(x, 10, "logits", seed=2)
+                predictions = tf.argmax(logits, 1)
+            with v1.Session() as sess:
+                sess.run(v1.global_variables_initializer())
+                out = sess.run(predictions, {x: DATA[0][0]})
+        if tfpar:
+            wh.reset()
+        return out
+    np.testing.assert_array_equal(run(True), run(False))
+
+
+@pytest.mark.parametrize("backend", ["auto", "collective"])
+def test_nested_data_parallelism_around_a_split(backend):
+    """split(2) on 4 devices: two copies of the split head, each on 2 devices."""
+    config = {"cluster.num_devices": 4, "communication.backend": backend}
+    build = classifier(False)
+    staged = classifier(True, backbone=None, devices=2)
+    assert _plan(staged, config).data_parallel_degree == 2
+    assert_equivalent(train(build, DATA), train(staged, DATA, config))
+
+
+def test_pipeline_into_a_split_stage():
+    """replicate(1) stage then split(2) stage on 3 devices, 2 micro-batches."""
+    config = {"cluster.num_devices": 3, "pipeline.num_micro_batch": 2}
+    assert_equivalent(train(classifier(False), DATA),
+                      train(_pipelined_classifier(), DATA, config))
+
+
+def _pipelined_classifier():
+    def build(x, y):
+        with wh.replicate(1):
+            features = dense(x, 8, "features", seed=1, activation=tf.nn.tanh)
+        with wh.split(2):
+            logits = layer(features, 10, "logits", seed=2)
+            loss = v1.losses.sparse_softmax_cross_entropy(y, logits)
+        return loss, v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+    return build

@@ -1,0 +1,33 @@
+"""The matcher (Whale §3.2.2): pick a sharding pattern per ShardingUnit.
+
+Units arrive in topological order (the order the model builds them). Of the
+patterns that match a unit's kind and input ShardingInfo, the one with the
+smallest communication cost is chosen, unless ``split.patterns`` forces one
+by unit name (Whale §5.1.4 forces SP1 / SP2 this way).
+"""
+from typing import Sequence
+
+from tfpar.errors import ConfigError
+from tfpar.ir.sharding import ShardingUnit
+
+__all__ = ["choose"]
+
+
+def choose(ctx, unit: ShardingUnit, candidates: Sequence):
+    """The pattern for ``unit`` among ``candidates`` (objects with ``name``,
+    ``matches(unit)`` and ``cost(unit)`` in bytes per row); the choice is
+    recorded in ``ctx.decisions``."""
+    matching = [p for p in candidates if p.matches(unit)]
+    forced = ctx.forced.get(unit.name)
+    if forced is not None:
+        chosen = [p for p in matching if p.name == forced]
+        if not chosen:
+            raise ConfigError(
+                f"split.patterns forces '{forced}' on ShardingUnit '{unit.name}' "
+                f"({unit.kind}, inputs {', '.join(map(str, unit.inputs))}); patterns that "
+                f"match it: {', '.join(p.name for p in matching) or 'none'}")
+        pattern = chosen[0]
+    else:
+        pattern = min(matching, key=lambda p: p.cost(unit))
+    ctx.decisions[unit.name] = pattern.name
+    return pattern

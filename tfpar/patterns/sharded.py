@@ -1,0 +1,139 @@
+"""Sharded tensors and variables of one split TaskGraph.
+
+Variables are TensorFlow partitioned variables (``part_i`` slices with
+``save_slice_info``), so a checkpoint stores each under its single-device name
+and full shape, and slice i lives on device i: the full weight is never
+allocated. A sharded tensor is its per-device shards plus a full view (their
+concatenation) that is computed only if something outside the patterns reads it
+(Whale's split bridge: gather along the split dimension).
+"""
+import contextlib
+import dataclasses
+import re
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+from tensorflow.python.framework import ops
+from tensorflow.python.framework import tensor as tensor_lib
+from tensorflow.python.ops import array_ops, init_ops, variable_scope
+from tensorflow.python.ops import variables as variables_lib
+
+from tfpar.ir.sharding import ShardingInfo
+
+__all__ = ["ShardedTensor", "SplitContext", "sharded_variable"]
+
+_PART = re.compile(r"/part_(\d+)(/|$)")
+
+
+@dataclasses.dataclass
+class ShardedTensor:
+    """``shards[i]`` on ``devices[i]``, split along ``axis``; ``full`` is the
+    concatenated view (on ``devices[0]``)."""
+
+    shards: List[tensor_lib.Tensor]
+    axis: int
+    full: tensor_lib.Tensor
+
+    @property
+    def sizes(self) -> List[tensor_lib.Tensor]:
+        """Dynamic size of each shard along ``axis``."""
+        return [array_ops.shape(s)[self.axis] for s in self.shards]
+
+
+class SplitContext:
+    """What the patterns of one split TaskGraph share.
+
+    Attributes:
+      name: the TaskGraph's name.
+      devices: its devices; shard i goes to ``devices[i]``.
+      forced: ShardingUnit name -> pattern name (``split.patterns`` config).
+      decisions: ShardingUnit name -> chosen pattern, in build order.
+    """
+
+    def __init__(self, name: str, devices: Sequence[str], forced: Optional[Dict[str, str]]):
+        self.name = name
+        self.devices = list(devices)
+        self.forced = dict(forced or {})
+        self.decisions: Dict[str, str] = {}
+        self._sharded: Dict[tensor_lib.Tensor, ShardedTensor] = {}
+        self._units: Dict[str, int] = {}
+
+    @property
+    def size(self) -> int:
+        return len(self.devices)
+
+    def unit_name(self, base: str) -> str:
+        """A unique ShardingUnit name from a layer / op name."""
+        count = self._units.get(base, 0)
+        self._units[base] = count + 1
+        return base if count == 0 else f"{base}_{count}"
+
+    def lookup(self, t) -> Optional[ShardedTensor]:
+        """The sharded form of ``t``, looking through reshapes that keep the
+        last (split) dimension."""
+        if not isinstance(t, tensor_lib.Tensor):
+            return None
+        if t in self._sharded:
+            return self._sharded[t]
+        if t.op.type in ("Reshape", "Identity") and t.shape.rank == 2:
+            inner = self.lookup(t.op.inputs[0])
+            if inner is not None and inner.full.shape.rank == 2 and inner.axis == 1 and (
+                    t.shape[1] == inner.full.shape[1]):
+                return ShardedTensor(inner.shards, 1, t)
+        return None
+
+    def info(self, t) -> ShardingInfo:
+        sharded = self.lookup(t)
+        rank = t.shape.rank if isinstance(t, tensor_lib.Tensor) and t.shape.rank else 0
+        return ShardingInfo.split(rank, sharded.axis) if sharded else ShardingInfo.full(rank)
+
+    def sharded(self, shards: List[tensor_lib.Tensor], axis: int) -> tensor_lib.Tensor:
+        """Register ``shards`` (on this TaskGraph's devices) split along ``axis``;
+        returns the full view the user sees."""
+        with ops.device(self.devices[0]):
+            full = array_ops.concat(shards, axis, name="gather_shards")
+        self._sharded[full] = ShardedTensor(list(shards), axis % full.shape.rank, full)
+        return full
+
+    @contextlib.contextmanager
+    def on_shard_devices(self):
+        """Ops named ``.../part_i/...`` (partitioned-variable slices) go to device i."""
+        def place(op):
+            match = _PART.search(op.name)
+            return self.devices[int(match.group(1))] if match else op.device
+        with ops.device(place):
+            yield
+
+
+def sharded_variable(ctx: SplitContext, name: str, shape: Sequence[int], axis: int,
+                     dtype, initializer=None, trainable: bool = True,
+                     getter=None) -> variables_lib.PartitionedVariable:
+    """A variable of full ``shape`` split along ``axis`` into one slice per device
+    (uneven when the size does not divide), slice i on device i."""
+    parts = [1] * len(shape)
+    parts[axis] = ctx.size
+    getter = getter or variable_scope.get_variable
+    with ctx.on_shard_devices():
+        return getter(name, shape=list(shape), dtype=dtype,
+                      initializer=slicing_initializer(initializer),
+                      trainable=trainable, partitioner=lambda shape, dtype: parts)
+
+
+def slicing_initializer(initializer):
+    """An initializer that, for a slice, yields that slice of what
+    ``initializer`` gives the full variable: numpy values and constants are cut;
+    other initializers get TensorFlow's partition_info as usual."""
+    value = initializer
+    if isinstance(initializer, init_ops.Constant):
+        value = initializer.value
+    if not isinstance(value, (np.ndarray, list, tuple, float, int)):
+        return initializer
+    array = np.asarray(value)
+    if array.ndim == 0:
+        return init_ops.constant_initializer(array.item())
+
+    def init(shape, dtype=None, partition_info=None):
+        offset = partition_info.var_offset if partition_info is not None else [0] * len(shape)
+        index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
+        return array[index].astype(dtype.as_numpy_dtype if dtype is not None else array.dtype)
+    return init
