@@ -177,3 +177,42 @@ def _pipelined_classifier():
             loss = v1.losses.sparse_softmax_cross_entropy(y, logits)
         return loss, v1.train.GradientDescentOptimizer(0.5).minimize(loss)
     return build
+
+
+def two_split_stages(tfpar, second="split", devices=(2, 2), micro=2):
+    """Bridges out of a split stage: split -> split on the same devices reads the
+    shards (gather and partition along the class dimension fused away);
+    split -> replicate gathers them along the split dimension."""
+    def build(x, y):
+        with scope(tfpar, "split", devices[0]):
+            h = layer(x, 12, "fc1", seed=1, activation=tf.nn.tanh)
+        with scope(tfpar, second, devices[1]):
+            logits = layer(h, 10, "logits", seed=2)
+            loss = v1.losses.sparse_softmax_cross_entropy(y, logits)
+        return loss, v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+    return build
+
+
+@pytest.mark.parametrize("second,devices,num_devices", [
+    ("split", (2, 2), 2), ("replicate", (2, 1), 3), ("split", (2, 3), 5)])
+def test_bridges_out_of_split_stages(second, devices, num_devices):
+    config = {"cluster.num_devices": num_devices, "pipeline.num_micro_batch": 2,
+              "cluster.colocate_split_and_replicate": second == "split" and num_devices == 2}
+    assert_equivalent(train(two_split_stages(False, second, devices), DATA),
+                      train(two_split_stages(True, second, devices), DATA, config))
+
+
+def test_split_to_split_on_the_same_devices_needs_no_gather():
+    graph = tf.Graph()
+    with graph.as_default():
+        wh.init({"cluster.num_devices": 2, "cluster.colocate_split_and_replicate": True})
+        x = v1.placeholder(tf.float32, [None, 6])
+        y = v1.placeholder(tf.int64, [None])
+        two_split_stages(True)(x, y)
+        plan = wh.current_plan()
+        fc1_out = [op for op in graph.get_operations() if op.name.startswith("fc1/")
+                   and op.type == "ConcatV2"]
+    wh.reset()
+    assert plan.task_graphs[1].patterns["logits"] == "row"  # reads fc1's column shards
+    assert [c.name for op in fc1_out for c in op.outputs[0].consumers()
+            if c.type == "MatMul"] == []

@@ -109,7 +109,7 @@ def _split_context(capture, spec, rt):
     assignment = assign_devices([(s.name, s.device_count) for s in capture.task_graphs],
                                 rt.devices, rt.config.get("cluster.colocate_split_and_replicate"))
     return SplitContext(spec.name, assignment.virtual_devices[-1][0],
-                        rt.config.get("split.patterns"))
+                        rt.config.get("split.patterns"), capture.sharded_tensors)
 
 
 def _runtime(what: str):

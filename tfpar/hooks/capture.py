@@ -55,8 +55,10 @@ class GraphCapture:
         self.apply_calls: List[ApplyCall] = []
         self.rewrite: Any = None
         self._scopes: List[int] = []
-        # TaskGraph index -> patterns.sharded.SplitContext of each split scope.
+        # TaskGraph index -> patterns.sharded.SplitContext of each split scope,
+        # and the sharded tensors they share.
         self.split_contexts: Dict[int, Any] = {}
+        self.sharded_tensors: Dict[Any, Any] = {}
         self._phases: List[Phase] = []
 
     # -- recording -----------------------------------------------------------------

@@ -50,12 +50,17 @@ class SplitContext:
       decisions: ShardingUnit name -> chosen pattern, in build order.
     """
 
-    def __init__(self, name: str, devices: Sequence[str], forced: Optional[Dict[str, str]]):
+    def __init__(self, name: str, devices: Sequence[str], forced: Optional[Dict[str, str]],
+                 registry: Optional[Dict] = None):
+        """``registry``: full view -> (devices, ShardedTensor), shared by the split
+        TaskGraphs of a graph, so one on the same devices reads another's shards
+        directly (Whale: a gather followed by a partition along the same
+        dimension is fused away)."""
         self.name = name
         self.devices = list(devices)
         self.forced = dict(forced or {})
         self.decisions: Dict[str, str] = {}
-        self._sharded: Dict[tensor_lib.Tensor, ShardedTensor] = {}
+        self._sharded = registry if registry is not None else {}
         self._units: Dict[str, int] = {}
 
     @property
@@ -73,8 +78,9 @@ class SplitContext:
         last (split) dimension."""
         if not isinstance(t, tensor_lib.Tensor):
             return None
-        if t in self._sharded:
-            return self._sharded[t]
+        devices, sharded = self._sharded.get(t, (None, None))
+        if sharded is not None and devices == self.devices:
+            return sharded
         if t.op.type in ("Reshape", "Identity") and t.shape.rank == 2:
             inner = self.lookup(t.op.inputs[0])
             if inner is not None and inner.full.shape.rank == 2 and inner.axis == 1 and (
@@ -92,7 +98,8 @@ class SplitContext:
         returns the full view the user sees."""
         with ops.device(self.devices[0]):
             full = array_ops.concat(shards, axis, name="gather_shards")
-        self._sharded[full] = ShardedTensor(list(shards), axis % full.shape.rank, full)
+        self._sharded[full] = (self.devices, ShardedTensor(list(shards), axis % full.shape.rank,
+                                                           full))
         return full
 
     @contextlib.contextmanager
