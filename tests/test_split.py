@@ -216,3 +216,85 @@ def test_split_to_split_on_the_same_devices_needs_no_gather():
     assert plan.task_graphs[1].patterns["logits"] == "row"  # reads fc1's column shards
     assert [c.name for op in fc1_out for c in op.outputs[0].consumers()
             if c.type == "MatMul"] == []
+
+
+def embedding_model(tfpar, devices=2):
+    """A vocabulary-sharded table (tf.nn.embedding_lookup and tf.gather) and a
+    row-split projection (tf.matmul on a variable made in the split scope)."""
+    def build(ids, y):
+        with scope(tfpar, "split", devices):
+            rng = np.random.RandomState(5)
+            table = v1.get_variable("table", initializer=rng.randn(20, 6).astype(np.float32))
+            emb = tf.nn.embedding_lookup(table, ids[:, 0]) + tf.gather(table, ids[:, 1])
+            proj = v1.get_variable("proj", initializer=rng.randn(6, 8).astype(np.float32))
+            h = tf.tanh(tf.matmul(emb, proj))
+        logits = dense(h, 3, "head", seed=4)
+        loss = v1.losses.sparse_softmax_cross_entropy(y, logits)
+        return loss, v1.train.AdagradOptimizer(0.3).minimize(loss)
+    return build
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_vocabulary_sharded_embedding_and_row_split_matmul(devices):
+    rng = np.random.RandomState(3)
+    data = (rng.randint(0, 20, size=(3, 8, 2)).astype(np.int64),
+            rng.randint(0, 3, size=(3, 8)).astype(np.int64))
+    config = {"cluster.num_devices": devices}
+    assert_equivalent(train(embedding_model(False), data),
+                      train(embedding_model(True, devices), data, config))
+    plan = _plan_of(embedding_model(True, devices), config, tf.int64, [None, 2])
+    assert plan.task_graphs[0].patterns == {"embedding": "vocab", "embedding_1": "vocab",
+                                            "matmul": "sharded"}
+
+
+def _plan_of(build, config, dtype, shape):
+    graph = tf.Graph()
+    with graph.as_default():
+        wh.init(config)
+        build(v1.placeholder(dtype, shape), v1.placeholder(tf.int64, [None]))
+        plan = wh.current_plan()
+    wh.reset()
+    return plan
+
+
+EXPERTS, MODEL, HIDDEN = 4, 6, 5
+
+
+def moe_model(tfpar, devices=4):
+    """Whale Example 5: data-parallel gating by default, experts in a split scope.
+    Expert weights [experts, ...] are split by expert; each device runs its
+    experts on the tokens, and the gate-weighted combination sums over devices."""
+    def gating_dispatch(x):
+        h = dense(x, MODEL, "embed", seed=1, activation=tf.nn.tanh)
+        return tf.nn.softmax(dense(h, EXPERTS, "gate", seed=2)), h
+
+    def moe(combined_weights, dispatch_inputs):
+        rng = np.random.RandomState(6)
+        w1 = v1.get_variable("experts/w1", initializer=(0.5 * rng.randn(
+            EXPERTS, MODEL, HIDDEN)).astype(np.float32))
+        w2 = v1.get_variable("experts/w2", initializer=(0.5 * rng.randn(
+            EXPERTS, HIDDEN, MODEL)).astype(np.float32))
+        hidden = tf.nn.relu(tf.einsum("bd,edh->beh", dispatch_inputs, w1))
+        outputs = tf.einsum("beh,ehd->bed", hidden, w2)
+        return tf.einsum("be,bed->bd", combined_weights, outputs)
+
+    def build(x, y):
+        if tfpar:
+            wh.set_default_strategy(wh.replicate(devices))
+        combined_weights, dispatch_inputs = gating_dispatch(x)
+        with scope(tfpar, "split", devices):
+            outputs = moe(combined_weights, dispatch_inputs)
+        logits = dense(outputs, 3, "head", seed=3)
+        loss = v1.losses.sparse_softmax_cross_entropy(y, logits)
+        return loss, v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+    return build
+
+
+def test_whale_example_5_mixture_of_experts():
+    data = make_data(steps=3, batch=8, classes=3)
+    config = {"cluster.num_devices": 4}
+    assert_equivalent(train(moe_model(False), data), train(moe_model(True), data, config))
+    plan = _plan(moe_model(True), config)
+    assert [tg.strategy for tg in plan.task_graphs] == ["replicate", "split", "replicate"]
+    assert plan.task_graphs[1].patterns == {"einsum": "sharded", "einsum_1": "sharded",
+                                            "einsum_2": "sharded"}

@@ -136,7 +136,12 @@ def set_default_strategy(scope: _Scope) -> None:
     if not isinstance(scope, _Scope):
         raise AnnotationError("tfpar: set_default_strategy expects wh.replicate(...) or "
                               f"wh.split(...), got {scope!r}")
-    _runtime("set_default_strategy").default_strategy = (scope.strategy, scope.device_count)
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    from tfpar.hooks.capture import capture_for  # pylint: disable=import-outside-toplevel
+
+    strategy = (scope.strategy, scope.device_count)
+    _runtime("set_default_strategy").default_strategy = strategy
+    capture_for(tf.compat.v1.get_default_graph()).default_strategy = strategy
 
 
 def current_plan() -> Plan:

@@ -58,6 +58,10 @@ class GraphCapture:
         # TaskGraph index -> patterns.sharded.SplitContext of each split scope,
         # and the sharded tensors they share.
         self.split_contexts: Dict[int, Any] = {}
+        # wh.set_default_strategy: (Strategy, device_count) for unscoped ops, which
+        # then form implicit TaskGraphs, one per run of ops between scopes.
+        self.default_strategy: Any = None
+        self._implicit: Optional[int] = None
         self.sharded_tensors: Dict[Any, Any] = {}
         self._phases: List[Phase] = []
 
@@ -78,8 +82,23 @@ class GraphCapture:
                                if s.name in self.op_task_graph), None)
         if task_graph is None and self._scopes:
             task_graph = self._scopes[-1]
+        if task_graph is None and phase is None:
+            task_graph = self._implicit_task_graph()
         if task_graph is not None:
             self.op_task_graph[op.name] = task_graph
+
+    def _implicit_task_graph(self) -> Optional[int]:
+        """The implicit TaskGraph of a forward op built outside every scope under
+        a default strategy (none once training ops exist: savers, summaries)."""
+        if self.default_strategy is None or self.gradient_calls:
+            return None
+        if self._implicit is None:
+            strategy, count = self.default_strategy
+            self._implicit = len(self.task_graphs)
+            self.task_graphs.append(TaskGraphSpec(
+                index=self._implicit, name=f"default_{self._implicit}", strategy=strategy,
+                device_count=count, implicit=True))
+        return self._implicit
 
     def open_scope(self, strategy: Strategy, device_count: Optional[int],
                    name: Optional[str]) -> TaskGraphSpec:
@@ -88,6 +107,7 @@ class GraphCapture:
                              strategy=strategy, device_count=device_count)
         self.task_graphs.append(spec)
         self._scopes.append(index)
+        self._implicit = None
         return spec
 
     def close_scope(self) -> None:

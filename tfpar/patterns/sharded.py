@@ -13,14 +13,14 @@ import re
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
-from tensorflow.python.framework import ops
+from tensorflow.python.framework import ops, tensor_conversion_registry
 from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import array_ops, init_ops, variable_scope
 from tensorflow.python.ops import variables as variables_lib
 
 from tfpar.ir.sharding import ShardingInfo
 
-__all__ = ["ShardedTensor", "SplitContext", "sharded_variable"]
+__all__ = ["ShardedTensor", "ShardedVariable", "SplitContext", "sharded_variable"]
 
 _PART = re.compile(r"/part_(\d+)(/|$)")
 
@@ -62,6 +62,22 @@ class SplitContext:
         self.decisions: Dict[str, str] = {}
         self._sharded = registry if registry is not None else {}
         self._units: Dict[str, int] = {}
+        self._depth = 0
+
+    @property
+    def busy(self) -> bool:
+        """True while a pattern builds its implementation (its own TF calls are
+        not ShardingUnits)."""
+        return self._depth > 0
+
+    @contextlib.contextmanager
+    def building(self):
+        self._depth += 1
+        try:
+            with ops.colocate_with(None, ignore_existing=True):
+                yield
+        finally:
+            self._depth -= 1
 
     @property
     def size(self) -> int:
@@ -110,6 +126,40 @@ class SplitContext:
             return self.devices[int(match.group(1))] if match else op.device
         with ops.device(place):
             yield
+
+
+class ShardedVariable:
+    """What ``tf.compat.v1.get_variable`` returns inside a split scope: a
+    partitioned variable split along its first dimension (vocabulary, experts,
+    input features), slice i on device i. Read as a tensor it is a sharded
+    tensor, so embedding lookups, matmuls and einsums on it use patterns."""
+
+    def __init__(self, partitioned: variables_lib.PartitionedVariable, ctx: SplitContext):
+        self._partitioned = partitioned
+        self._ctx = ctx
+
+    name = property(lambda self: self._partitioned.name)
+    shape = property(lambda self: self._partitioned.get_shape())
+    dtype = property(lambda self: self._partitioned.dtype)
+    op = property(lambda self: list(self._partitioned)[0].op)
+
+    def get_shape(self):
+        return self.shape
+
+    def __iter__(self):
+        return iter(self._partitioned)
+
+    def value(self) -> tensor_lib.Tensor:
+        """The full view of the slices (registered as split along dimension 0)."""
+        reads = []
+        for part, device in zip(self._partitioned, self._ctx.devices):
+            with ops.device(device):
+                reads.append(part.value())
+        return self._ctx.sharded(reads, 0)
+
+
+tensor_conversion_registry.register_tensor_conversion_function(
+    ShardedVariable, lambda v, dtype=None, name=None, as_ref=False: v.value())
 
 
 def sharded_variable(ctx: SplitContext, name: str, shape: Sequence[int], axis: int,

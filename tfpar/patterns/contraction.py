@@ -1,0 +1,111 @@
+"""Sharding patterns for ``tf.matmul`` and ``tf.einsum`` whose operands are
+split along one index (a ShardedVariable's first dimension, a column-split
+activation, an expert dimension).
+
+* ``sharded``: every device contracts its slices (split operands use their
+  shards, whole operands are sliced locally along the split index). When the
+  split index survives in the output, the output stays split along it (expert
+  outputs stay on their experts' devices); when it is contracted, the partial
+  products are summed (row-split matmul, combining experts' outputs).
+* ``gather``: gather the split operands and run TensorFlow's op.
+"""
+from typing import Callable, List, Optional, Sequence
+
+from tensorflow.python.framework import ops
+from tensorflow.python.ops import array_ops, math_ops
+
+from tfpar.ir.sharding import ShardingUnit
+
+__all__ = ["CONTRACTION_PATTERNS", "GATHER", "SHARDED", "contraction_unit", "sharded_contraction"]
+
+
+class _Sharded:
+    name = "sharded"
+
+    @staticmethod
+    def matches(unit: ShardingUnit) -> bool:
+        return unit.sizes["letter"] is not None
+
+    @staticmethod
+    def cost(unit: ShardingUnit) -> float:
+        return 0.0 if unit.sizes["kept"] else 4.0 * unit.sizes["out"]  # all-reduce partials
+
+
+class _Gather:
+    name = "gather"
+
+    @staticmethod
+    def matches(unit: ShardingUnit) -> bool:
+        return True
+
+    @staticmethod
+    def cost(unit: ShardingUnit) -> float:
+        return 4.0 * unit.sizes["gathered"]
+
+
+SHARDED, GATHER = _Sharded(), _Gather()
+CONTRACTION_PATTERNS = (SHARDED, GATHER)
+
+
+def split_letter(ctx, equation: str, operands: Sequence) -> Optional[str]:
+    """The one einsum index the split operands are split along, or None."""
+    if "..." in equation or "->" not in equation:
+        return None
+    specs = equation.split("->")[0].split(",")
+    letters = set()
+    for spec, x in zip(specs, operands):
+        sharded = ctx.lookup(x)
+        if sharded is not None:
+            letters.add(spec[sharded.axis])
+    return letters.pop() if len(letters) == 1 else None
+
+
+def contraction_unit(ctx, kind: str, equation: str, operands: Sequence) -> ShardingUnit:
+    letter = split_letter(ctx, equation, operands)
+    output = equation.split("->")[1] if "->" in equation else ""
+    sizes = {c: dim for spec, x in zip(equation.split("->")[0].split(","), operands)
+             for c, dim in zip(spec, x.shape.as_list())}
+    gathered = sum(int(x.shape[-1] or 1) for x in operands if ctx.lookup(x) is not None)
+    return ShardingUnit(ctx.unit_name(kind), kind, tuple(ctx.info(x) for x in operands),
+                        {"letter": letter, "kept": bool(letter) and letter in output,
+                         "out": (sizes.get(output[-1]) or 1) if output else 1,
+                         "gathered": gathered})
+
+
+def sharded_contraction(ctx, equation: str, operands: Sequence,
+                        compute: Callable[..., object]):
+    """Build the ``sharded`` pattern; ``compute(*slices)`` makes one device's op."""
+    inputs, output = equation.split("->")
+    specs = inputs.split(",")
+    letter = split_letter(ctx, equation, operands)
+    reference = next(ctx.lookup(x) for x, spec in zip(operands, specs) if ctx.lookup(x))
+    widths = [int(s.shape[reference.axis]) for s in reference.shards]
+    per_operand: List[List] = []
+    for x, spec in zip(operands, specs):
+        sharded = ctx.lookup(x)
+        if sharded is not None:
+            per_operand.append(sharded.shards)
+        elif letter in spec:
+            per_operand.append(_slices(ctx, x, spec.index(letter), widths))
+        else:
+            per_operand.append([x] * ctx.size)
+    results = []
+    for i, device in enumerate(ctx.devices):
+        with ops.device(device):
+            results.append(compute(*(parts[i] for parts in per_operand)))
+    if letter in output:
+        return ctx.sharded(results, output.index(letter))
+    with ops.device(ctx.devices[0]):
+        return math_ops.add_n(results)
+
+
+def _slices(ctx, x, axis: int, widths: Sequence[int]) -> List:
+    pieces, offset = [], 0
+    for width, device in zip(widths, ctx.devices):
+        with ops.device(device):
+            begin = [0] * x.shape.rank
+            size = [-1] * x.shape.rank
+            begin[axis], size[axis] = offset, width
+            pieces.append(array_ops.slice(x, begin, size))
+        offset += width
+    return pieces
