@@ -17,6 +17,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfpar as wh  # noqa: E402
+from loss_report import report  # noqa: E402  (examples/loss_report.py)
 
 
 def build_model(x, y):
@@ -66,14 +67,7 @@ def main():
     parallel, plan = run(data, {"cluster.num_devices": args.devices,
                                 "pipeline.num_micro_batch": args.micro_batches})
     print(plan.summary())
-    print()
-    print(f"{'step':>4}  {'1 device':>10}  {'tfpar':>10}  {'|diff|':>9}")
-    for i, (a, b) in enumerate(zip(plain, parallel)):
-        print(f"{i:>4}  {a:>10.6f}  {b:>10.6f}  {abs(a - b):>9.2e}")
-    worst = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(plain, parallel))
-    print(f"\nlargest relative difference: {worst:.2e} "
-          f"({'equivalent' if worst < 1e-4 else 'NOT equivalent'})")
-    return 0 if worst < 1e-4 else 1
+    return report(plain, parallel)
 
 
 if __name__ == "__main__":

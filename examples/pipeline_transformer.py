@@ -23,6 +23,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfpar as wh  # noqa: E402
+from loss_report import report  # noqa: E402  (examples/loss_report.py)
 
 v1 = tf.compat.v1
 VOCAB, SEQ, HIDDEN, HEADS, LAYERS, CLASSES = 50, 8, 32, 4, 4, 5
@@ -127,13 +128,7 @@ def main():
     if args.trace_dir:
         plan.timeline(os.path.join(args.trace_dir, "plan_timeline.json"))
         print(f"Chrome traces: {args.trace_dir}/plan_timeline.json, step_timeline.json")
-    print(f"\n{'step':>4}  {'1 device':>10}  {'pipeline':>10}  {'|diff|':>9}")
-    for i, (a, b) in enumerate(zip(plain, parallel)):
-        print(f"{i:>4}  {a:>10.6f}  {b:>10.6f}  {abs(a - b):>9.2e}")
-    worst = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(plain, parallel))
-    print(f"\nlargest relative difference: {worst:.2e} "
-          f"({'equivalent' if worst < 1e-4 else 'NOT equivalent'})")
-    return 0 if worst < 1e-4 else 1
+    return report(plain, parallel, "pipeline")
 
 
 if __name__ == "__main__":

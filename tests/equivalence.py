@@ -9,8 +9,8 @@ import tensorflow as tf
 
 import tfpar as wh
 
-__all__ = ["assert_equivalent", "dense", "make_data", "mlp_classifier", "rewritten_op_types",
-           "train", "variable_values"]
+__all__ = ["assert_equivalent", "checkpoint_session", "dense", "make_data", "mlp_classifier",
+           "rewritten_op_types", "train", "variable_values"]
 
 
 def dense(x, units, name, seed, activation=None):
@@ -91,6 +91,33 @@ def train(build, data, tfpar_config=None, use_dataset=False, session="plain",
                     losses.append(sess.run([loss, train_op], feed)[0])
                 values = variable_values(sess, variables)
     if tfpar_config is not None:
+        wh.reset()
+    return np.array(losses), values
+
+
+def checkpoint_session(build, path_in, path_out, config, data, saver_after_first_run=False):
+    """Restore ``path_in`` (or initialize), train ``build`` on ``data``, save to
+    ``path_out``; returns (losses, {variable name: value}) like ``train``."""
+    graph = tf.Graph()
+    with graph.as_default():
+        if config:
+            wh.init(config)
+        x = tf.compat.v1.placeholder(tf.float32, [None, data[0].shape[-1]])
+        y = tf.compat.v1.placeholder(tf.int64, [None])
+        loss, train_op = build(x, y)
+        init = tf.compat.v1.global_variables_initializer()
+        saver = None if saver_after_first_run else tf.compat.v1.train.Saver()
+        with tf.compat.v1.Session() as sess:
+            sess.run(init)
+            if saver is None:
+                saver = tf.compat.v1.train.Saver()
+            if path_in:
+                saver.restore(sess, path_in)
+            losses = [sess.run([loss, train_op], {x: a, y: b})[0] for a, b in zip(*data)]
+            if path_out:
+                saver.save(sess, path_out)
+            values = variable_values(sess, tf.compat.v1.global_variables())
+    if config:
         wh.reset()
     return np.array(losses), values
 

@@ -1,11 +1,8 @@
 """Checkpoints keep single-device names: they restore across 1 and N devices."""
-import numpy as np
 import pytest
 import tensorflow as tf
 
-from equivalence import assert_equivalent, make_data, mlp_classifier
-
-import tfpar as wh
+from equivalence import assert_equivalent, checkpoint_session, make_data, mlp_classifier
 
 DATA = make_data(steps=3, batch=8)
 BUILD = mlp_classifier(lambda: tf.compat.v1.train.MomentumOptimizer(0.1, 0.9))
@@ -15,28 +12,7 @@ BACKENDS = pytest.mark.parametrize("backend", ["auto", "collective"])
 
 
 def _session(path_in, path_out, config, data, saver_after_first_run=False):
-    """Restore ``path_in`` (or initialize), train on ``data``, save to ``path_out``."""
-    graph = tf.Graph()
-    with graph.as_default():
-        if config:
-            wh.init(config)
-        x = tf.compat.v1.placeholder(tf.float32, [None, 6])
-        y = tf.compat.v1.placeholder(tf.int64, [None])
-        loss, train_op = BUILD(x, y)
-        init = tf.compat.v1.global_variables_initializer()
-        saver = None if saver_after_first_run else tf.compat.v1.train.Saver()
-        with tf.compat.v1.Session() as sess:
-            sess.run(init)
-            if saver is None:
-                saver = tf.compat.v1.train.Saver()
-            if path_in:
-                saver.restore(sess, path_in)
-            losses = [sess.run([loss, train_op], {x: a, y: b})[0] for a, b in zip(*data)]
-            if path_out:
-                saver.save(sess, path_out)
-            values = sess.run({v.op.name: v for v in tf.compat.v1.global_variables()})
-    wh.reset()
-    return np.array(losses), values
+    return checkpoint_session(BUILD, path_in, path_out, config, data, saver_after_first_run)
 
 
 @BACKENDS

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from equivalence import assert_equivalent, dense, make_data, train
+from equivalence import assert_equivalent, checkpoint_session, dense, make_data, train
 
 import tfpar as wh
 
@@ -298,3 +298,18 @@ def test_whale_example_5_mixture_of_experts():
     assert [tg.strategy for tg in plan.task_graphs] == ["replicate", "split", "replicate"]
     assert plan.task_graphs[1].patterns == {"einsum": "sharded", "einsum_1": "sharded",
                                             "einsum_2": "sharded"}
+
+
+def test_checkpoints_restore_between_split_and_single_device(tmp_path):
+    """Split weights are saved as slices of their single-device names and shapes."""
+    first, second = (DATA[0][:1], DATA[1][:1]), (DATA[0][1:], DATA[1][1:])
+    config = {"cluster.num_devices": 4}
+    single, split = str(tmp_path / "single"), str(tmp_path / "split")
+    checkpoint_session(classifier(False), None, single, None, first)
+    checkpoint_session(classifier(True), None, split, config, first)
+    assert sorted(tf.train.list_variables(single)) == sorted(tf.train.list_variables(split))
+    reference = checkpoint_session(classifier(False), single, None, None, second)
+    assert_equivalent(reference, checkpoint_session(classifier(True), single, None, config,
+                                                    second))
+    assert_equivalent(reference, checkpoint_session(classifier(False), split, None, None,
+                                                    second))

@@ -6,6 +6,7 @@
                                        the plan tfpar would execute, without training
 """
 import argparse
+import os
 import runpy
 import sys
 from typing import List, Optional
@@ -42,6 +43,7 @@ def _plan(args) -> int:
     tfpar.init = init
     engine.before_run = stop_at_plan
     sys.argv = [args.script] + list(args.script_args)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))  # as `python script.py`
     try:
         runpy.run_path(args.script, run_name="__main__")
     except _PlanReady:

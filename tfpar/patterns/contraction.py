@@ -15,6 +15,7 @@ from tensorflow.python.framework import ops
 from tensorflow.python.ops import array_ops, math_ops
 
 from tfpar.ir.sharding import ShardingUnit
+from tfpar.patterns.matcher import Gather
 
 __all__ = ["CONTRACTION_PATTERNS", "GATHER", "SHARDED", "contraction_unit", "sharded_contraction"]
 
@@ -31,19 +32,7 @@ class _Sharded:
         return 0.0 if unit.sizes["kept"] else 4.0 * unit.sizes["out"]  # all-reduce partials
 
 
-class _Gather:
-    name = "gather"
-
-    @staticmethod
-    def matches(unit: ShardingUnit) -> bool:
-        return True
-
-    @staticmethod
-    def cost(unit: ShardingUnit) -> float:
-        return 4.0 * unit.sizes["gathered"]
-
-
-SHARDED, GATHER = _Sharded(), _Gather()
+SHARDED, GATHER = _Sharded(), Gather("gathered")
 CONTRACTION_PATTERNS = (SHARDED, GATHER)
 
 

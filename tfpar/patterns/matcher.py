@@ -10,7 +10,25 @@ from typing import Sequence
 from tfpar.errors import ConfigError
 from tfpar.ir.sharding import ShardingUnit
 
-__all__ = ["choose"]
+__all__ = ["Gather", "choose"]
+
+
+class Gather:
+    """The fallback pattern of every unit: gather the split inputs (Whale's split
+    bridge) and run TensorFlow's own op; costs 4 bytes per gathered element of
+    a row, ``unit.sizes[size_key]`` of them."""
+
+    name = "gather"
+
+    def __init__(self, size_key: str) -> None:
+        self._size_key = size_key
+
+    @staticmethod
+    def matches(unit: ShardingUnit) -> bool:
+        return True
+
+    def cost(self, unit: ShardingUnit) -> float:
+        return 4.0 * unit.sizes[self._size_key]
 
 
 def choose(ctx, unit: ShardingUnit, candidates: Sequence):

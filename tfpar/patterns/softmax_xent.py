@@ -11,6 +11,7 @@ from tensorflow.python.framework import dtypes, ops
 from tensorflow.python.ops import array_ops, array_ops_stack, math_ops
 
 from tfpar.ir.sharding import ShardingUnit
+from tfpar.patterns.matcher import Gather
 
 __all__ = ["XENT_PATTERNS", "softmax_xent"]
 
@@ -28,19 +29,7 @@ class _Distributed:
         return 4.0 * 3  # max, sum of exponentials, label logit
 
 
-class _Gather:
-    name = "gather"
-
-    @staticmethod
-    def matches(unit: ShardingUnit) -> bool:
-        return True
-
-    @staticmethod
-    def cost(unit: ShardingUnit) -> float:
-        return 4.0 * unit.sizes["classes"]
-
-
-DISTRIBUTED, GATHER = _Distributed(), _Gather()
+DISTRIBUTED, GATHER = _Distributed(), Gather("classes")
 XENT_PATTERNS = (DISTRIBUTED, GATHER)
 
 
