@@ -58,7 +58,7 @@ v1 = tf.compat.v1
 SPLIT_CPUS = 8  # logical CPU devices of measurement 1 (the process has this many)
 HYBRID_CPUS = 4  # logical CPU devices of measurement 2
 LR = 0.1
-SIZES = {"steps": (5, 2, "timed steps per side per round"), "reps": (5, 3, "ABBA rounds"),
+SIZES = {"steps": (10, 2, "timed steps per side per round"), "reps": (5, 3, "ABBA rounds"),
          "classes": (100000, 10000, "classes of the split head"),
          "hidden": (256, 64, "backbone width = head input size"),
          "layers": (3, 2, "backbone dense layers (measurement 2)"),
@@ -229,10 +229,12 @@ def print_table(rows, checks, args):
         e = r["estimate"]
         if e is not None:
             measured = (r["a_value"] / args.comm_batch, r["b_value"] / args.comm_batch)
+            chosen = [", ".join(f"{u}={p}" for u, p in e[k].items())
+                      for k in ("sp1_patterns", "sp2_patterns")]
             print(f"  matcher estimate: SP1 {e['sp1_bytes_per_row']:.0f} vs SP2 "
-                  f"{e['sp2_bytes_per_row']:.0f} B/row, ratio {e['ratio']:.4f} (measured: "
-                  f"{measured[0]:.0f} vs {measured[1]:.0f} B/row); patterns "
-                  f"{e['sp1_patterns']} vs {e['sp2_patterns']}")
+                  f"{e['sp2_bytes_per_row']:.0f} B/row, ratio {e['ratio']:.4f} (measured "
+                  f"{measured[0]:.0f} vs {measured[1]:.0f} B/row); units: {chosen[0]} vs "
+                  f"{chosen[1]}")
     for c in checks:
         print(f"check {c['setup']:<18} loss {c['first_loss']:.4f} -> {c['last_loss']:.4f} "
               f"over {c['steps']} steps: {'ok' if c['ok'] else 'FAILED'}")
@@ -262,8 +264,9 @@ def parse_args(argv):
 def main(argv=None):
     args = parse_args(argv)
     # Before anything initialises TF's context: SPLIT_CPUS logical CPUs.
-    tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
-                                               [tf.config.LogicalDeviceConfiguration()] * SPLIT_CPUS)
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()]
+                                               * SPLIT_CPUS)
     v1.disable_eager_execution()
     trainers = []
     rows = [measure_patterns(args, trainers), *measure_hybrid(args, trainers)]

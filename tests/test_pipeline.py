@@ -284,3 +284,27 @@ def test_unknown_or_miscounted_hardware_is_named():
             with pytest.raises(wh.ConfigError, match=match):
                 wh.current_plan()
         wh.reset()
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_whale_example_4_num_task_graph_without_scopes(devices):
+    """Example 4: no scopes, {"num_micro_batch": M, "num_task_graph": p}: the model
+    is cut into p balanced stages automatically (nested DP on 4 devices)."""
+    def build(x, y):
+        h = x
+        for i in range(4):
+            h = dense(h, 8, f"layer{i}", seed=i, activation=tf.nn.tanh)
+        loss = v1.losses.sparse_softmax_cross_entropy(y, dense(h, 3, "logits", seed=9))
+        return loss, v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+    config = {"num_micro_batch": 4, "num_task_graph": 2, "cluster.num_devices": devices}
+    assert_equivalent(train(build, DATA), train(build, DATA, config))
+    graph = tf.Graph()
+    with graph.as_default():
+        wh.init(config)
+        build(v1.placeholder(tf.float32, [None, 6]), v1.placeholder(tf.int64, [None]))
+        plan = wh.current_plan()
+    wh.reset()
+    assert [tg.name for tg in plan.task_graphs] == ["stage_0", "stage_1"]
+    assert plan.data_parallel_degree == devices // 2
+    params = [tg.param_bytes for tg in plan.task_graphs]
+    assert min(params) > 0 and max(params) <= 2 * min(params)  # balanced, no empty stage

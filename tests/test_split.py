@@ -313,3 +313,25 @@ def test_checkpoints_restore_between_split_and_single_device(tmp_path):
                                                     second))
     assert_equivalent(reference, checkpoint_session(classifier(False), split, None, None,
                                                     second))
+
+
+def test_default_initializers_in_a_split_scope():
+    """Layers without explicit initializers get TensorFlow's (glorot / zeros),
+    sliced per shard through partition_info."""
+    graph = tf.Graph()
+    with graph.as_default():
+        wh.init({"cluster.num_devices": 2})
+        x = v1.placeholder(tf.float32, [None, 6])
+        y = v1.placeholder(tf.int64, [None])
+        with wh.split(2):
+            logits = v1.layers.dense(x, 10, name="logits")
+            loss = v1.losses.sparse_softmax_cross_entropy(y, logits)
+        train_op = v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            losses = [sess.run([loss, train_op], {x: DATA[0][0], y: DATA[1][0]})[0]
+                      for _ in range(3)]
+            bias = sess.run([v for v in v1.global_variables() if "bias" in v.op.name])
+    wh.reset()
+    assert np.isfinite(losses).all() and losses[-1] < losses[0]
+    assert sum(b.size for b in bias) == 10

@@ -9,7 +9,7 @@
 
 Costs are float32 bytes per batch row moved between devices.
 """
-from tensorflow.python.framework import ops
+from tensorflow.python.framework import dtypes, ops
 from tensorflow.python.ops import math_ops
 
 from tfpar.ir.sharding import ShardingUnit
@@ -33,9 +33,9 @@ class _Column:
     @staticmethod
     def build(ctx, layer, x, getter):
         units, d_in = layer.units, int(x.shape[-1])
-        kernel = sharded_variable(ctx, "kernel", [d_in, units], 1, layer.dtype or x.dtype,
+        kernel = sharded_variable(ctx, "kernel", [d_in, units], 1, _dtype(layer, x),
                                   layer.kernel_initializer, getter=getter)
-        bias = sharded_variable(ctx, "bias", [units], 0, layer.dtype or x.dtype,
+        bias = sharded_variable(ctx, "bias", [units], 0, _dtype(layer, x),
                                 layer.bias_initializer, getter=getter) if layer.use_bias else None
         shards = []
         for i, device in enumerate(ctx.devices):
@@ -62,7 +62,7 @@ class _Row:
     @staticmethod
     def build(ctx, layer, x, getter):
         units, d_in = layer.units, int(x.shape[-1])
-        dtype = layer.dtype or x.dtype
+        dtype = _dtype(layer, x)
         kernel = list(sharded_variable(ctx, "kernel", [d_in, units], 0, dtype,
                                        layer.kernel_initializer, getter=getter))
         sharded = ctx.lookup(x)
@@ -80,6 +80,11 @@ class _Row:
                 y = y + getter("bias", shape=[units], dtype=dtype,
                                initializer=layer.bias_initializer)
             return layer.activation(y) if layer.activation is not None else y
+
+
+def _dtype(layer, x):
+    """The layer's variable dtype (keras stores a name) or the input's."""
+    return dtypes.as_dtype(layer.dtype) if layer.dtype else x.dtype
 
 
 COLUMN, ROW = _Column(), _Row()

@@ -10,10 +10,13 @@ inferred here, in graph order:
 * a backward op joins the stage of the forward op it differentiates;
 * anything else joins the latest stage among its inputs, so an unscoped loss
   after the last stage runs in the last stage;
-* an op none of these place (a constant, or a gradient seed built from
-  constants) joins the earliest stage among its consumers, else stage 0.
+* an op none of these place (a constant, a gradient seed built from
+  constants, an input) joins the earliest stage among its consumers, else the
+  latest among its inputs, else stage 0.
 """
 import dataclasses
+
+import numpy as np
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from tensorflow.python.framework import device as device_lib
@@ -22,9 +25,10 @@ from tensorflow.python.framework import ops
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture
 from tfpar.ir.taskgraph import Phase
-from tfpar.rewriters.select import VARIABLE_TYPES, GraphIndex
+from tfpar.rewriters.select import INPUT_TYPES, VARIABLE_TYPES, GraphIndex, ancestors
 
-__all__ = ["Placement", "assign_stages", "backward_dependent", "split_op_devices"]
+__all__ = ["Placement", "assign_stages", "backward_dependent", "forward_costs",
+           "split_op_devices"]
 
 
 @dataclasses.dataclass
@@ -102,8 +106,10 @@ def _canonical(device: str) -> str:
 
 
 def assign_stages(index: GraphIndex, capture: GraphCapture, num_stages: int,
-                  names: Sequence[str] = ()) -> Dict[ops.Operation, int]:
-    """Stage of every op in ``index`` (see module docstring).
+                  names: Sequence[str] = (), tags: Optional[Dict[str, int]] = None
+                  ) -> Dict[ops.Operation, int]:
+    """Stage of every op in ``index`` (see module docstring); ``tags`` (op name
+    -> stage) replaces the scopes' TaskGraphs (an automatic partition).
 
     Raises:
       PlanError: a forward op reads a tensor from a later stage (the stages are
@@ -111,7 +117,7 @@ def assign_stages(index: GraphIndex, capture: GraphCapture, num_stages: int,
     """
     if num_stages == 1:
         return {}
-    tagged = capture.op_task_graph
+    tagged = capture.op_task_graph if tags is None else tags
     stage_of: Dict[ops.Operation, int] = {}
     by_name = {}
     unplaced = []
@@ -124,9 +130,15 @@ def assign_stages(index: GraphIndex, capture: GraphCapture, num_stages: int,
             unplaced.append(op)
         else:
             stage_of[op] = stage
+    resolved: Dict[ops.Operation, int] = {}
     for op in reversed(unplaced):  # consumers come later in graph order
-        consumers = [stage_of[c] for t in op.outputs for c in t.consumers() if c in stage_of]
-        stage_of[op] = min(consumers, default=0)
+        consumers = [stage_of.get(c, resolved.get(c)) for t in op.outputs for c in t.consumers()]
+        consumers = [c for c in consumers if c is not None]
+        if consumers:
+            resolved[op] = min(consumers)
+    for op in unplaced:  # the rest follow their inputs, as placed by now
+        stage_of[op] = resolved.get(op, max(
+            (stage_of[t.op] for t in op.inputs if t.op in stage_of), default=0))
     _check_order(index, capture, stage_of, names)
     return stage_of
 
@@ -178,3 +190,33 @@ def _check_order(index: GraphIndex, capture: GraphCapture, stage_of, names) -> N
 
 def _name(names: Sequence[str], stage: int) -> str:
     return f"'{names[stage]}'" if stage < len(names) else str(stage)
+
+
+def forward_costs(index: GraphIndex, capture: GraphCapture) -> List[Tuple[ops.Operation, float]]:
+    """The forward ops the losses depend on, in graph (topological) order, each
+    with a cost per batch row: FLOPs of matmuls and convolutions, output
+    elements otherwise (what a balanced stage partition weighs)."""
+    losses = [y.op for call in capture.gradient_calls for y in call.ys if hasattr(y, "op")]
+    needed = ancestors(losses, lambda op: op.type in VARIABLE_TYPES or op.type in INPUT_TYPES)
+    return [(op, _cost_per_row(op)) for op in index.ops
+            if op in needed and capture.op_phase.get(op.name, Phase.FORWARD) == Phase.FORWARD]
+
+
+def _cost_per_row(op: ops.Operation) -> float:
+    out = op.outputs[0] if op.outputs else None
+    elements = _row_elements(out) if out is not None else 1.0
+    if op.type in ("MatMul", "BatchMatMulV2", "BatchMatMul", "Einsum", "Conv2D"):
+        a, b = op.inputs[0], op.inputs[1]
+        if op.type == "Conv2D":
+            depth = b.shape.num_elements() / max(int(b.shape[-1] or 1), 1) if (
+                b.shape.is_fully_defined()) else 1.0
+        else:
+            transposed = op.type == "MatMul" and op.get_attr("transpose_a")
+            depth = (a.shape[-2] if transposed else a.shape[-1]) or 1
+        return 2.0 * elements * float(depth)
+    return elements
+
+
+def _row_elements(t) -> float:
+    dims = t.shape.as_list() if t.shape.rank is not None else []
+    return float(max(1, int(np.prod([d for d in dims[1:] if d], dtype=np.int64)))) if dims else 1.0

@@ -1,6 +1,6 @@
 """Glue between the hooks and the rewriters: plan, rewrite once, translate fetches."""
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, Optional
 
 from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.eager import context
@@ -17,7 +17,8 @@ from tfpar.rewriters.allreduce import CollectiveKeys, make_reducer
 from tfpar.planner.schedule import build_schedule
 from tfpar.rewriters.data_parallel import replicate
 from tfpar.rewriters.select import GraphIndex
-from tfpar.rewriters.stages import Placement, assign_stages, split_op_devices
+from tfpar.planner.partition import balanced_partition
+from tfpar.rewriters.stages import Placement, assign_stages, forward_costs, split_op_devices
 from tfpar.rewriters.fetch_translation import FetchTranslator
 from tfpar.runtime.context import Runtime, active
 
@@ -40,10 +41,34 @@ def session_config(config: Optional[config_pb2.ConfigProto]) -> config_pb2.Confi
     return merged
 
 
+def _auto_stages(capture: GraphCapture, rt: Runtime) -> int:
+    """Stages to cut an unannotated model into (``num_task_graph``, Whale
+    Example 4), or 0."""
+    count = rt.config.get("auto.num_task_graph")
+    if capture.task_graphs or rt.default_strategy is not None or not count or count < 2:
+        return 0
+    return count
+
+
+def stage_tags(index: GraphIndex, capture: GraphCapture, rt: Runtime) -> Optional[Dict[str, int]]:
+    """Op name -> stage of an automatic balanced partition, or None (scopes decide)."""
+    count = _auto_stages(capture, rt)
+    if not count:
+        return None
+    costs = forward_costs(index, capture)
+    return {op.name: stage for (op, _), stage in
+            zip(costs, balanced_partition([cost for _, cost in costs], count))}
+
+
 def task_graph_specs(capture: GraphCapture, rt: Runtime):
-    """The graph's TaskGraphs; the whole model is one when nothing is annotated."""
+    """The graph's TaskGraphs; the whole model is one when nothing is annotated,
+    or ``num_task_graph`` one-device stages."""
     if capture.task_graphs:
         return list(capture.task_graphs)
+    count = _auto_stages(capture, rt)
+    if count:
+        return [TaskGraphSpec(i, f"stage_{i}", Strategy.REPLICATE, 1, implicit=True)
+                for i in range(count)]
     if rt.default_strategy is not None:
         strategy, count = rt.default_strategy
         return [TaskGraphSpec(0, "default", strategy, count, implicit=True)]
@@ -59,14 +84,15 @@ def plan_for(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> Plan:
         raise ConfigError("tfpar: communication.backend 'horovod' is not implemented in this "
                           "build; use 'auto' or 'collective'")
     specs = task_graph_specs(capture, rt)
-    return plan_from_annotations(specs, rt.devices, rt.config, _stats(graph, capture, len(specs)))
+    return plan_from_annotations(specs, rt.devices, rt.config, _stats(graph, capture, rt, len(specs)))
 
 
-def _stats(graph: ops.Graph, capture: GraphCapture, num_task_graphs: int):
+def _stats(graph: ops.Graph, capture: GraphCapture, rt: Runtime, num_task_graphs: int):
     """Per TaskGraph: ops (as placed: backward and updates with their forward
     TaskGraph) and trainable bytes."""
     index = GraphIndex(graph)
-    stage_of = assign_stages(index, capture, num_task_graphs)
+    stage_of = assign_stages(index, capture, num_task_graphs,
+                             tags=stage_tags(index, capture, rt))
     num_ops = [0] * num_task_graphs
     for op in index.ops:
         num_ops[stage_of.get(op, 0)] += 1
@@ -93,7 +119,8 @@ def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
         cfg = rt.config
         index = GraphIndex(graph)
         names = [tg.name for tg in plan.task_graphs]
-        stage_of = assign_stages(index, capture, len(names), names)
+        stage_of = assign_stages(index, capture, len(names), names,
+                                 stage_tags(index, capture, rt))
         split_groups = {s: [tuple(_canonical(d) for d in g) for g in tg.replicas]
                         for s, tg in enumerate(plan.task_graphs) if tg.strategy == "split"}
         placement = Placement(

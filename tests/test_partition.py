@@ -1,0 +1,32 @@
+"""Balanced contiguous stage partition equals brute force on small inputs."""
+import itertools
+
+import pytest
+
+from tfpar.planner.partition import balanced_partition
+
+
+def brute_force_bottleneck(costs, stages):
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, len(costs)), stages - 1):
+        bounds = (0,) + cuts + (len(costs),)
+        best = min(best, max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])))
+    return best
+
+
+@pytest.mark.parametrize("costs", [[1, 2, 3, 4, 5, 6], [9, 1, 1, 1, 1, 9], [5] * 7,
+                                   [1, 100, 1, 1, 1, 1, 50, 2], [3, 1, 4, 1, 5, 9, 2, 6]])
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+def test_bottleneck_equals_brute_force(costs, stages):
+    assignment = balanced_partition(costs, stages)
+    assert assignment == sorted(assignment), "stages must be contiguous"
+    assert len(set(assignment)) == stages and assignment[0] == 0
+    largest = max(sum(c for c, s in zip(costs, assignment) if s == k) for k in range(stages))
+    assert largest == pytest.approx(brute_force_bottleneck(costs, stages))
+
+
+def test_fewer_items_than_stages_and_bad_input():
+    assert balanced_partition([1.0, 2.0], 4) == [0, 1]
+    assert balanced_partition([], 3) == []
+    with pytest.raises(ValueError, match="num_stages"):
+        balanced_partition([1.0], 0)
