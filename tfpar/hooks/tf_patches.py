@@ -4,14 +4,19 @@
 * ``gradients_util._GradientsHelper``: ops made by ``tf.gradients`` (and hence
   ``Optimizer.compute_gradients``) are BACKWARD; the call is recorded, with the
   seeds ``gradients_util._DefaultGradYs`` returned for it.
-* ``Optimizer.apply_gradients`` (and subclasses' overrides): APPLY; recorded.
+* ``Optimizer.apply_gradients`` (and subclasses' overrides) and keras'
+  ``OptimizerV2.apply_gradients`` (``tf.keras.optimizers.legacy``, used by
+  ``model.fit`` in graph mode): APPLY; recorded (keras' ``iterations`` counts
+  as the global step).
 * ``BaseSession.__init__``: tfpar's devices are merged into the ConfigProto.
-* ``BaseSession.run`` and ``Graph.finalize``: the graph is rewritten before it
+* ``BaseSession.run``, ``BaseSession._make_callable_from_options`` (keras'
+  graph functions) and ``Graph.finalize``: the graph is rewritten before it
   first runs or freezes; fetches are translated to their parallel versions.
 """
 import threading
 from typing import Any, Callable, Optional
 
+from keras.src.optimizers.legacy import optimizer_v2 as keras_optimizer_v2
 from tensorflow.python.client import session as tf_session
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import gradients_util
@@ -55,6 +60,8 @@ def install(session_config: Callable[[Any], Any], before_run: Callable[[Any], An
     _patches.add(tf_optimizer.Optimizer, "__init__", _wrap_optimizer_init)
     _patches.add(tf_session.BaseSession, "__init__", _wrap_session_init)
     _patches.add(tf_session.BaseSession, "run", _wrap_session_run)
+    _patches.add(tf_session.BaseSession, "_make_callable_from_options", _wrap_make_callable)
+    _patches.add(keras_optimizer_v2.OptimizerV2, "apply_gradients", _wrap_keras_apply)
     add_split_patches(_patches)
 
 
@@ -120,23 +127,39 @@ def _wrap_default_grad_ys(original):
     return _DefaultGradYs
 
 
+def _recorded_apply(grads_and_vars, global_step, apply):
+    """Run ``apply(grads_and_vars)`` in the APPLY phase; record the outermost call."""
+    graph = ops.get_default_graph()
+    if graph.building_function:
+        return apply(grads_and_vars)
+    cap = cap_lib.capture_for(graph)
+    grads_and_vars = tuple(grads_and_vars)
+    nested = getattr(cap, "_applying", False)
+    cap._applying = True  # pylint: disable=protected-access
+    try:
+        with cap.phase(Phase.APPLY):
+            result = apply(grads_and_vars)
+    finally:
+        cap._applying = nested  # pylint: disable=protected-access
+    if not nested:
+        cap.apply_calls.append(cap_lib.ApplyCall(
+            grads_and_vars=list(grads_and_vars), global_step=global_step, train_op=result))
+    return result
+
+
 def _wrap_apply(original):
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):
-        graph = ops.get_default_graph()
-        cap = cap_lib.capture_for(graph)
-        grads_and_vars = tuple(grads_and_vars)
-        nested = getattr(cap, "_applying", False)
-        cap._applying = True  # pylint: disable=protected-access
-        try:
-            with cap.phase(Phase.APPLY):
-                result = original(self, grads_and_vars, global_step=global_step, name=name)
-        finally:
-            cap._applying = nested  # pylint: disable=protected-access
-        if not nested:
-            cap.apply_calls.append(cap_lib.ApplyCall(
-                grads_and_vars=list(grads_and_vars), global_step=global_step,
-                train_op=result))
-        return result
+        return _recorded_apply(grads_and_vars, global_step, lambda gv: original(
+            self, gv, global_step=global_step, name=name))
+    return apply_gradients
+
+
+def _wrap_keras_apply(original):
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        if ops.executing_eagerly_outside_functions():
+            return original(self, grads_and_vars, *args, **kwargs)
+        return _recorded_apply(grads_and_vars, self.iterations, lambda gv: original(
+            self, gv, *args, **kwargs))
     return apply_gradients
 
 
@@ -162,6 +185,27 @@ def _wrap_session_init(original):
             config = _on_session_config(config)
         original(self, target, graph, config)
     return __init__
+
+
+def _wrap_make_callable(original):
+    def _make_callable_from_options(self, callable_options):
+        translate = _on_before_run(self.graph) if _on_before_run is not None else None
+        if translate is not None:
+            callable_options = _translated_options(callable_options, translate)
+        return original(self, callable_options)
+    return _make_callable_from_options
+
+
+def _translated_options(options, translate):
+    """A copy of CallableOptions whose fetch tensors and target ops are the
+    parallel versions (names in, names out)."""
+    translated = type(options)()
+    translated.CopyFrom(options)
+    del translated.fetch[:]
+    translated.fetch.extend(translate(list(options.fetch)))
+    del translated.target[:]
+    translated.target.extend(translate(list(options.target)))
+    return translated
 
 
 def _wrap_session_run(original):

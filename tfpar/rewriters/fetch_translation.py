@@ -1,10 +1,10 @@
 """Translate what the user fetches into what the parallel graph computes."""
+import collections
 from typing import Any, Dict
 
 from tensorflow.python.framework import ops
 from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import control_flow_ops
-from tensorflow.python.util import nest
 
 from tfpar.hooks.capture import recording_paused
 from tfpar.rewriters import graph_edit
@@ -42,7 +42,7 @@ class FetchTranslator:
         with graph_edit.unfinalized(self._graph), self._graph.as_default(), recording_paused():
             if self._graph.version != self._version:
                 self._adopt(self._graph.get_operations()[self._known_ops:])
-            translated = nest.map_structure(self._translate, fetches)
+            translated = _map_fetches(self._translate, fetches)
             self._known_ops = len(self._graph.get_operations())
             self._version = self._graph.version
         return translated
@@ -84,3 +84,20 @@ class FetchTranslator:
                     graph_edit.update_input(op, k, self.rewrite.reduced[t][0])
                 elif t.op in self._step:
                     graph_edit.update_input(op, k, self.rewrite.merged_tensor(t))
+
+
+def _map_fetches(fn, fetches):
+    """Apply ``fn`` to every leaf of a Session.run fetch structure (lists,
+    tuples, namedtuples, dicts with any keys: MonitoredSession keys its fetches
+    by hook objects, which ``tf.nest`` cannot sort)."""
+    if isinstance(fetches, collections.defaultdict):
+        result = collections.defaultdict(fetches.default_factory)
+        result.update((k, _map_fetches(fn, v)) for k, v in fetches.items())
+        return result
+    if isinstance(fetches, dict):
+        return type(fetches)((k, _map_fetches(fn, v)) for k, v in fetches.items())
+    if isinstance(fetches, tuple) and hasattr(fetches, "_fields"):
+        return type(fetches)(*(_map_fetches(fn, v) for v in fetches))
+    if isinstance(fetches, (list, tuple)):
+        return type(fetches)(_map_fetches(fn, v) for v in fetches)
+    return fn(fetches)

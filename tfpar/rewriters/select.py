@@ -156,6 +156,13 @@ def select_replication(graph: ops.Graph, capture: GraphCapture, index: GraphInde
     side = batch_dependent - index.descendants(raw_grad_ops, control=True)
     step = {op for op in needed | side
             if phase.get(op.name, Phase.FORWARD) != Phase.APPLY and not frozen(op)}
+    # Accumulators (streaming metrics: keras' total / count) are variables the
+    # step itself writes. Every unit adds to the one shared copy; reads of them
+    # the losses do not need (the metric's value) run once, after every unit.
+    accumulators = {v for op in step for v in _written_variables(op)} - global_step_ops
+    late = {op for op in step - needed if op.type in READ_ONLY_RESOURCE_TYPES | REF_READ_TYPES
+            and any(t.op in accumulators for t in op.inputs)}
+    step -= late | index.descendants(late, control=True)
 
     # Updates: ancestors of apply-phase writers, cut at raw gradients and step ops.
     initializers = {v.initializer for v in _all_variables(graph)}
@@ -169,8 +176,8 @@ def select_replication(graph: ops.Graph, capture: GraphCapture, index: GraphInde
     update = ancestors(apply_writers, lambda op: frozen(op) or op in step or op in raw_grad_ops)
 
     used_vars = {t.op for op in step | update for t in op.inputs if t.op.type in VARIABLE_TYPES}
-    variables = [op for op in index.ops
-                 if op in used_vars and op not in global_step_ops and op not in unmirrored]
+    variables = [op for op in index.ops if op in used_vars and op not in global_step_ops
+                 and op not in unmirrored and op not in accumulators]
     copied = step | update
     sync_writers = [w for v in variables for w in variable_writers(v) if w not in copied]
     batch_inputs = []
@@ -188,6 +195,12 @@ def select_replication(graph: ops.Graph, capture: GraphCapture, index: GraphInde
         step_ops=sorted(step, key=order.get), update_ops=sorted(update, key=order.get),
         variables=variables, batch_inputs=batch_inputs, raw_grads=raw_grads,
         sync_writers=sorted(set(sync_writers), key=order.get), batch_dependent=batch_dependent)
+
+
+def _written_variables(op: ops.Operation) -> List[ops.Operation]:
+    """Variable ops that ``op`` writes."""
+    return [t.op for t in op.inputs if t.op.type in VARIABLE_TYPES
+            and op in variable_writers(t.op)]
 
 
 def _writers_of(var_ops) -> Set[ops.Operation]:
