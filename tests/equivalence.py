@@ -9,7 +9,7 @@ import tensorflow as tf
 
 import tfpar as wh
 
-__all__ = ["assert_equivalent", "checkpoint_session", "dense", "make_data", "mlp_classifier",
+__all__ = ["assert_equivalent", "assert_same_variables", "checkpoint_session", "dense", "make_data", "mlp_classifier",
            "rewritten_op_types", "train", "variable_values"]
 
 
@@ -151,6 +151,11 @@ def rewritten_op_types(build, tfpar_config, features=6):
             sess.run(tf.compat.v1.global_variables_initializer())
     wh.reset()
     return [op.type for op in graph.get_operations()]
+
+
+def assert_same_variables(reference, candidate, rtol=1e-5, atol=1e-6):
+    """``reference`` and ``candidate`` are {variable name: value}."""
+    assert_equivalent((np.zeros(1), reference), (np.zeros(1), candidate), rtol, atol)
 
 
 def assert_equivalent(reference, candidate, rtol=1e-5, atol=1e-6):

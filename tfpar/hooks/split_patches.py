@@ -17,6 +17,9 @@ do not cover, the original TensorFlow function runs.
 * elementwise activations (relu, tanh, sigmoid) of a split tensor act on its
   shards, so it stays split.
 """
+import contextlib
+
+from keras.src import backend as keras_backend
 from keras.src.layers.core import dense as keras_dense
 from keras.src.legacy_tf_layers import base as legacy_layers
 from tensorflow.python.framework import ops, tensor_util
@@ -66,32 +69,44 @@ def _split_context():
 
 def _wrap_dense_build(original):
     def build(self, input_shape):
-        if _split_context() is None:
+        if _split_context() is None and not hasattr(self, "_tfpar_split"):
             return original(self, input_shape)
         return None  # the pattern makes sharded weights when called
     return build
 
 
 def _wrap_dense_call(original):
+    """A layer built in a split scope stays split: calling it again (a keras
+    model applied to a new input) reuses its pattern and sharded weights."""
     def call(self, inputs):
         ctx = _split_context()
-        if ctx is None:
-            return original(self, inputs)
-        pattern = choose(ctx, dense_unit(ctx, self, inputs), DENSE_PATTERNS)
+        if not hasattr(self, "_tfpar_split"):
+            if ctx is None:
+                return original(self, inputs)
+            pattern = choose(ctx, dense_unit(ctx, self, inputs), DENSE_PATTERNS)
+            self._tfpar_split = (ctx, pattern, {})
+        ctx, pattern, made = self._tfpar_split
         with ctx.building():
-            return pattern.build(ctx, self, inputs, _layer_getter(self))
+            return pattern.build(ctx, self, inputs, _layer_getter(self, made))
     return call
 
 
-def _layer_getter(layer):
-    """get_variable under the layer's variable names (legacy layers already
-    run inside their variable scope; keras layers name weights ``layer/...``)."""
-    if isinstance(layer, legacy_layers.Layer):
-        return variable_scope.get_variable
-
+def _layer_getter(layer, made):
+    """get_variable under the layer's variable names (legacy layers already run
+    inside their variable scope; keras layers name weights ``layer/...``), made
+    once per name and tracked as the layer's weights and by keras' session
+    (which initializes them in ``model.fit``)."""
     def getter(name, **kwargs):
-        with variable_scope.variable_scope(layer.name):
-            return variable_scope.get_variable(name, **kwargs)
+        if name not in made:
+            scope = (contextlib.nullcontext() if isinstance(layer, legacy_layers.Layer)
+                     else variable_scope.variable_scope(layer.name))
+            with scope:
+                made[name] = variable_scope.get_variable(name, **kwargs)
+            parts = list(made[name]) if hasattr(made[name], "_get_variable_list") else [made[name]]
+            layer._trainable_weights.extend(parts)  # pylint: disable=protected-access
+            for part in parts:
+                keras_backend.track_variable(part)
+        return made[name]
     return getter
 
 
