@@ -3,7 +3,9 @@ import os
 import subprocess
 import sys
 
+
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from equivalence import mlp_classifier
@@ -94,6 +96,15 @@ def test_pipeline_example_runs_and_is_equivalent(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "(equivalent)" in out.stdout and "replicate_1" in out.stdout
     assert (tmp_path / "plan_timeline.json").exists() and (tmp_path / "step_timeline.json").exists()
+
+
+@pytest.mark.parametrize("script,mode", [("examples/keras_fit.py", "split"),
+                                         ("examples/estimator_classifier.py", "pipeline")])
+def test_entry_point_examples_run_and_are_equivalent(script, mode, tmp_path):
+    args = ["--mode", mode] + (["--model-dir", str(tmp_path)] if "estimator" in script else [])
+    out = _run(script, *args)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "equivalent" in out.stdout and "NOT" not in out.stdout
 
 
 def test_cli_plan_prints_the_plan_without_training():

@@ -48,8 +48,9 @@ def plan_from_annotations(specs: Sequence[TaskGraphSpec], devices: Sequence[str]
     # Copies of the whole model; a TaskGraph with more replicas than that splits
     # each copy's rows further (bridge layers between it and its neighbours).
     r = math.gcd(*(len(tg.replicas) for tg in tgs))
-    # Per device: its stage's weights + gradients (one stage per device here).
-    memory = {d: 2 * tg.param_bytes for tg in tgs for d in tg.devices}
+    # Per device: its stage's weights + gradients (a split TaskGraph's shard).
+    memory = {d: 2 * tg.param_bytes // (tg.device_count if tg.strategy == "split" else 1)
+              for tg in tgs for d in tg.devices}
     estimate = {
         "step_time_s": None,  # no cost model for annotated plans yet
         "memory_bytes_per_device": [memory[d] for d in sorted(memory)],
