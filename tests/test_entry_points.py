@@ -259,3 +259,24 @@ def test_monitored_training_session_hooks(mode, tmp_path):
     for got, expected in zip(tfpar, plain):  # losses, logged values, summaries
         np.testing.assert_allclose(got, expected, rtol=1e-5)
     assert tf.train.latest_checkpoint(str(tmp_path / "tfpar")).endswith("-3")
+
+
+def test_estimator_session_config_is_honoured(tmp_path, monkeypatch):
+    """RunConfig.session_config reaches the session with tfpar's devices added."""
+    from tfpar.runtime import engine
+    seen = []
+    original = engine.session_config
+
+    def spy(config):
+        merged = original(config)
+        seen.append((config, merged))
+        return merged
+    monkeypatch.setattr(engine, "session_config", spy)
+    user = v1.ConfigProto(intra_op_parallelism_threads=1, inter_op_parallelism_threads=2)
+    with tfpar_on("dp"):
+        from tfpar.hooks import tf_patches
+        tf_patches.install(engine.session_config, engine.before_run)  # the spy
+        estimator(str(tmp_path), "dp", session_config=user).train(input_fn, steps=1)
+    merged = [m for c, m in seen if c is not None and c.intra_op_parallelism_threads == 1]
+    assert merged and merged[0].inter_op_parallelism_threads == 2
+    assert merged[0].device_count["CPU"] == 2

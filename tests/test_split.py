@@ -335,3 +335,26 @@ def test_default_initializers_in_a_split_scope():
     wh.reset()
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
     assert sum(b.size for b in bias) == 10
+
+
+NN_LOSSES = {
+    "nn_sparse": lambda y, z: tf.reduce_mean(
+        tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=z)),
+    "nn_dense": lambda y, z: tf.reduce_mean(
+        tf.nn.softmax_cross_entropy_with_logits(labels=tf.one_hot(y, 10), logits=z)),
+    "v1_nn_sparse": lambda y, z: tf.reduce_mean(
+        v1.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=z)),
+}
+
+
+@pytest.mark.parametrize("name", NN_LOSSES)
+def test_tf_nn_cross_entropies_are_distributed(name):
+    def build_for(tfpar):
+        def build(x, y):
+            with scope(tfpar, "split", 2):
+                loss = NN_LOSSES[name](y, layer(x, 10, "logits", seed=2))
+            return loss, v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+        return build
+    config = {"cluster.num_devices": 2}
+    assert_equivalent(train(build_for(False), DATA), train(build_for(True), DATA, config))
+    assert "distributed" in _plan(build_for(True), config).task_graphs[0].patterns.values()

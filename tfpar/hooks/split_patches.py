@@ -119,7 +119,7 @@ def _wrap_xent(original, sparse: bool):
         if sharded is None:
             return original(features, labels, name=name)
         unit = ShardingUnit(ctx.unit_name(kind), kind, (ctx.info(features), ctx.info(labels)),
-                            {"classes": int(features.shape[-1])})
+                            {"classes": sum(int(x.shape[-1]) for x in sharded.shards)})
         if choose(ctx, unit, XENT_PATTERNS) is GATHER:
             return original(features, labels, name=name)
         with ctx.building():

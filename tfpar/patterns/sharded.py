@@ -97,10 +97,12 @@ class SplitContext:
         devices, sharded = self._sharded.get(t, (None, None))
         if sharded is not None and devices == self.devices:
             return sharded
+        # TensorFlow's cross-entropies flatten logits to [-1, classes]; for a
+        # [batch, classes] input that reshape is the identity.
         if t.op.type in ("Reshape", "Identity") and t.shape.rank == 2:
             inner = self.lookup(t.op.inputs[0])
             if inner is not None and inner.full.shape.rank == 2 and inner.axis == 1 and (
-                    t.shape[1] == inner.full.shape[1]):
+                    t.shape[1] in (None, inner.full.shape[1])):
                 return ShardedTensor(inner.shards, 1, t)
         return None
 
