@@ -308,3 +308,19 @@ def test_whale_example_4_num_task_graph_without_scopes(devices):
     assert plan.data_parallel_degree == devices // 2
     params = [tg.param_bytes for tg in plan.task_graphs]
     assert min(params) > 0 and max(params) <= 2 * min(params)  # balanced, no empty stage
+
+
+def test_a_bridge_refuses_tensors_that_are_not_batch_major():
+    """An [experts, ...] tensor crossing stages of different widths cannot be
+    regrouped by rows: a clear error instead of a wrong concatenation."""
+    def build(x, y):
+        with wh.replicate(2):
+            h = dense(x, 4, "first", seed=1)
+            per_feature = tf.transpose(h)  # [4, batch]: dimension 0 is not the batch
+        with wh.replicate(1):
+            logits = dense(tf.transpose(per_feature), 3, "second", seed=2)
+            loss = v1.losses.sparse_softmax_cross_entropy(y, logits)
+        return loss, v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+    with pytest.raises(wh.PlanError, match="not batch-major"):
+        train(build, DATA, {"cluster.num_devices": 3})
+    wh.reset()

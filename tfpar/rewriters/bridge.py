@@ -33,16 +33,18 @@ class Bridges:
         ``layout.num_pieces`` parts).
       versions: original op -> its versions (version order).
       batch_dependent: ops whose values depend on the batch.
+      static_batch: the global batch size if the feed fixes it, else None.
     """
 
     def __init__(self, layout: Layout, placement: Placement, split: BatchSplit,
                  versions: Callable[[ops.Operation], List[ops.Operation]],
-                 batch_dependent) -> None:
+                 batch_dependent, static_batch=None) -> None:
         self._layout = layout
         self._placement = placement
         self._split = split
         self._versions = versions
         self._batch_dependent = batch_dependent
+        self._static_batch = static_batch
         self._cache: Dict[tuple, tensor_lib.Tensor] = {}
 
     def device(self, stage: int, version: int) -> str:
@@ -113,7 +115,10 @@ class Bridges:
         return self._cache[key]
 
     def _check_batch_major(self, t: tensor_lib.Tensor, producer: int, consumer: int) -> None:
-        if t.shape.rank is None or t.shape.rank == 0:
+        """Rows can be regrouped only along a batch dimension: dimension 0 must be
+        unknown at build time (fed batch) or the fed batch size."""
+        if t.shape.rank is None or t.shape.rank == 0 or t.shape[0] not in (None,
+                                                                           self._static_batch):
             names = self._placement.task_graph_names
             raise PlanError(
                 f"tfpar: '{t.name}' depends on the batch and flows between TaskGraphs "
