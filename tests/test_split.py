@@ -358,3 +358,54 @@ def test_tf_nn_cross_entropies_are_distributed(name):
     config = {"cluster.num_devices": 2}
     assert_equivalent(train(build_for(False), DATA), train(build_for(True), DATA, config))
     assert "distributed" in _plan(build_for(True), config).task_graphs[0].patterns.values()
+
+
+CAPACITY = 4
+
+
+def gshard_moe(tfpar, devices=4):
+    """Top-1 routed experts (GShard-style einsums): the dispatch einsum sends each
+    device's token rows to their experts' devices and the combine einsum sends
+    them back (all-to-all), expert weights split by expert in between."""
+    def route(gates):
+        expert = tf.argmax(gates, 1)
+        chosen = tf.one_hot(expert, EXPERTS)                              # [b, e]
+        position = tf.cast(tf.reduce_sum(tf.cumsum(chosen, 0, exclusive=True) * chosen, 1),
+                           tf.int64)
+        kept = tf.cast(position < CAPACITY, tf.float32)[:, None, None]
+        dispatch = chosen[:, :, None] * tf.one_hot(position, CAPACITY)[:, None, :] * kept
+        return dispatch, dispatch * gates[:, :, None]                     # [b, e, c]
+
+    def build(x, y):
+        if tfpar:
+            wh.set_default_strategy(wh.replicate(devices))
+        tokens = dense(x, MODEL, "embed", seed=1, activation=tf.nn.tanh)
+        gates = tf.nn.softmax(dense(tokens, EXPERTS, "gate", seed=2))
+        with scope(tfpar, "split", devices):
+            dispatch, combine = route(gates)
+            rng = np.random.RandomState(6)
+            w1 = v1.get_variable("experts/w1", initializer=(0.5 * rng.randn(
+                EXPERTS, MODEL, HIDDEN)).astype(np.float32))
+            w2 = v1.get_variable("experts/w2", initializer=(0.5 * rng.randn(
+                EXPERTS, HIDDEN, MODEL)).astype(np.float32))
+            expert_inputs = tf.einsum("bec,bd->ecd", dispatch, tokens)
+            hidden = tf.nn.relu(tf.einsum("ecd,edh->ech", expert_inputs, w1))
+            expert_outputs = tf.einsum("ech,ehd->ecd", hidden, w2)
+            outputs = tf.einsum("bec,ecd->bd", combine, expert_outputs)
+        loss = v1.losses.sparse_softmax_cross_entropy(y, dense(outputs, 3, "head", seed=3))
+        return loss, v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+    return build
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_mixture_of_experts_all_to_all_dispatch_and_combine(devices):
+    data = make_data(steps=3, batch=8, classes=3)
+    config = {"cluster.num_devices": devices}
+    assert_equivalent(train(gshard_moe(False), data),
+                      train(gshard_moe(True, devices), data, config))
+    patterns = _plan(gshard_moe(True, devices), config).task_graphs[1].patterns
+    assert patterns == {"einsum": "tokens", "einsum_1": "sharded", "einsum_2": "sharded",
+                        "einsum_3": "tokens"}
+    forced = {**config, "split.patterns": {"einsum": "replicated", "einsum_3": "sharded"}}
+    assert_equivalent(train(gshard_moe(False), data), train(gshard_moe(True, devices), data,
+                                                             forced))

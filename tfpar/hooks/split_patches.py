@@ -32,6 +32,7 @@ from tfpar.ir.sharding import ShardingUnit
 from tfpar.patterns.argmax import sharded_argmax
 from tfpar.patterns.contraction import (CONTRACTION_PATTERNS, GATHER as GATHER_OPERANDS,
                                         contraction_unit, sharded_contraction)
+from tfpar.patterns import moe
 from tfpar.patterns.embedding import vocab_lookup
 from tfpar.patterns.dense import DENSE_PATTERNS, dense_unit
 from tfpar.patterns.matcher import choose
@@ -204,14 +205,41 @@ def _read(x):
 
 def _contraction(kind, equation, operands, compute, fallback):
     ctx = _split_context()
-    operands = [_read(x) for x in operands] if ctx is not None else operands
-    if ctx is None or not any(ctx.lookup(x) is not None for x in operands):
+    if ctx is None:
         return fallback()
-    pattern = choose(ctx, contraction_unit(ctx, kind, equation, operands), CONTRACTION_PATTERNS)
+    operands = [_read(x) for x in operands]
+    if not any(ctx.lookup(x) is not None for x in operands):
+        return _dispatch(ctx, kind, equation, operands, fallback)
+    unit = contraction_unit(ctx, kind, equation, operands)
+    pattern = choose(ctx, unit, CONTRACTION_PATTERNS)
     if pattern is GATHER_OPERANDS:
         return fallback()
     with ctx.building():
+        if pattern is moe.TOKENS:
+            index = unit.sizes["split_operand"]
+            return moe.tokens_combine(ctx, equation, operands, index,
+                                      ctx.lookup(operands[index]), unit.sizes["token"])
         return sharded_contraction(ctx, equation, operands, compute)
+
+
+def _dispatch(ctx, kind, equation, operands, fallback):
+    """An einsum of whole operands in a split scope: a mixture-of-experts
+    dispatch may send token rows to their experts' devices (all-to-all)."""
+    indices = moe.dispatch_indices(equation) if kind == "einsum" else None
+    if indices is None:
+        return fallback()
+    output = equation.split("->")[1]
+    sizes = {c: d for spec, x in zip(equation.split("->")[0].split(","), operands)
+             for c, d in zip(spec, x.shape.as_list())}
+    out = 1
+    for c in output:
+        out *= sizes.get(c) or 1
+    unit = ShardingUnit(ctx.unit_name(kind), kind, tuple(ctx.info(x) for x in operands),
+                        {"token": indices[0], "out": out, "devices": ctx.size})
+    if choose(ctx, unit, moe.DISPATCH_PATTERNS) is not moe.TOKENS:
+        return fallback()
+    with ctx.building():
+        return moe.tokens_dispatch(ctx, equation, operands[0], operands[1], *indices)
 
 
 def _wrap_elementwise(original):

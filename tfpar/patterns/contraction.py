@@ -16,6 +16,7 @@ from tensorflow.python.ops import array_ops, math_ops
 
 from tfpar.ir.sharding import ShardingUnit
 from tfpar.patterns.matcher import Gather
+from tfpar.patterns.moe import TOKENS, combine_token
 
 __all__ = ["CONTRACTION_PATTERNS", "GATHER", "SHARDED", "contraction_unit", "sharded_contraction"]
 
@@ -33,7 +34,7 @@ class _Sharded:
 
 
 SHARDED, GATHER = _Sharded(), Gather("gathered")
-CONTRACTION_PATTERNS = (SHARDED, GATHER)
+CONTRACTION_PATTERNS = (SHARDED, GATHER, TOKENS)
 
 
 def split_letter(ctx, equation: str, operands: Sequence) -> Optional[str]:
@@ -50,15 +51,24 @@ def split_letter(ctx, equation: str, operands: Sequence) -> Optional[str]:
 
 
 def contraction_unit(ctx, kind: str, equation: str, operands: Sequence) -> ShardingUnit:
+    """The unit of a matmul / einsum with split operands; ``token`` is set for an
+    einsum that contracts the split index of one split activation while keeping
+    a token index (a mixture-of-experts combine, ``moe.tokens_combine``)."""
     letter = split_letter(ctx, equation, operands)
     output = equation.split("->")[1] if "->" in equation else ""
     sizes = {c: dim for spec, x in zip(equation.split("->")[0].split(","), operands)
              for c, dim in zip(spec, x.shape.as_list())}
     gathered = sum(int(x.shape[-1] or 1) for x in operands if ctx.lookup(x) is not None)
+    split = [i for i, x in enumerate(operands) if ctx.lookup(x) is not None]
+    token = None
+    if kind == "einsum" and len(split) == 1 and letter and all(
+            s.op.type != "ReadVariableOp" for s in ctx.lookup(operands[split[0]]).shards):
+        token = combine_token(equation, split[0], letter)
     return ShardingUnit(ctx.unit_name(kind), kind, tuple(ctx.info(x) for x in operands),
                         {"letter": letter, "kept": bool(letter) and letter in output,
                          "out": (sizes.get(output[-1]) or 1) if output else 1,
-                         "gathered": gathered})
+                         "gathered": gathered, "token": token, "split_operand":
+                         split[0] if len(split) == 1 else None, "devices": ctx.size})
 
 
 def sharded_contraction(ctx, equation: str, operands: Sequence,
