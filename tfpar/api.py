@@ -26,11 +26,17 @@ def init(config: Any = None) -> Config:
     cfg = Config.load(config)
     tf.compat.v1.disable_eager_execution()
     devices, device_type = _discover_devices(cfg)
-    tf_patches.install(engine.session_config, engine.before_run)
     previous = context.active()
     default = previous.default_strategy if previous is not None else None
-    context.activate(context.Runtime(config=cfg, devices=devices, device_type=device_type,
-                                     default_strategy=default))
+    cluster = _cluster(previous, cfg, device_type, len(devices))
+    runtime = context.Runtime(config=cfg, devices=devices, device_type=device_type,
+                              default_strategy=default, cluster=cluster,
+                              devices_per_worker=len(devices))
+    if cluster is not None:
+        runtime.devices = cluster.device_names(device_type, len(devices))
+    tf_patches.install(engine.session_config, engine.before_run, engine.session_target,
+                       engine.run_failed, engine.run_options)
+    context.activate(runtime)
     # Other graphs (and sessions still running them) keep their rewrites.
     capture.reset_captures(tf.compat.v1.get_default_graph())
     return cfg
@@ -44,6 +50,21 @@ def reset() -> None:
     tf_patches.uninstall()
     context.deactivate()
     capture.reset_captures()
+
+
+def _cluster(previous, cfg: Config, device_type: str, per_worker: int):
+    """The TF_CONFIG cluster, its server started once per process (on workers
+    other than the chief this serves until the chief is done, then exits)."""
+    import os  # pylint: disable=import-outside-toplevel
+    from tfpar.runtime.cluster import from_tf_config  # pylint: disable=import-outside-toplevel
+
+    if previous is not None and previous.cluster is not None:
+        return previous.cluster
+    cluster = from_tf_config(os.environ)
+    if cluster is not None:
+        timeout = cfg.get("communication.timeout_s")
+        cluster.start(cluster.server_config(device_type, per_worker, timeout), timeout)
+    return cluster
 
 
 def _discover_devices(cfg: Config):

@@ -4,6 +4,10 @@
     tfpar plan [--config CFG] [--json] SCRIPT [ARGS...]
                                        run SCRIPT until its first session run and print
                                        the plan tfpar would execute, without training
+    tfpar launch --workers N [--devices-per-worker K] SCRIPT [ARGS...]
+                                       run SCRIPT as N local workers of a TF_CONFIG cluster
+    tfpar launch --hosts H1,H2 [--port P] SCRIPT [ARGS...]
+                                       print each host's command and TF_CONFIG
 """
 import argparse
 import os
@@ -62,7 +66,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     plan.add_argument("--config", help="config (JSON file or text) used instead of the script's")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("script_args", nargs=argparse.REMAINDER)
+    launch = sub.add_parser("launch", help="run a script as N local workers (TF_CONFIG)")
+    launch.add_argument("--workers", type=int, default=2, help="worker processes")
+    launch.add_argument("--devices-per-worker", type=int, help="cluster.num_devices per worker")
+    launch.add_argument("--hosts", help="comma-separated hosts: print each host's command "
+                                        "and TF_CONFIG instead of running locally")
+    launch.add_argument("--port", type=int, default=2222, help="port on each host (--hosts)")
+    launch.add_argument("script")
+    launch.add_argument("script_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
+    if args.command == "launch":
+        from tfpar import launcher  # pylint: disable=import-outside-toplevel
+        if args.hosts:
+            print(launcher.hosts_commands(args.hosts.split(","), args.port, args.script,
+                                          args.script_args))
+            return 0
+        return launcher.launch(args.workers, args.script, args.script_args,
+                               args.devices_per_worker)
     if args.command == "config":
         from tfpar.config import describe  # pylint: disable=import-outside-toplevel
         print(describe())

@@ -1,6 +1,7 @@
 """Typed errors raised by tfpar. Every one is a ValueError subclass."""
 
-__all__ = ["TfparError", "ConfigError", "AnnotationError", "PlanError", "ShardingError"]
+__all__ = ["TfparError", "ConfigError", "AnnotationError", "PlanError", "ShardingError",
+           "ClusterError"]
 
 
 class TfparError(ValueError):
@@ -21,3 +22,7 @@ class PlanError(TfparError):
 
 class ShardingError(TfparError):
     """An op or layer cannot be sharded with the requested pattern."""
+
+
+class ClusterError(TfparError):
+    """A worker of a multi-worker cluster is missing or was lost."""

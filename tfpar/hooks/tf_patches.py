@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 
 from keras.src.optimizers.legacy import optimizer_v2 as keras_optimizer_v2
 from tensorflow.python.client import session as tf_session
+from tensorflow.python.framework import errors as tf_errors
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import gradients_util
 from tensorflow.python.ops import resource_variable_ops
@@ -34,22 +35,34 @@ _patches = PatchSet()
 # Set by install(): callables provided by the runtime.
 _on_session_config: Optional[Callable[[Any], Any]] = None
 _on_before_run: Optional[Callable[[Any], Any]] = None
+_on_session_target: Optional[Callable[[str], str]] = None
+_on_run_failed: Optional[Callable[[Exception], None]] = None
+_on_run_options: Optional[Callable[[Any], Any]] = None
 
 
 def installed() -> bool:
     return _patches.installed
 
 
-def install(session_config: Callable[[Any], Any], before_run: Callable[[Any], Any]) -> None:
+def install(session_config: Callable[[Any], Any], before_run: Callable[[Any], Any],
+            session_target: Optional[Callable[[str], str]] = None,
+            run_failed: Optional[Callable[[Exception], None]] = None,
+            run_options: Optional[Callable[[Any], Any]] = None) -> None:
     """Install every patch (idempotent).
 
     Args:
       session_config: ConfigProto-or-None -> ConfigProto for new sessions.
       before_run: graph -> fetch translator (or None); called before each run
         and before a graph is finalized.
+      session_target: target -> target for new sessions (a cluster's server).
+      run_failed: called with the TensorFlow error a run raised (may raise a
+        clearer one).
+      run_options: RunOptions-or-None -> RunOptions for each run (a deadline).
     """
-    global _on_session_config, _on_before_run
+    global _on_session_config, _on_before_run, _on_session_target, _on_run_failed
+    global _on_run_options
     _on_session_config, _on_before_run = session_config, before_run
+    _on_session_target, _on_run_failed, _on_run_options = session_target, run_failed, run_options
     if _patches.installed:
         return
     _patches.add(ops.Graph, "_create_op_helper", _wrap_create_op)
@@ -66,9 +79,11 @@ def install(session_config: Callable[[Any], Any], before_run: Callable[[Any], An
 
 
 def uninstall() -> None:
-    global _on_session_config, _on_before_run
+    global _on_session_config, _on_before_run, _on_session_target, _on_run_failed
+    global _on_run_options
     _patches.remove()
-    _on_session_config = _on_before_run = None
+    _on_session_config = _on_before_run = _on_session_target = _on_run_failed = None
+    _on_run_options = None
 
 
 def _wrap_create_op(original):
@@ -183,6 +198,8 @@ def _wrap_session_init(original):
     def __init__(self, target="", graph=None, config=None):
         if _on_session_config is not None:
             config = _on_session_config(config)
+        if _on_session_target is not None:
+            target = _on_session_target(target)
         original(self, target, graph, config)
     return __init__
 
@@ -213,5 +230,12 @@ def _wrap_session_run(original):
         translate = _on_before_run(self.graph) if _on_before_run is not None else None
         if translate is not None:
             fetches = translate(fetches)
-        return original(self, fetches, feed_dict, options, run_metadata)
+        if _on_run_options is not None:
+            options = _on_run_options(options)
+        try:
+            return original(self, fetches, feed_dict, options, run_metadata)
+        except tf_errors.OpError as error:
+            if _on_run_failed is not None:
+                _on_run_failed(error)
+            raise
     return run

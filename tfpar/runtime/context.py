@@ -1,6 +1,6 @@
 """The process-wide tfpar runtime set up by ``wh.init``."""
 import dataclasses
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from tfpar.config import Config
 from tfpar.ir.taskgraph import Strategy
@@ -19,12 +19,16 @@ class Runtime:
       default_strategy: (strategy, device_count) for ops outside any scope,
         set by ``wh.set_default_strategy``; None means "whole model replicate
         when no scope exists".
+      cluster: the multi-worker cluster (``runtime.cluster.Cluster``) or None.
+      devices_per_worker: devices of one worker (all of them without a cluster).
     """
 
     config: Config
     devices: List[str]
     device_type: str
     default_strategy: Optional[Tuple[Strategy, Optional[int]]] = None
+    cluster: Any = None
+    devices_per_worker: int = 0
 
 
 _active: Optional[Runtime] = None

@@ -7,7 +7,7 @@ from tensorflow.python.eager import context
 from tensorflow.python.framework import device as device_lib
 from tensorflow.python.framework import ops
 
-from tfpar.errors import ConfigError, PlanError
+from tfpar.errors import ClusterError, ConfigError, PlanError
 from tfpar.hooks.capture import GraphCapture, existing_capture, recording_paused
 from tfpar.ir.plan import Plan
 from tfpar.ir.taskgraph import Strategy, TaskGraphSpec
@@ -22,7 +22,8 @@ from tfpar.rewriters.stages import Placement, assign_stages, forward_costs, spli
 from tfpar.rewriters.fetch_translation import FetchTranslator
 from tfpar.runtime.context import Runtime, active
 
-__all__ = ["before_run", "plan_for", "session_config"]
+__all__ = ["before_run", "plan_for", "run_failed", "run_options", "session_config",
+           "session_target"]
 
 log = logging.getLogger("tfpar")
 
@@ -35,10 +36,44 @@ def session_config(config: Optional[config_pb2.ConfigProto]) -> config_pb2.Confi
     merged.CopyFrom(config if config is not None else context.context().config)
     if rt is None:
         return merged
-    if rt.device_type == "CPU" and len(rt.devices) > 1:
+    if rt.cluster is not None:
+        merged.MergeFrom(rt.cluster.server_config(rt.device_type, rt.devices_per_worker,
+                                                  rt.config.get("communication.timeout_s")))
+    elif rt.device_type == "CPU" and len(rt.devices) > 1:
         merged.device_count["CPU"] = max(merged.device_count.get("CPU", 1), len(rt.devices))
     merged.allow_soft_placement = True
     return merged
+
+
+def session_target(target: str) -> str:
+    """Sessions without a target run on the cluster's chief server."""
+    rt = active()
+    if rt is not None and rt.cluster is not None and not target:
+        return rt.cluster.server.target
+    return target
+
+
+def run_options(options: Optional[config_pb2.RunOptions]) -> Optional[config_pb2.RunOptions]:
+    """In a cluster every step gets a deadline of ``communication.timeout_s``
+    (unless the caller set one), so a lost worker fails the step, never hangs it."""
+    rt = active()
+    if rt is None or rt.cluster is None or (options is not None and options.timeout_in_ms):
+        return options
+    bounded = config_pb2.RunOptions()
+    if options is not None:
+        bounded.CopyFrom(options)
+    bounded.timeout_in_ms = int(rt.config.get("communication.timeout_s") * 1000)
+    return bounded
+
+
+def run_failed(error: Exception) -> None:
+    """A step failed: in a cluster, name the workers that are gone."""
+    rt = active()
+    if rt is None or rt.cluster is None:
+        return
+    missing = rt.cluster.missing_workers(timeout_s=2.0)
+    if missing:
+        raise ClusterError(rt.cluster.describe_missing(missing, "is unreachable")) from error
 
 
 def _auto_stages(capture: GraphCapture, rt: Runtime) -> int:

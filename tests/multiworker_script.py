@@ -1,0 +1,75 @@
+"""A training script run by the multi-worker tests as every worker of a cluster.
+
+    python tests/multiworker_script.py OUT.npz [--mode dp|dp-data|pipeline]
+        [--save CKPT] [--steps N] [--sleep S]
+
+The chief trains the test MLP on the equivalence data and writes per-step
+losses and variables to OUT.npz; other workers only serve (wh.init does not
+return there).
+"""
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from equivalence import dense, make_data, mlp_classifier, variable_values  # noqa: E402
+
+import tfpar as wh  # noqa: E402
+
+v1 = tf.compat.v1
+DATA = make_data(steps=4, batch=8)
+
+
+def pipeline(x, y):
+    with wh.replicate(1):
+        h = dense(x, 8, "hidden", seed=1, activation=tf.nn.tanh)
+    with wh.replicate(1):
+        loss = v1.losses.sparse_softmax_cross_entropy(y, dense(h, 3, "logits", seed=2))
+    return loss, v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--mode", default="dp", choices=["dp", "dp-data", "pipeline"])
+    parser.add_argument("--save")
+    parser.add_argument("--steps", type=int, default=len(DATA[0]))
+    parser.add_argument("--sleep", type=float, default=0.0)
+    args = parser.parse_args()
+    config = {"communication.timeout_s": 20.0}
+    if args.mode == "pipeline":
+        config["pipeline.num_micro_batch"] = 2
+    wh.init(config)
+    build = pipeline if args.mode == "pipeline" else mlp_classifier()
+    xs, ys = DATA
+    if args.mode == "dp-data":
+        ds = tf.data.Dataset.from_tensor_slices((xs.reshape(-1, 6), ys.reshape(-1))).batch(8)
+        x, y = v1.data.make_one_shot_iterator(ds).get_next()
+    else:
+        x = v1.placeholder(tf.float32, [None, 6])
+        y = v1.placeholder(tf.int64, [None])
+    loss, train_op = build(x, y)
+    saver = v1.train.Saver()
+    losses = []
+    with v1.Session() as sess:
+        sess.run(v1.global_variables_initializer())
+        for step in range(args.steps):
+            feed = {} if args.mode == "dp-data" else {x: xs[step % len(xs)], y: ys[step % len(ys)]}
+            losses.append(sess.run([loss, train_op], feed)[0])
+            print(f"step {step} loss {losses[-1]:.6f}", flush=True)
+            time.sleep(args.sleep)
+        values = variable_values(sess, v1.global_variables())
+        if args.save:
+            saver.save(sess, args.save)
+    np.savez(args.out, losses=np.array(losses), **{k.replace("/", "|"): v
+                                                    for k, v in values.items()})
+    print("plan:", wh.current_plan().summary().splitlines()[0], flush=True)
+
+
+if __name__ == "__main__":
+    main()

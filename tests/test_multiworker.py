@@ -1,0 +1,149 @@
+"""Multi-worker clusters: real processes on localhost (TF_CONFIG, gRPC servers),
+each with a timeout. Marked slow (CI runs them; `make test-fast` skips them)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from equivalence import assert_equivalent, checkpoint_session, make_data, mlp_classifier, train
+
+import tfpar as wh
+from tfpar.launcher import hosts_commands, tf_config
+
+pytestmark = pytest.mark.slow
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "multiworker_script.py")
+DATA = make_data(steps=4, batch=8)
+
+
+def launch(*args, devices=2, timeout=240, env=None):
+    return subprocess.run([sys.executable, "-m", "tfpar.cli", "launch", "--workers", "2",
+                           "--devices-per-worker", str(devices), *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def results(path):
+    saved = np.load(path)
+    return saved["losses"], {k.replace("|", "/"): saved[k] for k in saved.files
+                             if k != "losses"}
+
+
+@pytest.mark.parametrize("mode", ["dp", "dp-data"])
+def test_data_parallel_on_two_workers_matches_one_device(mode, tmp_path):
+    """2 workers x 2 logical devices: 4 replicas across processes, collectives over
+    gRPC; every step equals single-device training on the global batch."""
+    out = launch(SCRIPT, str(tmp_path / "out.npz"), "--mode", mode)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert "[worker 0] step 3" in out.stdout
+    reference = train(mlp_classifier(), DATA, use_dataset=mode == "dp-data")
+    assert_equivalent(reference, results(tmp_path / "out.npz"))
+
+
+def test_pipeline_with_one_stage_per_worker(tmp_path):
+    out = launch(SCRIPT, str(tmp_path / "out.npz"), "--mode", "pipeline", devices=1)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert "num_micro_batch=2" in out.stdout
+    from multiworker_script import pipeline
+    plain = train(lambda x, y: _unscoped(pipeline, x, y), DATA)
+    assert_equivalent(plain, results(tmp_path / "out.npz"))
+
+
+def _unscoped(build, x, y):
+    """The pipeline model without tfpar: scopes become no-ops."""
+    original = wh.replicate
+    wh.replicate = lambda *a, **k: _Null()
+    try:
+        return build(x, y)
+    finally:
+        wh.replicate = original
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_checkpoint_written_by_two_workers_restores_on_one_device(tmp_path):
+    ckpt = str(tmp_path / "model")
+    out = launch(SCRIPT, str(tmp_path / "out.npz"), "--save", ckpt)
+    assert out.returncode == 0, out.stdout[-3000:]
+    _, saved = results(tmp_path / "out.npz")
+    _, restored = checkpoint_session(mlp_classifier(), ckpt, None, None, (DATA[0][:0],
+                                                                         DATA[1][:0]))
+    for name, value in saved.items():
+        np.testing.assert_allclose(restored[name], value, rtol=1e-6)
+
+
+def _free_ports(n):
+    from tfpar.launcher import _free_ports
+    return _free_ports(n)
+
+
+def test_a_worker_that_never_starts_is_named_in_time(tmp_path):
+    ports = _free_ports(2)
+    workers = [f"127.0.0.1:{p}" for p in ports]
+    env = dict(os.environ, TF_CONFIG=tf_config(workers, 0), TFPAR_COMMUNICATION_TIMEOUT_S="3")
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, SCRIPT, str(tmp_path / "out.npz")], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "/job:worker/task:1" in out.stderr and "did not start within 3 s" in out.stderr
+    assert time.monotonic() - start < 60
+
+
+def test_a_worker_lost_mid_run_is_named_in_time(tmp_path):
+    ports = _free_ports(2)
+    workers = [f"127.0.0.1:{p}" for p in ports]
+    env = dict(os.environ, TFPAR_COMMUNICATION_TIMEOUT_S="5", TFPAR_CLUSTER_NUM_DEVICES="1")
+    worker = subprocess.Popen([sys.executable, SCRIPT, str(tmp_path / "w.npz")],
+                              env=dict(env, TF_CONFIG=tf_config(workers, 1)),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    chief = subprocess.Popen([sys.executable, SCRIPT, str(tmp_path / "c.npz"), "--steps", "200",
+                              "--sleep", "0.2"], env=dict(env, TF_CONFIG=tf_config(workers, 0)),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in chief.stdout:
+            if line.startswith("step 2 "):
+                break
+        worker.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        _, stderr = chief.communicate(timeout=120)
+        assert chief.returncode != 0
+        assert "ClusterError" in stderr and "/job:worker/task:1" in stderr, stderr[-2000:]
+        assert time.monotonic() - killed < 60
+    finally:
+        for proc in (worker, chief):
+            if proc.poll() is None:
+                proc.kill()
+
+
+def test_launcher_returns_the_first_failure_and_stops_the_rest(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("import json, os, time\n"
+                      "index = json.loads(os.environ['TF_CONFIG'])['task']['index']\n"
+                      "print('hello from', index, flush=True)\n"
+                      "raise SystemExit(3) if index == 1 else time.sleep(120)\n")
+    start = time.monotonic()
+    out = launch(str(script), timeout=100)
+    assert out.returncode == 3
+    assert "[worker 1] hello from 1" in out.stdout and "[worker 0] hello from 0" in out.stdout
+    assert time.monotonic() - start < 60
+
+
+def test_hosts_form_prints_each_hosts_tf_config():
+    text = hosts_commands(["a", "b"], 2222, "train.py", ["--x", "1"])
+    configs = [json.loads(line.split("'")[1]) for line in text.splitlines()
+               if line.startswith("TF_CONFIG")]
+    assert [c["task"]["index"] for c in configs] == [0, 1]
+    assert configs[0]["cluster"]["worker"] == ["a:2222", "b:2222"]
+    assert "train.py --x 1" in text
+    assert tf.__version__.startswith("2.15")

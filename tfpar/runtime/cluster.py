@@ -1,0 +1,166 @@
+"""Multi-worker clusters from ``TF_CONFIG``, on TensorFlow's distributed runtime.
+
+Every worker process runs the same script. ``wh.init`` starts a
+``tf.distribute.Server`` for the process's task. The chief (task 0) builds and
+runs the whole parallel graph (in-graph replication): its devices span every
+worker (``/job:worker/replica:0/task:t/device:...``), data moves over gRPC, and
+collectives span processes with task 0 as group leader. The other workers
+serve their devices; ``wh.init`` does not return there: they exit when the
+chief releases them at its exit. Before the chief trains, every worker must
+answer within ``communication.timeout_s``, and a worker lost later fails the
+step with an error naming it, never a hang.
+"""
+import atexit
+import dataclasses
+import json
+import os
+import socket
+import sys
+import time
+from typing import List, Mapping, Optional
+
+from tensorflow.core.protobuf import config_pb2
+from tensorflow.python.client import session as tf_session
+from tensorflow.python.framework import dtypes, ops
+from tensorflow.python.ops import data_flow_ops
+from tensorflow.python.training import server_lib
+
+from tfpar.errors import ClusterError, ConfigError
+
+__all__ = ["Cluster", "from_tf_config"]
+
+JOB = "worker"
+_RELEASE_QUEUE = "tfpar_release"
+
+
+@dataclasses.dataclass
+class Cluster:
+    """The workers (``host:port``) and this process's task."""
+
+    workers: List[str]
+    task: int
+    server: Optional[server_lib.Server] = None
+
+    @property
+    def is_chief(self) -> bool:
+        return self.task == 0
+
+    def device_names(self, device_type: str, per_worker: int) -> List[str]:
+        return [f"/job:{JOB}/replica:0/task:{t}/device:{device_type}:{k}"
+                for t in range(len(self.workers)) for k in range(per_worker)]
+
+    def server_config(self, device_type: str, per_worker: int,
+                      timeout_s: float) -> config_pb2.ConfigProto:
+        config = config_pb2.ConfigProto(operation_timeout_in_ms=int(timeout_s * 1000))
+        if device_type == "CPU":
+            config.device_count["CPU"] = per_worker
+        config.experimental.collective_group_leader = f"/job:{JOB}/replica:0/task:0"
+        return config
+
+    def start(self, config: config_pb2.ConfigProto, timeout_s: float) -> None:
+        """Serve this task; on the chief wait for every worker, elsewhere serve
+        until released, then exit the process."""
+        spec = server_lib.ClusterSpec({JOB: self.workers})
+        self.server = server_lib.Server(spec, job_name=JOB, task_index=self.task, config=config)
+        if self.is_chief:
+            self.wait_for_workers(timeout_s)
+            atexit.register(self.release_workers, timeout_s)
+        else:
+            self._serve_until_released()
+
+    def missing_workers(self, timeout_s: float) -> List[int]:
+        """Tasks whose server does not accept a connection within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        missing = list(range(1, len(self.workers)))
+        while True:
+            missing = [t for t in missing if not _reachable(self.workers[t])]
+            if not missing or time.monotonic() >= deadline:
+                return missing
+            time.sleep(0.2)
+
+    def wait_for_workers(self, timeout_s: float) -> None:
+        missing = self.missing_workers(timeout_s)
+        if missing:
+            raise ClusterError(self.describe_missing(missing, f"did not start within "
+                                                              f"{timeout_s:g} s"))
+
+    def describe_missing(self, tasks: List[int], what: str) -> str:
+        names = ", ".join(f"/job:{JOB}/task:{t} ({self.workers[t]})" for t in tasks)
+        return (f"tfpar: worker {names} {what}; start every worker of TF_CONFIG (or use "
+                "`tfpar launch`), or raise communication.timeout_s")
+
+    def release_workers(self, timeout_s: float) -> None:
+        """Tell every other worker still up that it may exit (best effort, bounded;
+        only live workers are contacted: a session to a dead one would wait)."""
+        lost = set(self.missing_workers(timeout_s=0.0))
+        live = [t for t in range(1, len(self.workers)) if t not in lost]
+        if not live:
+            return
+        graph = ops.Graph()
+        with graph.as_default():
+            ops_ = []
+            for t in live:
+                with ops.device(f"/job:{JOB}/replica:0/task:{t}/device:CPU:0"):
+                    queue = data_flow_ops.FIFOQueue(1, dtypes.int32, shared_name=_RELEASE_QUEUE)
+                    ops_.append(queue.enqueue(0))
+            options = config_pb2.RunOptions(timeout_in_ms=int(timeout_s * 1000))
+            only_live = config_pb2.ConfigProto(device_filters=[
+                f"/job:{JOB}/task:{t}" for t in [0] + live])
+            try:
+                with tf_session.Session(self.server.target, graph=graph,
+                                        config=only_live) as sess:
+                    sess.run(ops_, options=options)
+            except Exception:  # pylint: disable=broad-except
+                pass  # workers already gone: nothing to release
+
+    def _serve_until_released(self) -> None:
+        graph = ops.Graph()
+        with graph.as_default(), ops.device(f"/job:{JOB}/replica:0/task:{self.task}/device:CPU:0"):
+            queue = data_flow_ops.FIFOQueue(1, dtypes.int32, shared_name=_RELEASE_QUEUE)
+            release = queue.dequeue()
+        # Only this task's devices: contacting a chief that is not up yet would put
+        # the channel to it in gRPC's back-off and fail the first step's transfers.
+        own = config_pb2.ConfigProto(device_filters=[f"/job:{JOB}/task:{self.task}"])
+        with tf_session.Session(self.server.target, graph=graph, config=own) as sess:
+            sess.run(release)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # pylint: disable=protected-access  (gRPC server teardown can block)
+
+
+def _reachable(address: str) -> bool:
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def from_tf_config(environ: Mapping[str, str]) -> Optional[Cluster]:
+    """The cluster described by ``TF_CONFIG`` (None when unset or one worker).
+
+    Raises:
+      ConfigError: malformed TF_CONFIG, naming what is wrong.
+    """
+    text = environ.get("TF_CONFIG")
+    if not text:
+        return None
+    try:
+        spec = json.loads(text)
+        workers = list(spec["cluster"][JOB])
+        task = spec.get("task", {})
+        index = int(task.get("index", 0))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"TF_CONFIG must be JSON like {{\"cluster\": {{\"worker\": "
+                          f"[\"host:port\", ...]}}, \"task\": {{\"type\": \"worker\", "
+                          f"\"index\": 0}}}}: {exc}") from exc
+    if task.get("type", JOB) != JOB:
+        raise ConfigError(f"TF_CONFIG task type '{task.get('type')}': tfpar clusters have only "
+                          "'worker' tasks (task 0 is the chief)")
+    if not 0 <= index < len(workers):
+        raise ConfigError(f"TF_CONFIG task index {index} is not one of the {len(workers)} "
+                          "workers")
+    if len(workers) < 2:
+        return None
+    return Cluster(workers=workers, task=index)
