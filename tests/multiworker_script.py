@@ -1,11 +1,12 @@
 """A training script run by the multi-worker tests as every worker of a cluster.
 
     python tests/multiworker_script.py OUT.npz [--mode dp|dp-data|pipeline]
-        [--save CKPT] [--steps N] [--sleep S]
+        [--save CKPT] [--steps N] [--sleep S] [--horovod]
 
-The chief trains the test MLP on the equivalence data and writes per-step
-losses and variables to OUT.npz; other workers only serve (wh.init does not
-return there).
+In a TF_CONFIG cluster the chief trains the test MLP on the equivalence data and
+writes per-step losses and variables to OUT.npz; other workers only serve
+(wh.init does not return there). With --horovod (under horovodrun) every
+process trains its share and writes OUT.npz with its rank appended.
 """
 import argparse
 import os
@@ -33,19 +34,34 @@ def pipeline(x, y):
     return loss, v1.train.GradientDescentOptimizer(0.5).minimize(loss)
 
 
+def split_head(x, y):
+    h = dense(x, 8, "hidden", seed=1, activation=tf.nn.tanh)
+    with wh.split(2):
+        logits = v1.layers.dense(h, 3, name="logits", kernel_initializer=v1.constant_initializer(
+            np.random.RandomState(2).randn(8, 3).astype(np.float32)))
+        loss = v1.losses.sparse_softmax_cross_entropy(y, logits)
+    return loss, v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+
+
+BUILDS = {"pipeline": pipeline, "split": split_head}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--mode", default="dp", choices=["dp", "dp-data", "pipeline"])
+    parser.add_argument("--mode", default="dp", choices=["dp", "dp-data", "pipeline", "split"])
     parser.add_argument("--save")
     parser.add_argument("--steps", type=int, default=len(DATA[0]))
     parser.add_argument("--sleep", type=float, default=0.0)
+    parser.add_argument("--horovod", action="store_true")
     args = parser.parse_args()
     config = {"communication.timeout_s": 20.0}
+    if args.horovod:
+        config["communication.backend"] = "horovod"
     if args.mode == "pipeline":
         config["pipeline.num_micro_batch"] = 2
     wh.init(config)
-    build = pipeline if args.mode == "pipeline" else mlp_classifier()
+    build = BUILDS.get(args.mode) or mlp_classifier()
     xs, ys = DATA
     if args.mode == "dp-data":
         ds = tf.data.Dataset.from_tensor_slices((xs.reshape(-1, 6), ys.reshape(-1))).batch(8)
@@ -66,6 +82,9 @@ def main():
         values = variable_values(sess, v1.global_variables())
         if args.save:
             saver.save(sess, args.save)
+    if args.horovod:
+        import horovod.tensorflow as hvd  # pylint: disable=import-outside-toplevel
+        args.out = f"{args.out}.rank{hvd.rank()}.npz"
     np.savez(args.out, losses=np.array(losses), **{k.replace("/", "|"): v
                                                     for k, v in values.items()})
     print("plan:", wh.current_plan().summary().splitlines()[0], flush=True)

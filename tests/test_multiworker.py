@@ -45,23 +45,25 @@ def test_data_parallel_on_two_workers_matches_one_device(mode, tmp_path):
     assert_equivalent(reference, results(tmp_path / "out.npz"))
 
 
-def test_pipeline_with_one_stage_per_worker(tmp_path):
-    out = launch(SCRIPT, str(tmp_path / "out.npz"), "--mode", "pipeline", devices=1)
+@pytest.mark.parametrize("mode", ["pipeline", "split"])
+def test_stages_and_shards_on_different_workers(mode, tmp_path):
+    """A 2-stage pipeline with one stage per worker; a split head with one shard
+    per worker."""
+    out = launch(SCRIPT, str(tmp_path / "out.npz"), "--mode", mode, devices=1)
     assert out.returncode == 0, out.stdout[-3000:]
-    assert "num_micro_batch=2" in out.stdout
-    from multiworker_script import pipeline
-    plain = train(lambda x, y: _unscoped(pipeline, x, y), DATA)
+    from multiworker_script import BUILDS
+    plain = train(lambda x, y: _unscoped(BUILDS[mode], x, y), DATA)
     assert_equivalent(plain, results(tmp_path / "out.npz"))
 
 
 def _unscoped(build, x, y):
-    """The pipeline model without tfpar: scopes become no-ops."""
-    original = wh.replicate
-    wh.replicate = lambda *a, **k: _Null()
+    """The model without tfpar: scopes become no-ops."""
+    originals = wh.replicate, wh.split
+    wh.replicate = wh.split = lambda *a, **k: _Null()
     try:
         return build(x, y)
     finally:
-        wh.replicate = original
+        wh.replicate, wh.split = originals
 
 
 class _Null:
@@ -147,3 +149,21 @@ def test_hosts_form_prints_each_hosts_tf_config():
     assert configs[0]["cluster"]["worker"] == ["a:2222", "b:2222"]
     assert "train.py --x 1" in text
     assert tf.__version__.startswith("2.15")
+
+
+@pytest.mark.parametrize("mode", ["dp", "dp-data"])
+def test_horovod_backend_on_two_processes(mode, tmp_path):
+    """communication.backend 'horovod' under horovodrun (Gloo): every process is
+    fed the global batch, keeps its share, all-reduces with Horovod."""
+    try:
+        import horovod.tensorflow  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+    except ImportError:
+        pytest.fail("Horovod is not installed: `make test` builds it (`make horovod`)")
+    horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    out = subprocess.run([horovodrun, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable,
+                          SCRIPT, str(tmp_path / "out"), "--mode", mode, "--horovod"],
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    reference = train(mlp_classifier(), DATA, use_dataset=mode == "dp-data")
+    for rank in range(2):
+        assert_equivalent(reference, results(tmp_path / f"out.rank{rank}.npz"))

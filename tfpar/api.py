@@ -25,6 +25,8 @@ def init(config: Any = None) -> Config:
 
     cfg = Config.load(config)
     tf.compat.v1.disable_eager_execution()
+    if cfg.get("communication.backend") == "horovod":
+        _start_horovod()
     devices, device_type = _discover_devices(cfg)
     previous = context.active()
     default = previous.default_strategy if previous is not None else None
@@ -50,6 +52,15 @@ def reset() -> None:
     tf_patches.uninstall()
     context.deactivate()
     capture.reset_captures()
+
+
+def _start_horovod() -> None:
+    try:
+        import horovod.tensorflow as hvd  # pylint: disable=import-outside-toplevel
+    except ImportError as exc:
+        raise ConfigError("tfpar: communication.backend 'horovod' needs Horovod built against "
+                          "this TensorFlow: run `make horovod`") from exc
+    hvd.init()
 
 
 def _cluster(previous, cfg: Config, device_type: str, per_worker: int):

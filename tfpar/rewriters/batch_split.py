@@ -5,7 +5,7 @@ allowed) and weight ``n_u / N``, so weighted sums of per-unit batch means equal
 the global batch mean.
 """
 import dataclasses
-from typing import List, Sequence
+from typing import List, Sequence, Tuple
 
 from tensorflow.python.framework import dtypes, ops
 from tensorflow.python.framework import tensor as tensor_lib
@@ -24,17 +24,25 @@ class BatchSplit:
     sizes: List[tensor_lib.Tensor]
 
 
-def split_batch(inputs: Sequence[tensor_lib.Tensor], num_units: int) -> BatchSplit:
+def split_batch(inputs: Sequence[tensor_lib.Tensor], num_units: int,
+                share: Tuple[int, int] = (0, 1)) -> BatchSplit:
     """Slice every tensor of ``inputs`` along dimension 0 into ``num_units`` parts.
+
+    With ``share`` = (process p, processes P) (a Horovod job, where every
+    process is fed the global batch), the batch is cut into P * ``num_units``
+    parts and this process keeps parts p*U .. (p+1)*U-1; weights stay shares of
+    the global batch.
 
     Raises at run time (InvalidArgumentError naming the tensors) when the
     inputs disagree on the batch size or the batch is smaller than the units.
     """
     with ops.name_scope("tfpar_split"):
+        process, processes = share
+        total = num_units * processes
         n = array_ops.shape(inputs[0], out_type=dtypes.int32)[0]
         checks = [check_ops.assert_greater_equal(
-            n, num_units, message=f"tfpar: the global batch of {inputs[0].name} has fewer "
-                                  f"rows than the {num_units} replicas x micro-batches")]
+            n, total, message=f"tfpar: the global batch of {inputs[0].name} has fewer "
+                              f"rows than the {total} replicas x micro-batches")]
         for t in inputs[1:]:
             checks.append(check_ops.assert_equal(
                 array_ops.shape(t, out_type=dtypes.int32)[0], n,
@@ -43,10 +51,12 @@ def split_batch(inputs: Sequence[tensor_lib.Tensor], num_units: int) -> BatchSpl
                         "replicated TaskGraph is split as a batch"))
         with ops.control_dependencies(checks):
             n = array_ops.identity(n)
-        bounds = [(n * u) // num_units for u in range(num_units + 1)]
+        first = process * num_units
+        bounds = [(n * u) // total for u in range(first, first + num_units + 1)]
         sizes = [bounds[u + 1] - bounds[u] for u in range(num_units)]
         nf = math_ops.cast(n, dtypes.float32)
         weights = [math_ops.cast(s, dtypes.float32) / nf for s in sizes]
         size_vec = array_ops_stack.stack(sizes)
-        parts = [array_ops.split(t, size_vec, num=num_units, axis=0) for t in inputs]
+        mine = [t if processes == 1 else t[bounds[0]:bounds[-1]] for t in inputs]
+        parts = [array_ops.split(t, size_vec, num=num_units, axis=0) for t in mine]
     return BatchSplit(parts=parts, weights=weights, sizes=sizes)

@@ -31,7 +31,7 @@ a pipeline replica (``layout.Layout``, ``stages.Placement``):
 import collections
 import dataclasses
 import functools
-from typing import Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional, Set
 
 from tensorflow.python.framework import dtypes, indexed_slices, ops
 from tensorflow.python.framework import tensor as tensor_lib
@@ -44,7 +44,7 @@ from tfpar.rewriters import graph_edit
 from tfpar.rewriters.batch_split import split_batch
 from tfpar.rewriters.bridge import Bridges
 from tfpar.rewriters.layout import Layout
-from tfpar.rewriters.merge import merge_units
+from tfpar.rewriters.merge import is_batch_major, merge_units
 from tfpar.rewriters.pipeline import lower_schedule, task_ops
 from tfpar.rewriters.select import (GraphIndex, Selection, gradient_tensors,
                                     select_replication, variable_writers)
@@ -74,6 +74,8 @@ class DataParallelRewrite:
         versions' values are already multiplied by the version weight.
       task_ops: (stage device j, stage, "F"/"B", micro-batch) -> the ops of that
         pipeline task (``pipeline.task_ops``).
+      processes: the Horovod job this process is part of
+        (``horovod_backend.HorovodProcesses``), or None.
       edits: number of in-place edits of original ops.
     """
 
@@ -89,6 +91,7 @@ class DataParallelRewrite:
     merged: Dict[tensor_lib.Tensor, tensor_lib.Tensor] = dataclasses.field(default_factory=dict)
     seed_weighted: Set[ops.Operation] = dataclasses.field(default_factory=set)
     task_ops: Dict[tuple, List[ops.Operation]] = dataclasses.field(default_factory=dict)
+    processes: Any = None
     edits: int = 0
 
     @property
@@ -97,8 +100,14 @@ class DataParallelRewrite:
 
     @property
     def trivial(self) -> bool:
-        """One version of everything: the graph runs as built."""
-        return self.layout.num_pieces == 1
+        """One version of everything in one process: the graph runs as built."""
+        return self.layout.num_pieces == 1 and self.processes is None
+
+    @property
+    def synced(self) -> bool:
+        """Writes of variables outside training must be copied (to mirrored
+        copies, or to other processes)."""
+        return self.mirrored or self.processes is not None
 
     def versions(self, op: ops.Operation) -> List[ops.Operation]:
         """Every version of a step op, in batch order."""
@@ -121,13 +130,20 @@ class DataParallelRewrite:
             versions = [op.outputs[t.value_index] for op in self.versions(t.op)]
             weights = [self.bridges.weight(stage, v) for v in range(len(versions))]
             static = self.selection.batch_inputs[0].shape[0]
-            self.merged[t] = merge_units(t, versions, weights, self.selection.batch_dependent,
-                                         static, weighted=t.op in self.seed_weighted)
+            merged = merge_units(t, versions, weights, self.selection.batch_dependent,
+                                 static, weighted=t.op in self.seed_weighted)
+            if self.processes is not None and t.op in self.selection.batch_dependent:
+                if is_batch_major(t, static):
+                    merged = self.processes.gather(merged)
+                elif t.dtype.is_floating:
+                    merged = self.processes.sum(merged)  # partial means, global weights
+            self.merged[t] = merged
         return self.merged[t]
 
 
 def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placement: Placement,
-              num_micro_batch: int, reducer_for, schedule) -> DataParallelRewrite:
+              num_micro_batch: int, reducer_for, schedule,
+              processes=None) -> DataParallelRewrite:
     """Rewrite ``graph`` (see module docstring).
 
     Args:
@@ -137,6 +153,7 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
       reducer_for: devices -> the ``allreduce`` reducer summing across them.
       schedule: per stage, the ordered forward/backward tasks of one stage
         device (``planner.schedule.build_schedule``).
+      processes: the Horovod job (``horovod_backend.HorovodProcesses``) or None.
     """
     global_steps = {v.op for v in graph.get_collection(ops.GraphKeys.GLOBAL_STEP)}
     global_steps |= {c.global_step.op for c in capture.apply_calls if c.global_step is not None}
@@ -150,7 +167,7 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
         version_maps=[[{} for _ in range(layout.num_versions(s))] for s in stages],
         device_maps=[[{} for _ in placement.stage_devices[s]] for s in stages],
         mirrored=(reducer_for(placement.stage_devices[0]).mirrors_variables
-                  and max(map(len, placement.stage_devices)) > 1))
+                  and max(map(len, placement.stage_devices)) > 1), processes=processes)
     for op in sel.step_ops + sel.update_ops + sel.variables:
         graph_edit.set_device(op, placement.device(op))
     if rw.trivial:
@@ -174,7 +191,8 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
     crossing_controls = [(c, p) for c in sel.step_ops for p in c.control_inputs
                          if p in step and placement.stage(p) != placement.stage(c)]
     with graph.as_default(), ops.name_scope(None), ops.name_scope("tfpar"):
-        split = split_batch(sel.batch_inputs, layout.num_pieces)
+        split = split_batch(sel.batch_inputs, layout.num_pieces,
+                            processes.share if processes is not None else (0, 1))
         rw.bridges = Bridges(layout, placement, split, rw.versions, sel.batch_dependent,
                              sel.batch_inputs[0].shape[0])
         _reroute_batch_inputs(rw, step)
@@ -193,7 +211,7 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
             if t not in raw:
                 graph_edit.update_input(c, k, rw.merged_tensor(t))
                 rw.edits += 1
-        if rw.mirrored:
+        if rw.synced:
             for writer in sel.sync_writers:
                 add_replica_sync(rw, writer, control_readers[writer])
     return rw
@@ -366,7 +384,7 @@ def _reduce_group_gradients(rw: DataParallelRewrite, devices, grads, reducer) ->
                 [array_ops.concat(_device_terms(rw, g.values, j), 0) for g in sparse]
                 + [array_ops.concat(_device_terms(rw, g.indices, j, weigh=False), 0)
                    for g in sparse])
-    if len(devices) > 1:
+    if len(devices) > 1 or getattr(reducer, "cross_process", False):
         dense_local = reducer.sum(dense_local) if dense else dense_local
         sparse_local = reducer.gather(sparse_local) if sparse else sparse_local
     for i, g in enumerate(dense):
@@ -422,7 +440,8 @@ def _wire_control_edges(rw: DataParallelRewrite, control_readers, step, copied) 
 
 
 def add_replica_sync(rw: DataParallelRewrite, writer: ops.Operation, readers) -> None:
-    """After ``writer`` changes a mirrored variable, copy it to every stage device."""
+    """After ``writer`` changes a mirrored variable, copy it to every stage device
+    (and, in a Horovod job, from rank 0 to every process)."""
     assigns = []
     for var in (t.op for t in writer.inputs if t.op in set(rw.selection.variables)):
         dtype = dtypes.as_dtype(var.get_attr("dtype"))
@@ -431,7 +450,11 @@ def add_replica_sync(rw: DataParallelRewrite, writer: ops.Operation, readers) ->
                 value = gen_resource_variable_ops.read_variable_op(var.outputs[0], dtype)
             else:
                 value = array_ops.identity(var.outputs[0])
-        for j, copy in enumerate(rw.replica_versions(var)[1:], start=1):
+            if rw.processes is not None:
+                value = rw.processes.broadcast(value)
+        copies = rw.replica_versions(var)
+        for j, copy in enumerate(copies if rw.processes is not None else copies[1:],
+                                 start=0 if rw.processes is not None else 1):
             with ops.device(rw.placement.device(var, j)):
                 if var.type == "VarHandleOp":
                     assigns.append(gen_resource_variable_ops.assign_variable_op(
@@ -447,7 +470,7 @@ def add_replica_sync(rw: DataParallelRewrite, writer: ops.Operation, readers) ->
 def sync_new_writers(graph: ops.Graph, rw: DataParallelRewrite, new_ops) -> None:
     """Add replica syncs for mirrored-variable writers among ``new_ops`` (ops
     built after the rewrite, e.g. a Saver made after the first run)."""
-    if not rw.mirrored or not new_ops:
+    if not rw.synced or not new_ops:
         return
     fresh = set(new_ops)
     index = GraphIndex(graph)

@@ -5,7 +5,7 @@ from tensorflow.python.framework import ops
 from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import array_ops, math_ops
 
-__all__ = ["merge_units"]
+__all__ = ["is_batch_major", "merge_units"]
 
 
 def merge_units(t: tensor_lib.Tensor, versions: List[tensor_lib.Tensor], weights: List[tensor_lib.Tensor],
@@ -23,7 +23,7 @@ def merge_units(t: tensor_lib.Tensor, versions: List[tensor_lib.Tensor], weights
     if t.op not in batch_dependent:
         return versions[0]
     with ops.name_scope("tfpar_merge"):
-        if _batch_major(t, static_batch):
+        if is_batch_major(t, static_batch):
             return array_ops.concat(versions, 0)
         if t.dtype.is_floating and weighted:
             return math_ops.add_n(versions)
@@ -33,7 +33,7 @@ def merge_units(t: tensor_lib.Tensor, versions: List[tensor_lib.Tensor], weights
         return versions[0]
 
 
-def _batch_major(t: tensor_lib.Tensor, static_batch: Optional[int]) -> bool:
+def is_batch_major(t: tensor_lib.Tensor, static_batch: Optional[int]) -> bool:
     shape = t.shape
     return (shape.rank is not None and shape.rank >= 1
             and (shape[0] is None or shape[0] == static_batch))

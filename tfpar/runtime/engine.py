@@ -7,7 +7,7 @@ from tensorflow.python.eager import context
 from tensorflow.python.framework import device as device_lib
 from tensorflow.python.framework import ops
 
-from tfpar.errors import ClusterError, ConfigError, PlanError
+from tfpar.errors import ClusterError, PlanError
 from tfpar.hooks.capture import GraphCapture, existing_capture, recording_paused
 from tfpar.ir.plan import Plan
 from tfpar.ir.taskgraph import Strategy, TaskGraphSpec
@@ -16,6 +16,7 @@ from tfpar.rewriters import graph_edit
 from tfpar.rewriters.allreduce import CollectiveKeys, make_reducer
 from tfpar.planner.schedule import build_schedule
 from tfpar.rewriters.data_parallel import replicate
+from tfpar.rewriters.horovod_backend import HorovodProcesses, HorovodReducer
 from tfpar.rewriters.select import GraphIndex
 from tfpar.planner.partition import balanced_partition
 from tfpar.rewriters.stages import Placement, assign_stages, forward_costs, split_op_devices
@@ -115,9 +116,6 @@ def plan_for(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> Plan:
     if rt.config.get("auto.auto_parallel"):
         raise PlanError("tfpar: auto.auto_parallel (planner search) is not implemented in "
                         "this build; annotate with wh.replicate or drop the key")
-    if rt.config.get("communication.backend") == "horovod":
-        raise ConfigError("tfpar: communication.backend 'horovod' is not implemented in this "
-                          "build; use 'auto' or 'collective'")
     specs = task_graph_specs(capture, rt)
     return plan_from_annotations(specs, rt.devices, rt.config, _stats(graph, capture, rt, len(specs)))
 
@@ -165,16 +163,20 @@ def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
             op_devices=split_op_devices(index, stage_of, split_groups))
         keys = CollectiveKeys()
 
+        horovod = cfg.get("communication.backend") == "horovod"
+
         def reducer_for(devices):
-            return make_reducer(cfg.get("communication.backend"), devices, rt.device_type, keys,
-                                fusion_bytes=cfg.get("communication.fusion_mb") * 2 ** 20,
-                                timeout_s=cfg.get("communication.timeout_s"))
+            local = make_reducer("auto" if horovod else cfg.get("communication.backend"),
+                                 devices, rt.device_type, keys,
+                                 fusion_bytes=cfg.get("communication.fusion_mb") * 2 ** 20,
+                                 timeout_s=cfg.get("communication.timeout_s"))
+            return HorovodReducer(local) if horovod else local
         # One micro-batch needs no schedule; otherwise the plan's was validated.
         schedule = [] if plan.num_micro_batch == 1 else build_schedule(
             plan.schedule, placement.num_stages, plan.num_micro_batch, plan.group_size)
         with graph_edit.unfinalized(graph), recording_paused():
             rewrite = replicate(graph, capture, index, placement, plan.num_micro_batch,
-                                reducer_for, schedule)
+                                reducer_for, schedule, HorovodProcesses() if horovod else None)
         capture.plan = plan
         capture.rewrite = FetchTranslator(graph, rewrite)
         log.info("tfpar rewrote the graph:\n%s", plan.summary())
