@@ -1,7 +1,7 @@
 """A training script run by the multi-worker tests as every worker of a cluster.
 
     python tests/multiworker_script.py OUT.npz [--mode dp|dp-data|pipeline]
-        [--save CKPT] [--steps N] [--sleep S] [--horovod]
+        [--save CKPT] [--restore CKPT --first-step K] [--steps N] [--sleep S] [--horovod]
 
 In a TF_CONFIG cluster the chief trains the test MLP on the equivalence data and
 writes per-step losses and variables to OUT.npz; other workers only serve
@@ -51,6 +51,8 @@ def main():
     parser.add_argument("out")
     parser.add_argument("--mode", default="dp", choices=["dp", "dp-data", "pipeline", "split"])
     parser.add_argument("--save")
+    parser.add_argument("--restore", help="checkpoint to resume from")
+    parser.add_argument("--first-step", type=int, default=0, help="data step to start at")
     parser.add_argument("--steps", type=int, default=len(DATA[0]))
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--horovod", action="store_true")
@@ -74,7 +76,9 @@ def main():
     losses = []
     with v1.Session() as sess:
         sess.run(v1.global_variables_initializer())
-        for step in range(args.steps):
+        if args.restore:
+            saver.restore(sess, args.restore)
+        for step in range(args.first_step, args.first_step + args.steps):
             feed = {} if args.mode == "dp-data" else {x: xs[step % len(xs)], y: ys[step % len(ys)]}
             losses.append(sess.run([loss, train_op], feed)[0])
             print(f"step {step} loss {losses[-1]:.6f}", flush=True)

@@ -85,6 +85,21 @@ def test_checkpoint_written_by_two_workers_restores_on_one_device(tmp_path):
         np.testing.assert_allclose(restored[name], value, rtol=1e-6)
 
 
+def test_restarted_workers_resume_from_the_last_checkpoint(tmp_path):
+    """Two steps, save, stop; restart every worker from the checkpoint for two
+    more: the same as four steps on one device."""
+    ckpt = str(tmp_path / "model")
+    first = launch(SCRIPT, str(tmp_path / "a.npz"), "--steps", "2", "--save", ckpt)
+    assert first.returncode == 0, first.stdout[-3000:]
+    second = launch(SCRIPT, str(tmp_path / "b.npz"), "--steps", "2", "--restore", ckpt,
+                    "--first-step", "2")
+    assert second.returncode == 0, second.stdout[-3000:]
+    losses_a, _ = results(tmp_path / "a.npz")
+    losses_b, values = results(tmp_path / "b.npz")
+    assert_equivalent(train(mlp_classifier(), DATA),
+                      (np.concatenate([losses_a, losses_b]), values))
+
+
 def _free_ports(n):
     from tfpar.launcher import _free_ports
     return _free_ports(n)
