@@ -49,7 +49,7 @@ BUILDS = {"pipeline": pipeline, "split": split_head}
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--mode", default="dp", choices=["dp", "dp-data", "pipeline", "split"])
+    parser.add_argument("--mode", default="dp", choices=["dp", "dp-data", "dp-shard", "pipeline", "split"])
     parser.add_argument("--save")
     parser.add_argument("--restore", help="checkpoint to resume from")
     parser.add_argument("--first-step", type=int, default=0, help="data step to start at")
@@ -60,13 +60,16 @@ def main():
     config = {"communication.timeout_s": 20.0}
     if args.horovod:
         config["communication.backend"] = "horovod"
+    if args.mode == "dp-shard":  # each process reads half-size batches of its own
+        config["io.shard_dataset"] = True
     if args.mode == "pipeline":
         config["pipeline.num_micro_batch"] = 2
     wh.init(config)
     build = BUILDS.get(args.mode) or mlp_classifier()
     xs, ys = DATA
-    if args.mode == "dp-data":
-        ds = tf.data.Dataset.from_tensor_slices((xs.reshape(-1, 6), ys.reshape(-1))).batch(8)
+    if args.mode in ("dp-data", "dp-shard"):
+        batch = 8 if args.mode == "dp-data" else 4
+        ds = tf.data.Dataset.from_tensor_slices((xs.reshape(-1, 6), ys.reshape(-1))).batch(batch)
         x, y = v1.data.make_one_shot_iterator(ds).get_next()
     else:
         x = v1.placeholder(tf.float32, [None, 6])
@@ -79,7 +82,8 @@ def main():
         if args.restore:
             saver.restore(sess, args.restore)
         for step in range(args.first_step, args.first_step + args.steps):
-            feed = {} if args.mode == "dp-data" else {x: xs[step % len(xs)], y: ys[step % len(ys)]}
+            feed = {} if args.mode.startswith("dp-") else {x: xs[step % len(xs)],
+                                                            y: ys[step % len(ys)]}
             losses.append(sess.run([loss, train_op], feed)[0])
             print(f"step {step} loss {losses[-1]:.6f}", flush=True)
             time.sleep(args.sleep)

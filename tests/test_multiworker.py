@@ -105,6 +105,14 @@ def _free_ports(n):
     return _free_ports(n)
 
 
+def test_shard_dataset_needs_horovod_in_a_cluster(tmp_path):
+    workers = [f"127.0.0.1:{p}" for p in _free_ports(2)]
+    env = dict(os.environ, TF_CONFIG=tf_config(workers, 0), TFPAR_IO_SHARD_DATASET="true")
+    out = subprocess.run([sys.executable, SCRIPT, str(tmp_path / "out.npz")], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "io.shard_dataset needs communication.backend" in out.stderr
+
+
 def test_a_worker_that_never_starts_is_named_in_time(tmp_path):
     ports = _free_ports(2)
     workers = [f"127.0.0.1:{p}" for p in ports]
@@ -166,10 +174,11 @@ def test_hosts_form_prints_each_hosts_tf_config():
     assert tf.__version__.startswith("2.15")
 
 
-@pytest.mark.parametrize("mode", ["dp", "dp-data"])
+@pytest.mark.parametrize("mode", ["dp", "dp-data", "dp-shard"])
 def test_horovod_backend_on_two_processes(mode, tmp_path):
     """communication.backend 'horovod' under horovodrun (Gloo): every process is
-    fed the global batch, keeps its share, all-reduces with Horovod."""
+    fed the global batch, keeps its share, all-reduces with Horovod; with
+    io.shard_dataset each reads alternate half batches of its own instead."""
     try:
         import horovod.tensorflow  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
     except ImportError:
@@ -179,6 +188,6 @@ def test_horovod_backend_on_two_processes(mode, tmp_path):
                           SCRIPT, str(tmp_path / "out"), "--mode", mode, "--horovod"],
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
-    reference = train(mlp_classifier(), DATA, use_dataset=mode == "dp-data")
+    reference = train(mlp_classifier(), DATA, use_dataset=mode != "dp")
     for rank in range(2):
         assert_equivalent(reference, results(tmp_path / f"out.rank{rank}.npz"))

@@ -9,6 +9,8 @@
   ``model.fit`` in graph mode): APPLY; recorded (keras' ``iterations`` counts
   as the global step).
 * ``BaseSession.__init__``: tfpar's devices are merged into the ConfigProto.
+* ``DatasetV1._make_one_shot_iterator`` / ``_make_initializable_iterator``:
+  with ``io.shard_dataset`` a Horovod process iterates over its shard.
 * ``BaseSession.run``, ``BaseSession._make_callable_from_options`` (keras'
   graph functions) and ``Graph.finalize``: the graph is rewritten before it
   first runs or freezes; fetches are translated to their parallel versions.
@@ -18,6 +20,7 @@ from typing import Any, Callable, Optional
 
 from keras.src.optimizers.legacy import optimizer_v2 as keras_optimizer_v2
 from tensorflow.python.client import session as tf_session
+from tensorflow.python.data.ops import dataset_ops
 from tensorflow.python.framework import errors as tf_errors
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import gradients_util
@@ -38,6 +41,7 @@ _on_before_run: Optional[Callable[[Any], Any]] = None
 _on_session_target: Optional[Callable[[str], str]] = None
 _on_run_failed: Optional[Callable[[Exception], None]] = None
 _on_run_options: Optional[Callable[[Any], Any]] = None
+_on_dataset: Optional[Callable[[Any], Any]] = None
 
 
 def installed() -> bool:
@@ -47,7 +51,8 @@ def installed() -> bool:
 def install(session_config: Callable[[Any], Any], before_run: Callable[[Any], Any],
             session_target: Optional[Callable[[str], str]] = None,
             run_failed: Optional[Callable[[Exception], None]] = None,
-            run_options: Optional[Callable[[Any], Any]] = None) -> None:
+            run_options: Optional[Callable[[Any], Any]] = None,
+            dataset: Optional[Callable[[Any], Any]] = None) -> None:
     """Install every patch (idempotent).
 
     Args:
@@ -58,11 +63,14 @@ def install(session_config: Callable[[Any], Any], before_run: Callable[[Any], An
       run_failed: called with the TensorFlow error a run raised (may raise a
         clearer one).
       run_options: RunOptions-or-None -> RunOptions for each run (a deadline).
+      dataset: tf.data Dataset -> the dataset an iterator is made of (a
+        process's shard).
     """
     global _on_session_config, _on_before_run, _on_session_target, _on_run_failed
-    global _on_run_options
+    global _on_run_options, _on_dataset
     _on_session_config, _on_before_run = session_config, before_run
     _on_session_target, _on_run_failed, _on_run_options = session_target, run_failed, run_options
+    _on_dataset = dataset
     if _patches.installed:
         return
     _patches.add(ops.Graph, "_create_op_helper", _wrap_create_op)
@@ -75,15 +83,17 @@ def install(session_config: Callable[[Any], Any], before_run: Callable[[Any], An
     _patches.add(tf_session.BaseSession, "run", _wrap_session_run)
     _patches.add(tf_session.BaseSession, "_make_callable_from_options", _wrap_make_callable)
     _patches.add(keras_optimizer_v2.OptimizerV2, "apply_gradients", _wrap_keras_apply)
+    for name in ("_make_one_shot_iterator", "_make_initializable_iterator"):
+        _patches.add(dataset_ops.DatasetV1, name, _wrap_make_iterator)
     add_split_patches(_patches)
 
 
 def uninstall() -> None:
     global _on_session_config, _on_before_run, _on_session_target, _on_run_failed
-    global _on_run_options
+    global _on_run_options, _on_dataset
     _patches.remove()
     _on_session_config = _on_before_run = _on_session_target = _on_run_failed = None
-    _on_run_options = None
+    _on_run_options = _on_dataset = None
 
 
 def _wrap_create_op(original):
@@ -202,6 +212,13 @@ def _wrap_session_init(original):
             target = _on_session_target(target)
         original(self, target, graph, config)
     return __init__
+
+
+def _wrap_make_iterator(original):
+    def make_iterator(self, *args, **kwargs):
+        dataset = _on_dataset(self) if _on_dataset is not None else self
+        return original(dataset, *args, **kwargs)
+    return make_iterator
 
 
 def _wrap_make_callable(original):

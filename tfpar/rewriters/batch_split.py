@@ -5,7 +5,7 @@ allowed) and weight ``n_u / N``, so weighted sums of per-unit batch means equal
 the global batch mean.
 """
 import dataclasses
-from typing import List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from tensorflow.python.framework import dtypes, ops
 from tensorflow.python.framework import tensor as tensor_lib
@@ -25,13 +25,17 @@ class BatchSplit:
 
 
 def split_batch(inputs: Sequence[tensor_lib.Tensor], num_units: int,
-                share: Tuple[int, int] = (0, 1)) -> BatchSplit:
+                share: Tuple[int, int] = (0, 1),
+                global_rows: Optional[Callable[[tensor_lib.Tensor], tensor_lib.Tensor]] = None
+                ) -> BatchSplit:
     """Slice every tensor of ``inputs`` along dimension 0 into ``num_units`` parts.
 
     With ``share`` = (process p, processes P) (a Horovod job, where every
     process is fed the global batch), the batch is cut into P * ``num_units``
     parts and this process keeps parts p*U .. (p+1)*U-1; weights stay shares of
-    the global batch.
+    the global batch. ``global_rows`` instead maps this process's row count
+    (float32) to the global batch's when every process reads its own part of
+    the data (``io.shard_dataset``).
 
     Raises at run time (InvalidArgumentError naming the tensors) when the
     inputs disagree on the batch size or the batch is smaller than the units.
@@ -55,6 +59,8 @@ def split_batch(inputs: Sequence[tensor_lib.Tensor], num_units: int,
         bounds = [(n * u) // total for u in range(first, first + num_units + 1)]
         sizes = [bounds[u + 1] - bounds[u] for u in range(num_units)]
         nf = math_ops.cast(n, dtypes.float32)
+        if global_rows is not None:
+            nf = global_rows(nf)
         weights = [math_ops.cast(s, dtypes.float32) / nf for s in sizes]
         size_vec = array_ops_stack.stack(sizes)
         mine = [t if processes == 1 else t[bounds[0]:bounds[-1]] for t in inputs]

@@ -192,7 +192,8 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
                          if p in step and placement.stage(p) != placement.stage(c)]
     with graph.as_default(), ops.name_scope(None), ops.name_scope("tfpar"):
         split = split_batch(sel.batch_inputs, layout.num_pieces,
-                            processes.share if processes is not None else (0, 1))
+                            processes.share if processes is not None else (0, 1),
+                            processes.global_rows() if processes is not None else None)
         rw.bridges = Bridges(layout, placement, split, rw.versions, sel.batch_dependent,
                              sel.batch_inputs[0].shape[0])
         _reroute_batch_inputs(rw, step)

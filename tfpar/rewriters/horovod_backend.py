@@ -1,7 +1,9 @@
 """``communication.backend: horovod``: processes started by ``horovodrun``.
 
 Every process is fed the global batch and keeps its share (``batch_split``
-``share``), weighted as a share of the global batch. Gradients are summed
+``share``), weighted as a share of the global batch; with ``io.shard_dataset``
+every process reads its own shard of the data instead and its rows are
+weighted by the rows of all processes together. Gradients are summed
 within the process by the local reducer, then across processes with
 ``hvd.allreduce`` (IndexedSlices: ``hvd.allgather``). Fetched tensors are
 completed across processes (rows gathered in rank order, partial means summed),
@@ -21,9 +23,19 @@ def _hvd():
 class HorovodProcesses:
     """This process's place in the Horovod job, and the cross-process ops."""
 
-    def __init__(self) -> None:
+    def __init__(self, shard_dataset: bool = False) -> None:
         hvd = _hvd()
-        self.share: Tuple[int, int] = (hvd.rank(), hvd.size())
+        self.rank, self.size = hvd.rank(), hvd.size()
+        self.shard_dataset = shard_dataset
+
+    @property
+    def share(self) -> Tuple[int, int]:
+        """(part, parts) of the fed batch this process keeps."""
+        return (0, 1) if self.shard_dataset else (self.rank, self.size)
+
+    def global_rows(self):
+        """Local rows -> global rows, when each process reads its own data."""
+        return self.sum if self.shard_dataset else None
 
     @staticmethod
     def gather(t):

@@ -23,7 +23,7 @@ from tfpar.rewriters.stages import Placement, assign_stages, forward_costs, spli
 from tfpar.rewriters.fetch_translation import FetchTranslator
 from tfpar.runtime.context import Runtime, active
 
-__all__ = ["before_run", "plan_for", "run_failed", "run_options", "session_config",
+__all__ = ["before_run", "dataset", "plan_for", "run_failed", "run_options", "session_config",
            "session_target"]
 
 log = logging.getLogger("tfpar")
@@ -65,6 +65,17 @@ def run_options(options: Optional[config_pb2.RunOptions]) -> Optional[config_pb2
         bounded.CopyFrom(options)
     bounded.timeout_in_ms = int(rt.config.get("communication.timeout_s") * 1000)
     return bounded
+
+
+def dataset(ds):
+    """With ``io.shard_dataset`` in a Horovod job, each process iterates over its
+    shard of every dataset (whole elements: batches, if the dataset batches)."""
+    rt = active()
+    if (rt is None or not rt.config.get("io.shard_dataset")
+            or rt.config.get("communication.backend") != "horovod"):
+        return ds
+    import horovod.tensorflow as hvd  # pylint: disable=import-outside-toplevel
+    return ds.shard(hvd.size(), hvd.rank())
 
 
 def run_failed(error: Exception) -> None:
@@ -176,7 +187,8 @@ def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
             plan.schedule, placement.num_stages, plan.num_micro_batch, plan.group_size)
         with graph_edit.unfinalized(graph), recording_paused():
             rewrite = replicate(graph, capture, index, placement, plan.num_micro_batch,
-                                reducer_for, schedule, HorovodProcesses() if horovod else None)
+                                reducer_for, schedule,
+                                HorovodProcesses(cfg.get("io.shard_dataset")) if horovod else None)
         capture.plan = plan
         capture.rewrite = FetchTranslator(graph, rewrite)
         log.info("tfpar rewrote the graph:\n%s", plan.summary())
