@@ -38,7 +38,7 @@ def init(config: Any = None) -> Config:
         runtime.devices = cluster.device_names(device_type, len(devices))
 
     tf_patches.install(engine.session_config, engine.before_run, engine.session_target,
-                       engine.run_failed, engine.run_options, engine.dataset)
+                       engine.run_failed, engine.run_options, engine.make_iterator)
     context.activate(runtime)
     # Other graphs (and sessions still running them) keep their rewrites.
     capture.reset_captures(tf.compat.v1.get_default_graph())
@@ -73,10 +73,6 @@ def _cluster(previous, cfg: Config, device_type: str, per_worker: int):
     if previous is not None and previous.cluster is not None:
         return previous.cluster
     cluster = from_tf_config(os.environ)
-    if cluster is not None and cfg.get("io.shard_dataset"):
-        raise ConfigError("tfpar: io.shard_dataset needs communication.backend 'horovod' "
-                          "(one reader per process); in a TF_CONFIG cluster the chief reads "
-                          "the data for every worker")
     if cluster is not None:
         timeout = cfg.get("communication.timeout_s")
         cluster.start(cluster.server_config(device_type, per_worker, timeout), timeout)

@@ -63,6 +63,9 @@ class GraphCapture:
         self.default_strategy: Any = None
         self._implicit: Optional[int] = None
         self.sharded_tensors: Dict[Any, Any] = {}
+        # io.shard_dataset in a TF_CONFIG cluster: the chief's iterator op ->
+        # the iterators the other workers read their shards with.
+        self.worker_iterators: Dict[Any, List[Any]] = {}
         self._phases: List[Phase] = []
 
     # -- recording -----------------------------------------------------------------

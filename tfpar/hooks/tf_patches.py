@@ -10,7 +10,7 @@
   as the global step).
 * ``BaseSession.__init__``: tfpar's devices are merged into the ConfigProto.
 * ``DatasetV1._make_one_shot_iterator`` / ``_make_initializable_iterator``:
-  with ``io.shard_dataset`` a Horovod process iterates over its shard.
+  with ``io.shard_dataset`` each process / worker iterates over its shard.
 * ``BaseSession.run``, ``BaseSession._make_callable_from_options`` (keras'
   graph functions) and ``Graph.finalize``: the graph is rewritten before it
   first runs or freezes; fetches are translated to their parallel versions.
@@ -41,7 +41,7 @@ _on_before_run: Optional[Callable[[Any], Any]] = None
 _on_session_target: Optional[Callable[[str], str]] = None
 _on_run_failed: Optional[Callable[[Exception], None]] = None
 _on_run_options: Optional[Callable[[Any], Any]] = None
-_on_dataset: Optional[Callable[[Any], Any]] = None
+_on_make_iterator: Optional[Callable[[Any], Any]] = None
 
 
 def installed() -> bool:
@@ -52,7 +52,7 @@ def install(session_config: Callable[[Any], Any], before_run: Callable[[Any], An
             session_target: Optional[Callable[[str], str]] = None,
             run_failed: Optional[Callable[[Exception], None]] = None,
             run_options: Optional[Callable[[Any], Any]] = None,
-            dataset: Optional[Callable[[Any], Any]] = None) -> None:
+            make_iterator: Optional[Callable[[Any, Callable], Any]] = None) -> None:
     """Install every patch (idempotent).
 
     Args:
@@ -63,14 +63,14 @@ def install(session_config: Callable[[Any], Any], before_run: Callable[[Any], An
       run_failed: called with the TensorFlow error a run raised (may raise a
         clearer one).
       run_options: RunOptions-or-None -> RunOptions for each run (a deadline).
-      dataset: tf.data Dataset -> the dataset an iterator is made of (a
-        process's shard).
+      make_iterator: (dataset, make) -> iterator, where ``make(dataset)`` is
+        TensorFlow's; may shard the dataset or make more iterators.
     """
     global _on_session_config, _on_before_run, _on_session_target, _on_run_failed
-    global _on_run_options, _on_dataset
+    global _on_run_options, _on_make_iterator
     _on_session_config, _on_before_run = session_config, before_run
     _on_session_target, _on_run_failed, _on_run_options = session_target, run_failed, run_options
-    _on_dataset = dataset
+    _on_make_iterator = make_iterator
     if _patches.installed:
         return
     _patches.add(ops.Graph, "_create_op_helper", _wrap_create_op)
@@ -90,10 +90,10 @@ def install(session_config: Callable[[Any], Any], before_run: Callable[[Any], An
 
 def uninstall() -> None:
     global _on_session_config, _on_before_run, _on_session_target, _on_run_failed
-    global _on_run_options, _on_dataset
+    global _on_run_options, _on_make_iterator
     _patches.remove()
     _on_session_config = _on_before_run = _on_session_target = _on_run_failed = None
-    _on_run_options = _on_dataset = None
+    _on_run_options = _on_make_iterator = None
 
 
 def _wrap_create_op(original):
@@ -216,8 +216,9 @@ def _wrap_session_init(original):
 
 def _wrap_make_iterator(original):
     def make_iterator(self, *args, **kwargs):
-        dataset = _on_dataset(self) if _on_dataset is not None else self
-        return original(dataset, *args, **kwargs)
+        def make(dataset):
+            return original(dataset, *args, **kwargs)
+        return _on_make_iterator(self, make) if _on_make_iterator is not None else make(self)
     return make_iterator
 
 

@@ -11,7 +11,7 @@ from tensorflow.python.framework import dtypes, ops
 from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import array_ops, array_ops_stack, check_ops, math_ops
 
-__all__ = ["BatchSplit", "split_batch"]
+__all__ = ["BatchSplit", "split_batch", "split_sources"]
 
 
 @dataclasses.dataclass
@@ -43,26 +43,54 @@ def split_batch(inputs: Sequence[tensor_lib.Tensor], num_units: int,
     with ops.name_scope("tfpar_split"):
         process, processes = share
         total = num_units * processes
-        n = array_ops.shape(inputs[0], out_type=dtypes.int32)[0]
-        checks = [check_ops.assert_greater_equal(
-            n, total, message=f"tfpar: the global batch of {inputs[0].name} has fewer "
-                              f"rows than the {total} replicas x micro-batches")]
-        for t in inputs[1:]:
-            checks.append(check_ops.assert_equal(
-                array_ops.shape(t, out_type=dtypes.int32)[0], n,
-                message=f"tfpar: batch inputs {inputs[0].name} and {t.name} differ in "
-                        "dimension 0; every rank>=1 feed or iterator output consumed by a "
-                        "replicated TaskGraph is split as a batch"))
-        with ops.control_dependencies(checks):
-            n = array_ops.identity(n)
+        n = _rows(inputs, total)
         first = process * num_units
         bounds = [(n * u) // total for u in range(first, first + num_units + 1)]
         sizes = [bounds[u + 1] - bounds[u] for u in range(num_units)]
-        nf = math_ops.cast(n, dtypes.float32)
+        rows = math_ops.cast(n, dtypes.float32)
         if global_rows is not None:
-            nf = global_rows(nf)
-        weights = [math_ops.cast(s, dtypes.float32) / nf for s in sizes]
-        size_vec = array_ops_stack.stack(sizes)
+            rows = global_rows(rows)
         mine = [t if processes == 1 else t[bounds[0]:bounds[-1]] for t in inputs]
-        parts = [array_ops.split(t, size_vec, num=num_units, axis=0) for t in mine]
+        return _cut(mine, sizes, rows)
+
+
+def split_sources(sources: Sequence[Sequence[tensor_lib.Tensor]], num_units: int) -> BatchSplit:
+    """Like ``split_batch`` for one batch per source (each worker reading its own
+    shard of the data): ``sources[w][i]`` is input i of source w; each source is
+    cut into ``num_units / len(sources)`` consecutive parts, and weights are
+    shares of all sources' rows together."""
+    per_source = num_units // len(sources)
+    with ops.name_scope("tfpar_split"):
+        counts = [_rows(inputs, per_source) for inputs in sources]
+        rows = math_ops.cast(math_ops.add_n(counts), dtypes.float32)
+        cuts = [_cut(inputs, [(n * (u + 1)) // per_source - (n * u) // per_source
+                              for u in range(per_source)], rows)
+                for inputs, n in zip(sources, counts)]
+    return BatchSplit(parts=[[p for cut in cuts for p in cut.parts[i]]
+                             for i in range(len(sources[0]))],
+                      weights=[w for cut in cuts for w in cut.weights],
+                      sizes=[s for cut in cuts for s in cut.sizes])
+
+
+def _rows(inputs: Sequence[tensor_lib.Tensor], minimum: int) -> tensor_lib.Tensor:
+    """Rows of the batch (int32), checked at run time: at least ``minimum``,
+    the same in every input."""
+    n = array_ops.shape(inputs[0], out_type=dtypes.int32)[0]
+    checks = [check_ops.assert_greater_equal(
+        n, minimum, message=f"tfpar: the global batch of {inputs[0].name} has fewer "
+                            f"rows than the {minimum} replicas x micro-batches")]
+    for t in inputs[1:]:
+        checks.append(check_ops.assert_equal(
+            array_ops.shape(t, out_type=dtypes.int32)[0], n,
+            message=f"tfpar: batch inputs {inputs[0].name} and {t.name} differ in "
+                    "dimension 0; every rank>=1 feed or iterator output consumed by a "
+                    "replicated TaskGraph is split as a batch"))
+    with ops.control_dependencies(checks):
+        return array_ops.identity(n)
+
+
+def _cut(inputs: Sequence[tensor_lib.Tensor], sizes, rows: tensor_lib.Tensor) -> BatchSplit:
+    weights = [math_ops.cast(s, dtypes.float32) / rows for s in sizes]
+    size_vec = array_ops_stack.stack(sizes)
+    parts = [array_ops.split(t, size_vec, num=len(sizes), axis=0) for t in inputs]
     return BatchSplit(parts=parts, weights=weights, sizes=sizes)

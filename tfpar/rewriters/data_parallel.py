@@ -37,11 +37,12 @@ from tensorflow.python.framework import dtypes, indexed_slices, ops
 from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import array_ops, control_flow_ops, math_ops, state_ops
 from tensorflow.python.ops import gen_resource_variable_ops
+from tensorflow.python.util import nest
 
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture
 from tfpar.rewriters import graph_edit
-from tfpar.rewriters.batch_split import split_batch
+from tfpar.rewriters.batch_split import split_batch, split_sources
 from tfpar.rewriters.bridge import Bridges
 from tfpar.rewriters.layout import Layout
 from tfpar.rewriters.merge import is_batch_major, merge_units
@@ -191,9 +192,13 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
     crossing_controls = [(c, p) for c in sel.step_ops for p in c.control_inputs
                          if p in step and placement.stage(p) != placement.stage(c)]
     with graph.as_default(), ops.name_scope(None), ops.name_scope("tfpar"):
-        split = split_batch(sel.batch_inputs, layout.num_pieces,
-                            processes.share if processes is not None else (0, 1),
-                            processes.global_rows() if processes is not None else None)
+        sources = _worker_sources(capture, sel.batch_inputs, layout.num_pieces)
+        if sources is not None:
+            split = split_sources(sources, layout.num_pieces)
+        else:
+            split = split_batch(sel.batch_inputs, layout.num_pieces,
+                                processes.share if processes is not None else (0, 1),
+                                processes.global_rows() if processes is not None else None)
         rw.bridges = Bridges(layout, placement, split, rw.versions, sel.batch_dependent,
                              sel.batch_inputs[0].shape[0])
         _reroute_batch_inputs(rw, step)
@@ -216,6 +221,32 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
             for writer in sel.sync_writers:
                 add_replica_sync(rw, writer, control_readers[writer])
     return rw
+
+
+def _worker_sources(capture: GraphCapture, batch_inputs, num_pieces: int):
+    """With ``io.shard_dataset`` in a cluster: per worker, the batch inputs as
+    read by that worker's own iterator (worker 0: the originals), or None."""
+    if not capture.worker_iterators:
+        return None
+    workers = 1 + len(next(iter(capture.worker_iterators.values())))
+    if num_pieces % workers:
+        raise PlanError(f"tfpar: io.shard_dataset splits the rows of {workers} workers into "
+                        f"{num_pieces} replicas x micro-batches; use a multiple of {workers}")
+    sources = [list(batch_inputs)] + [[] for _ in range(workers - 1)]
+    read = {}
+    for t in batch_inputs:
+        resource = t.op.inputs[0].op if t.op.type.startswith("IteratorGetNext") else None
+        if resource not in capture.worker_iterators:
+            raise PlanError(f"tfpar: with io.shard_dataset in a cluster every batch input must "
+                            f"come from a tf.data iterator; '{t.name}' does not")
+        if t.op not in read:
+            read[t.op] = []
+            for iterator in capture.worker_iterators[resource]:
+                with ops.device(iterator._iterator_resource.device):  # pylint: disable=protected-access
+                    read[t.op].append(nest.flatten(iterator.get_next()))
+        for worker, outputs in enumerate(read[t.op], start=1):
+            sources[worker].append(outputs[t.value_index])
+    return sources
 
 
 def _reroute_batch_inputs(rw: DataParallelRewrite, step) -> None:

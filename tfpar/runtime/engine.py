@@ -8,7 +8,7 @@ from tensorflow.python.framework import device as device_lib
 from tensorflow.python.framework import ops
 
 from tfpar.errors import ClusterError, PlanError
-from tfpar.hooks.capture import GraphCapture, existing_capture, recording_paused
+from tfpar.hooks.capture import GraphCapture, capture_for, existing_capture, recording_paused
 from tfpar.ir.plan import Plan
 from tfpar.ir.taskgraph import Strategy, TaskGraphSpec
 from tfpar.planner.from_annotations import plan_from_annotations
@@ -23,7 +23,7 @@ from tfpar.rewriters.stages import Placement, assign_stages, forward_costs, spli
 from tfpar.rewriters.fetch_translation import FetchTranslator
 from tfpar.runtime.context import Runtime, active
 
-__all__ = ["before_run", "dataset", "plan_for", "run_failed", "run_options", "session_config",
+__all__ = ["before_run", "make_iterator", "plan_for", "run_failed", "run_options", "session_config",
            "session_target"]
 
 log = logging.getLogger("tfpar")
@@ -67,15 +67,28 @@ def run_options(options: Optional[config_pb2.RunOptions]) -> Optional[config_pb2
     return bounded
 
 
-def dataset(ds):
-    """With ``io.shard_dataset`` in a Horovod job, each process iterates over its
-    shard of every dataset (whole elements: batches, if the dataset batches)."""
+def make_iterator(ds, make):
+    """``io.shard_dataset``: in a Horovod job each process iterates over its shard
+    of the dataset; in a TF_CONFIG cluster the chief makes one iterator per
+    worker, on that worker, over its shard (recorded in the capture for the
+    rewrite). Shards are whole elements: batches, if the dataset batches."""
     rt = active()
-    if (rt is None or not rt.config.get("io.shard_dataset")
-            or rt.config.get("communication.backend") != "horovod"):
-        return ds
-    import horovod.tensorflow as hvd  # pylint: disable=import-outside-toplevel
-    return ds.shard(hvd.size(), hvd.rank())
+    if rt is None or not rt.config.get("io.shard_dataset"):
+        return make(ds)
+    if rt.config.get("communication.backend") == "horovod":
+        import horovod.tensorflow as hvd  # pylint: disable=import-outside-toplevel
+        return make(ds.shard(hvd.size(), hvd.rank()))
+    if rt.cluster is None:
+        return make(ds)
+    count = len(rt.cluster.workers)
+    iterator = make(ds.shard(count, 0))
+    others = []
+    for task in range(1, count):
+        with ops.device(f"/job:worker/replica:0/task:{task}/device:CPU:0"):
+            others.append(make(ds.shard(count, task)))
+    capture = capture_for(ops.get_default_graph())
+    capture.worker_iterators[iterator._iterator_resource.op] = others  # pylint: disable=protected-access
+    return iterator
 
 
 def run_failed(error: Exception) -> None:
