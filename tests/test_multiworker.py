@@ -194,3 +194,13 @@ def test_horovod_backend_on_two_processes(mode, tmp_path):
     reference = train(mlp_classifier(), DATA, use_dataset=mode != "dp")
     for rank in range(2):
         assert_equivalent(reference, results(tmp_path / f"out.rank{rank}.npz"))
+
+
+def test_single_device_checkpoint_continues_on_two_workers(tmp_path):
+    ckpt = str(tmp_path / "single")
+    first, _ = checkpoint_session(mlp_classifier(), None, ckpt, None, (DATA[0][:2], DATA[1][:2]))
+    out = launch(SCRIPT, str(tmp_path / "out.npz"), "--steps", "2", "--restore", ckpt,
+                 "--first-step", "2")
+    assert out.returncode == 0, out.stdout[-3000:]
+    losses, values = results(tmp_path / "out.npz")
+    assert_equivalent(train(mlp_classifier(), DATA), (np.concatenate([first, losses]), values))
