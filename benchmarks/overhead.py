@@ -264,6 +264,10 @@ def print_table(rows, checks, args):
         print(f"{r['measurement']:<{width}}  {r['tfpar_ms']:>7.1f} ms  {r['baseline_ms']:>7.1f} ms"
               f"  {r['ratio']:>6.3f}  " + (f"<= {r['target']:<4}  {'met' if r['met'] else 'not met'}"
                                            if r["target"] is not None else "(info)"))
+    print_checks(checks)
+
+
+def print_checks(checks):
     for c in checks:
         print(f"check {c['setup']:<20} loss {c['first_loss']:.4f} -> {c['last_loss']:.4f} "
               f"over {c['steps']} steps: {'ok' if c['ok'] else 'FAILED'}")
@@ -296,7 +300,12 @@ def main(argv=None):
     data, trainers = make_data(args.batch, args.width), []
     rows = [measure_build(args), measure_replicate1(args, data, trainers),
             *measure_data_parallel(args, data, trainers)]
-    checks = loss_checks(trainers) if args.check else []
+    return finish(rows, trainers, args, print_table, loss_checks)
+
+
+def finish(rows, trainers, args, print_table, checker) -> int:
+    """Check (with --check), close the sessions, print a table or JSON; exit code."""
+    checks = checker(trainers) if args.check else []
     for t in trainers:
         t.sess.close()
     wh.reset()

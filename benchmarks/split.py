@@ -37,7 +37,6 @@ step-0 loss.
 """
 import argparse
 import contextlib
-import json
 import math
 import os
 import sys
@@ -51,7 +50,7 @@ import tfpar as wh  # noqa: E402
 from tfpar.hooks import split_patches  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overhead import Trainer, alternate  # noqa: E402  (same directory)
+from overhead import Trainer, alternate, finish, print_checks  # noqa: E402  (same directory)
 
 v1 = tf.compat.v1
 
@@ -235,9 +234,7 @@ def print_table(rows, checks, args):
                   f"{e['sp2_bytes_per_row']:.0f} B/row, ratio {e['ratio']:.4f} (measured "
                   f"{measured[0]:.0f} vs {measured[1]:.0f} B/row); units: {chosen[0]} vs "
                   f"{chosen[1]}")
-    for c in checks:
-        print(f"check {c['setup']:<18} loss {c['first_loss']:.4f} -> {c['last_loss']:.4f} "
-              f"over {c['steps']} steps: {'ok' if c['ok'] else 'FAILED'}")
+    print_checks(checks)
 
 
 def parse_args(argv):
@@ -270,16 +267,7 @@ def main(argv=None):
     v1.disable_eager_execution()
     trainers = []
     rows = [measure_patterns(args, trainers), *measure_hybrid(args, trainers)]
-    checks = loss_checks(trainers) if args.check else []
-    for t in trainers:
-        t.sess.close()
-    wh.reset()
-    if args.json:
-        print(json.dumps({"config": {k: v for k, v in vars(args).items() if k != "json"},
-                          "results": rows, "checks": checks}, indent=2))
-    else:
-        print_table(rows, checks, args)
-    return 0 if all(c["ok"] for c in checks) else 1
+    return finish(rows, trainers, args, print_table, loss_checks)
 
 
 if __name__ == "__main__":

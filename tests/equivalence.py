@@ -10,7 +10,7 @@ import tensorflow as tf
 import tfpar as wh
 
 __all__ = ["assert_equivalent", "assert_same_variables", "checkpoint_session", "dense", "make_data", "mlp_classifier",
-           "rewritten_op_types", "train", "variable_values"]
+           "plan_of", "rewritten_op_types", "train", "variable_values"]
 
 
 def dense(x, units, name, seed, activation=None):
@@ -136,6 +136,19 @@ def variable_values(sess, variables):
         whole[tuple(slice(o, o + n) for o, n in zip(info.var_offset, info.var_shape))] = \
             raw[v.op.name]
     return values
+
+
+def plan_of(build, tfpar_config, dtype=tf.float32, shape=(None, 6)):
+    """wh.current_plan() of ``build`` (inputs of ``dtype``/``shape`` and int64
+    labels), built in a fresh graph without running it."""
+    graph = tf.Graph()
+    with graph.as_default():
+        wh.init(tfpar_config)
+        build(tf.compat.v1.placeholder(dtype, list(shape)),
+              tf.compat.v1.placeholder(tf.int64, [None]))
+        plan = wh.current_plan()
+    wh.reset()
+    return plan
 
 
 def rewritten_op_types(build, tfpar_config, features=6):

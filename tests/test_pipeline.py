@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from equivalence import assert_equivalent, dense, make_data, train
+from equivalence import assert_equivalent, dense, make_data, plan_of, train
 
 import tfpar as wh
 
@@ -68,14 +68,7 @@ def test_nested_data_parallel_pipeline(backend, two_stage_reference):
     """2 stages on 4 devices: the pipeline is replicated twice (Whale §3.2.1)."""
     config = {"pipeline.num_micro_batch": 2, "cluster.num_devices": 4,
               "communication.backend": backend}
-    graph = tf.Graph()
-    with graph.as_default():
-        wh.init(config)
-        x = v1.placeholder(tf.float32, [None, 6])
-        y = v1.placeholder(tf.int64, [None])
-        mlp_stages(2, True)(x, y)
-        plan = wh.current_plan()
-    wh.reset()
+    plan = plan_of(mlp_stages(2, True), config)
     assert plan.data_parallel_degree == 2
     assert [len(tg.devices) for tg in plan.task_graphs] == [2, 2]
     assert_equivalent(two_stage_reference, train(mlp_stages(2, True), DATA, config))
@@ -197,14 +190,7 @@ def test_traced_step_follows_the_schedule(schedule, tmp_path):
 
 
 def test_plan_timeline_writes_the_planned_schedule(tmp_path):
-    graph = tf.Graph()
-    with graph.as_default():
-        wh.init({"pipeline.num_micro_batch": 4, "cluster.num_devices": 2})
-        x = v1.placeholder(tf.float32, [None, 6])
-        y = v1.placeholder(tf.int64, [None])
-        mlp_stages(2, True)(x, y)
-        plan = wh.current_plan()
-    wh.reset()
+    plan = plan_of(mlp_stages(2, True), {"pipeline.num_micro_batch": 4, "cluster.num_devices": 2})
     result = plan.timeline(str(tmp_path / "plan.json"), forward_time=1, backward_time=2)
     assert result.length == (4 + 2 - 1) * 3
     assert result.bubble_fraction == pytest.approx((2 - 1) / (4 + 2 - 1))
@@ -259,15 +245,9 @@ def test_bridge_fuses_gather_and_partition(widths, reads):
 def test_earlier_stages_get_devices_with_more_memory(hardware, devices, first_stage):
     """Whale §3.3.2: with heterogeneous cluster.hardware, stage 0 (which keeps the
     most micro-batches in flight) goes to the devices with the most memory."""
-    graph = tf.Graph()
-    with graph.as_default():
-        wh.init({"cluster.num_devices": devices, "cluster.hardware": hardware,
-                 "pipeline.num_micro_batch": 2})
-        x = v1.placeholder(tf.float32, [None, 6])
-        y = v1.placeholder(tf.int64, [None])
-        mlp_stages(2, True)(x, y)
-        plan = wh.current_plan()
-    wh.reset()
+    plan = plan_of(mlp_stages(2, True), {"cluster.num_devices": devices,
+                                          "cluster.hardware": hardware,
+                                          "pipeline.num_micro_batch": 2})
     assert [d.rsplit("device:", 1)[-1] for d in plan.task_graphs[0].devices] == first_stage
     used = [d for tg in plan.task_graphs for d in tg.devices]
     assert len(used) == len(set(used))
@@ -298,12 +278,7 @@ def test_whale_example_4_num_task_graph_without_scopes(devices):
         return loss, v1.train.GradientDescentOptimizer(0.5).minimize(loss)
     config = {"num_micro_batch": 4, "num_task_graph": 2, "cluster.num_devices": devices}
     assert_equivalent(train(build, DATA), train(build, DATA, config))
-    graph = tf.Graph()
-    with graph.as_default():
-        wh.init(config)
-        build(v1.placeholder(tf.float32, [None, 6]), v1.placeholder(tf.int64, [None]))
-        plan = wh.current_plan()
-    wh.reset()
+    plan = plan_of(build, config)
     assert [tg.name for tg in plan.task_graphs] == ["stage_0", "stage_1"]
     assert plan.data_parallel_degree == devices // 2
     params = [tg.param_bytes for tg in plan.task_graphs]

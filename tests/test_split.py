@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from equivalence import assert_equivalent, checkpoint_session, dense, make_data, train
+from equivalence import (assert_equivalent, checkpoint_session, dense, make_data, plan_of,
+                         train)
 
 import tfpar as wh
 
@@ -79,21 +80,11 @@ def megatron_mlp(tfpar, devices=2):
     return build
 
 
-def _plan(build, config):
-    graph = tf.Graph()
-    with graph.as_default():
-        wh.init(config)
-        build(v1.placeholder(tf.float32, [None, 6]), v1.placeholder(tf.int64, [None]))
-        plan = wh.current_plan()
-    wh.reset()
-    return plan
-
-
 def test_matcher_picks_the_cheaper_pattern():
     """fc1 sees a whole input: column (SP1) moves 2*6 floats a row, row (SP2) 16+6.
     fc2 sees fc1's column-split output: row needs no gather (Megatron's column
     then row). The cross-entropy stays distributed (3 floats vs 10 classes)."""
-    plan = _plan(megatron_mlp(True), {"cluster.num_devices": 2})
+    plan = plan_of(megatron_mlp(True), {"cluster.num_devices": 2})
     assert plan.task_graphs[0].patterns == {
         "fc1": "column", "fc2": "row", "logits": "column", "sparse_softmax_xent": "distributed"}
     assert "fc2 -> row" in plan.summary()
@@ -104,7 +95,7 @@ def test_megatron_mlp_and_forced_patterns():
     assert_equivalent(reference, train(megatron_mlp(True), DATA, {"cluster.num_devices": 2}))
     forced = {"cluster.num_devices": 2, "split.patterns": {
         "fc1": "row", "fc2": "column", "logits": "column", "sparse_softmax_xent": "gather"}}
-    assert _plan(megatron_mlp(True), forced).task_graphs[0].patterns == forced["split.patterns"]
+    assert plan_of(megatron_mlp(True), forced).task_graphs[0].patterns == forced["split.patterns"]
     assert_equivalent(reference, train(megatron_mlp(True), DATA, forced))
 
 
@@ -112,7 +103,7 @@ def test_forcing_a_pattern_that_does_not_match_is_named():
     config = {"cluster.num_devices": 2, "split.patterns": {"sparse_softmax_xent": "nope"}}
     with pytest.raises(wh.ConfigError, match="forces 'nope' on ShardingUnit "
                                             "'sparse_softmax_xent'.*distributed, gather"):
-        _plan(megatron_mlp(True), config)
+        plan_of(megatron_mlp(True), config)
 
 
 def test_variables_are_sharded_across_devices():
@@ -157,7 +148,7 @@ def test_nested_data_parallelism_around_a_split(backend):
     config = {"cluster.num_devices": 4, "communication.backend": backend}
     build = classifier(False)
     staged = classifier(True, backbone=None, devices=2)
-    assert _plan(staged, config).data_parallel_degree == 2
+    assert plan_of(staged, config).data_parallel_degree == 2
     assert_equivalent(train(build, DATA), train(staged, DATA, config))
 
 
@@ -242,19 +233,9 @@ def test_vocabulary_sharded_embedding_and_row_split_matmul(devices):
     config = {"cluster.num_devices": devices}
     assert_equivalent(train(embedding_model(False), data),
                       train(embedding_model(True, devices), data, config))
-    plan = _plan_of(embedding_model(True, devices), config, tf.int64, [None, 2])
+    plan = plan_of(embedding_model(True, devices), config, tf.int64, (None, 2))
     assert plan.task_graphs[0].patterns == {"embedding": "vocab", "embedding_1": "vocab",
                                             "matmul": "sharded"}
-
-
-def _plan_of(build, config, dtype, shape):
-    graph = tf.Graph()
-    with graph.as_default():
-        wh.init(config)
-        build(v1.placeholder(dtype, shape), v1.placeholder(tf.int64, [None]))
-        plan = wh.current_plan()
-    wh.reset()
-    return plan
 
 
 EXPERTS, MODEL, HIDDEN = 4, 6, 5
@@ -294,7 +275,7 @@ def test_whale_example_5_mixture_of_experts():
     data = make_data(steps=3, batch=8, classes=3)
     config = {"cluster.num_devices": 4}
     assert_equivalent(train(moe_model(False), data), train(moe_model(True), data, config))
-    plan = _plan(moe_model(True), config)
+    plan = plan_of(moe_model(True), config)
     assert [tg.strategy for tg in plan.task_graphs] == ["replicate", "split", "replicate"]
     assert plan.task_graphs[1].patterns == {"einsum": "sharded", "einsum_1": "sharded",
                                             "einsum_2": "sharded"}
@@ -357,7 +338,7 @@ def test_tf_nn_cross_entropies_are_distributed(name):
         return build
     config = {"cluster.num_devices": 2}
     assert_equivalent(train(build_for(False), DATA), train(build_for(True), DATA, config))
-    assert "distributed" in _plan(build_for(True), config).task_graphs[0].patterns.values()
+    assert "distributed" in plan_of(build_for(True), config).task_graphs[0].patterns.values()
 
 
 CAPACITY = 4
@@ -403,7 +384,7 @@ def test_mixture_of_experts_all_to_all_dispatch_and_combine(devices):
     config = {"cluster.num_devices": devices}
     assert_equivalent(train(gshard_moe(False), data),
                       train(gshard_moe(True, devices), data, config))
-    patterns = _plan(gshard_moe(True, devices), config).task_graphs[1].patterns
+    patterns = plan_of(gshard_moe(True, devices), config).task_graphs[1].patterns
     assert patterns == {"einsum": "tokens", "einsum_1": "sharded", "einsum_2": "sharded",
                         "einsum_3": "tokens"}
     forced = {**config, "split.patterns": {"einsum": "replicated", "einsum_3": "sharded"}}
