@@ -1,15 +1,49 @@
-"""Balanced contiguous partition of a model into pipeline stages (no TensorFlow).
+"""Cutting a model into pipeline stages when the user gives ``num_task_graph``
+but no scopes (Whale Example 4); no TensorFlow.
 
-Used when the user gives ``num_task_graph`` but no scopes (Whale Example 4):
-forward ops in topological order are cut into that many contiguous stages so
-that the most expensive stage is as cheap as possible (the linear partition
-problem, solved exactly: binary search on the bottleneck with a greedy check).
-Contiguity in a topological order keeps every edge pointing to the same or a
-later stage.
+``partition_stages``: the forward ops, in topological order, are coarsened into
+at most ``MAX_NODES`` contiguous chunks; Rhino's stage ILP (``pipeline_ilp``,
+Rhino §5) assigns chunks to stages, minimising the bytes crossing stages
+within a balance tolerance. If it finds nothing in time, ``balanced_partition``
+cuts the order into contiguous stages whose most expensive one is as cheap as
+possible (the linear partition problem, solved exactly: binary search on the
+bottleneck with a greedy check). Contiguity in a topological order keeps every
+edge pointing to the same or a later stage.
 """
-from typing import List, Sequence
+import math
+from typing import List, Sequence, Tuple
 
-__all__ = ["balanced_partition"]
+import networkx as nx
+
+from tfpar.planner.pipeline_ilp import stage_ilp
+
+__all__ = ["balanced_partition", "partition_stages"]
+
+MAX_NODES = 128
+EPSILON = 0.25  # stage imbalance tolerance of the ILP
+
+
+def partition_stages(costs: Sequence[float], edges: Sequence[Tuple[int, int, float]],
+                     num_stages: int, time_limit_s: float) -> List[int]:
+    """Stage of each item (``costs`` in topological order; ``edges`` (i, j,
+    bytes) between items, i < j)."""
+    if not costs:
+        return []
+    size = math.ceil(len(costs) / MAX_NODES)
+    chunk = [i // size for i in range(len(costs))]
+    dag = nx.DiGraph()
+    for i, cost in enumerate(costs):
+        dag.add_node(chunk[i], comp=dag.nodes[chunk[i]]["comp"] + cost
+                     if chunk[i] in dag else cost)
+    for i, j, volume in edges:
+        a, b = chunk[i], chunk[j]
+        if a != b:
+            previous = dag.edges[a, b]["bytes"] if dag.has_edge(a, b) else 0.0
+            dag.add_edge(a, b, bytes=previous + volume)
+    stages = stage_ilp(dag, min(num_stages, dag.number_of_nodes()), EPSILON, time_limit_s)
+    if stages is None:
+        return balanced_partition(costs, num_stages)
+    return [stages[c] for c in chunk]
 
 
 def balanced_partition(costs: Sequence[float], num_stages: int) -> List[int]:

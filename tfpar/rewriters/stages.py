@@ -28,7 +28,7 @@ from tfpar.ir.taskgraph import Phase
 from tfpar.rewriters.select import INPUT_TYPES, VARIABLE_TYPES, GraphIndex, ancestors
 
 __all__ = ["Placement", "assign_stages", "backward_dependent", "forward_costs",
-           "split_op_devices"]
+           "forward_edges", "split_op_devices"]
 
 
 @dataclasses.dataclass
@@ -200,6 +200,13 @@ def forward_costs(index: GraphIndex, capture: GraphCapture) -> List[Tuple[ops.Op
     needed = ancestors(losses, lambda op: op.type in VARIABLE_TYPES or op.type in INPUT_TYPES)
     return [(op, _cost_per_row(op)) for op in index.ops
             if op in needed and capture.op_phase.get(op.name, Phase.FORWARD) == Phase.FORWARD]
+
+
+def forward_edges(ops_in_order: List[ops.Operation]) -> List[Tuple[int, int, float]]:
+    """(i, j, bytes per row) for every data edge between the listed ops."""
+    position = {op: i for i, op in enumerate(ops_in_order)}
+    return [(position[t.op], j, _row_elements(t) * t.dtype.size)
+            for j, op in enumerate(ops_in_order) for t in op.inputs if t.op in position]
 
 
 def _cost_per_row(op: ops.Operation) -> float:

@@ -18,8 +18,9 @@ from tfpar.planner.schedule import build_schedule
 from tfpar.rewriters.data_parallel import replicate
 from tfpar.rewriters.horovod_backend import HorovodProcesses, HorovodReducer
 from tfpar.rewriters.select import GraphIndex
-from tfpar.planner.partition import balanced_partition
-from tfpar.rewriters.stages import Placement, assign_stages, forward_costs, split_op_devices
+from tfpar.planner.partition import partition_stages
+from tfpar.rewriters.stages import (Placement, assign_stages, forward_costs, forward_edges,
+                                    split_op_devices)
 from tfpar.rewriters.fetch_translation import FetchTranslator
 from tfpar.runtime.context import Runtime, active
 
@@ -116,8 +117,10 @@ def stage_tags(index: GraphIndex, capture: GraphCapture, rt: Runtime) -> Optiona
     if not count:
         return None
     costs = forward_costs(index, capture)
-    return {op.name: stage for (op, _), stage in
-            zip(costs, balanced_partition([cost for _, cost in costs], count))}
+    stages = partition_stages([cost for _, cost in costs],
+                              forward_edges([op for op, _ in costs]), count,
+                              min(rt.config.get("auto.search_time_limit_s"), 10.0))
+    return {op.name: stage for (op, _), stage in zip(costs, stages)}
 
 
 def task_graph_specs(capture: GraphCapture, rt: Runtime):
