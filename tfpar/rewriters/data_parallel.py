@@ -28,15 +28,12 @@ a pipeline replica (``layout.Layout``, ``stages.Placement``):
     every version reads the original variables and the update ops run once;
   * ops outside the step that read step tensors (summaries) read merged values.
 """
-import collections
 import dataclasses
 import functools
 from typing import Any, Dict, List, Optional, Set
 
-from tensorflow.python.framework import dtypes, indexed_slices, ops
+from tensorflow.python.framework import ops
 from tensorflow.python.framework import tensor as tensor_lib
-from tensorflow.python.ops import array_ops, control_flow_ops, math_ops, state_ops
-from tensorflow.python.ops import gen_resource_variable_ops
 from tensorflow.python.util import nest
 
 from tfpar.errors import PlanError
@@ -44,14 +41,15 @@ from tfpar.hooks.capture import GraphCapture
 from tfpar.rewriters import graph_edit
 from tfpar.rewriters.batch_split import split_batch, split_sources
 from tfpar.rewriters.bridge import Bridges
+from tfpar.rewriters.gradients import reduce_gradients, scale_seeds
 from tfpar.rewriters.layout import Layout
 from tfpar.rewriters.merge import is_batch_major, merge_units
 from tfpar.rewriters.pipeline import lower_schedule, task_ops
-from tfpar.rewriters.select import (GraphIndex, Selection, gradient_tensors,
-                                    select_replication, variable_writers)
+from tfpar.rewriters.replica_sync import add_replica_sync
+from tfpar.rewriters.select import GraphIndex, Selection, gradient_tensors, select_replication
 from tfpar.rewriters.stages import Placement
 
-__all__ = ["DataParallelRewrite", "add_replica_sync", "replicate", "sync_new_writers"]
+__all__ = ["DataParallelRewrite", "replicate"]
 
 
 @dataclasses.dataclass
@@ -208,8 +206,8 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
             _clone_stage(graph, rw, s)
         _connect_stages(rw, crossing, crossing_controls)
         lower_schedule(rw, capture, index, schedule)
-        _scale_seeds(rw, capture, index)
-        _reduce_gradients(rw, raw, reducer_for)
+        scale_seeds(rw, capture, index)
+        reduce_gradients(rw, raw, reducer_for)
         if rw.mirrored:
             _copy_updates(graph, rw)
         _wire_control_edges(rw, control_readers, step, copied)
@@ -254,7 +252,7 @@ def _reroute_batch_inputs(rw: DataParallelRewrite, step) -> None:
     for i, t in enumerate(rw.selection.batch_inputs):
         for c in t.consumers():
             if c in step:
-                rw.edits += _reroute(c, t, rw.bridges.batch_input(i, rw.placement.stage(c), 0))
+                rw.edits += graph_edit.reroute(c, t, rw.bridges.batch_input(i, rw.placement.stage(c), 0))
 
 
 def _clone_variables(graph: ops.Graph, rw: DataParallelRewrite) -> None:
@@ -319,117 +317,6 @@ def _connect_stages(rw: DataParallelRewrite, crossing, crossing_controls) -> Non
                 graph_edit.add_control_input(c_v, producer_versions[source])
 
 
-def _reroute(consumer: ops.Operation, old: tensor_lib.Tensor, new: tensor_lib.Tensor) -> int:
-    count = 0
-    for k, x in enumerate(consumer.inputs):
-        if x is old:
-            graph_edit.update_input(consumer, k, new)
-            count += 1
-    return count
-
-
-def _scale_seeds(rw: DataParallelRewrite, capture: GraphCapture, index: GraphIndex) -> None:
-    """Weight each version's backprop by its batch share by scaling the seeds it
-    starts from.
-
-    Sets ``rw.seed_weighted``: every step op downstream of a seed, whose
-    versions then equal the global-batch backprop restricted to their rows (so
-    fetched gradients merge by concatenation or plain sums). Leaves it empty,
-    and gradients are weighted instead, when a seed is unknown or a
-    differentiated tensor depends on a seed (higher-order gradients, where the
-    backprop is no longer linear in the seed).
-
-    Raises:
-      PlanError: higher-order gradients across stages of different widths.
-    """
-    seeds = {s for call in capture.gradient_calls for s in call.seeds}
-    step = set(rw.selection.step_ops)
-    seed_ops = {s.op for s in seeds if isinstance(s, tensor_lib.Tensor) and s.op in step}
-    downstream = {op for op in index.descendants(seed_ops) if op in step}
-    if (not seeds or len(seed_ops) < len({getattr(s, "op", None) for s in seeds})
-            or any(getattr(y, "op", None) in downstream | seed_ops
-                   for call in capture.gradient_calls for y in call.ys)):
-        if len(set(rw.layout.widths)) > 1:
-            raise PlanError("tfpar: higher-order gradients are not supported across bridged "
-                            f"TaskGraphs of different widths {rw.layout.widths}")
-        return
-    rw.seed_weighted = downstream
-    everything = {x for op in step for x in rw.versions(op)}
-    for seed in sorted(seeds, key=lambda t: t.name):
-        stage = rw.placement.stage(seed.op)
-        for v, seed_op in enumerate(rw.versions(seed.op)):
-            seed_v = seed_op.outputs[seed.value_index]
-            readers = [c for c in seed_v.consumers() if c in everything]
-            with ops.device(rw.bridges.device(stage, v)):
-                scaled = seed_v * math_ops.cast(rw.bridges.weight(stage, v), seed.dtype)
-            for c in readers:
-                rw.edits += _reroute(c, seed_v, scaled)
-
-
-def _device_terms(rw: DataParallelRewrite, t: tensor_lib.Tensor, device: int,
-                  weigh: bool = True) -> List[tensor_lib.Tensor]:
-    """Stage device ``device``'s versions of ``t`` (one per micro-batch), each
-    weighted by its batch share if ``weigh`` and not weighted already."""
-    stage = rw.placement.stage(t.op)
-    versions = rw.versions(t.op)
-    picks = [rw.layout.version(stage, device, m) for m in range(rw.num_micro_batch)]
-    terms = [versions[v].outputs[t.value_index] for v in picks]
-    if not weigh or t.op in rw.seed_weighted:
-        return terms
-    return [x * math_ops.cast(rw.bridges.weight(stage, v), t.dtype) for x, v in zip(terms, picks)]
-
-
-def _reduce_gradients(rw: DataParallelRewrite, raw, reducer_for) -> None:
-    """Weighted sum over a stage device's micro-batches, then summed across the
-    devices holding the same variable (a stage's devices; for a split stage,
-    the same shard's devices) (IndexedSlices: values and indices concatenated,
-    then gathered; duplicates are summed by the optimizer, as for any
-    IndexedSlices gradient)."""
-    consumers = {t: [(c, k) for c in t.consumers() for k, x in enumerate(c.inputs) if x is t]
-                 for t in raw}
-    groups = collections.defaultdict(list)
-    for g, _ in rw.selection.raw_grads:
-        op = gradient_tensors(g)[0].op
-        slots = range(len(rw.placement.stage_devices[rw.placement.stage(op)]))
-        groups[tuple(rw.placement.device(op, j) for j in slots)].append(g)
-    reducers = {}
-    for devices, grads in groups.items():
-        if devices not in reducers:
-            reducers[devices] = reducer_for(list(devices))
-        _reduce_group_gradients(rw, list(devices), grads, reducers[devices])
-    step = set(rw.selection.step_ops)
-    for t in raw:
-        for c, k in consumers[t]:
-            if c not in step:
-                graph_edit.update_input(c, k, rw.reduced[t][0])
-                rw.edits += 1
-
-
-def _reduce_group_gradients(rw: DataParallelRewrite, devices, grads, reducer) -> None:
-    dense = [g for g in grads if not isinstance(g, indexed_slices.IndexedSlices)]
-    sparse = [g for g in grads if isinstance(g, indexed_slices.IndexedSlices)]
-    dense_local, sparse_local = [], []
-    for j, device in enumerate(devices):
-        with ops.device(device):
-            dense_local.append([_sum(_device_terms(rw, g, j)) for g in dense])
-            sparse_local.append(
-                [array_ops.concat(_device_terms(rw, g.values, j), 0) for g in sparse]
-                + [array_ops.concat(_device_terms(rw, g.indices, j, weigh=False), 0)
-                   for g in sparse])
-    if len(devices) > 1 or getattr(reducer, "cross_process", False):
-        dense_local = reducer.sum(dense_local) if dense else dense_local
-        sparse_local = reducer.gather(sparse_local) if sparse else sparse_local
-    for i, g in enumerate(dense):
-        rw.reduced[g] = [local[i] for local in dense_local]
-    for i, g in enumerate(sparse):
-        rw.reduced[g.values] = [local[i] for local in sparse_local]
-        rw.reduced[g.indices] = [local[len(sparse) + i] for local in sparse_local]
-
-
-def _sum(terms: List[tensor_lib.Tensor]) -> tensor_lib.Tensor:
-    return terms[0] if len(terms) == 1 else math_ops.add_n(terms)
-
-
 def _copy_updates(graph: ops.Graph, rw: DataParallelRewrite) -> None:
     """Stage device j > 0 runs its own copy of the update ops of its stage on the
     reduced gradients and its copies of the variables."""
@@ -469,46 +356,3 @@ def _wire_control_edges(rw: DataParallelRewrite, control_readers, step, copied) 
             if c not in copied:
                 for dep in rw.replica_versions(x)[1:]:
                     graph_edit.add_control_input(c, dep)
-
-
-def add_replica_sync(rw: DataParallelRewrite, writer: ops.Operation, readers) -> None:
-    """After ``writer`` changes a mirrored variable, copy it to every stage device
-    (and, in a Horovod job, from rank 0 to every process)."""
-    assigns = []
-    for var in (t.op for t in writer.inputs if t.op in set(rw.selection.variables)):
-        dtype = dtypes.as_dtype(var.get_attr("dtype"))
-        with ops.device(rw.placement.device(var)), ops.control_dependencies([writer]):
-            if var.type == "VarHandleOp":
-                value = gen_resource_variable_ops.read_variable_op(var.outputs[0], dtype)
-            else:
-                value = array_ops.identity(var.outputs[0])
-            if rw.processes is not None:
-                value = rw.processes.broadcast(value)
-        copies = rw.replica_versions(var)
-        for j, copy in enumerate(copies if rw.processes is not None else copies[1:],
-                                 start=0 if rw.processes is not None else 1):
-            with ops.device(rw.placement.device(var, j)):
-                if var.type == "VarHandleOp":
-                    assigns.append(gen_resource_variable_ops.assign_variable_op(
-                        copy.outputs[0], value))
-                else:
-                    assigns.append(state_ops.assign(copy.outputs[0], value).op)
-    sync = control_flow_ops.group(writer, *assigns, name="sync")
-    for reader in readers:
-        graph_edit.add_control_input(reader, sync)
-    rw.sync_ops[writer] = sync
-
-
-def sync_new_writers(graph: ops.Graph, rw: DataParallelRewrite, new_ops) -> None:
-    """Add replica syncs for mirrored-variable writers among ``new_ops`` (ops
-    built after the rewrite, e.g. a Saver made after the first run)."""
-    if not rw.synced or not new_ops:
-        return
-    fresh = set(new_ops)
-    index = GraphIndex(graph)
-    with graph.as_default():
-        for var in rw.selection.variables:
-            for writer in variable_writers(var):
-                if writer in fresh and writer not in rw.sync_ops:
-                    readers = [c for c in index.control_consumers.get(writer, ()) if c in fresh]
-                    add_replica_sync(rw, writer, readers)

@@ -9,7 +9,8 @@ from tensorflow.core.framework import attr_value_pb2, graph_pb2
 from tensorflow.python.framework import importer, ops
 from tensorflow.python.framework import tensor as tensor_lib
 
-__all__ = ["add_control_input", "clone_ops", "set_device", "unfinalized", "update_input"]
+__all__ = ["add_control_input", "clone_ops", "reroute", "set_device", "unfinalized",
+           "update_input"]
 
 _VARIABLE_TYPES = ("VarHandleOp", "VariableV2", "Variable")
 
@@ -17,6 +18,16 @@ _VARIABLE_TYPES = ("VarHandleOp", "VariableV2", "Variable")
 def update_input(op: ops.Operation, index: int, tensor: tensor_lib.Tensor) -> None:
     """Make ``op`` read ``tensor`` as its input ``index``."""
     op._update_input(index, tensor)  # pylint: disable=protected-access
+
+
+def reroute(consumer: ops.Operation, old: tensor_lib.Tensor, new: tensor_lib.Tensor) -> int:
+    """Make every input of ``consumer`` that is ``old`` read ``new``; returns how many."""
+    count = 0
+    for k, x in enumerate(consumer.inputs):
+        if x is old:
+            update_input(consumer, k, new)
+            count += 1
+    return count
 
 
 def add_control_input(op: ops.Operation, dep: ops.Operation) -> None:

@@ -1,0 +1,120 @@
+"""Weighting and summing the gradients of a rewritten step (see
+``data_parallel``): each version's backprop is weighted by its share of the
+batch (through its seeds, or its gradients for higher-order gradients), summed
+over a device's micro-batches, then across the devices holding the same
+variable by the reducer of ``allreduce`` (or Horovod's)."""
+import collections
+from typing import List
+
+from tensorflow.python.framework import indexed_slices, ops
+from tensorflow.python.framework import tensor as tensor_lib
+from tensorflow.python.ops import array_ops, math_ops
+
+from tfpar.errors import PlanError
+from tfpar.hooks.capture import GraphCapture
+from tfpar.rewriters import graph_edit
+from tfpar.rewriters.select import GraphIndex, gradient_tensors
+
+__all__ = ["reduce_gradients", "scale_seeds"]
+
+
+def scale_seeds(rw, capture: GraphCapture, index: GraphIndex) -> None:
+    """Weight each version's backprop by its batch share by scaling the seeds it
+    starts from.
+
+    Sets ``rw.seed_weighted``: every step op downstream of a seed, whose
+    versions then equal the global-batch backprop restricted to their rows (so
+    fetched gradients merge by concatenation or plain sums). Leaves it empty,
+    and gradients are weighted instead, when a seed is unknown or a
+    differentiated tensor depends on a seed (higher-order gradients, where the
+    backprop is no longer linear in the seed).
+
+    Raises:
+      PlanError: higher-order gradients across stages of different widths.
+    """
+    seeds = {s for call in capture.gradient_calls for s in call.seeds}
+    step = set(rw.selection.step_ops)
+    seed_ops = {s.op for s in seeds if isinstance(s, tensor_lib.Tensor) and s.op in step}
+    downstream = {op for op in index.descendants(seed_ops) if op in step}
+    if (not seeds or len(seed_ops) < len({getattr(s, "op", None) for s in seeds})
+            or any(getattr(y, "op", None) in downstream | seed_ops
+                   for call in capture.gradient_calls for y in call.ys)):
+        if len(set(rw.layout.widths)) > 1:
+            raise PlanError("tfpar: higher-order gradients are not supported across bridged "
+                            f"TaskGraphs of different widths {rw.layout.widths}")
+        return
+    rw.seed_weighted = downstream
+    everything = {x for op in step for x in rw.versions(op)}
+    for seed in sorted(seeds, key=lambda t: t.name):
+        stage = rw.placement.stage(seed.op)
+        for v, seed_op in enumerate(rw.versions(seed.op)):
+            seed_v = seed_op.outputs[seed.value_index]
+            readers = [c for c in seed_v.consumers() if c in everything]
+            with ops.device(rw.bridges.device(stage, v)):
+                scaled = seed_v * math_ops.cast(rw.bridges.weight(stage, v), seed.dtype)
+            for c in readers:
+                rw.edits += graph_edit.reroute(c, seed_v, scaled)
+
+
+def _device_terms(rw, t: tensor_lib.Tensor, device: int,
+                  weigh: bool = True) -> List[tensor_lib.Tensor]:
+    """Stage device ``device``'s versions of ``t`` (one per micro-batch), each
+    weighted by its batch share if ``weigh`` and not weighted already."""
+    stage = rw.placement.stage(t.op)
+    versions = rw.versions(t.op)
+    picks = [rw.layout.version(stage, device, m) for m in range(rw.num_micro_batch)]
+    terms = [versions[v].outputs[t.value_index] for v in picks]
+    if not weigh or t.op in rw.seed_weighted:
+        return terms
+    return [x * math_ops.cast(rw.bridges.weight(stage, v), t.dtype) for x, v in zip(terms, picks)]
+
+
+def reduce_gradients(rw, raw, reducer_for) -> None:
+    """Weighted sum over a stage device's micro-batches, then summed across the
+    devices holding the same variable (a stage's devices; for a split stage,
+    the same shard's devices) (IndexedSlices: values and indices concatenated,
+    then gathered; duplicates are summed by the optimizer, as for any
+    IndexedSlices gradient)."""
+    consumers = {t: [(c, k) for c in t.consumers() for k, x in enumerate(c.inputs) if x is t]
+                 for t in raw}
+    groups = collections.defaultdict(list)
+    for g, _ in rw.selection.raw_grads:
+        op = gradient_tensors(g)[0].op
+        slots = range(len(rw.placement.stage_devices[rw.placement.stage(op)]))
+        groups[tuple(rw.placement.device(op, j) for j in slots)].append(g)
+    reducers = {}
+    for devices, grads in groups.items():
+        if devices not in reducers:
+            reducers[devices] = reducer_for(list(devices))
+        _reduce_group_gradients(rw, list(devices), grads, reducers[devices])
+    step = set(rw.selection.step_ops)
+    for t in raw:
+        for c, k in consumers[t]:
+            if c not in step:
+                graph_edit.update_input(c, k, rw.reduced[t][0])
+                rw.edits += 1
+
+
+def _reduce_group_gradients(rw, devices, grads, reducer) -> None:
+    dense = [g for g in grads if not isinstance(g, indexed_slices.IndexedSlices)]
+    sparse = [g for g in grads if isinstance(g, indexed_slices.IndexedSlices)]
+    dense_local, sparse_local = [], []
+    for j, device in enumerate(devices):
+        with ops.device(device):
+            dense_local.append([_sum(_device_terms(rw, g, j)) for g in dense])
+            sparse_local.append(
+                [array_ops.concat(_device_terms(rw, g.values, j), 0) for g in sparse]
+                + [array_ops.concat(_device_terms(rw, g.indices, j, weigh=False), 0)
+                   for g in sparse])
+    if len(devices) > 1 or getattr(reducer, "cross_process", False):
+        dense_local = reducer.sum(dense_local) if dense else dense_local
+        sparse_local = reducer.gather(sparse_local) if sparse else sparse_local
+    for i, g in enumerate(dense):
+        rw.reduced[g] = [local[i] for local in dense_local]
+    for i, g in enumerate(sparse):
+        rw.reduced[g.values] = [local[i] for local in sparse_local]
+        rw.reduced[g.indices] = [local[len(sparse) + i] for local in sparse_local]
+
+
+def _sum(terms: List[tensor_lib.Tensor]) -> tensor_lib.Tensor:
+    return terms[0] if len(terms) == 1 else math_ops.add_n(terms)

@@ -1,0 +1,55 @@
+"""Keeping copies of variables equal: after an op outside training writes a
+variable (initializer, ``Saver.restore``, ``assign``), its value is copied to
+the other stage devices' mirrored copies and, in a Horovod job, broadcast from
+rank 0 (see ``data_parallel``)."""
+from tensorflow.python.framework import dtypes, ops
+from tensorflow.python.ops import array_ops, control_flow_ops, state_ops
+from tensorflow.python.ops import gen_resource_variable_ops
+
+from tfpar.rewriters import graph_edit
+from tfpar.rewriters.select import GraphIndex, variable_writers
+
+__all__ = ["add_replica_sync", "sync_new_writers"]
+
+
+def add_replica_sync(rw, writer: ops.Operation, readers) -> None:
+    """After ``writer`` changes a mirrored variable, copy it to every stage device
+    (and, in a Horovod job, from rank 0 to every process)."""
+    assigns = []
+    for var in (t.op for t in writer.inputs if t.op in set(rw.selection.variables)):
+        dtype = dtypes.as_dtype(var.get_attr("dtype"))
+        with ops.device(rw.placement.device(var)), ops.control_dependencies([writer]):
+            if var.type == "VarHandleOp":
+                value = gen_resource_variable_ops.read_variable_op(var.outputs[0], dtype)
+            else:
+                value = array_ops.identity(var.outputs[0])
+            if rw.processes is not None:
+                value = rw.processes.broadcast(value)
+        copies = rw.replica_versions(var)
+        for j, copy in enumerate(copies if rw.processes is not None else copies[1:],
+                                 start=0 if rw.processes is not None else 1):
+            with ops.device(rw.placement.device(var, j)):
+                if var.type == "VarHandleOp":
+                    assigns.append(gen_resource_variable_ops.assign_variable_op(
+                        copy.outputs[0], value))
+                else:
+                    assigns.append(state_ops.assign(copy.outputs[0], value).op)
+    sync = control_flow_ops.group(writer, *assigns, name="sync")
+    for reader in readers:
+        graph_edit.add_control_input(reader, sync)
+    rw.sync_ops[writer] = sync
+
+
+def sync_new_writers(graph: ops.Graph, rw, new_ops) -> None:
+    """Add replica syncs for mirrored-variable writers among ``new_ops`` (ops
+    built after the rewrite, e.g. a Saver made after the first run)."""
+    if not rw.synced or not new_ops:
+        return
+    fresh = set(new_ops)
+    index = GraphIndex(graph)
+    with graph.as_default():
+        for var in rw.selection.variables:
+            for writer in variable_writers(var):
+                if writer in fresh and writer not in rw.sync_ops:
+                    readers = [c for c in index.control_consumers.get(writer, ()) if c in fresh]
+                    add_replica_sync(rw, writer, readers)
