@@ -76,6 +76,8 @@ SCHEMA = {
                                   "stage count for auto pipeline; None: planner decides"),
     "auto.opt_level": Option("str", "O2", _one_of("O2", "O3"),
                              "O2: segmented search, O3: whole-graph ILP"),
+    "auto.global_batch": Option("int", 32, _at_least(1),
+                                "global batch the planner's cost model assumes"),
     "auto.search_time_limit_s": Option("float", 60.0, _POSITIVE, "planner search time limit"),
     "balance.hardware_aware": Option("bool", True, (), "Whale Algorithm 1 on mixed devices"),
     "communication.backend": Option(

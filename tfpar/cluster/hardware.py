@@ -8,7 +8,7 @@ from typing import Any, List, Mapping, Optional, Sequence
 
 from tfpar.errors import ConfigError
 
-__all__ = ["CATALOG", "Hardware", "device_hardware"]
+__all__ = ["CATALOG", "HOST_CPU", "Hardware", "device_hardware"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +28,10 @@ CATALOG = {hw.name: hw for hw in (
     Hardware("A100-80GB", 312, 80, 300),
     Hardware("H100-80GB", 989, 80, 450),
 )}
+
+
+# What the planner assumes when cluster.hardware is unset (a logical CPU device).
+HOST_CPU = Hardware("host-CPU", tflops=0.05, memory_gb=16, intra_node_gbps=10)
 
 
 def _resolve(spec: Any) -> Hardware:

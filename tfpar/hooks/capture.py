@@ -66,6 +66,8 @@ class GraphCapture:
         # io.shard_dataset in a TF_CONFIG cluster: the chief's iterator op ->
         # the iterators the other workers read their shards with.
         self.worker_iterators: Dict[Any, List[Any]] = {}
+        # (graph version, automatic partition) cached by the runtime's planner.
+        self.automatic: Any = None
         self._phases: List[Phase] = []
 
     # -- recording -----------------------------------------------------------------

@@ -15,20 +15,21 @@ inferred here, in graph order:
   latest among its inputs, else stage 0.
 """
 import dataclasses
-
-import numpy as np
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from tensorflow.python.framework import device as device_lib
-from tensorflow.python.framework import ops
+from tensorflow.python.framework import dtypes, ops, tensor_shape
 
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture
 from tfpar.ir.taskgraph import Phase
+from tfpar.planner.auto import ModelView
 from tfpar.rewriters.select import INPUT_TYPES, VARIABLE_TYPES, GraphIndex, ancestors
 
 __all__ = ["Placement", "assign_stages", "backward_dependent", "forward_costs",
-           "forward_edges", "split_op_devices"]
+           "forward_edges", "model_view", "split_op_devices"]
 
 
 @dataclasses.dataclass
@@ -207,6 +208,28 @@ def forward_edges(ops_in_order: List[ops.Operation]) -> List[Tuple[int, int, flo
     position = {op: i for i, op in enumerate(ops_in_order)}
     return [(position[t.op], j, _row_elements(t) * t.dtype.size)
             for j, op in enumerate(ops_in_order) for t in op.inputs if t.op in position]
+
+
+def model_view(index: GraphIndex, capture: GraphCapture) -> Tuple[List[ops.Operation], ModelView]:
+    """The forward ops and the planner's view of them (FLOPs and output bytes
+    per row, bytes of the weights each reads first, edges)."""
+    costs = forward_costs(index, capture)
+    order = [op for op, _ in costs]
+    seen = set()
+    params = []
+    for op in order:
+        owned = 0.0
+        for t in op.inputs:
+            if t.op.type in VARIABLE_TYPES and t.op not in seen:
+                seen.add(t.op)
+                shape = tensor_shape.TensorShape(t.op.get_attr("shape"))
+                dtype = dtypes.as_dtype(t.op.get_attr("dtype"))
+                owned += (shape.num_elements() or 0) * dtype.size
+        params.append(owned)
+    outputs = [_row_elements(op.outputs[0]) * op.outputs[0].dtype.size if op.outputs else 0.0
+               for op in order]
+    return order, ModelView(flops=[c for _, c in costs], activation_bytes=outputs,
+                            param_bytes=params, edges=forward_edges(order))
 
 
 def _cost_per_row(op: ops.Operation) -> float:

@@ -1,5 +1,7 @@
 """Glue between the hooks and the rewriters: plan, rewrite once, translate fetches."""
+import dataclasses
 import logging
+import sys
 from typing import Any, Callable, Dict, Optional
 
 from tensorflow.core.protobuf import config_pb2
@@ -7,6 +9,7 @@ from tensorflow.python.eager import context
 from tensorflow.python.framework import device as device_lib
 from tensorflow.python.framework import ops
 
+from tfpar.cluster.hardware import HOST_CPU, Hardware, device_hardware
 from tfpar.errors import ClusterError, PlanError
 from tfpar.hooks.capture import GraphCapture, capture_for, existing_capture, recording_paused
 from tfpar.ir.plan import Plan
@@ -18,9 +21,9 @@ from tfpar.planner.schedule import build_schedule
 from tfpar.rewriters.data_parallel import replicate
 from tfpar.rewriters.horovod_backend import HorovodProcesses, HorovodReducer
 from tfpar.rewriters.select import GraphIndex
+from tfpar.planner.auto import search
 from tfpar.planner.partition import partition_stages
-from tfpar.rewriters.stages import (Placement, assign_stages, forward_costs, forward_edges,
-                                    split_op_devices)
+from tfpar.rewriters.stages import Placement, assign_stages, model_view, split_op_devices
 from tfpar.rewriters.fetch_translation import FetchTranslator
 from tfpar.runtime.context import Runtime, active
 
@@ -102,36 +105,65 @@ def run_failed(error: Exception) -> None:
         raise ClusterError(rt.cluster.describe_missing(missing, "is unreachable")) from error
 
 
-def _auto_stages(capture: GraphCapture, rt: Runtime) -> int:
-    """Stages to cut an unannotated model into (``num_task_graph``, Whale
-    Example 4), or 0."""
-    count = rt.config.get("auto.num_task_graph")
-    if capture.task_graphs or rt.default_strategy is not None or not count or count < 2:
-        return 0
-    return count
+@dataclasses.dataclass(frozen=True)
+class _Automatic:
+    """Stages tfpar chose itself: op name -> stage, and the search's pick
+    (``auto.auto_parallel``) or None (``num_task_graph`` alone)."""
+
+    count: int
+    tags: Dict[str, int]
+    candidate: Any = None
 
 
-def stage_tags(index: GraphIndex, capture: GraphCapture, rt: Runtime) -> Optional[Dict[str, int]]:
-    """Op name -> stage of an automatic balanced partition, or None (scopes decide)."""
-    count = _auto_stages(capture, rt)
-    if not count:
+def _automatic(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> Optional[_Automatic]:
+    """The automatic partition of an unannotated model (cached per graph version):
+    ``auto.auto_parallel`` searches data x pipeline degrees by cost model;
+    ``num_task_graph`` alone cuts that many stages (Whale Examples 3 and 4)."""
+    cfg = rt.config
+    auto, count = cfg.get("auto.auto_parallel"), cfg.get("auto.num_task_graph")
+    if not auto and (capture.task_graphs or rt.default_strategy is not None
+                     or not count or count < 2):
         return None
-    costs = forward_costs(index, capture)
-    stages = partition_stages([cost for _, cost in costs],
-                              forward_edges([op for op, _ in costs]), count,
-                              min(rt.config.get("auto.search_time_limit_s"), 10.0))
-    return {op.name: stage for (op, _), stage in zip(costs, stages)}
+    if auto and (capture.task_graphs or rt.default_strategy is not None):
+        raise PlanError("tfpar: auto.auto_parallel plans the whole model; remove the "
+                        "wh.replicate / wh.split scopes and set_default_strategy, or the key")
+    cached = capture.automatic
+    if cached is not None and cached[0] == graph.version:
+        return cached[1]
+    index = GraphIndex(graph)
+    order, view = model_view(index, capture)
+    time_limit = min(cfg.get("auto.search_time_limit_s"), 10.0)
+    if auto:
+        candidate = search(view, len(rt.devices), _hardware(rt), cfg.get("auto.global_batch"),
+                           cfg.get("pipeline.num_micro_batch"), count, time_limit,
+                           progress=lambda line: print(line, file=sys.stderr))
+        stages, count = candidate.stages, candidate.pipeline
+    else:
+        candidate = None
+        stages = partition_stages(view.flops, view.edges, count, time_limit)
+    result = _Automatic(count, {op.name: s for op, s in zip(order, stages)}, candidate)
+    capture.automatic = (graph.version, result)
+    return result
 
 
-def task_graph_specs(capture: GraphCapture, rt: Runtime):
+def _hardware(rt: Runtime) -> Hardware:
+    """The slowest, smallest device of ``cluster.hardware`` (a generic host CPU
+    when unset)."""
+    devices = device_hardware(rt.config.get("cluster.hardware"), len(rt.devices))
+    if not devices:
+        return HOST_CPU
+    return Hardware("cluster", min(d.tflops for d in devices), min(d.memory_gb for d in devices),
+                    min(d.intra_node_gbps for d in devices))
+
+
+def task_graph_specs(capture: GraphCapture, rt: Runtime, automatic: Optional[_Automatic]):
     """The graph's TaskGraphs; the whole model is one when nothing is annotated,
-    or ``num_task_graph`` one-device stages."""
+    or the automatic partition's one-device stages."""
     if capture.task_graphs:
         return list(capture.task_graphs)
-    count = _auto_stages(capture, rt)
-    if count:
+    if automatic is not None and automatic.count > 1:
         return [TaskGraphSpec(i, f"stage_{i}", Strategy.REPLICATE, 1, implicit=True)
-                for i in range(count)]
+                for i in range(automatic.count)]
     if rt.default_strategy is not None:
         strategy, count = rt.default_strategy
         return [TaskGraphSpec(0, "default", strategy, count, implicit=True)]
@@ -139,20 +171,26 @@ def task_graph_specs(capture: GraphCapture, rt: Runtime):
 
 
 def plan_for(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> Plan:
-    """The plan for ``graph`` as annotated (no rewrite)."""
-    if rt.config.get("auto.auto_parallel"):
-        raise PlanError("tfpar: auto.auto_parallel (planner search) is not implemented in "
-                        "this build; annotate with wh.replicate or drop the key")
-    specs = task_graph_specs(capture, rt)
-    return plan_from_annotations(specs, rt.devices, rt.config, _stats(graph, capture, rt, len(specs)))
+    """The plan for ``graph``: as annotated, or as the planner chose (no rewrite)."""
+    automatic = _automatic(graph, capture, rt)
+    specs = task_graph_specs(capture, rt, automatic)
+    tags = automatic.tags if automatic is not None else None
+    plan = plan_from_annotations(specs, rt.devices, rt.config,
+                                 _stats(graph, capture, len(specs), tags))
+    if automatic is not None and automatic.candidate is not None:
+        best = automatic.candidate
+        plan = dataclasses.replace(plan, estimate={
+            "step_time_s": best.step_time_s,
+            "memory_bytes_per_device": [best.memory_bytes] * len(rt.devices),
+            "comm_bytes": best.comm_bytes})
+    return plan
 
 
-def _stats(graph: ops.Graph, capture: GraphCapture, rt: Runtime, num_task_graphs: int):
+def _stats(graph: ops.Graph, capture: GraphCapture, num_task_graphs: int, tags):
     """Per TaskGraph: ops (as placed: backward and updates with their forward
     TaskGraph) and trainable bytes."""
     index = GraphIndex(graph)
-    stage_of = assign_stages(index, capture, num_task_graphs,
-                             tags=stage_tags(index, capture, rt))
+    stage_of = assign_stages(index, capture, num_task_graphs, tags=tags)
     num_ops = [0] * num_task_graphs
     for op in index.ops:
         num_ops[stage_of.get(op, 0)] += 1
@@ -179,8 +217,9 @@ def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
         cfg = rt.config
         index = GraphIndex(graph)
         names = [tg.name for tg in plan.task_graphs]
+        automatic = _automatic(graph, capture, rt)
         stage_of = assign_stages(index, capture, len(names), names,
-                                 stage_tags(index, capture, rt))
+                                 automatic.tags if automatic is not None else None)
         split_groups = {s: [tuple(_canonical(d) for d in g) for g in tg.replicas]
                         for s, tg in enumerate(plan.task_graphs) if tg.strategy == "split"}
         placement = Placement(

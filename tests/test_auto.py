@@ -1,0 +1,78 @@
+"""auto.auto_parallel: the cost-model search over data x pipeline degrees."""
+import pytest
+import tensorflow as tf
+
+from equivalence import assert_equivalent, dense, make_data, mlp_classifier, plan_of, train
+
+import tfpar as wh
+from tfpar.cluster.hardware import Hardware
+from tfpar.planner.auto import ModelView, search
+
+v1 = tf.compat.v1
+DATA = make_data(steps=3, batch=8)
+
+
+def deep_mlp(x, y):
+    h = x
+    for i in range(6):
+        h = dense(h, 8, f"layer{i}", seed=i, activation=tf.nn.tanh)
+    loss = v1.losses.sparse_softmax_cross_entropy(y, dense(h, 3, "logits", seed=9))
+    return loss, v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+
+
+def test_whale_example_3_auto_pipeline():
+    """Example 3 as written: auto_parallel with num_task_graph 2 and 8 micro-batches."""
+    config = wh.Config({"num_micro_batch": 8, "num_task_graph": 2, "auto_parallel": True,
+                        "cluster.num_devices": 2})
+    assert_equivalent(train(deep_mlp, DATA), train(deep_mlp, DATA, config))
+    plan = plan_of(deep_mlp, config)
+    assert [tg.name for tg in plan.task_graphs] == ["stage_0", "stage_1"]
+    assert plan.estimate["step_time_s"] > 0
+
+
+def test_small_mlp_on_8_devices_is_data_parallel():
+    """A small model with a large global batch: compute dominates, and replicas
+    need no pipeline bubble."""
+    config = {"auto.auto_parallel": True, "cluster.num_devices": 8,
+              "auto.global_batch": 65536}
+    plan = plan_of(mlp_classifier(), config)
+    assert plan.data_parallel_degree == 8 and len(plan.task_graphs) == 1
+    assert "step_time=" in plan.summary() and "n/a" not in plan.summary()
+    data = make_data(steps=3, batch=16)
+    assert_equivalent(train(mlp_classifier(), data), train(mlp_classifier(), data, config))
+
+
+def test_memory_forces_a_pipeline():
+    """Devices too small for the whole model's weights, gradients and optimizer
+    slots: the search splits it into stages (and says so)."""
+    tiny = {"name": "tiny", "tflops": 1, "memory_gb": 1.2e-5}  # ~13 KB: DP needs ~14.5 KB
+    config = {"auto.auto_parallel": True, "cluster.num_devices": 4, "cluster.hardware": [tiny],
+              "pipeline.num_micro_batch": 2}
+    plan = plan_of(deep_mlp, config)
+    assert len(plan.task_graphs) > 1
+    assert_equivalent(train(deep_mlp, DATA), train(deep_mlp, DATA, config))
+
+
+def test_search_refuses_when_nothing_fits():
+    view = ModelView(flops=[10.0, 10.0], activation_bytes=[4.0, 4.0],
+                     param_bytes=[1e9, 1e9], edges=[(0, 1, 4.0)])
+    with pytest.raises(wh.PlanError, match="no plan that fits tiny"):
+        search(view, 2, Hardware("tiny", 1.0, 1.0), global_batch=8, num_micro_batch=2)
+
+
+def test_search_reports_every_candidate_and_prefers_the_fastest():
+    lines = []
+    view = ModelView(flops=[1e6] * 4, activation_bytes=[64.0] * 4, param_bytes=[1e3] * 4,
+                     edges=[(i, i + 1, 64.0) for i in range(3)])
+    best = search(view, 4, Hardware("big", 1.0, 16.0), global_batch=64, num_micro_batch=4,
+                  progress=lines.append)
+    assert len(lines) == 3  # pipeline 1, 2, 4
+    assert best.pipeline == 1  # tiny weights: data parallelism has no bubble
+
+
+def test_auto_parallel_with_scopes_is_an_error():
+    def build(x, y):
+        with wh.replicate(1):
+            return mlp_classifier()(x, y)
+    with pytest.raises(wh.PlanError, match="plans the whole model"):
+        plan_of(build, {"auto.auto_parallel": True, "cluster.num_devices": 2})
