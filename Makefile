@@ -28,8 +28,10 @@ test: $(STAMP) $(HOROVOD_STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
 
-bench: $(STAMP)
-	$(PY) benchmarks/overhead.py
+bench: $(STAMP) $(HOROVOD_STAMP)
+	$(PY) benchmarks/overhead.py --check
+	$(PY) benchmarks/split.py --check
+	$(PY) benchmarks/multiworker.py --check
 
 # Horovod 0.28.1 built from source against the installed TF (~3 min, then pip's
 # wheel cache; for communication.backend "horovod", not needed otherwise).

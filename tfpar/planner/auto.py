@@ -12,7 +12,8 @@ For every pipeline degree p dividing the device count K (or the given
     2 (d-1)/d of the bytes, 2 (d-1) latencies);
   * memory per device: the stage's weights, gradients and two optimizer slots,
     plus the activations of the micro-batches in flight.
-The fastest candidate whose memory fits wins; ``progress`` reports each one.
+The fastest candidate whose memory fits wins (within 10%, the one with fewer
+stages: the estimates are rough); ``progress`` reports each one.
 """
 import dataclasses
 from typing import Callable, Optional, Sequence, Tuple
@@ -27,6 +28,7 @@ __all__ = ["Candidate", "ModelView", "search"]
 
 LATENCY_S = 10e-6   # alpha of the alpha-beta model, per message
 BYTES_PER_PARAM_STATE = 4  # weights + gradients + two optimizer slots, float32 each
+TOLERANCE = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +85,10 @@ def search(model: ModelView, num_devices: int, hardware: Hardware, global_batch:
         raise PlanError(f"tfpar: auto.auto_parallel found no plan that fits {hardware.name}'s "
                         f"{hardware.memory_gb:g} GB per device; the smallest needs "
                         f"{least.memory_bytes / 2 ** 30:.3g} GB (pipeline {least.pipeline})")
-    return min(fitting, key=lambda c: (c.step_time_s, c.pipeline))
+    fastest = min(c.step_time_s for c in fitting)
+    # Estimates are rough: within TOLERANCE of the fastest, fewer stages win.
+    return min((c for c in fitting if c.step_time_s <= fastest * (1 + TOLERANCE)),
+               key=lambda c: (c.pipeline, c.step_time_s))
 
 
 def _estimate(model: ModelView, p: int, d: int, hardware: Hardware, global_batch: int,
