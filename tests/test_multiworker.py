@@ -14,7 +14,7 @@ import tensorflow as tf
 from equivalence import assert_equivalent, checkpoint_session, make_data, mlp_classifier, train
 
 import tfpar as wh
-from tfpar.launcher import hosts_commands, tf_config
+from tfpar.runtime.launcher import hosts_commands, tf_config
 
 pytestmark = pytest.mark.slow
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -101,7 +101,7 @@ def test_restarted_workers_resume_from_the_last_checkpoint(tmp_path):
 
 
 def _free_ports(n):
-    from tfpar.launcher import _free_ports
+    from tfpar.runtime.launcher import _free_ports
     return _free_ports(n)
 
 

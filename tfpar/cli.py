@@ -76,7 +76,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     launch.add_argument("script_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.command == "launch":
-        from tfpar import launcher  # pylint: disable=import-outside-toplevel
+        from tfpar.runtime import launcher  # pylint: disable=import-outside-toplevel
         if args.hosts:
             print(launcher.hosts_commands(args.hosts.split(","), args.port, args.script,
                                           args.script_args))
