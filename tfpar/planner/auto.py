@@ -40,12 +40,14 @@ class ModelView:
       activation_bytes: bytes per row each op outputs.
       param_bytes: bytes of the weights each op reads (counted once).
       edges: (i, j, bytes per row) between ops.
+      labels: each op's repeated block (``pruning.block_labels``) or None.
     """
 
     flops: Sequence[float]
     activation_bytes: Sequence[float]
     param_bytes: Sequence[float]
     edges: Sequence[Tuple[int, int, float]]
+    labels: Optional[Sequence[Optional[str]]] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,8 +95,8 @@ def search(model: ModelView, num_devices: int, hardware: Hardware, global_batch:
 
 def _estimate(model: ModelView, p: int, d: int, hardware: Hardware, global_batch: int,
               micro: int, time_limit_s: float) -> Candidate:
-    stages = partition_stages(model.flops, model.edges, p, time_limit_s) if p > 1 \
-        else [0] * len(model.flops)
+    stages = partition_stages(model.flops, model.edges, p, time_limit_s, model.labels) \
+        if p > 1 else [0] * len(model.flops)
     rows = global_batch / d / micro
     speed = hardware.tflops * 1e12
     bandwidth = hardware.intra_node_gbps * 1e9

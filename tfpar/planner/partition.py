@@ -2,7 +2,9 @@
 but no scopes (Whale Example 4); no TensorFlow.
 
 ``partition_stages``: the forward ops, in topological order, are coarsened into
-at most ``MAX_NODES`` contiguous chunks; Rhino's stage ILP (``pipeline_ilp``,
+contiguous chunks — runs of the same repeated block (``pruning.block_labels``,
+TAP Algorithm 1) when given, so stages break between blocks, else at most
+``MAX_NODES`` equal runs — and Rhino's stage ILP (``pipeline_ilp``,
 Rhino §5) assigns chunks to stages, minimising the bytes crossing stages
 within a balance tolerance. If it finds nothing in time, ``balanced_partition``
 cuts the order into contiguous stages whose most expensive one is as cheap as
@@ -11,7 +13,7 @@ bottleneck with a greedy check). Contiguity in a topological order keeps every
 edge pointing to the same or a later stage.
 """
 import math
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import networkx as nx
 
@@ -24,13 +26,13 @@ EPSILON = 0.25  # stage imbalance tolerance of the ILP
 
 
 def partition_stages(costs: Sequence[float], edges: Sequence[Tuple[int, int, float]],
-                     num_stages: int, time_limit_s: float) -> List[int]:
+                     num_stages: int, time_limit_s: float,
+                     labels: Optional[Sequence[Optional[str]]] = None) -> List[int]:
     """Stage of each item (``costs`` in topological order; ``edges`` (i, j,
-    bytes) between items, i < j)."""
+    bytes) between items, i < j; ``labels`` an optional block per item)."""
     if not costs:
         return []
-    size = math.ceil(len(costs) / MAX_NODES)
-    chunk = [i // size for i in range(len(costs))]
+    chunk = _chunks(len(costs), labels)
     dag = nx.DiGraph()
     for i, cost in enumerate(costs):
         dag.add_node(chunk[i], comp=dag.nodes[chunk[i]]["comp"] + cost
@@ -44,6 +46,21 @@ def partition_stages(costs: Sequence[float], edges: Sequence[Tuple[int, int, flo
     if stages is None:
         return balanced_partition(costs, num_stages)
     return [stages[c] for c in chunk]
+
+
+def _chunks(count: int, labels: Optional[Sequence[Optional[str]]]) -> List[int]:
+    """Chunk of each item: runs of equal labels (items outside blocks run
+    together), or equal runs when that gives too many or too few chunks."""
+    if labels is not None and any(labels):
+        chunk, current = [], 0
+        for i in range(count):
+            if i and labels[i] != labels[i - 1]:
+                current += 1
+            chunk.append(current)
+        if 1 < current + 1 <= MAX_NODES:
+            return chunk
+    size = math.ceil(count / MAX_NODES)
+    return [i // size for i in range(count)]
 
 
 def balanced_partition(costs: Sequence[float], num_stages: int) -> List[int]:

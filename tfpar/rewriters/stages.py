@@ -26,6 +26,7 @@ from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture
 from tfpar.ir.taskgraph import Phase
 from tfpar.planner.auto import ModelView
+from tfpar.planner.pruning import block_labels
 from tfpar.rewriters.select import INPUT_TYPES, VARIABLE_TYPES, GraphIndex, ancestors
 
 __all__ = ["Placement", "assign_stages", "backward_dependent", "forward_costs",
@@ -212,7 +213,7 @@ def forward_edges(ops_in_order: List[ops.Operation]) -> List[Tuple[int, int, flo
 
 def model_view(index: GraphIndex, capture: GraphCapture) -> Tuple[List[ops.Operation], ModelView]:
     """The forward ops and the planner's view of them (FLOPs and output bytes
-    per row, bytes of the weights each reads first, edges)."""
+    per row, bytes of the weights each reads first, edges, repeated blocks)."""
     costs = forward_costs(index, capture)
     order = [op for op, _ in costs]
     seen = set()
@@ -228,8 +229,9 @@ def model_view(index: GraphIndex, capture: GraphCapture) -> Tuple[List[ops.Opera
         params.append(owned)
     outputs = [_row_elements(op.outputs[0]) * op.outputs[0].dtype.size if op.outputs else 0.0
                for op in order]
+    labels = block_labels([op.name for op in order], [op.type for op in order])
     return order, ModelView(flops=[c for _, c in costs], activation_bytes=outputs,
-                            param_bytes=params, edges=forward_edges(order))
+                            param_bytes=params, edges=forward_edges(order), labels=labels)
 
 
 def _cost_per_row(op: ops.Operation) -> float:

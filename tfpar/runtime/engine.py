@@ -140,7 +140,7 @@ def _automatic(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> Optional
         stages, count = candidate.stages, candidate.pipeline
     else:
         candidate = None
-        stages = partition_stages(view.flops, view.edges, count, time_limit)
+        stages = partition_stages(view.flops, view.edges, count, time_limit, view.labels)
     result = _Automatic(count, {op.name: s for op, s in zip(order, stages)}, candidate)
     capture.automatic = (graph.version, result)
     return result
