@@ -114,3 +114,11 @@ def test_cli_plan_prints_the_plan_without_training():
     assert '"data_parallel_degree": 3' in out.stdout
     config = _run("-m", "tfpar.cli", "config")
     assert "pipeline.num_micro_batch" in config.stdout
+
+
+def test_every_package_directory_is_packaged():
+    """find_packages only ships directories with an __init__.py."""
+    package = os.path.join(ROOT, "tfpar")
+    for folder, _, files in os.walk(package):
+        if "__pycache__" not in folder and any(f.endswith(".py") for f in files):
+            assert "__init__.py" in files, f"{folder} has no __init__.py"
