@@ -67,6 +67,11 @@ def test_cut_bytes_equal_brute_force(dag, stages, epsilon):
     size = dict(zip(dag.edges, _integers([dag.edges[e]["bytes"] for e in dag.edges])))
     assert all(assignment[j] >= assignment[i] for i, j in dag.edges)
     assert sum(size[e] for e in dag.edges if assignment[e[0]] != assignment[e[1]]) == expected
+    weight = dict(zip(dag.nodes, _integers([dag.nodes[n]["comp"] for n in dag.nodes])))
+    balanced = sum(weight.values()) / stages
+    for stage in range(stages):  # every stage used and within the tolerance
+        load = sum(w for n, w in weight.items() if assignment[n] == stage)
+        assert 0 < load <= max((1 + epsilon) * balanced, max(weight.values()))
 
 
 def test_too_few_nodes_or_stages():
