@@ -64,7 +64,6 @@ def test_batch_smaller_than_replicas_fails_fast():
 
 @pytest.mark.parametrize("config,match", [
     ({"pipeline.schedule": "zero_bubble"}, "zero_bubble' is not implemented"),
-    ({"pipeline.schedule": "kfkb", "pipeline.group_size": "auto"}, "Ada-Grouper"),
 ])
 def test_unsupported_pipeline_settings_raise_plan_error(config, match):
     with tf.Graph().as_default():

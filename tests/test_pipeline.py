@@ -57,6 +57,18 @@ def test_every_schedule(schedule, group_size, two_stage_reference):
     assert_equivalent(two_stage_reference, train(mlp_stages(2, True), DATA, config))
 
 
+def test_ada_grouper_tunes_k(two_stage_reference):
+    """pipeline.group_size 'auto': Ada-Grouper picks k by the cost model; slow
+    links (low bandwidth) favour larger groups."""
+    slow = {"name": "slow-link", "tflops": 1000, "memory_gb": 16}
+    config = {"pipeline.num_micro_batch": 4, "cluster.num_devices": 2,
+              "pipeline.schedule": "kfkb", "pipeline.group_size": "auto",
+              "cluster.hardware": [slow]}
+    plan = plan_of(mlp_stages(2, True), config)
+    assert isinstance(plan.group_size, int) and plan.group_size > 1
+    assert_equivalent(two_stage_reference, train(mlp_stages(2, True), DATA, config))
+
+
 def test_four_stages():
     config = {"pipeline.num_micro_batch": 4, "cluster.num_devices": 4}
     assert_equivalent(train(mlp_stages(4, False), DATA),

@@ -24,7 +24,7 @@ from tfpar.planner.partition import partition_stages
 from tfpar.planner.schedule import build_schedule
 from tfpar.planner.simulate import simulate
 
-__all__ = ["Candidate", "ModelView", "search"]
+__all__ = ["Candidate", "ModelView", "StageCosts", "search", "stage_costs"]
 
 LATENCY_S = 10e-6   # alpha of the alpha-beta model, per message
 BYTES_PER_PARAM_STATE = 4  # weights + gradients + two optimizer slots, float32 each
@@ -93,27 +93,56 @@ def search(model: ModelView, num_devices: int, hardware: Hardware, global_batch:
                key=lambda c: (c.pipeline, c.step_time_s))
 
 
-def _estimate(model: ModelView, p: int, d: int, hardware: Hardware, global_batch: int,
-              micro: int, time_limit_s: float) -> Candidate:
-    stages = partition_stages(model.flops, model.edges, p, time_limit_s, model.labels) \
-        if p > 1 else [0] * len(model.flops)
-    rows = global_batch / d / micro
+@dataclasses.dataclass(frozen=True)
+class StageCosts:
+    """Per stage: forward time of one micro-batch (backward is twice it), the
+    bytes of its weights, the activations one micro-batch keeps alive; the delay
+    of one cross-stage transfer; bytes crossing stages per micro-batch."""
+
+    forward_s: Tuple[float, ...]
+    param_bytes: Tuple[float, ...]
+    activation_bytes: Tuple[float, ...]
+    transfer_s: float
+    cut_bytes: float
+
+    @property
+    def backward_s(self) -> Tuple[float, ...]:
+        return tuple(2 * f for f in self.forward_s)
+
+    @property
+    def fixed_bytes(self) -> Tuple[float, ...]:
+        return tuple(BYTES_PER_PARAM_STATE * b for b in self.param_bytes)
+
+
+def stage_costs(model: ModelView, stages: Sequence[int], num_stages: int, rows: float,
+                hardware: Hardware) -> StageCosts:
+    """The cost model of ``stages`` (stage of each op) for micro-batches of ``rows``."""
     speed = hardware.tflops * 1e12
     bandwidth = hardware.intra_node_gbps * 1e9
-    forward = [0.0] * p
-    params = [0.0] * p
-    activations = [0.0] * p
+    forward = [0.0] * num_stages
+    params = [0.0] * num_stages
+    activations = [0.0] * num_stages
     for i, stage in enumerate(stages):
         forward[stage] += model.flops[i] * rows / speed
         params[stage] += model.param_bytes[i]
         activations[stage] += model.activation_bytes[i] * rows
     cut = sum(size for i, j, size in model.edges if stages[i] != stages[j]) * rows
-    result = simulate(build_schedule("1f1b", p, micro), forward, [2 * f for f in forward],
-                      LATENCY_S + cut / max(p - 1, 1) / bandwidth if p > 1 else 0.0)
-    allreduce = [_ring_allreduce_s(b, d, bandwidth) for b in params]
-    memory = max(BYTES_PER_PARAM_STATE * params[s] + activations[s] * result.peak_in_flight[s]
+    transfer = LATENCY_S + cut / max(num_stages - 1, 1) / bandwidth if num_stages > 1 else 0.0
+    return StageCosts(tuple(forward), tuple(params), tuple(activations), transfer, cut)
+
+
+def _estimate(model: ModelView, p: int, d: int, hardware: Hardware, global_batch: int,
+              micro: int, time_limit_s: float) -> Candidate:
+    stages = partition_stages(model.flops, model.edges, p, time_limit_s, model.labels) \
+        if p > 1 else [0] * len(model.flops)
+    costs = stage_costs(model, stages, p, global_batch / d / micro, hardware)
+    result = simulate(build_schedule("1f1b", p, micro), list(costs.forward_s),
+                      list(costs.backward_s), costs.transfer_s)
+    bandwidth = hardware.intra_node_gbps * 1e9
+    allreduce = [_ring_allreduce_s(b, d, bandwidth) for b in costs.param_bytes]
+    memory = max(costs.fixed_bytes[s] + costs.activation_bytes[s] * result.peak_in_flight[s]
                  for s in range(p))
-    comm = sum(2 * (d - 1) / d * b for b in params) + cut * micro * 2
+    comm = sum(2 * (d - 1) / d * b for b in costs.param_bytes) + costs.cut_bytes * micro * 2
     return Candidate(data=d, pipeline=p, stages=tuple(stages),
                      step_time_s=result.length + max(allreduce), memory_bytes=memory,
                      comm_bytes=comm)

@@ -113,9 +113,6 @@ def _check_pipeline(tgs: Sequence[TaskGraphPlan], num_micro_batch: int, schedule
     if schedule not in SCHEDULES:
         raise PlanError(f"tfpar: pipeline.schedule '{schedule}' is not implemented in this "
                         f"build; choose one of {', '.join(SCHEDULES)}")
-    if schedule == "kfkb" and group_size == "auto":
-        raise PlanError("tfpar: pipeline.group_size 'auto' (Ada-Grouper tuning) needs the "
-                        "cost model, not in this build; give k as an integer")
 
 
 def _pinned_task_graphs(plan: Plan, specs: Sequence[TaskGraphSpec],

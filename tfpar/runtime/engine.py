@@ -21,7 +21,8 @@ from tfpar.planner.schedule import build_schedule
 from tfpar.rewriters.data_parallel import replicate
 from tfpar.rewriters.horovod_backend import HorovodProcesses, HorovodReducer
 from tfpar.rewriters.select import GraphIndex
-from tfpar.planner.auto import search
+from tfpar.planner.auto import search, stage_costs
+from tfpar.planner.grouper import tune_group_size
 from tfpar.planner.partition import partition_stages
 from tfpar.rewriters.stages import Placement, assign_stages, model_view, split_op_devices
 from tfpar.rewriters.fetch_translation import FetchTranslator
@@ -183,7 +184,23 @@ def plan_for(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> Plan:
             "step_time_s": best.step_time_s,
             "memory_bytes_per_device": [best.memory_bytes] * len(rt.devices),
             "comm_bytes": best.comm_bytes})
+    if plan.schedule == "kfkb" and plan.group_size == "auto":
+        plan = dataclasses.replace(plan, group_size=_group_size(graph, capture, rt, plan, tags))
     return plan
+
+
+def _group_size(graph: ops.Graph, capture: GraphCapture, rt: Runtime, plan: Plan, tags) -> int:
+    """Ada-Grouper's k for this pipeline, from the cost model (``planner.grouper``)."""
+    index = GraphIndex(graph)
+    count = len(plan.task_graphs)
+    stage_of = assign_stages(index, capture, count, tags=tags)
+    order, view = model_view(index, capture)
+    rows = rt.config.get("auto.global_batch") / plan.data_parallel_degree / plan.num_micro_batch
+    hardware = _hardware(rt)
+    costs = stage_costs(view, [stage_of.get(op, 0) for op in order], count, rows, hardware)
+    return tune_group_size(plan.num_micro_batch, costs.forward_s, costs.backward_s,
+                           costs.transfer_s, costs.fixed_bytes, costs.activation_bytes,
+                           hardware.memory_gb * 2 ** 30)
 
 
 def _stats(graph: ops.Graph, capture: GraphCapture, num_task_graphs: int, tags):
