@@ -122,3 +122,14 @@ def test_every_package_directory_is_packaged():
     for folder, _, files in os.walk(package):
         if "__pycache__" not in folder and any(f.endswith(".py") for f in files):
             assert "__init__.py" in files, f"{folder} has no __init__.py"
+
+
+def test_cli_simulate_replays_a_schedule(tmp_path):
+    trace = tmp_path / "trace.json"
+    out = _run("-m", "tfpar.cli", "simulate", "--stages", "2", "--micro-batches", "4",
+               "--trace", str(trace))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "bubble 20.0%" in out.stdout and "stage 1: F0 B0 F1 B1" in out.stdout
+    assert trace.exists()
+    bad = _run("-m", "tfpar.cli", "simulate", "--stages", "0", "--micro-batches", "4")
+    assert bad.returncode == 2 and "num_stages" in bad.stderr

@@ -8,6 +8,10 @@
                                        run SCRIPT as N local workers of a TF_CONFIG cluster
     tfpar launch --hosts H1,H2 [--port P] SCRIPT [ARGS...]
                                        print each host's command and TF_CONFIG
+    tfpar simulate --stages P --micro-batches M [--schedule S] [--group-size K]
+                   [--forward F] [--backward B] [--transfer T] [--trace OUT.json]
+                                       replay a pipeline schedule: length, bubble,
+                                       micro-batches in flight; optional Chrome trace
 """
 import argparse
 import os
@@ -57,6 +61,26 @@ def _plan(args) -> int:
     return 1
 
 
+def _simulate(args) -> int:
+    from tfpar.planner import schedule, simulate, trace  # pylint: disable=import-outside-toplevel
+    try:
+        tasks = schedule.build_schedule(args.schedule, args.stages, args.micro_batches,
+                                        args.group_size)
+        result = simulate.simulate(tasks, args.forward, args.backward, args.transfer)
+    except ValueError as exc:
+        print(f"tfpar simulate: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.schedule} schedule, {args.stages} stages x {args.micro_batches} micro-batches: "
+          f"length {result.length:g}, bubble {result.bubble_fraction:.1%}, "
+          f"micro-batches in flight per stage {result.peak_in_flight}")
+    for stage, stage_tasks in enumerate(tasks):
+        print(f"  stage {stage}: " + " ".join(map(str, stage_tasks)))
+    if args.trace:
+        trace.write_chrome_trace(trace.chrome_trace(result), args.trace)
+        print(f"Chrome trace: {args.trace}")
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="tfpar", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -74,7 +98,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     launch.add_argument("--port", type=int, default=2222, help="port on each host (--hosts)")
     launch.add_argument("script")
     launch.add_argument("script_args", nargs=argparse.REMAINDER)
+    simulate = sub.add_parser("simulate", help="replay a pipeline schedule (no TensorFlow)")
+    simulate.add_argument("--stages", type=int, required=True)
+    simulate.add_argument("--micro-batches", type=int, required=True)
+    simulate.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "kfkb"])
+    simulate.add_argument("--group-size", type=int, default=1, help="k of kfkb")
+    simulate.add_argument("--forward", type=float, default=1.0, help="forward time per stage")
+    simulate.add_argument("--backward", type=float, default=2.0, help="backward time per stage")
+    simulate.add_argument("--transfer", type=float, default=0.0, help="cross-stage delay")
+    simulate.add_argument("--trace", help="write a Chrome trace of the schedule here")
     args = parser.parse_args(argv)
+    if args.command == "simulate":
+        return _simulate(args)
     if args.command == "launch":
         from tfpar.runtime import launcher  # pylint: disable=import-outside-toplevel
         if args.hosts:
