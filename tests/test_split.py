@@ -390,3 +390,23 @@ def test_mixture_of_experts_all_to_all_dispatch_and_combine(devices):
     forced = {**config, "split.patterns": {"einsum": "replicated", "einsum_3": "sharded"}}
     assert_equivalent(train(gshard_moe(False), data), train(gshard_moe(True, devices), data,
                                                              forced))
+
+
+def test_megatron_mlp_on_token_sequences():
+    """Column then row dense layers on [batch, tokens, features] inputs."""
+    rng = np.random.RandomState(0)
+    data = (rng.randn(3, 8, 5, 6).astype(np.float32), rng.randint(0, 3, (3, 8)).astype(np.int64))
+
+    def build_for(tfpar):
+        def build(x, y):
+            with scope(tfpar, "split", 2):
+                h = layer(x, 16, "fc1", seed=1, activation=tf.nn.relu)
+                h = layer(h, 6, "fc2", seed=2)
+            logits = layer(tf.reduce_mean(h, 1), 3, "head", seed=3)
+            loss = v1.losses.sparse_softmax_cross_entropy(y, logits)
+            return loss, v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+        return build
+    config = {"cluster.num_devices": 2}
+    assert_equivalent(train(build_for(False), data), train(build_for(True), data, config))
+    patterns = plan_of(build_for(True), config, shape=(None, 5, 6)).task_graphs[0].patterns
+    assert patterns == {"fc1": "column", "fc2": "row"}
