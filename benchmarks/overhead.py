@@ -126,7 +126,7 @@ def tfpar_hooks_off():
     @contextlib.contextmanager
     def on():
         tfpar_context.activate(runtime)
-        tf_patches.install(tfpar_engine.session_config, tfpar_engine.before_run)
+        tf_patches.install(tfpar_engine)
         try:
             yield
         finally:

@@ -37,8 +37,7 @@ def init(config: Any = None) -> Config:
     if cluster is not None:
         runtime.devices = cluster.device_names(device_type, len(devices))
 
-    tf_patches.install(engine.session_config, engine.before_run, engine.session_target,
-                       engine.run_failed, engine.run_options, engine.make_iterator)
+    tf_patches.install(engine)
     context.activate(runtime)
     # Other graphs (and sessions still running them) keep their rewrites.
     capture.reset_captures(tf.compat.v1.get_default_graph())

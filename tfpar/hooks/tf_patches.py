@@ -16,7 +16,7 @@
   first runs or freezes; fetches are translated to their parallel versions.
 """
 import threading
-from typing import Any, Callable, Optional
+from typing import Any
 
 from keras.src.optimizers.legacy import optimizer_v2 as keras_optimizer_v2
 from tensorflow.python.client import session as tf_session
@@ -35,42 +35,30 @@ from tfpar.ir.taskgraph import Phase
 __all__ = ["install", "installed", "uninstall"]
 
 _patches = PatchSet()
-# Set by install(): callables provided by the runtime.
-_on_session_config: Optional[Callable[[Any], Any]] = None
-_on_before_run: Optional[Callable[[Any], Any]] = None
-_on_session_target: Optional[Callable[[str], str]] = None
-_on_run_failed: Optional[Callable[[Exception], None]] = None
-_on_run_options: Optional[Callable[[Any], Any]] = None
-_on_make_iterator: Optional[Callable[[Any], Any]] = None
+# Set by install(): what the runtime does at each seam (``runtime.engine``).
+_runtime: Any = None
 
 
 def installed() -> bool:
     return _patches.installed
 
 
-def install(session_config: Callable[[Any], Any], before_run: Callable[[Any], Any],
-            session_target: Optional[Callable[[str], str]] = None,
-            run_failed: Optional[Callable[[Exception], None]] = None,
-            run_options: Optional[Callable[[Any], Any]] = None,
-            make_iterator: Optional[Callable[[Any, Callable], Any]] = None) -> None:
-    """Install every patch (idempotent).
+def install(runtime: Any) -> None:
+    """Install every patch (idempotent); ``runtime`` (``tfpar.runtime.engine``,
+    looked up at each call) provides:
 
-    Args:
       session_config: ConfigProto-or-None -> ConfigProto for new sessions.
-      before_run: graph -> fetch translator (or None); called before each run
-        and before a graph is finalized.
       session_target: target -> target for new sessions (a cluster's server).
+      before_run: graph -> fetch translator (or None); called before each run,
+        before a keras callable is made and before a graph is finalized.
+      run_options: RunOptions-or-None -> RunOptions for each run (a deadline).
       run_failed: called with the TensorFlow error a run raised (may raise a
         clearer one).
-      run_options: RunOptions-or-None -> RunOptions for each run (a deadline).
       make_iterator: (dataset, make) -> iterator, where ``make(dataset)`` is
         TensorFlow's; may shard the dataset or make more iterators.
     """
-    global _on_session_config, _on_before_run, _on_session_target, _on_run_failed
-    global _on_run_options, _on_make_iterator
-    _on_session_config, _on_before_run = session_config, before_run
-    _on_session_target, _on_run_failed, _on_run_options = session_target, run_failed, run_options
-    _on_make_iterator = make_iterator
+    global _runtime
+    _runtime = runtime
     if _patches.installed:
         return
     _patches.add(ops.Graph, "_create_op_helper", _wrap_create_op)
@@ -89,11 +77,9 @@ def install(session_config: Callable[[Any], Any], before_run: Callable[[Any], An
 
 
 def uninstall() -> None:
-    global _on_session_config, _on_before_run, _on_session_target, _on_run_failed
-    global _on_run_options, _on_make_iterator
+    global _runtime
     _patches.remove()
-    _on_session_config = _on_before_run = _on_session_target = _on_run_failed = None
-    _on_run_options = _on_make_iterator = None
+    _runtime = None
 
 
 def _wrap_create_op(original):
@@ -107,8 +93,8 @@ def _wrap_create_op(original):
 
 def _wrap_finalize(original):
     def finalize(self):
-        if not self.finalized and _on_before_run is not None:
-            _on_before_run(self)
+        if not self.finalized and _runtime is not None:
+            _runtime.before_run(self)
         original(self)
     return finalize
 
@@ -206,10 +192,9 @@ def _wrap_optimizer_init(original):
 
 def _wrap_session_init(original):
     def __init__(self, target="", graph=None, config=None):
-        if _on_session_config is not None:
-            config = _on_session_config(config)
-        if _on_session_target is not None:
-            target = _on_session_target(target)
+        if _runtime is not None:
+            config = _runtime.session_config(config)
+            target = _runtime.session_target(target)
         original(self, target, graph, config)
     return __init__
 
@@ -218,13 +203,13 @@ def _wrap_make_iterator(original):
     def make_iterator(self, *args, **kwargs):
         def make(dataset):
             return original(dataset, *args, **kwargs)
-        return _on_make_iterator(self, make) if _on_make_iterator is not None else make(self)
+        return _runtime.make_iterator(self, make) if _runtime is not None else make(self)
     return make_iterator
 
 
 def _wrap_make_callable(original):
     def _make_callable_from_options(self, callable_options):
-        translate = _on_before_run(self.graph) if _on_before_run is not None else None
+        translate = _runtime.before_run(self.graph) if _runtime is not None else None
         if translate is not None:
             callable_options = _translated_options(callable_options, translate)
         return original(self, callable_options)
@@ -245,15 +230,15 @@ def _translated_options(options, translate):
 
 def _wrap_session_run(original):
     def run(self, fetches, feed_dict=None, options=None, run_metadata=None):
-        translate = _on_before_run(self.graph) if _on_before_run is not None else None
+        translate = _runtime.before_run(self.graph) if _runtime is not None else None
         if translate is not None:
             fetches = translate(fetches)
-        if _on_run_options is not None:
-            options = _on_run_options(options)
+        if _runtime is not None:
+            options = _runtime.run_options(options)
         try:
             return original(self, fetches, feed_dict, options, run_metadata)
         except tf_errors.OpError as error:
-            if _on_run_failed is not None:
-                _on_run_failed(error)
+            if _runtime is not None:
+                _runtime.run_failed(error)
             raise
     return run
