@@ -13,6 +13,6 @@ from tfpar.ir.plan import Plan
 from tfpar.runtime.step_trace import step_timeline
 
 __all__ = ["AnnotationError", "ClusterError", "Config", "ConfigError", "Plan", "PlanError",
-           "ShardingError", "TfparError", "current_plan", "init", "replicate", "reset", "set_default_strategy",
-           "split", "step_timeline"]
+           "ShardingError", "TfparError", "current_plan", "init", "replicate", "reset",
+           "set_default_strategy", "split", "step_timeline"]
 __version__ = "0.1.0"

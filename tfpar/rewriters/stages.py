@@ -29,8 +29,8 @@ from tfpar.planner.auto import ModelView
 from tfpar.planner.pruning import block_labels
 from tfpar.rewriters.select import INPUT_TYPES, VARIABLE_TYPES, GraphIndex, ancestors
 
-__all__ = ["Placement", "assign_stages", "backward_dependent", "forward_costs",
-           "forward_edges", "model_view", "split_op_devices"]
+__all__ = ["Placement", "assign_stages", "backward_dependent", "canonical_device",
+           "forward_costs", "forward_edges", "model_view", "split_op_devices"]
 
 
 @dataclasses.dataclass
@@ -92,7 +92,7 @@ def split_op_devices(index: GraphIndex, stage_of: Dict[ops.Operation, int],
         groups = split_groups.get(stage_of.get(op, 0))
         if groups is None:
             continue
-        own = _canonical(op.device) if op.device else None
+        own = canonical_device(op.device) if op.device else None
         if own in groups[0]:
             result[op] = own
             continue
@@ -103,7 +103,8 @@ def split_op_devices(index: GraphIndex, stage_of: Dict[ops.Operation, int],
     return result
 
 
-def _canonical(device: str) -> str:
+def canonical_device(device: str) -> str:
+    """``device`` in TensorFlow's full form (``/job:.../device:CPU:0``)."""
     return device_lib.DeviceSpec.from_string(device).to_string()
 
 

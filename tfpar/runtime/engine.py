@@ -6,7 +6,6 @@ from typing import Any, Callable, Dict, Optional
 
 from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.eager import context
-from tensorflow.python.framework import device as device_lib
 from tensorflow.python.framework import ops
 
 from tfpar.cluster.hardware import HOST_CPU, Hardware, device_hardware
@@ -14,17 +13,18 @@ from tfpar.errors import ClusterError, PlanError
 from tfpar.hooks.capture import GraphCapture, capture_for, existing_capture, recording_paused
 from tfpar.ir.plan import Plan
 from tfpar.ir.taskgraph import Strategy, TaskGraphSpec
+from tfpar.planner.auto import search, stage_costs
 from tfpar.planner.from_annotations import plan_from_annotations
+from tfpar.planner.grouper import tune_group_size
+from tfpar.planner.partition import partition_stages
+from tfpar.planner.schedule import build_schedule
 from tfpar.rewriters import graph_edit
 from tfpar.rewriters.allreduce import CollectiveKeys, make_reducer
-from tfpar.planner.schedule import build_schedule
 from tfpar.rewriters.data_parallel import replicate
 from tfpar.rewriters.horovod_backend import HorovodProcesses, HorovodReducer
 from tfpar.rewriters.select import GraphIndex
-from tfpar.planner.auto import search, stage_costs
-from tfpar.planner.grouper import tune_group_size
-from tfpar.planner.partition import partition_stages
-from tfpar.rewriters.stages import Placement, assign_stages, model_view, split_op_devices
+from tfpar.rewriters.stages import (Placement, assign_stages, canonical_device, model_view,
+                                    split_op_devices)
 from tfpar.rewriters.fetch_translation import FetchTranslator
 from tfpar.runtime.context import Runtime, active
 
@@ -116,7 +116,8 @@ class _Automatic:
     candidate: Any = None
 
 
-def _automatic(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> Optional[_Automatic]:
+def _automatic(graph: ops.Graph, index: GraphIndex, capture: GraphCapture,
+               rt: Runtime) -> Optional[_Automatic]:
     """The automatic partition of an unannotated model (cached per graph version):
     ``auto.auto_parallel`` searches data x pipeline degrees by cost model;
     ``num_task_graph`` alone cuts that many stages (Whale Examples 3 and 4)."""
@@ -131,7 +132,6 @@ def _automatic(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> Optional
     cached = capture.automatic
     if cached is not None and cached[0] == graph.version:
         return cached[1]
-    index = GraphIndex(graph)
     order, view = model_view(index, capture)
     time_limit = min(cfg.get("auto.search_time_limit_s"), 10.0)
     if auto:
@@ -173,11 +173,19 @@ def task_graph_specs(capture: GraphCapture, rt: Runtime, automatic: Optional[_Au
 
 def plan_for(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> Plan:
     """The plan for ``graph``: as annotated, or as the planner chose (no rewrite)."""
-    automatic = _automatic(graph, capture, rt)
+    return _planned(graph, capture, rt)[0]
+
+
+def _planned(graph: ops.Graph, capture: GraphCapture, rt: Runtime):
+    """The plan, with the graph index and the stage of every op it rests on
+    (the rewrite uses the same ones)."""
+    index = GraphIndex(graph)
+    automatic = _automatic(graph, index, capture, rt)
     specs = task_graph_specs(capture, rt, automatic)
-    tags = automatic.tags if automatic is not None else None
+    stage_of = assign_stages(index, capture, len(specs), [s.name for s in specs],
+                             automatic.tags if automatic is not None else None)
     plan = plan_from_annotations(specs, rt.devices, rt.config,
-                                 _stats(graph, capture, len(specs), tags))
+                                 _stats(graph, capture, index, stage_of, len(specs)))
     if automatic is not None and automatic.candidate is not None:
         best = automatic.candidate
         plan = dataclasses.replace(plan, estimate={
@@ -185,15 +193,14 @@ def plan_for(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> Plan:
             "memory_bytes_per_device": [best.memory_bytes] * len(rt.devices),
             "comm_bytes": best.comm_bytes})
     if plan.schedule == "kfkb" and plan.group_size == "auto":
-        plan = dataclasses.replace(plan, group_size=_group_size(graph, capture, rt, plan, tags))
-    return plan
+        plan = dataclasses.replace(plan, group_size=_group_size(index, capture, rt, plan, stage_of))
+    return plan, index, stage_of
 
 
-def _group_size(graph: ops.Graph, capture: GraphCapture, rt: Runtime, plan: Plan, tags) -> int:
+def _group_size(index: GraphIndex, capture: GraphCapture, rt: Runtime, plan: Plan,
+                stage_of) -> int:
     """Ada-Grouper's k for this pipeline, from the cost model (``planner.grouper``)."""
-    index = GraphIndex(graph)
     count = len(plan.task_graphs)
-    stage_of = assign_stages(index, capture, count, tags=tags)
     order, view = model_view(index, capture)
     rows = rt.config.get("auto.global_batch") / plan.data_parallel_degree / plan.num_micro_batch
     hardware = _hardware(rt)
@@ -203,11 +210,10 @@ def _group_size(graph: ops.Graph, capture: GraphCapture, rt: Runtime, plan: Plan
                            hardware.memory_gb * 2 ** 30)
 
 
-def _stats(graph: ops.Graph, capture: GraphCapture, num_task_graphs: int, tags):
+def _stats(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, stage_of,
+           num_task_graphs: int):
     """Per TaskGraph: ops (as placed: backward and updates with their forward
     TaskGraph) and trainable bytes."""
-    index = GraphIndex(graph)
-    stage_of = assign_stages(index, capture, num_task_graphs, tags=tags)
     num_ops = [0] * num_task_graphs
     for op in index.ops:
         num_ops[stage_of.get(op, 0)] += 1
@@ -219,10 +225,6 @@ def _stats(graph: ops.Graph, capture: GraphCapture, num_task_graphs: int, tags):
     return {"num_ops": num_ops, "param_bytes": param_bytes, "split": split}
 
 
-def _canonical(device: str) -> str:
-    return device_lib.DeviceSpec.from_string(device).to_string()
-
-
 def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
     """Rewrite ``graph`` once (if it trains under tfpar); return its fetch translator."""
     rt = active()
@@ -230,14 +232,10 @@ def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
     if rt is None or capture is None or not capture.gradient_calls:
         return None
     if capture.rewrite is None:
-        plan = plan_for(graph, capture, rt)
+        plan, index, stage_of = _planned(graph, capture, rt)
         cfg = rt.config
-        index = GraphIndex(graph)
         names = [tg.name for tg in plan.task_graphs]
-        automatic = _automatic(graph, capture, rt)
-        stage_of = assign_stages(index, capture, len(names), names,
-                                 automatic.tags if automatic is not None else None)
-        split_groups = {s: [tuple(_canonical(d) for d in g) for g in tg.replicas]
+        split_groups = {s: [tuple(canonical_device(d) for d in g) for g in tg.replicas]
                         for s, tg in enumerate(plan.task_graphs) if tg.strategy == "split"}
         placement = Placement(
             stage_devices=[[group[0] for group in tg.replicas] for tg in plan.task_graphs],
