@@ -25,6 +25,7 @@ from tensorflow.python.framework import dtypes, ops
 from tensorflow.python.ops import data_flow_ops
 from tensorflow.python.training import server_lib
 
+from tfpar.cluster.devices import device_names
 from tfpar.errors import ClusterError, ConfigError
 
 __all__ = ["Cluster", "from_tf_config"]
@@ -46,8 +47,14 @@ class Cluster:
         return self.task == 0
 
     def device_names(self, device_type: str, per_worker: int) -> List[str]:
-        return [f"/job:{JOB}/replica:0/task:{t}/device:{device_type}:{k}"
-                for t in range(len(self.workers)) for k in range(per_worker)]
+        """Every worker's devices, task-major."""
+        return [d for t in range(len(self.workers))
+                for d in device_names(device_type, per_worker, job=JOB, task=t)]
+
+    @staticmethod
+    def host_cpu(task: int) -> str:
+        """The first CPU of worker ``task``."""
+        return device_names("CPU", 1, job=JOB, task=task)[0]
 
     def server_config(self, device_type: str, per_worker: int,
                       timeout_s: float) -> config_pb2.ConfigProto:
@@ -100,7 +107,7 @@ class Cluster:
         with graph.as_default():
             ops_ = []
             for t in live:
-                with ops.device(f"/job:{JOB}/replica:0/task:{t}/device:CPU:0"):
+                with ops.device(self.host_cpu(t)):
                     queue = data_flow_ops.FIFOQueue(1, dtypes.int32, shared_name=_RELEASE_QUEUE)
                     ops_.append(queue.enqueue(0))
             options = config_pb2.RunOptions(timeout_in_ms=int(timeout_s * 1000))
@@ -115,7 +122,7 @@ class Cluster:
 
     def _serve_until_released(self) -> None:
         graph = ops.Graph()
-        with graph.as_default(), ops.device(f"/job:{JOB}/replica:0/task:{self.task}/device:CPU:0"):
+        with graph.as_default(), ops.device(self.host_cpu(self.task)):
             queue = data_flow_ops.FIFOQueue(1, dtypes.int32, shared_name=_RELEASE_QUEUE)
             release = queue.dequeue()
         # Only this task's devices: contacting a chief that is not up yet would put

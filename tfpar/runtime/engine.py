@@ -89,7 +89,7 @@ def make_iterator(ds, make):
     iterator = make(ds.shard(count, 0))
     others = []
     for task in range(1, count):
-        with ops.device(f"/job:worker/replica:0/task:{task}/device:CPU:0"):
+        with ops.device(rt.cluster.host_cpu(task)):
             others.append(make(ds.shard(count, task)))
     capture = capture_for(ops.get_default_graph())
     capture.worker_iterators[iterator._iterator_resource.op] = others  # pylint: disable=protected-access

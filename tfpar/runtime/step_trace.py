@@ -4,6 +4,7 @@ from typing import Optional
 from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.framework import ops
 
+from tfpar.cluster.devices import short_name
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import existing_capture
 from tfpar.planner.schedule import Task
@@ -48,7 +49,7 @@ def step_timeline(run_metadata: config_pb2.RunMetadata, path: Optional[str] = No
     placement = rewrite.placement
     result = measured(tasks, placement.num_stages)
     if path is not None:
-        names = [f"{name} ({device.rsplit('device:', 1)[-1]})" for name, device in
+        names = [f"{name} ({short_name(device)})" for name, device in
                  zip(placement.task_graph_names, (d[0] for d in placement.stage_devices))]
         write_chrome_trace(chrome_trace(result, names), path)
     return result
