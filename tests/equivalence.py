@@ -9,8 +9,9 @@ import tensorflow as tf
 
 import tfpar as wh
 
-__all__ = ["assert_equivalent", "assert_same_variables", "checkpoint_session", "dense", "make_data", "mlp_classifier",
-           "plan_of", "rewritten_op_types", "train", "variable_values"]
+__all__ = ["assert_equivalent", "assert_same_variables", "checkpoint_session", "deep_mlp", "dense",
+           "make_data", "mlp_classifier", "plan_of", "rewritten_op_types", "train",
+           "variable_values"]
 
 
 def dense(x, units, name, seed, activation=None):
@@ -34,6 +35,18 @@ def mlp_classifier(optimizer=lambda: tf.compat.v1.train.GradientDescentOptimizer
         logits = dense(h, classes, "logits", seed=2)
         loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(y, logits)
         return loss, optimizer().minimize(loss)
+    return build
+
+
+def deep_mlp(layers):
+    """build(x, y) for ``layers`` tanh layers of width 8 and a 3-class head, no
+    scopes (for tfpar's automatic partitions), plain SGD."""
+    def build(x, y):
+        h = x
+        for i in range(layers):
+            h = dense(h, 8, f"layer{i}", seed=i, activation=tf.nn.tanh)
+        loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(y, dense(h, 3, "logits", seed=9))
+        return loss, tf.compat.v1.train.GradientDescentOptimizer(0.5).minimize(loss)
     return build
 
 

@@ -2,7 +2,8 @@
 import pytest
 import tensorflow as tf
 
-from equivalence import assert_equivalent, dense, make_data, mlp_classifier, plan_of, train
+import equivalence
+from equivalence import assert_equivalent, make_data, mlp_classifier, plan_of, train
 
 import tfpar as wh
 from tfpar.cluster.hardware import Hardware
@@ -12,12 +13,7 @@ v1 = tf.compat.v1
 DATA = make_data(steps=3, batch=8)
 
 
-def deep_mlp(x, y):
-    h = x
-    for i in range(6):
-        h = dense(h, 8, f"layer{i}", seed=i, activation=tf.nn.tanh)
-    loss = v1.losses.sparse_softmax_cross_entropy(y, dense(h, 3, "logits", seed=9))
-    return loss, v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+deep_mlp = equivalence.deep_mlp(6)
 
 
 def test_whale_example_3_auto_pipeline():

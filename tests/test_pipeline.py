@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from equivalence import assert_equivalent, dense, make_data, plan_of, train
+from equivalence import assert_equivalent, deep_mlp, dense, make_data, plan_of, train
 
 import tfpar as wh
 
@@ -282,12 +282,7 @@ def test_unknown_or_miscounted_hardware_is_named():
 def test_whale_example_4_num_task_graph_without_scopes(devices):
     """Example 4: no scopes, {"num_micro_batch": M, "num_task_graph": p}: the model
     is cut into p balanced stages automatically (nested DP on 4 devices)."""
-    def build(x, y):
-        h = x
-        for i in range(4):
-            h = dense(h, 8, f"layer{i}", seed=i, activation=tf.nn.tanh)
-        loss = v1.losses.sparse_softmax_cross_entropy(y, dense(h, 3, "logits", seed=9))
-        return loss, v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+    build = deep_mlp(4)
     config = {"num_micro_batch": 4, "num_task_graph": 2, "cluster.num_devices": devices}
     assert_equivalent(train(build, DATA), train(build, DATA, config))
     plan = plan_of(build, config)
