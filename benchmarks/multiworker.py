@@ -12,13 +12,14 @@ three reach the same final loss.
 
     cd /work/main && .venv/bin/python benchmarks/multiworker.py [--quick] [--check] [--json]
 """
-import argparse
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+
+from bench_args import parse_sizes  # same directory
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -86,16 +87,8 @@ LABELS = {"A": "2 TF_CONFIG workers x 1 CPU", "B": "1 process x 2 logical CPUs",
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--check", action="store_true", help="check that all reach the same loss")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
-    for key, (full, quick, text) in SIZES.items():
-        parser.add_argument(f"--{key}", type=int, help=f"{text} (default {full}, --quick {quick})")
-    args = parser.parse_args(argv)
-    for key, (full, quick, _) in SIZES.items():
-        if getattr(args, key) is None:
-            setattr(args, key, quick if args.quick else full)
+    _, args = parse_sizes(__doc__.split("\n")[0], SIZES, argv,
+                          "check that all reach the same loss")
     runs = {name: [] for name in LABELS}
     with tempfile.TemporaryDirectory() as tmp:
         script = os.path.join(tmp, "workload.py")

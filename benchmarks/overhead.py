@@ -18,7 +18,6 @@ their medians are compared. tfpar's hooks are on only while its own side runs.
 
     cd /work/main && .venv/bin/python benchmarks/overhead.py [--quick] [--check] [--json]
 """
-import argparse
 import contextlib
 import functools
 import gc
@@ -35,9 +34,12 @@ import tfpar as wh
 from tfpar.hooks import tf_patches
 from tfpar.runtime import context as tfpar_context, engine as tfpar_engine
 
+from bench_args import parse_sizes  # same directory
+
 v1 = tf.compat.v1
 
 NUM_CPUS = 4  # logical CPU devices for measurement 3
+CHECK_HELP = "also check that every setup trains (loss falls, step-0 losses agree)"
 CLASSES = 10
 SIZES = {"steps": (20, 5, "timed steps per side per round"), "reps": (5, 3, "ABBA rounds"),
          "layers": (24, 2, "transformer layers"), "hidden": (256, 64, "transformer hidden size"),
@@ -274,17 +276,8 @@ def print_checks(checks):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--check", action="store_true",
-                   help="also check that every setup trains (loss falls, step-0 losses agree)")
-    p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test, < 60 s)")
-    for key, (full, quick, text) in SIZES.items():
-        p.add_argument(f"--{key}", type=int, help=f"{text} (default {full}, --quick {quick})")
-    args = p.parse_args(argv)
-    for key, (full, quick, _) in SIZES.items():
-        if getattr(args, key) is None:
-            setattr(args, key, quick if args.quick else full)
+    p, args = parse_sizes(__doc__.split("\n", 1)[0], SIZES, argv, CHECK_HELP,
+                          "tiny sizes (smoke test, < 60 s)")
     args.heads, args.seq, args.mlp_layers = 4, (16 if args.quick else 64), 4
     if args.batch % NUM_CPUS or min(args.steps, args.reps, args.layers) < 1:
         p.error(f"--batch must be a multiple of {NUM_CPUS}; --steps/--reps/--layers >= 1")

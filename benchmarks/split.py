@@ -35,7 +35,6 @@ step-0 loss.
 
     cd /work/main && .venv/bin/python benchmarks/split.py [--quick] [--check] [--json]
 """
-import argparse
 import contextlib
 import math
 import os
@@ -50,7 +49,8 @@ import tfpar as wh  # noqa: E402
 from tfpar.hooks import split_patches  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overhead import Trainer, alternate, finish, print_checks  # noqa: E402  (same directory)
+from bench_args import parse_sizes  # noqa: E402  (same directory)
+from overhead import CHECK_HELP, Trainer, alternate, finish, print_checks  # noqa: E402
 
 v1 = tf.compat.v1
 
@@ -238,18 +238,8 @@ def print_table(rows, checks, args):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--check", action="store_true",
-                   help="also check that every setup trains (loss falls, step-0 losses agree)")
-    p.add_argument("--quick", action="store_true", help="small sizes (smoke test, < 60 s)")
-    for key, (full, quick, text) in SIZES.items():
-        p.add_argument(f"--{key.replace('_', '-')}", dest=key, type=int,
-                       help=f"{text} (default {full}, --quick {quick})")
-    args = p.parse_args(argv)
-    for key, (full, quick, _) in SIZES.items():
-        if getattr(args, key) is None:
-            setattr(args, key, quick if args.quick else full)
+    p, args = parse_sizes(__doc__.split("\n", 1)[0], SIZES, argv, CHECK_HELP,
+                          "small sizes (smoke test, < 60 s)")
     if args.batch % HYBRID_CPUS or min(args.steps, args.reps, args.layers, args.comm_batch) < 1:
         p.error(f"--batch must be a multiple of {HYBRID_CPUS}; "
                 "--steps/--reps/--layers/--comm-batch >= 1")
