@@ -228,14 +228,7 @@ def _dispatch(ctx, kind, equation, operands, fallback):
     indices = moe.dispatch_indices(equation) if kind == "einsum" else None
     if indices is None:
         return fallback()
-    output = equation.split("->")[1]
-    sizes = {c: d for spec, x in zip(equation.split("->")[0].split(","), operands)
-             for c, d in zip(spec, x.shape.as_list())}
-    out = 1
-    for c in output:
-        out *= sizes.get(c) or 1
-    unit = ShardingUnit(ctx.unit_name(kind), kind, tuple(ctx.info(x) for x in operands),
-                        {"token": indices[0], "out": out, "devices": ctx.size})
+    unit = moe.dispatch_unit(ctx, equation, operands, indices[0])
     if choose(ctx, unit, moe.DISPATCH_PATTERNS) is not moe.TOKENS:
         return fallback()
     with ctx.building():

@@ -16,7 +16,7 @@ from tensorflow.python.ops import array_ops, math_ops
 
 from tfpar.ir.sharding import ShardingUnit
 from tfpar.patterns.matcher import Gather
-from tfpar.patterns.moe import TOKENS, combine_token
+from tfpar.patterns.moe import TOKENS, combine_token, index_sizes
 
 __all__ = ["CONTRACTION_PATTERNS", "GATHER", "SHARDED", "contraction_unit", "sharded_contraction"]
 
@@ -56,8 +56,7 @@ def contraction_unit(ctx, kind: str, equation: str, operands: Sequence) -> Shard
     a token index (a mixture-of-experts combine, ``moe.tokens_combine``)."""
     letter = split_letter(ctx, equation, operands)
     output = equation.split("->")[1] if "->" in equation else ""
-    sizes = {c: dim for spec, x in zip(equation.split("->")[0].split(","), operands)
-             for c, dim in zip(spec, x.shape.as_list())}
+    sizes = index_sizes(equation, operands)
     gathered = sum(int(x.shape[-1] or 1) for x in operands if ctx.lookup(x) is not None)
     split = [i for i, x in enumerate(operands) if ctx.lookup(x) is not None]
     token = None

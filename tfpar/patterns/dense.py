@@ -37,12 +37,13 @@ class _Column:
                                   layer.kernel_initializer, getter=getter)
         bias = sharded_variable(ctx, "bias", [units], 0, _dtype(layer, x),
                                 layer.bias_initializer, getter=getter) if layer.use_bias else None
+        biases = list(bias) if bias is not None else [None] * ctx.size
         shards = []
-        for i, device in enumerate(ctx.devices):
+        for device, kernel_i, bias_i in zip(ctx.devices, kernel, biases):
             with ops.device(device):
-                y = math_ops.matmul(x, list(kernel)[i])
-                if bias is not None:
-                    y = y + list(bias)[i]
+                y = math_ops.matmul(x, kernel_i)
+                if bias_i is not None:
+                    y = y + bias_i
                 shards.append(layer.activation(y) if layer.activation is not None else y)
         return ctx.sharded(shards, -1)
 

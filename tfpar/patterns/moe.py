@@ -17,15 +17,15 @@ in a split scope; Whale Example 5).
 
 Costs: float32 bytes of the einsum's output crossing devices.
 """
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from tensorflow.python.framework import dtypes, ops
 from tensorflow.python.ops import array_ops, array_ops_stack, math_ops, special_math_ops
 
 from tfpar.ir.sharding import ShardingUnit
 
-__all__ = ["DISPATCH_PATTERNS", "TOKENS", "combine_token",
-           "dispatch_indices", "tokens_combine", "tokens_dispatch"]
+__all__ = ["DISPATCH_PATTERNS", "TOKENS", "combine_token", "dispatch_indices",
+           "dispatch_unit", "index_sizes", "tokens_combine", "tokens_dispatch"]
 
 
 class _Tokens:
@@ -67,6 +67,22 @@ def dispatch_indices(equation: str) -> Optional[Tuple[str, str]]:
     if len(tokens) != 1 or not output or output[0] not in a or output[0] in b:
         return None
     return tokens[0], output[0]
+
+
+def index_sizes(equation: str, operands) -> Dict[str, Optional[int]]:
+    """Static size of every einsum index (None when unknown)."""
+    return {c: dim for spec, x in zip(equation.split("->")[0].split(","), operands)
+            for c, dim in zip(spec, x.shape.as_list())}
+
+
+def dispatch_unit(ctx, equation: str, operands, token: str) -> ShardingUnit:
+    """The unit of a dispatch einsum; ``out`` is its output's static elements."""
+    sizes = index_sizes(equation, operands)
+    out = 1
+    for c in equation.split("->")[1]:
+        out *= sizes.get(c) or 1
+    return ShardingUnit(ctx.unit_name("einsum"), "einsum", tuple(ctx.info(x) for x in operands),
+                        {"token": token, "out": out, "devices": ctx.size})
 
 
 def combine_token(equation: str, split_operand: int, letter: str) -> Optional[str]:
