@@ -9,7 +9,6 @@ import time
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from equivalence import assert_equivalent, checkpoint_session, make_data, mlp_classifier, train
 
@@ -174,7 +173,6 @@ def test_hosts_form_prints_each_hosts_tf_config():
     assert [c["task"]["index"] for c in configs] == [0, 1]
     assert configs[0]["cluster"]["worker"] == ["a:2222", "b:2222"]
     assert "train.py --x 1" in text
-    assert tf.__version__.startswith("2.15")
 
 
 @pytest.mark.parametrize("mode", ["dp", "dp-data", "dp-shard"])
