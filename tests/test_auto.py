@@ -41,11 +41,15 @@ def test_small_mlp_on_8_devices_is_data_parallel():
 def test_memory_forces_a_pipeline():
     """Devices too small for the whole model's weights, gradients and optimizer
     slots: the search splits it into stages (and says so)."""
-    tiny = {"name": "tiny", "tflops": 1, "memory_gb": 1.2e-5}  # ~13 KB: DP needs ~14.5 KB
-    config = {"auto.auto_parallel": True, "cluster.num_devices": 4, "cluster.hardware": [tiny],
-              "pipeline.num_micro_batch": 2}
+    base = {"auto.auto_parallel": True, "cluster.num_devices": 4,
+            "pipeline.num_micro_batch": 2}
+    data_parallel = plan_of(deep_mlp, {**base, "auto.num_task_graph": 1})
+    need = max(data_parallel.estimate["memory_bytes_per_device"])
+    tiny = {"name": "tiny", "tflops": 1, "memory_gb": 0.9 * need / 2 ** 30}  # DP does not fit
+    config = {**base, "cluster.hardware": [tiny]}
     plan = plan_of(deep_mlp, config)
     assert len(plan.task_graphs) > 1
+    assert max(plan.estimate["memory_bytes_per_device"]) <= 0.9 * need
     assert_equivalent(train(deep_mlp, DATA), train(deep_mlp, DATA, config))
 
 
