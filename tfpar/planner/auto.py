@@ -1,8 +1,11 @@
-"""``auto.auto_parallel``: choose the data x pipeline degrees by cost model (no
-TensorFlow). A first slice of the planner: tensor sharding is not searched.
+"""``auto.auto_parallel``: choose data x tensor x pipeline degrees by cost model
+(no TensorFlow).
 
-For every pipeline degree p dividing the device count K (or the given
-``num_task_graph``), with data parallelism d = K / p on top:
+Meshes: for every pipeline degree p dividing the device count K (or the given
+``num_task_graph``), data parallelism d = K / p on top; and, without a
+pipeline, every tensor degree t > 1 dividing K, with d = K / t. A tensor mesh
+is planned by the sharding search (``sharding.plan_sharding``: Rhino §4 on the
+layer graph, ``auto.opt_level`` O2 or O3); a pipeline mesh as follows:
   * stages come from ``partition.partition_stages`` (Rhino's stage ILP);
   * compute: a stage's forward time is its FLOPs per row x the rows of a
     micro-batch / the device's throughput, backward twice that;
@@ -13,21 +16,24 @@ For every pipeline degree p dividing the device count K (or the given
   * memory per device: the stage's weights, gradients and two optimizer slots,
     plus the activations of the micro-batches in flight.
 The fastest candidate whose memory fits wins (within 10%, the one with fewer
-stages: the estimates are rough); ``progress`` reports each one.
+stages, then the lower tensor degree: the estimates are rough); ``progress``
+reports each one as it is planned; ``time_limit_s`` bounds the whole search.
 """
 import dataclasses
+import time
 from typing import Callable, Optional, Sequence, Tuple
 
 from tfpar.cluster.hardware import Hardware
 from tfpar.errors import PlanError
+from tfpar.planner.comm import LATENCY_S, allreduce
+from tfpar.planner.layers import layer_graph
 from tfpar.planner.partition import partition_stages
 from tfpar.planner.schedule import build_schedule
+from tfpar.planner.sharding import STATE_BYTES as BYTES_PER_PARAM_STATE, Mesh, plan_sharding
 from tfpar.planner.simulate import simulate
 
 __all__ = ["Candidate", "ModelView", "StageCosts", "search", "stage_costs"]
 
-LATENCY_S = 10e-6   # alpha of the alpha-beta model, per message
-BYTES_PER_PARAM_STATE = 4  # weights + gradients + two optimizer slots, float32 each
 TOLERANCE = 0.1
 
 
@@ -41,6 +47,9 @@ class ModelView:
       param_bytes: bytes of the weights each op reads (counted once).
       edges: (i, j, bytes per row) between ops.
       labels: each op's repeated block (``pruning.block_labels``) or None.
+      names, types: op names and types (the sharding search groups ops into
+        layers by name scope; without them only pipelines are searched).
+      input_bytes: bytes per row each op reads from the model's inputs.
     """
 
     flops: Sequence[float]
@@ -48,11 +57,16 @@ class ModelView:
     param_bytes: Sequence[float]
     edges: Sequence[Tuple[int, int, float]]
     labels: Optional[Sequence[Optional[str]]] = None
+    names: Optional[Sequence[str]] = None
+    types: Optional[Sequence[str]] = None
+    input_bytes: Optional[Sequence[float]] = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One (data, pipeline) choice with its estimates and stage of every op."""
+    """One (data, tensor, pipeline) mesh with its estimates, the stage of every
+    op, and the sharded layers: (name scope, sharding candidate) for every
+    layer that runs in a split TaskGraph."""
 
     data: int
     pipeline: int
@@ -60,27 +74,46 @@ class Candidate:
     step_time_s: float
     memory_bytes: float
     comm_bytes: float
+    tensor: int = 1
+    split_scopes: Tuple[Tuple[str, str], ...] = ()
 
 
 def search(model: ModelView, num_devices: int, hardware: Hardware, global_batch: int,
            num_micro_batch: int, pipeline: Optional[int] = None, time_limit_s: float = 10.0,
-           progress: Callable[[str], None] = lambda line: None) -> Candidate:
+           progress: Callable[[str], None] = lambda line: None,
+           opt_level: str = "O2") -> Candidate:
     """The fastest candidate that fits ``hardware``'s memory.
 
     Raises:
       PlanError: no candidate fits, naming the smallest memory need.
     """
-    degrees = [pipeline] if pipeline else [p for p in range(1, num_devices + 1)
-                                           if num_devices % p == 0 and p <= len(model.flops)]
-    candidates = []
-    for p in degrees:
-        candidate = _estimate(model, p, max(num_devices // p, 1), hardware, global_batch,
-                              num_micro_batch if p > 1 else 1, time_limit_s)
-        candidates.append(candidate)
-        progress(f"tfpar auto: data {candidate.data} x pipeline {p}: step "
-                 f"{candidate.step_time_s * 1e3:.3f} ms, memory/device "
-                 f"{candidate.memory_bytes / 2 ** 20:.1f} MiB")
     capacity = hardware.memory_gb * 2 ** 30
+    meshes = [(1, p) for p in ([pipeline] if pipeline else range(1, num_devices + 1))
+              if num_devices % p == 0 and p <= len(model.flops)]
+    if model.names is not None and (pipeline or 1) == 1:
+        meshes += [(t, 1) for t in range(2, num_devices + 1) if num_devices % t == 0]
+    layers = layer_graph(model) if any(t > 1 for t, _ in meshes) else None
+    deadline = time.monotonic() + time_limit_s
+    candidates = []
+    for number, (t, p) in enumerate(meshes, 1):
+        left = deadline - time.monotonic()
+        if left <= 0 and candidates:
+            progress(f"tfpar auto: search time limit reached after {number - 1} of "
+                     f"{len(meshes)} meshes")
+            break
+        if t > 1:
+            candidate = _sharded(layers, Mesh(num_devices, t, global_batch, hardware),
+                                 capacity, opt_level, max(left, 1.0))
+        else:
+            candidate = _estimate(model, p, max(num_devices // p, 1), hardware, global_batch,
+                                  num_micro_batch if p > 1 else 1, max(left, 1.0))
+        if candidate is None:
+            progress(f"tfpar auto [{number}/{len(meshes)}] tensor {t}: no plan fits")
+            continue
+        candidates.append(candidate)
+        progress(f"tfpar auto [{number}/{len(meshes)}] data {candidate.data} x tensor "
+                 f"{candidate.tensor} x pipeline {p}: step {candidate.step_time_s * 1e3:.3f} ms, "
+                 f"memory/device {candidate.memory_bytes / 2 ** 20:.1f} MiB")
     fitting = [c for c in candidates if c.memory_bytes <= capacity]
     if not fitting:
         least = min(candidates, key=lambda c: c.memory_bytes)
@@ -90,7 +123,22 @@ def search(model: ModelView, num_devices: int, hardware: Hardware, global_batch:
     fastest = min(c.step_time_s for c in fitting)
     # Estimates are rough: within TOLERANCE of the fastest, fewer stages win.
     return min((c for c in fitting if c.step_time_s <= fastest * (1 + TOLERANCE)),
-               key=lambda c: (c.pipeline, c.step_time_s))
+               key=lambda c: (c.pipeline, c.tensor, c.step_time_s))
+
+
+def _sharded(layers, mesh: Mesh, capacity: float, opt_level: str,
+             time_limit_s: float) -> Optional[Candidate]:
+    """The sharding search's plan on ``mesh`` as a candidate (None when it
+    fits nowhere or shards nothing: then it is plain data parallelism)."""
+    plan = plan_sharding(layers, mesh, capacity, opt_level, time_limit_s)
+    if plan is None or all(c == "dp" for c in plan.candidates):
+        return None
+    split = tuple((layer.scope, c) for layer, c in zip(layers.layers, plan.candidates)
+                  if c != "dp")
+    count = sum(len(layer.ops) for layer in layers.layers)
+    return Candidate(data=mesh.data, pipeline=1, stages=(0,) * count,
+                     step_time_s=plan.step_time_s, memory_bytes=plan.memory_bytes,
+                     comm_bytes=plan.comm_bytes, tensor=mesh.tensor, split_scopes=split)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,16 +187,11 @@ def _estimate(model: ModelView, p: int, d: int, hardware: Hardware, global_batch
     result = simulate(build_schedule("1f1b", p, micro), list(costs.forward_s),
                       list(costs.backward_s), costs.transfer_s)
     bandwidth = hardware.intra_node_gbps * 1e9
-    allreduce = [_ring_allreduce_s(b, d, bandwidth) for b in costs.param_bytes]
+    grads = [allreduce(d, b, bandwidth).seconds for b in costs.param_bytes]
     memory = max(costs.fixed_bytes[s] + costs.activation_bytes[s] * result.peak_in_flight[s]
                  for s in range(p))
     comm = sum(2 * (d - 1) / d * b for b in costs.param_bytes) + costs.cut_bytes * micro * 2
     return Candidate(data=d, pipeline=p, stages=tuple(stages),
-                     step_time_s=result.length + max(allreduce), memory_bytes=memory,
+                     step_time_s=result.length + max(grads), memory_bytes=memory,
                      comm_bytes=comm)
 
-
-def _ring_allreduce_s(size: float, n: int, bandwidth: float) -> float:
-    if n < 2:
-        return 0.0
-    return 2 * (n - 1) * LATENCY_S + 2 * (n - 1) / n * size / bandwidth

@@ -232,7 +232,10 @@ def model_view(index: GraphIndex, capture: GraphCapture) -> Tuple[List[ops.Opera
                for op in order]
     labels = block_labels([op.name for op in order], [op.type for op in order])
     return order, ModelView(flops=[c for _, c in costs], activation_bytes=outputs,
-                            param_bytes=params, edges=forward_edges(order), labels=labels)
+                            param_bytes=params, edges=forward_edges(order), labels=labels,
+                            names=[op.name for op in order], types=[op.type for op in order],
+                            input_bytes=[sum(_row_elements(t) * t.dtype.size for t in op.inputs
+                                             if t.op.type in INPUT_TYPES) for op in order])
 
 
 def _cost_per_row(op: ops.Operation) -> float:

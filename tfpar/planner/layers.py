@@ -1,0 +1,149 @@
+"""The sharding search's graph: forward ops grouped into layers (no TensorFlow).
+
+A layer is the ops of one name scope (a keras/v1 layer, a loss), the
+outermost one holding at most one weighted contraction, or a single op: the
+unit tfpar can split at build time, since the hooks match scopes, and the
+granularity of Rhino's per-node sharding candidates (§4.2).
+Variable reads join the layer that consumes them. Layers that depend on each
+other both ways (interleaved scopes) are merged, so the layer graph is a DAG.
+
+Each layer has a kind, from its op types:
+  * ``matmul``: a contraction with a weight (column / row shardable);
+  * ``xent``: softmax cross-entropy (distributed over split classes);
+  * ``elementwise``: only per-element ops (acts on shards as they are);
+  * ``other``: everything else (needs whole rows).
+"""
+import collections
+import dataclasses
+from typing import Dict, List, Tuple
+
+import networkx as nx
+
+__all__ = ["Layer", "LayerGraph", "layer_graph"]
+
+CONTRACTIONS = frozenset({"MatMul", "BatchMatMulV2", "BatchMatMul", "Einsum"})
+XENT = frozenset({"SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits"})
+ELEMENTWISE = frozenset({"Relu", "Relu6", "Elu", "Selu", "Gelu", "Tanh", "Sigmoid", "Softplus",
+                         "Identity", "Cast", "Neg", "Square", "Sqrt", "Rsqrt", "Exp", "Erf",
+                         "Mul", "AddV2", "Add", "Sub", "RealDiv", "BiasAdd", "Const"})
+READS = frozenset({"ReadVariableOp", "Identity"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """One node of the sharding search.
+
+    Attributes:
+      scope: the name scope its ops share (a single op: its name).
+      kind: ``matmul``, ``xent``, ``elementwise`` or ``other``.
+      flops: forward FLOPs per batch row.
+      out_bytes: bytes per row it hands to later layers (its largest output edge).
+      activation_bytes: bytes per row its ops output (kept for the backward pass).
+      param_bytes: bytes of the weights it reads.
+      input_bytes: bytes per row it reads from the model's inputs (which
+        arrive split by rows, as data parallelism feeds them).
+      ops: indices of its ops in the model view.
+      signature: kind, costs and op types: equal signatures are equal subproblems.
+    """
+
+    scope: str
+    kind: str
+    flops: float
+    out_bytes: float
+    activation_bytes: float
+    param_bytes: float
+    input_bytes: float
+    ops: Tuple[int, ...]
+    signature: Tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerGraph:
+    """Layers in topological order and (i, j, bytes per row) edges, i < j."""
+
+    layers: Tuple[Layer, ...]
+    edges: Tuple[Tuple[int, int, float], ...]
+
+
+def layer_graph(view) -> LayerGraph:
+    """Group the ops of an ``auto.ModelView`` (with names and types) into layers."""
+    names, types, edges, param_bytes = view.names, view.types, view.edges, view.param_bytes
+    consumers: Dict[int, List[int]] = collections.defaultdict(list)
+    for i, j, _ in edges:
+        consumers[i].append(j)
+    key = _layer_keys(names, _weighted_contractions(view))
+    for i in reversed(range(len(names))):  # reads of reads follow their final consumer
+        if types[i] in READS and param_bytes[i] and consumers[i]:
+            key[i] = key[consumers[i][0]]
+    dag = nx.DiGraph()
+    dag.add_nodes_from(dict.fromkeys(key))
+    dag.add_edges_from((key[i], key[j]) for i, j, _ in edges if key[i] != key[j])
+    merged = nx.condensation(dag)
+    group_of = {scope: merged.graph["mapping"][scope] for scope in dag}
+    members: Dict[int, List[int]] = collections.defaultdict(list)
+    for i, scope in enumerate(key):
+        members[group_of[scope]].append(i)
+    order = list(nx.lexicographical_topological_sort(merged, key=lambda g: members[g][0]))
+    position = {g: p for p, g in enumerate(order)}
+    volume: Dict[Tuple[int, int], float] = collections.defaultdict(float)
+    for i, j, size in edges:
+        a, b = position[group_of[key[i]]], position[group_of[key[j]]]
+        if a != b:
+            volume[a, b] += size
+    outgoing = collections.defaultdict(float)
+    for (a, _), size in volume.items():
+        outgoing[a] = max(outgoing[a], size)
+    layers = tuple(_layer(key[members[g][0]], members[g], view, outgoing[position[g]])
+                   for g in order)
+    return LayerGraph(layers, tuple((a, b, s) for (a, b), s in sorted(volume.items())))
+
+
+def _weighted_contractions(view) -> List[bool]:
+    """Ops that contract with a weight (read directly or through a read op)."""
+    reads_weights = [view.types[i] in READS and view.param_bytes[i] > 0
+                     for i in range(len(view.names))]
+    weighted = [view.types[i] in CONTRACTIONS and view.param_bytes[i] > 0
+                for i in range(len(view.names))]
+    for i, j, _ in view.edges:
+        if reads_weights[i] and view.types[j] in CONTRACTIONS:
+            weighted[j] = True
+    return weighted
+
+
+def _layer_keys(names: List[str], weighted: List[bool]) -> List[str]:
+    """Each op's layer: the outermost name scope around it holding at most one
+    weighted contraction (a whole keras / v1 layer, with its shape ops and
+    activation); an op with no such scope (at the root, or loose in a block
+    of several layers) is a layer of its own."""
+    contractions: Dict[str, int] = collections.Counter()
+    for name, flag in zip(names, weighted):
+        if flag:
+            parts = name.split("/")
+            for depth in range(1, len(parts)):
+                contractions["/".join(parts[:depth])] += 1
+    keys = []
+    for name in names:
+        parts = name.split("/")
+        keys.append(next(("/".join(parts[:depth]) for depth in range(1, len(parts))
+                          if contractions["/".join(parts[:depth])] <= 1), name))
+    return keys
+
+
+def _layer(scope: str, ops: List[int], view, out_bytes: float) -> Layer:
+    types = view.types
+    kinds = {types[i] for i in ops}
+    weights = sum(view.param_bytes[i] for i in ops)
+    if kinds & XENT:
+        kind = "xent"
+    elif kinds & CONTRACTIONS and weights:
+        kind = "matmul"
+    elif kinds <= ELEMENTWISE | READS:
+        kind = "elementwise"
+    else:
+        kind = "other"
+    cost = sum(view.flops[i] for i in ops)
+    kept = sum(view.activation_bytes[i] for i in ops)
+    inputs = sum(view.input_bytes[i] for i in ops) if view.input_bytes else 0.0
+    signature = (kind, cost, out_bytes, kept, weights, inputs,
+                 tuple(sorted(collections.Counter(types[i] for i in ops).items())))
+    return Layer(scope, kind, cost, out_bytes, kept, weights, inputs, tuple(ops), signature)

@@ -1,0 +1,316 @@
+"""Automatic tensor sharding over a layer graph (Rhino §4, TAP §IV), no TensorFlow.
+
+Mesh: ``devices`` = data x tensor. Every layer picks one candidate (Rhino
+§4.2); a candidate reads its input in one layout and writes its output in one:
+``B`` rows split over all devices (data parallel), ``W`` whole rows of a
+tensor group (replicated over its t devices), ``F`` features split over the
+group. Candidates by kind:
+
+  ============  ======  ======  ===========================================
+  candidate     input   output  cost besides compute
+  ============  ======  ======  ===========================================
+  dp            B       B       weights all-reduced over all devices
+  column        W       F       weights / t, all-reduced over d
+  row           F       W       weights / t; output partial sums all-reduced
+  whole         W       W       compute repeated on the t devices
+  shards        F       F       elementwise on the shards
+  xent          F       W       per-row max and sum all-reduced over t
+  ============  ======  ======  ===========================================
+
+Resharding an edge costs an all-gather (``B``->``W``, ``F``->``W``) forward and
+its transpose backward (Megatron's f / g operators for ``W``->``F``). Step time
+is the sum (Rhino's objective); memory per device is weights x4 (weights,
+gradients, two optimizer slots) plus the activations kept for backward.
+
+Solvers:
+  * ``O3``: the whole-graph ILP of Rhino §4.2 on OR-Tools CP-SAT: one 0-1
+    variable per (layer, candidate), one per (edge, candidate pair) tied to
+    both ends, memory as a constraint.
+  * ``O2``: Rhino §4.3: critical layers (no edge jumps over them) cut the
+    graph into segments; dynamic programming over the critical layers'
+    candidates stitches segments, each solved for every pair of end
+    candidates (a chain by dynamic programming, else the ILP). Segments with
+    the same signature — the repeated blocks TAP's pruning finds (§IV-B/C) —
+    are solved once and their plan reused, so planning grows with the number
+    of distinct blocks, not layers. Memory: Rhino §4.4, the layers with the
+    largest weights are forced to sharded candidates until the plan fits.
+"""
+import dataclasses
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from ortools.sat.python import cp_model
+
+from tfpar.cluster.hardware import Hardware
+from tfpar.planner.comm import Cost, LATENCY_S, allgather, allreduce
+from tfpar.planner.layers import LayerGraph
+
+__all__ = ["CANDIDATES", "Mesh", "ShardingPlan", "plan_sharding"]
+
+LAYOUTS = {"dp": ("B", "B"), "column": ("W", "F"), "row": ("F", "W"), "whole": ("W", "W"),
+           "shards": ("F", "F"), "xent": ("F", "W")}
+CANDIDATES = {"matmul": ("dp", "column", "row"), "xent": ("dp", "whole", "xent"),
+              "elementwise": ("dp", "whole", "shards"), "other": ("dp", "whole")}
+SHARDED = frozenset({"column", "row"})
+STATE_BYTES = 4  # weights, gradients and two optimizer slots per parameter byte
+_RESOLUTION = 1e6  # CP-SAT integer steps per largest cost
+
+
+@dataclasses.dataclass(frozen=True)
+class Mesh:
+    """``devices`` = data x ``tensor``; the global batch and the device type."""
+
+    devices: int
+    tensor: int
+    batch: float
+    hardware: Hardware
+
+    @property
+    def data(self) -> int:
+        return self.devices // self.tensor
+
+    @property
+    def bandwidth(self) -> float:
+        return self.hardware.intra_node_gbps * 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPlan:
+    """Candidate per layer and the estimates; ``optimal`` when the solver proved it."""
+
+    candidates: Tuple[str, ...]
+    step_time_s: float
+    memory_bytes: float
+    comm_bytes: float
+    optimal: bool
+
+
+def plan_sharding(graph: LayerGraph, mesh: Mesh, memory_limit: float, opt_level: str = "O2",
+                  time_limit_s: float = 10.0) -> Optional[ShardingPlan]:
+    """The cheapest candidates for ``graph`` on ``mesh`` (None: nothing fits)."""
+    problem = _Problem(graph, mesh)
+    if opt_level == "O3":
+        found = _ilp(problem, problem.allowed(), {}, memory_limit, time_limit_s)
+        return None if found is None else problem.plan(*found)
+    allowed = problem.allowed()
+    while True:
+        chosen = _segments_dp(problem, allowed)
+        if problem.memory(chosen) <= memory_limit:
+            return problem.plan(chosen, True)
+        allowed = _force_largest_sharded(problem, allowed, chosen)
+        if allowed is None:
+            return None
+
+
+class _Problem:
+    """Costs of one layer graph on one mesh."""
+
+    def __init__(self, graph: LayerGraph, mesh: Mesh):
+        self.graph, self.mesh = graph, mesh
+        self.rows_device = mesh.batch / mesh.devices
+        self.rows_group = mesh.batch / mesh.data
+        self.preds: List[List[Tuple[int, float]]] = [[] for _ in graph.layers]
+        for i, j, size in graph.edges:
+            self.preds[j].append((i, size))
+
+    def allowed(self) -> List[Tuple[str, ...]]:
+        if self.mesh.tensor == 1:
+            return [("dp",)] * len(self.graph.layers)
+        return [CANDIDATES[layer.kind] if layer.kind != "elementwise" or not layer.param_bytes
+                else ("dp", "whole") for layer in self.graph.layers]
+
+    def node(self, i: int, candidate: str) -> Cost:
+        """Compute (forward + backward = 3 x forward) and communication of layer i."""
+        layer, mesh = self.graph.layers[i], self.mesh
+        t, bandwidth = mesh.tensor, mesh.bandwidth
+        rows = {"dp": self.rows_device, "whole": self.rows_group}.get(candidate,
+                                                                      self.rows_group / t)
+        compute = Cost(3 * layer.flops * rows / (mesh.hardware.tflops * 1e12))
+        if candidate in SHARDED:
+            grads = allreduce(mesh.data, layer.param_bytes / t, bandwidth, latency=False)
+        else:
+            grads = allreduce(mesh.devices, layer.param_bytes, bandwidth, latency=False)
+        # The model's inputs arrive split by rows (data parallelism feeds them).
+        extra = self.edge(layer.input_bytes, "B", LAYOUTS[candidate][0])
+        if candidate == "row":
+            extra += allreduce(t, layer.out_bytes * self.rows_group, bandwidth)
+        elif candidate == "xent":
+            extra += allreduce(t, 8 * self.rows_group, bandwidth) * 2
+        return compute + grads + extra
+
+    def edge(self, size: float, out_layout: str, in_layout: str) -> Cost:
+        """Resharding ``size`` bytes per row, forward and backward."""
+        if out_layout == in_layout:
+            return Cost()
+        if "W" not in (out_layout, in_layout):  # through whole rows
+            return self.edge(size, out_layout, "W") + self.edge(size, "W", in_layout)
+        t, total = self.mesh.tensor, size * self.rows_group
+        gather = allgather(t, total, self.mesh.bandwidth)
+        return {("B", "W"): gather * 2, ("W", "B"): gather, ("F", "W"): gather,
+                ("W", "F"): allreduce(t, total, self.mesh.bandwidth)}[out_layout, in_layout]
+
+    def memory_of(self, i: int, candidate: str) -> float:
+        layer, t = self.graph.layers[i], self.mesh.tensor
+        weights = layer.param_bytes / (t if candidate in SHARDED else 1)
+        rows = {"dp": self.rows_device, "whole": self.rows_group,
+                "row": self.rows_group}.get(candidate, self.rows_group / t)
+        return STATE_BYTES * weights + layer.activation_bytes * rows
+
+    def memory(self, chosen: Sequence[str]) -> float:
+        return sum(self.memory_of(i, c) for i, c in enumerate(chosen))
+
+    def reshard(self, size: float, producer: str, consumer: str) -> Cost:
+        """The edge between a layer with candidate ``producer`` and one with ``consumer``."""
+        return self.edge(size, LAYOUTS[producer][1], LAYOUTS[consumer][0])
+
+    def total(self, chosen: Sequence[str]) -> Cost:
+        cost = sum((self.node(i, c) for i, c in enumerate(chosen)), Cost())
+        for j, preds in enumerate(self.preds):
+            for i, size in preds:
+                cost = cost + self.reshard(size, chosen[i], chosen[j])
+        # Gradients go in fused buckets: one latency per all-reduce group.
+        mesh = self.mesh
+        if any(c not in SHARDED and self.graph.layers[i].param_bytes for i, c in enumerate(chosen)):
+            cost = cost + Cost(2 * (mesh.devices - 1) * LATENCY_S)
+        if any(c in SHARDED for c in chosen) and mesh.data > 1:
+            cost = cost + Cost(2 * (mesh.data - 1) * LATENCY_S)
+        return cost
+
+    def plan(self, chosen: Sequence[str], optimal: bool) -> ShardingPlan:
+        cost = self.total(chosen)
+        return ShardingPlan(tuple(chosen), cost.seconds, self.memory(chosen), cost.bytes, optimal)
+
+
+def _ilp(problem: _Problem, allowed: Sequence[Tuple[str, ...]], fixed: Dict[int, str],
+         memory_limit: Optional[float], time_limit_s: float,
+         nodes: Optional[Sequence[int]] = None) -> Optional[Tuple[List[str], bool]]:
+    """Rhino §4.2 over ``nodes`` (all layers when None; edges among them):
+    candidates of the ``fixed`` layers are given. Returns (candidate per
+    layer of ``nodes``, proved optimal) or None."""
+    nodes = list(range(len(allowed))) if nodes is None else list(nodes)
+    inside = set(nodes)
+    options = {i: ((fixed[i],) if i in fixed else allowed[i]) for i in nodes}
+    edges = [(i, j, size) for j in nodes for i, size in problem.preds[j] if i in inside]
+    node_cost = {(i, c): problem.node(i, c).seconds for i in nodes for c in options[i]}
+    edge_cost = {(e, a, b): problem.reshard(size, a, b).seconds
+                 for e, (i, j, size) in enumerate(edges) for a in options[i] for b in options[j]}
+    unit = max(list(node_cost.values()) + list(edge_cost.values()) + [1e-30]) / _RESOLUTION
+    model = cp_model.CpModel()
+    pick = {(i, c): model.NewBoolVar(f"x{i}_{c}") for i in nodes for c in options[i]}
+    for i in nodes:
+        model.AddExactlyOne(pick[i, c] for c in options[i])
+    objective = [round(cost / unit) * pick[key] for key, cost in node_cost.items()]
+    for e, (i, j, _) in enumerate(edges):
+        pair = {(a, b): model.NewBoolVar(f"y{e}_{a}_{b}") for a in options[i] for b in options[j]}
+        for a in options[i]:
+            model.Add(sum(pair[a, b] for b in options[j]) == pick[i, a])
+        for b in options[j]:
+            model.Add(sum(pair[a, b] for a in options[i]) == pick[j, b])
+        objective += [round(edge_cost[e, a, b] / unit) * var for (a, b), var in pair.items()]
+    if memory_limit is not None:
+        memory = {key: problem.memory_of(*key) for key in pick}
+        scale = max(max(memory.values(), default=0.0), memory_limit, 1.0) / _RESOLUTION
+        model.Add(sum(int(memory[key] / scale) * var for key, var in pick.items())
+                  <= int(memory_limit / scale))
+    model.Minimize(sum(objective))
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.num_search_workers = 1
+    status = solver.Solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    chosen = [next(c for c in options[i] if solver.Value(pick[i, c])) for i in nodes]
+    return chosen, status == cp_model.OPTIMAL
+
+
+def critical_layers(graph: LayerGraph) -> List[int]:
+    """Layers no edge jumps over (every path from the first to the last passes
+    them), in order: the first and last layers included (Rhino §4.3.1)."""
+    count = len(graph.layers)
+    jumped = [0] * (count + 1)
+    for i, j, _ in graph.edges:
+        if j > i + 1:
+            jumped[i + 1] += 1
+            jumped[j] -= 1
+    critical, running = [], 0
+    for k in range(count):
+        running += jumped[k]
+        if running == 0:
+            critical.append(k)
+    return critical
+
+
+def _segments_dp(problem: _Problem, allowed: Sequence[Tuple[str, ...]]) -> List[str]:
+    """Rhino §4.3.2: DP over critical layers, segments between them solved once
+    per signature (TAP's plan reuse)."""
+    graph = problem.graph
+    critical = critical_layers(graph)
+    first = critical[0]
+    best = {c: (problem.node(first, c).seconds, [c]) for c in allowed[first]}
+    cache: Dict[Tuple, Dict[Tuple[str, str], Tuple[float, List[str]]]] = {}
+    for start, end in zip(critical, critical[1:]):
+        key = _segment_key(problem, allowed, start, end)
+        if key not in cache:
+            cache[key] = _solve_segment(problem, allowed, start, end)
+        table = cache[key]
+        best = {b: min(((cost + table[a, b][0], path + table[a, b][1])
+                        for a, (cost, path) in best.items()), key=lambda x: x[0])
+                for b in allowed[end]}
+    return min(best.values(), key=lambda x: x[0])[1]
+
+
+def _segment_key(problem: _Problem, allowed, start: int, end: int) -> Tuple:
+    layers = problem.graph.layers[start:end + 1]
+    edges = tuple((i - start, j - start, size) for j in range(start + 1, end + 1)
+                  for i, size in problem.preds[j])
+    return tuple(layer.signature for layer in layers), edges, tuple(allowed[start:end + 1])
+
+
+def _solve_segment(problem: _Problem, allowed, start: int, end: int):
+    """(candidate of start, of end) -> (cost of the segment past ``start``,
+    candidates of the layers after ``start``)."""
+    inner = list(range(start + 1, end))
+    chain = all(problem.preds[j] and [i for i, _ in problem.preds[j]] == [j - 1]
+                for j in range(start + 1, end + 1))
+    table = {}
+    for a in allowed[start]:
+        for b in allowed[end]:
+            if chain:
+                chosen = _chain_dp(problem, allowed, start, end, a, b)
+            else:
+                found = _ilp(problem, allowed, {start: a, end: b}, None, 10.0,
+                             [start] + inner + [end])
+                chosen = found[0][1:] if found else [b]
+            path = [a] + chosen
+            cost = sum(problem.node(k, c).seconds for k, c in zip(range(start + 1, end + 1), chosen))
+            cost += sum(problem.reshard(size, path[i - start], path[j - start]).seconds
+                        for j in range(start + 1, end + 1) for i, size in problem.preds[j])
+            table[a, b] = (cost, chosen)
+    return table
+
+
+def _chain_dp(problem: _Problem, allowed, start: int, end: int, a: str, b: str) -> List[str]:
+    """Candidates of layers start+1..end of a chain, start's and end's fixed."""
+    size = {j: problem.preds[j][0][1] for j in range(start + 1, end + 1)}
+    best = {a: (0.0, [])}
+    for j in range(start + 1, end + 1):
+        options = (b,) if j == end else allowed[j]
+        best = {c: min(((cost + problem.reshard(size[j], p, c).seconds
+                         + problem.node(j, c).seconds, path + [c])
+                        for p, (cost, path) in best.items()), key=lambda x: x[0])
+                for c in options}
+    return best[b][1]
+
+
+def _force_largest_sharded(problem: _Problem, allowed, chosen) -> Optional[List[Tuple[str, ...]]]:
+    """Rhino §4.4: the layers with the largest weights not yet sharded (all of
+    that size, so repeated blocks move together) may only be sharded; None when
+    no such layer is left."""
+    layers = problem.graph.layers
+    open_ = [i for i, c in enumerate(chosen) if c not in SHARDED and layers[i].param_bytes
+             and SHARDED & set(allowed[i])]
+    if not open_:
+        return None
+    largest = max(layers[i].param_bytes for i in open_)
+    return [tuple(c for c in options if c in SHARDED)
+            if i in open_ and layers[i].param_bytes == largest else options
+            for i, options in enumerate(allowed)]
