@@ -27,6 +27,16 @@ def dense(x, units, name, seed, activation=None):
     return activation(out) if activation is not None else out
 
 
+def layer(h, units, name, seed, activation=None):
+    """tf.compat.v1.layers.dense with numpy initial values (same in every run)."""
+    rng = np.random.RandomState(seed)
+    kernel = (rng.randn(int(h.shape[-1]), units) / np.sqrt(int(h.shape[-1]))).astype(np.float32)
+    return tf.compat.v1.layers.dense(
+        h, units, activation, name=name,
+        kernel_initializer=tf.compat.v1.constant_initializer(kernel),
+        bias_initializer=tf.compat.v1.constant_initializer(0.1 * rng.randn(units)))
+
+
 def mlp_classifier(optimizer=lambda: tf.compat.v1.train.GradientDescentOptimizer(0.5),
                    hidden=8, classes=3):
     """build(x, y) for a 2-layer MLP with a mean softmax cross-entropy loss."""

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from equivalence import (assert_equivalent, checkpoint_session, dense, make_data, plan_of,
-                         train)
+from equivalence import (assert_equivalent, checkpoint_session, dense, layer, make_data,
+                         plan_of, train)
 
 import tfpar as wh
 
@@ -16,15 +16,6 @@ DATA = make_data(steps=3, batch=8, classes=10)
 
 def scope(tfpar, kind, devices):
     return getattr(wh, kind)(devices) if tfpar else contextlib.nullcontext()
-
-
-def layer(h, units, name, seed, activation=None):
-    """tf.compat.v1.layers.dense with numpy initial values (same in every run)."""
-    rng = np.random.RandomState(seed)
-    kernel = (rng.randn(int(h.shape[-1]), units) / np.sqrt(int(h.shape[-1]))).astype(np.float32)
-    return v1.layers.dense(h, units, activation, name=name,
-                           kernel_initializer=v1.constant_initializer(kernel),
-                           bias_initializer=v1.constant_initializer(0.1 * rng.randn(units)))
 
 
 def classifier(tfpar, classes=10, backbone="replicate", devices=4, dense_labels=False,
@@ -316,6 +307,23 @@ def test_default_initializers_in_a_split_scope():
     wh.reset()
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
     assert sum(b.size for b in bias) == 10
+
+
+def seeded_classifier(tfpar):
+    def build(x, y):
+        with scope(tfpar, "split", 2):
+            logits = v1.layers.dense(x, 10, name="logits",
+                                     kernel_initializer=v1.glorot_uniform_initializer(seed=3))
+            loss = v1.losses.sparse_softmax_cross_entropy(y, logits)
+        return loss, v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+    return build
+
+
+def test_seeded_random_initializers_give_the_single_device_values():
+    """A seeded initializer draws the whole variable once per shard and keeps
+    its slice: shards hold exactly the single-device values."""
+    assert_equivalent(train(seeded_classifier(False), DATA),
+                      train(seeded_classifier(True), DATA, {"cluster.num_devices": 2}))
 
 
 NN_LOSSES = {

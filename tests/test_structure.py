@@ -1,4 +1,5 @@
 """House rules that keep tfpar maintainable and deterministic."""
+import json
 import os
 import subprocess
 import sys
@@ -105,6 +106,26 @@ def test_entry_point_examples_run_and_are_equivalent(script, mode, tmp_path):
     out = _run(script, *args)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "equivalent" in out.stdout and "NOT" not in out.stdout
+
+
+def test_auto_parallel_example_plans_first_then_builds_the_head_split():
+    """The planning pass (a child run of the script) finds the sharded head; the
+    script then builds it split and trains like one device."""
+    out = _run("examples/auto_parallel.py", "--classes", "8000", "--steps", "3")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "tfpar auto: planning pass" in out.stderr
+    assert "split_1    split" in out.stdout and "head -> column" in out.stdout
+    assert "(equivalent)" in out.stdout
+
+
+def test_cli_plan_writes_the_plan_file(tmp_path):
+    path = tmp_path / "plan.json"
+    out = _run("-m", "tfpar.cli", "plan", "--out", str(path), "examples/auto_parallel.py",
+               "--classes", "8000", "--steps", "1")
+    assert out.returncode == 0, out.stderr[-2000:]
+    plan = json.loads(path.read_text())
+    assert plan["sharding"]["layers"]["head"] == "column"
+    assert "planning pass" not in out.stderr  # `tfpar plan` is itself the planning pass
 
 
 def test_cli_plan_prints_the_plan_without_training():

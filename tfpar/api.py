@@ -1,4 +1,5 @@
 """Public API: init, replicate, split, set_default_strategy, current_plan."""
+import sys
 from typing import Any, Optional
 
 from tfpar.config import Config
@@ -21,9 +22,10 @@ def init(config: Any = None) -> Config:
     """
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     from tfpar.hooks import capture, tf_patches  # pylint: disable=import-outside-toplevel
-    from tfpar.runtime import context, engine  # pylint: disable=import-outside-toplevel
+    from tfpar.runtime import context, engine, planning_pass  # pylint: disable=import-outside-toplevel
 
-    cfg = Config.load(config)
+    caller = sys._getframe(1).f_globals  # pylint: disable=protected-access
+    cfg = planning_pass.pinned_by_planning_pass(Config.load(config), caller)
     tf.compat.v1.disable_eager_execution()
     if cfg.get("communication.backend") == "horovod":
         _start_horovod()
@@ -113,6 +115,7 @@ class _Scope:
     def __enter__(self):
         import tensorflow as tf  # pylint: disable=import-outside-toplevel
         from tfpar.hooks.capture import capture_for  # pylint: disable=import-outside-toplevel
+        from tfpar.runtime.engine import make_split_context  # pylint: disable=import-outside-toplevel
 
         rt = _runtime(self._describe())
         if self.device_count is not None and self.device_count > len(rt.devices):
@@ -125,23 +128,11 @@ class _Scope:
                                   "replicate/split scopes cannot be nested")
         spec = self._capture.open_scope(self.strategy, self.device_count, self.name)
         if self.strategy == Strategy.SPLIT:
-            self._capture.split_contexts[spec.index] = _split_context(self._capture, spec, rt)
+            self._capture.split_contexts[spec.index] = make_split_context(self._capture, spec, rt)
         return self
 
     def __exit__(self, *exc) -> None:
         self._capture.close_scope()
-
-
-def _split_context(capture, spec, rt):
-    """Shard devices of a split scope, fixed now because its variables are built
-    sharded: its VirtualDevice given the scopes opened so far (Whale §3.2.1)."""
-    from tfpar.cluster.virtual_device import assign_devices  # pylint: disable=import-outside-toplevel
-    from tfpar.patterns.sharded import SplitContext  # pylint: disable=import-outside-toplevel
-
-    assignment = assign_devices([(s.name, s.device_count) for s in capture.task_graphs],
-                                rt.devices, rt.config.get("cluster.colocate_split_and_replicate"))
-    return SplitContext(spec.name, assignment.virtual_devices[-1][0],
-                        rt.config.get("split.patterns"), capture.sharded_tensors)
 
 
 def _runtime(what: str):

@@ -1,9 +1,10 @@
 """The ``tfpar`` command.
 
     tfpar config                       list every config key, its default and meaning
-    tfpar plan [--config CFG] [--json] SCRIPT [ARGS...]
+    tfpar plan [--config CFG] [--json] [--out FILE] SCRIPT [ARGS...]
                                        run SCRIPT until its first session run and print
-                                       the plan tfpar would execute, without training
+                                       the plan tfpar would execute (or write its JSON to
+                                       FILE), without training
     tfpar launch --workers N [--devices-per-worker K] SCRIPT [ARGS...]
                                        run SCRIPT as N local workers of a TF_CONFIG cluster
     tfpar launch --hosts H1,H2 [--port P] SCRIPT [ARGS...]
@@ -28,13 +29,15 @@ class _PlanReady(Exception):
 
 def _plan(args) -> int:
     from tfpar import api  # pylint: disable=import-outside-toplevel
-    from tfpar.runtime import engine  # pylint: disable=import-outside-toplevel
+    from tfpar.runtime import engine, planning_pass  # pylint: disable=import-outside-toplevel
 
     original_init = api.init
     forced = args.config
 
     def init(config=None):
         return original_init(forced if forced is not None else config)
+
+    os.environ[planning_pass.ENV] = "1"  # this run is the planning pass
 
     def stop_at_plan(graph):
         from tfpar.hooks.capture import existing_capture  # pylint: disable=import-outside-toplevel
@@ -43,7 +46,11 @@ def _plan(args) -> int:
         if active() is None or capture is None or not capture.gradient_calls:
             return None
         plan = engine.plan_for(graph, capture, active())
-        print(plan.to_json() if args.json else plan.summary())
+        if args.out:
+            with open(args.out, "w", encoding="utf-8") as f:
+                f.write(plan.to_json())
+        else:
+            print(plan.to_json() if args.json else plan.summary())
         raise _PlanReady()
 
     api.init = init
@@ -89,6 +96,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     plan.add_argument("script")
     plan.add_argument("--config", help="config (JSON file or text) used instead of the script's")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--out", help="write the plan's JSON to this file instead")
     plan.add_argument("script_args", nargs=argparse.REMAINDER)
     launch = sub.add_parser("launch", help="run a script as N local workers (TF_CONFIG)")
     launch.add_argument("--workers", type=int, default=2, help="worker processes")

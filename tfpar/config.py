@@ -79,6 +79,9 @@ SCHEMA = {
     "auto.global_batch": Option("int", 32, _at_least(1),
                                 "global batch the planner's cost model assumes"),
     "auto.search_time_limit_s": Option("float", 60.0, _POSITIVE, "planner search time limit"),
+    "auto.planning_pass": Option("bool", True, (),
+                                 "a script with auto_parallel plans in a child run first, "
+                                 "so sharded layers are built split"),
     "balance.hardware_aware": Option("bool", True, (), "Whale Algorithm 1 on mixed devices"),
     "communication.backend": Option(
         "str", "auto", _one_of("auto", "collective", "horovod"),

@@ -7,12 +7,12 @@ import contextlib
 import dataclasses
 import threading
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, FrozenSet, List, Optional
 
 from tfpar.ir.taskgraph import Phase, Strategy, TaskGraphSpec
 
 __all__ = ["ApplyCall", "GradientCall", "GraphCapture", "capture_for", "existing_capture",
-           "recording_paused", "reset_captures"]
+           "in_layers", "layer_of", "recording_paused", "reset_captures", "set_capture_setup"]
 
 
 @dataclasses.dataclass
@@ -69,6 +69,10 @@ class GraphCapture:
         # (graph version, automatic partition) cached by the runtime's planner.
         self.automatic: Any = None
         self._phases: List[Phase] = []
+        # A pinned plan's sharded layers (name scopes), their tensor degree and
+        # the SplitContext factory; the split TaskGraph open while they build.
+        self._planned_split: Any = None
+        self._open_planned: Optional[int] = None
 
     # -- recording -----------------------------------------------------------------
     def record_op(self, op: Any, differentiated: Any = None) -> None:
@@ -87,6 +91,8 @@ class GraphCapture:
                                if s.name in self.op_task_graph), None)
         if task_graph is None and self._scopes:
             task_graph = self._scopes[-1]
+        if task_graph is None and phase is None and self._planned_split is not None:
+            task_graph = self._planned_task_graph(op.name, closing=True)
         if task_graph is None and phase is None:
             task_graph = self._implicit_task_graph()
         if task_graph is not None:
@@ -104,6 +110,36 @@ class GraphCapture:
                 index=self._implicit, name=f"default_{self._implicit}", strategy=strategy,
                 device_count=count, implicit=True))
         return self._implicit
+
+    def plan_split_layers(self, layers: FrozenSet[str], device_count: int,
+                          make_context: Callable[["GraphCapture", TaskGraphSpec], Any]) -> None:
+        """Build ``layers`` (name scopes or op names) split over ``device_count``
+        devices, as a pinned auto plan chose; other ops replicate on as many
+        devices (implicit TaskGraphs, nested data parallelism around both)."""
+        self._planned_split = (layers, device_count, make_context)
+        self.default_strategy = (Strategy.REPLICATE, device_count)
+
+    def _planned_task_graph(self, name: str, closing: bool) -> Optional[int]:
+        """The split TaskGraph of the planned layer holding ``name`` (opened by
+        the first of a run of such layers). A forward op outside them ends the
+        run (``closing``), unless a split pattern is building it."""
+        if self._scopes or self.gradient_calls:
+            return None
+        layers, count, make_context = self._planned_split
+        open_ = self._open_planned
+        if not in_layers(name, layers):
+            if open_ is not None and self.split_contexts[open_].busy:
+                return open_
+            if closing:
+                self._open_planned = None
+            return None
+        if open_ is None:
+            spec = TaskGraphSpec(index=len(self.task_graphs), name=f"split_{len(self.task_graphs)}",
+                                 strategy=Strategy.SPLIT, device_count=count, implicit=True)
+            self.task_graphs.append(spec)
+            self.split_contexts[spec.index] = make_context(self, spec)
+            self._open_planned, self._implicit = spec.index, None
+        return self._open_planned
 
     def open_scope(self, strategy: Strategy, device_count: Optional[int],
                    name: Optional[str]) -> TaskGraphSpec:
@@ -130,20 +166,47 @@ class GraphCapture:
     def in_scope(self) -> bool:
         return bool(self._scopes)
 
-    def current_split(self) -> Any:
-        """The SplitContext of the open split scope, or None."""
-        return self.split_contexts.get(self._scopes[-1]) if self._scopes else None
+    def current_split(self, name_scope: str = "") -> Any:
+        """The SplitContext of the open split scope, or of the planned split
+        layer ``name_scope`` is in, or None."""
+        if self._scopes:
+            return self.split_contexts.get(self._scopes[-1])
+        if self._planned_split is None or not name_scope:
+            return None
+        index = self._planned_task_graph(name_scope, closing=False)
+        return None if index is None else self.split_contexts[index]
+
+
+def layer_of(name: str, layers: FrozenSet[str]) -> Optional[str]:
+    """The one of ``layers`` that ``name`` (an op or name scope) is or is inside."""
+    parts = name.split("/")
+    return next((prefix for prefix in ("/".join(parts[:depth])
+                                       for depth in range(1, len(parts) + 1))
+                  if prefix in layers), None)
+
+
+def in_layers(name: str, layers: FrozenSet[str]) -> bool:
+    return layer_of(name, layers) is not None
 
 
 _captures: "weakref.WeakKeyDictionary[Any, GraphCapture]" = weakref.WeakKeyDictionary()
 _paused = threading.local()
+_setup: Optional[Callable[[GraphCapture], None]] = None
+
+
+def set_capture_setup(setup: Optional[Callable[[GraphCapture], None]]) -> None:
+    """``setup`` prepares every new capture (the runtime applies a pinned plan)."""
+    global _setup
+    _setup = setup
 
 
 def capture_for(graph: Any) -> GraphCapture:
-    """The capture of ``graph``, created on first use."""
+    """The capture of ``graph``, created (and set up) on first use."""
     cap = _captures.get(graph)
     if cap is None:
         cap = _captures[graph] = GraphCapture()
+        if _setup is not None:
+            _setup(cap)
     return cap
 
 

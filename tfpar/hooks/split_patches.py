@@ -64,7 +64,7 @@ def _split_context():
     if graph.building_function:
         return None
     capture = cap_lib.existing_capture(graph)
-    ctx = capture.current_split() if capture is not None else None
+    ctx = capture.current_split(graph.get_name_scope()) if capture is not None else None
     return None if ctx is None or ctx.busy else ctx
 
 

@@ -56,9 +56,12 @@ def install(runtime: Any) -> None:
         clearer one).
       make_iterator: (dataset, make) -> iterator, where ``make(dataset)`` is
         TensorFlow's; may shard the dataset or make more iterators.
+      setup_capture: prepares the capture of each new graph (a pinned plan's
+        split layers).
     """
     global _runtime
     _runtime = runtime
+    cap_lib.set_capture_setup(runtime.setup_capture)
     if _patches.installed:
         return
     _patches.add(ops.Graph, "_create_op_helper", _wrap_create_op)
@@ -79,6 +82,7 @@ def install(runtime: Any) -> None:
 def uninstall() -> None:
     global _runtime
     _patches.remove()
+    cap_lib.set_capture_setup(None)
     _runtime = None
 
 

@@ -50,6 +50,9 @@ class Plan:
       num_micro_batch, schedule, group_size: pipeline settings.
       estimate: ``step_time_s`` (None until a cost model estimates it),
         ``memory_bytes_per_device`` and ``comm_bytes`` per step.
+      sharding: what the sharding search chose (``auto.auto_parallel``):
+        ``tensor_degree`` and ``layers``, name scope -> sharding candidate
+        (``planner.sharding``); pinned, those layers are built split.
     """
 
     task_graphs: Tuple[TaskGraphPlan, ...]
@@ -58,6 +61,7 @@ class Plan:
     schedule: str = "1f1b"
     group_size: Any = 1
     estimate: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    sharding: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, Any]:
         """The plan as the JSON-ready dict of DESIGN.md."""
@@ -83,6 +87,7 @@ class Plan:
                 for tg in self.task_graphs
             ],
             "estimate": dict(self.estimate),
+            "sharding": dict(self.sharding),
         }
 
     def to_json(self, indent: Optional[int] = 2) -> str:
@@ -111,7 +116,8 @@ class Plan:
                    num_micro_batch=pipeline.get("num_micro_batch", 1),
                    schedule=pipeline.get("schedule", "1f1b"),
                    group_size=pipeline.get("group_size", 1),
-                   estimate=dict(data.get("estimate", {})))
+                   estimate=dict(data.get("estimate", {})),
+                   sharding=dict(data.get("sharding", {})))
 
     def simulate(self, forward_time=None, backward_time=None, transfer_time: float = 0.0):
         """Simulate one step of the plan's pipeline schedule (one replica).
@@ -159,6 +165,10 @@ class Plan:
         for tg in self.task_graphs:
             for unit, pattern in sorted(tg.patterns.items()):
                 lines.append(f"  {tg.name}: {unit} -> {pattern}")
+        if self.sharding:
+            lines.append(f"sharded layers (tensor degree {self.sharding['tensor_degree']}): "
+                         + ", ".join(f"{scope} -> {how}"
+                                     for scope, how in self.sharding["layers"].items()))
         est = self.estimate
         if est:
             step = est.get("step_time_s")

@@ -181,10 +181,14 @@ def sharded_variable(ctx: SplitContext, name: str, shape: Sequence[int], axis: i
 def slicing_initializer(initializer):
     """An initializer that, for a slice, yields that slice of what
     ``initializer`` gives the full variable: numpy values and constants are cut;
-    other initializers get TensorFlow's partition_info as usual."""
+    a seeded random initializer draws the full variable and keeps the slice
+    (the same numbers as on one device); other initializers get TensorFlow's
+    partition_info as usual."""
     value = initializer
     if isinstance(initializer, init_ops.Constant):
         value = initializer.value
+    if getattr(initializer, "seed", None) is not None:
+        return _seeded_slice(initializer)
     if not isinstance(value, (np.ndarray, list, tuple, float, int)):
         return initializer
     array = np.asarray(value)
@@ -195,4 +199,13 @@ def slicing_initializer(initializer):
         offset = partition_info.var_offset if partition_info is not None else [0] * len(shape)
         index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
         return array[index].astype(dtype.as_numpy_dtype if dtype is not None else array.dtype)
+    return init
+
+
+def _seeded_slice(initializer):
+    def init(shape, dtype=None, partition_info=None):
+        if partition_info is None:
+            return initializer(shape, dtype=dtype)
+        full = initializer(partition_info.full_shape, dtype=dtype)
+        return array_ops.slice(full, partition_info.var_offset, shape)
     return init

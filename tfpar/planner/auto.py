@@ -21,7 +21,7 @@ reports each one as it is planned; ``time_limit_s`` bounds the whole search.
 """
 import dataclasses
 import time
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from tfpar.cluster.hardware import Hardware
 from tfpar.errors import PlanError
@@ -32,7 +32,8 @@ from tfpar.planner.schedule import build_schedule
 from tfpar.planner.sharding import STATE_BYTES as BYTES_PER_PARAM_STATE, Mesh, plan_sharding
 from tfpar.planner.simulate import simulate
 
-__all__ = ["Candidate", "ModelView", "StageCosts", "search", "stage_costs"]
+__all__ = ["Candidate", "ModelView", "StageCosts", "choose", "search", "search_all",
+           "stage_costs"]
 
 TOLERANCE = 0.1
 
@@ -82,11 +83,17 @@ def search(model: ModelView, num_devices: int, hardware: Hardware, global_batch:
            num_micro_batch: int, pipeline: Optional[int] = None, time_limit_s: float = 10.0,
            progress: Callable[[str], None] = lambda line: None,
            opt_level: str = "O2") -> Candidate:
-    """The fastest candidate that fits ``hardware``'s memory.
+    """The fastest candidate that fits ``hardware``'s memory (``search_all``
+    then ``choose``)."""
+    return choose(search_all(model, num_devices, hardware, global_batch, num_micro_batch,
+                             pipeline, time_limit_s, progress, opt_level), hardware)
 
-    Raises:
-      PlanError: no candidate fits, naming the smallest memory need.
-    """
+
+def search_all(model: ModelView, num_devices: int, hardware: Hardware, global_batch: int,
+               num_micro_batch: int, pipeline: Optional[int] = None, time_limit_s: float = 10.0,
+               progress: Callable[[str], None] = lambda line: None,
+               opt_level: str = "O2") -> List[Candidate]:
+    """A candidate per mesh, planned within ``time_limit_s`` in all."""
     capacity = hardware.memory_gb * 2 ** 30
     meshes = [(1, p) for p in ([pipeline] if pipeline else range(1, num_devices + 1))
               if num_devices % p == 0 and p <= len(model.flops)]
@@ -108,14 +115,28 @@ def search(model: ModelView, num_devices: int, hardware: Hardware, global_batch:
             candidate = _estimate(model, p, max(num_devices // p, 1), hardware, global_batch,
                                   num_micro_batch if p > 1 else 1, max(left, 1.0))
         if candidate is None:
-            progress(f"tfpar auto [{number}/{len(meshes)}] tensor {t}: no plan fits")
+            progress(f"tfpar auto [{number}/{len(meshes)}] tensor {t}: no sharded plan fits "
+                     "or beats data parallelism")
             continue
         candidates.append(candidate)
         progress(f"tfpar auto [{number}/{len(meshes)}] data {candidate.data} x tensor "
                  f"{candidate.tensor} x pipeline {p}: step {candidate.step_time_s * 1e3:.3f} ms, "
                  f"memory/device {candidate.memory_bytes / 2 ** 20:.1f} MiB")
+    return candidates
+
+
+def choose(candidates: Sequence[Candidate], hardware: Hardware) -> Candidate:
+    """The fastest of ``candidates`` whose memory fits.
+
+    Raises:
+      PlanError: none fits, naming the smallest memory need.
+    """
+    capacity = hardware.memory_gb * 2 ** 30
     fitting = [c for c in candidates if c.memory_bytes <= capacity]
     if not fitting:
+        if not candidates:
+            raise PlanError(f"tfpar: auto.auto_parallel found no plan that fits "
+                            f"{hardware.name}'s {hardware.memory_gb:g} GB per device")
         least = min(candidates, key=lambda c: c.memory_bytes)
         raise PlanError(f"tfpar: auto.auto_parallel found no plan that fits {hardware.name}'s "
                         f"{hardware.memory_gb:g} GB per device; the smallest needs "

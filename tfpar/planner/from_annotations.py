@@ -33,9 +33,9 @@ def plan_from_annotations(specs: Sequence[TaskGraphSpec], devices: Sequence[str]
       PlanError: the annotations need a feature this build does not provide yet,
         or a pinned plan does not fit the model / devices.
     """
-    if config.plan is not None:
-        pinned = Plan.from_dict(config.plan)
-        tgs = _pinned_task_graphs(pinned, specs, devices)
+    pinned = Plan.from_dict(config.plan) if config.plan is not None else None
+    if pinned is not None:
+        tgs = _pinned_task_graphs(pinned, specs, devices, stats.get("split", {}))
         num_micro_batch, schedule, group_size = (pinned.num_micro_batch, pinned.schedule,
                                                  pinned.group_size)
     else:
@@ -57,8 +57,11 @@ def plan_from_annotations(specs: Sequence[TaskGraphSpec], devices: Sequence[str]
         "comm_bytes": sum(int(2 * (n - 1) / n * tg.param_bytes)
                           for tg, n in ((tg, len(tg.replicas)) for tg in tgs)),
     }
+    if pinned is not None and pinned.estimate.get("step_time_s") is not None:
+        estimate = dict(pinned.estimate)  # the search's estimate of the pinned plan
     return Plan(task_graphs=tuple(tgs), data_parallel_degree=r, num_micro_batch=num_micro_batch,
-                schedule=schedule, group_size=group_size, estimate=estimate)
+                schedule=schedule, group_size=group_size, estimate=estimate,
+                sharding=dict(pinned.sharding) if pinned is not None else {})
 
 
 def _annotated_task_graphs(specs, devices, config, split) -> List[TaskGraphPlan]:
@@ -115,8 +118,10 @@ def _check_pipeline(tgs: Sequence[TaskGraphPlan], num_micro_batch: int, schedule
                         f"build; choose one of {', '.join(SCHEDULES)}")
 
 
-def _pinned_task_graphs(plan: Plan, specs: Sequence[TaskGraphSpec],
-                        devices: Sequence[str]) -> List[TaskGraphPlan]:
+def _pinned_task_graphs(plan: Plan, specs: Sequence[TaskGraphSpec], devices: Sequence[str],
+                        split) -> List[TaskGraphPlan]:
+    """The pinned TaskGraphs, checked against the model's; split TaskGraphs
+    report the patterns the matcher built."""
     if len(plan.task_graphs) != len(specs):
         raise PlanError(f"tfpar: the pinned plan has {len(plan.task_graphs)} TaskGraphs but "
                         f"the model has {len(specs)} ({', '.join(s.name for s in specs)})")
@@ -128,4 +133,5 @@ def _pinned_task_graphs(plan: Plan, specs: Sequence[TaskGraphSpec],
         if tg.strategy != spec.strategy.value:
             raise PlanError(f"tfpar: pinned plan TaskGraph '{tg.name}' has strategy "
                             f"'{tg.strategy}' but the model's is '{spec.strategy.value}'")
-    return list(plan.task_graphs)
+    return [dataclasses.replace(tg, patterns=dict(split[spec.index][1]))
+            if spec.index in split else tg for tg, spec in zip(plan.task_graphs, specs)]

@@ -129,8 +129,9 @@ class _Problem:
             grads = allreduce(mesh.data, layer.param_bytes / t, bandwidth, latency=False)
         else:
             grads = allreduce(mesh.devices, layer.param_bytes, bandwidth, latency=False)
-        # The model's inputs arrive split by rows (data parallelism feeds them).
-        extra = self.edge(layer.input_bytes, "B", LAYOUTS[candidate][0])
+        # The model's inputs arrive split by rows (data parallelism feeds them);
+        # a split layer gathers them (labels and ids are never feature-split).
+        extra = self.edge(layer.input_bytes, "B", "B" if candidate == "dp" else "W")
         if candidate == "row":
             extra += allreduce(t, layer.out_bytes * self.rows_group, bandwidth)
         elif candidate == "xent":
@@ -139,7 +140,7 @@ class _Problem:
 
     def edge(self, size: float, out_layout: str, in_layout: str) -> Cost:
         """Resharding ``size`` bytes per row, forward and backward."""
-        if out_layout == in_layout:
+        if out_layout == in_layout or not size:
             return Cost()
         if "W" not in (out_layout, in_layout):  # through whole rows
             return self.edge(size, out_layout, "W") + self.edge(size, "W", in_layout)
@@ -281,7 +282,8 @@ def _solve_segment(problem: _Problem, allowed, start: int, end: int):
                              [start] + inner + [end])
                 chosen = found[0][1:] if found else [b]
             path = [a] + chosen
-            cost = sum(problem.node(k, c).seconds for k, c in zip(range(start + 1, end + 1), chosen))
+            cost = sum(problem.node(k, c).seconds
+                       for k, c in zip(range(start + 1, end + 1), chosen))
             cost += sum(problem.reshard(size, path[i - start], path[j - start]).seconds
                         for j in range(start + 1, end + 1) for i, size in problem.preds[j])
             table[a, b] = (cost, chosen)

@@ -2,7 +2,7 @@
 import dataclasses
 import logging
 import sys
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.eager import context
@@ -10,10 +10,11 @@ from tensorflow.python.framework import ops
 
 from tfpar.cluster.hardware import HOST_CPU, Hardware, device_hardware
 from tfpar.errors import ClusterError, PlanError
-from tfpar.hooks.capture import GraphCapture, capture_for, existing_capture, recording_paused
+from tfpar.hooks.capture import (GraphCapture, capture_for, existing_capture, layer_of,
+                                 recording_paused)
 from tfpar.ir.plan import Plan
 from tfpar.ir.taskgraph import Strategy, TaskGraphSpec
-from tfpar.planner.auto import search, stage_costs
+from tfpar.planner.auto import choose, search_all, stage_costs
 from tfpar.planner.from_annotations import plan_from_annotations
 from tfpar.planner.grouper import tune_group_size
 from tfpar.planner.partition import partition_stages
@@ -28,8 +29,8 @@ from tfpar.rewriters.stages import (Placement, assign_stages, canonical_device, 
 from tfpar.rewriters.fetch_translation import FetchTranslator
 from tfpar.runtime.context import Runtime, active
 
-__all__ = ["before_run", "make_iterator", "plan_for", "run_failed", "run_options", "session_config",
-           "session_target"]
+__all__ = ["before_run", "make_iterator", "make_split_context", "plan_for", "run_failed",
+           "run_options", "session_config", "session_target", "setup_capture"]
 
 log = logging.getLogger("tfpar")
 
@@ -106,23 +107,68 @@ def run_failed(error: Exception) -> None:
         raise ClusterError(rt.cluster.describe_missing(missing, "is unreachable")) from error
 
 
+def make_split_context(capture: GraphCapture, spec: TaskGraphSpec, rt: Runtime,
+                       share: Optional[bool] = None):
+    """The SplitContext of a split TaskGraph: its shard devices, fixed now
+    because its variables are built sharded: its VirtualDevice given the
+    TaskGraphs opened so far (Whale §3.2.1)."""
+    from tfpar.cluster.virtual_device import assign_devices  # pylint: disable=import-outside-toplevel
+    from tfpar.patterns.sharded import SplitContext  # pylint: disable=import-outside-toplevel
+
+    if share is None:
+        share = rt.config.get("cluster.colocate_split_and_replicate")
+    assignment = assign_devices([(s.name, s.device_count) for s in capture.task_graphs],
+                                rt.devices, share)
+    return SplitContext(spec.name, assignment.virtual_devices[-1][0],
+                        rt.config.get("split.patterns"), capture.sharded_tensors)
+
+
+def _pinned_sharding(rt: Optional[Runtime]) -> Dict[str, Any]:
+    plan = rt.config.plan if rt is not None else None
+    return (plan or {}).get("sharding") or {}
+
+
+def setup_capture(capture: GraphCapture) -> None:
+    """A pinned plan that shards layers: they are built split (on devices
+    shared with the replicated rest) as the model is built."""
+    rt = active()
+    sharding = _pinned_sharding(rt)
+    if sharding.get("layers"):
+        capture.plan_split_layers(
+            frozenset(sharding["layers"]), sharding["tensor_degree"],
+            lambda cap, spec: make_split_context(cap, spec, rt, share=True))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Automatic:
-    """Stages tfpar chose itself: op name -> stage, and the search's pick
-    (``auto.auto_parallel``) or None (``num_task_graph`` alone)."""
+    """Stages tfpar chose itself for the forward ops ``order``: ``stages`` and
+    ``count`` of the plan this graph runs; the search's pick ``best`` (may
+    shard layers: then it needs a build with the plan pinned) and the best
+    plan without sharding, ``runnable`` (None without ``auto.auto_parallel``)."""
 
+    order: Tuple[ops.Operation, ...]
+    param_bytes: Tuple[float, ...]
+    stages: Tuple[int, ...]
     count: int
-    tags: Dict[str, int]
-    candidate: Any = None
+    best: Any = None
+    runnable: Any = None
+
+    @property
+    def tags(self) -> Dict[str, int]:
+        return {op.name: s for op, s in zip(self.order, self.stages)}
 
 
 def _automatic(graph: ops.Graph, index: GraphIndex, capture: GraphCapture,
                rt: Runtime) -> Optional[_Automatic]:
-    """The automatic partition of an unannotated model (cached per graph version):
-    ``auto.auto_parallel`` searches data x pipeline degrees by cost model;
-    ``num_task_graph`` alone cuts that many stages (Whale Examples 3 and 4)."""
+    """The automatic plan of an unannotated model (cached per graph version):
+    ``auto.auto_parallel`` searches data x tensor x pipeline meshes by cost
+    model; ``num_task_graph`` alone cuts that many stages (Whale Examples 3
+    and 4). None when the model is annotated, or built with a pinned plan's
+    sharding."""
     cfg = rt.config
     auto, count = cfg.get("auto.auto_parallel"), cfg.get("auto.num_task_graph")
+    if _pinned_sharding(rt):
+        return None
     if not auto and (capture.task_graphs or rt.default_strategy is not None
                      or not count or count < 2):
         return None
@@ -133,16 +179,23 @@ def _automatic(graph: ops.Graph, index: GraphIndex, capture: GraphCapture,
     if cached is not None and cached[0] == graph.version:
         return cached[1]
     order, view = model_view(index, capture)
-    time_limit = min(cfg.get("auto.search_time_limit_s"), 10.0)
+    time_limit = cfg.get("auto.search_time_limit_s")
+    best = runnable = None
     if auto:
-        candidate = search(view, len(rt.devices), _hardware(rt), cfg.get("auto.global_batch"),
-                           cfg.get("pipeline.num_micro_batch"), count, time_limit,
-                           progress=lambda line: print(line, file=sys.stderr))
-        stages, count = candidate.stages, candidate.pipeline
+        hardware = _hardware(rt)
+        candidates = search_all(view, len(rt.devices), hardware, cfg.get("auto.global_batch"),
+                                cfg.get("pipeline.num_micro_batch"), count, time_limit,
+                                lambda line: print(line, file=sys.stderr),
+                                cfg.get("auto.opt_level"))
+        best = choose(candidates, hardware)
+        runnable = best if best.tensor == 1 else choose(
+            [c for c in candidates if c.tensor == 1], hardware)
+        stages, count = runnable.stages, runnable.pipeline
     else:
-        candidate = None
-        stages = partition_stages(view.flops, view.edges, count, time_limit, view.labels)
-    result = _Automatic(count, {op.name: s for op, s in zip(order, stages)}, candidate)
+        stages = partition_stages(view.flops, view.edges, count, min(time_limit, 10.0),
+                                  view.labels)
+    result = _Automatic(tuple(order), tuple(view.param_bytes), tuple(stages), count, best,
+                        runnable)
     capture.automatic = (graph.version, result)
     return result
 
@@ -172,8 +225,51 @@ def task_graph_specs(capture: GraphCapture, rt: Runtime, automatic: Optional[_Au
 
 
 def plan_for(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> Plan:
-    """The plan for ``graph``: as annotated, or as the planner chose (no rewrite)."""
-    return _planned(graph, capture, rt)[0]
+    """The plan for ``graph``: as annotated, or as the planner chose (no
+    rewrite; a plan that shards layers even when this graph was built before
+    it was known, so that it can be pinned)."""
+    plan, index, _ = _planned(graph, capture, rt)
+    automatic = capture.automatic[1] if capture.automatic is not None else None
+    if automatic is not None and automatic.best is not automatic.runnable:
+        return _sharded_plan(automatic, rt)
+    return plan
+
+
+def _sharded_plan(automatic: _Automatic, rt: Runtime) -> Plan:
+    """The search's pick when it shards layers: runs of forward ops in
+    sharded layers are split TaskGraphs over ``tensor`` devices, the other
+    runs replicate on as many (devices shared, nested data parallelism), as
+    a build with this plan pinned makes them."""
+    best = automatic.best
+    layers = dict(best.split_scopes)
+    names = frozenset(layers)
+    runs: List[Tuple[bool, List[int]]] = []
+    scopes = [layer_of(op.name, names) for op in automatic.order]
+    for i, scope in enumerate(scopes):
+        split = scope is not None
+        if not runs or runs[-1][0] != split:
+            runs.append((split, []))
+        runs[-1][1].append(i)
+    specs = [TaskGraphSpec(i, f"{'split' if split else 'default'}_{i}",
+                           Strategy.SPLIT if split else Strategy.REPLICATE, best.tensor,
+                           implicit=True) for i, (split, _) in enumerate(runs)]
+    stats = {"num_ops": [len(members) for _, members in runs],
+             "param_bytes": [int(sum(automatic.param_bytes[i] for i in members))
+                             for _, members in runs]}
+    config = rt.config.replace({"plan": None, "cluster.colocate_split_and_replicate": True})
+    plan = plan_from_annotations(specs, rt.devices, config, stats)
+    task_graphs = tuple(
+        dataclasses.replace(tg, patterns={scopes[i]: layers[scopes[i]] for i in members}
+                            if split else {})
+        for tg, (split, members) in zip(plan.task_graphs, runs))
+    return dataclasses.replace(plan, task_graphs=task_graphs, estimate=_estimate(best, rt),
+                               sharding={"tensor_degree": best.tensor, "layers": layers})
+
+
+def _estimate(candidate, rt: Runtime) -> Dict[str, Any]:
+    return {"step_time_s": candidate.step_time_s,
+            "memory_bytes_per_device": [candidate.memory_bytes] * len(rt.devices),
+            "comm_bytes": candidate.comm_bytes}
 
 
 def _planned(graph: ops.Graph, capture: GraphCapture, rt: Runtime):
@@ -186,12 +282,8 @@ def _planned(graph: ops.Graph, capture: GraphCapture, rt: Runtime):
                              automatic.tags if automatic is not None else None)
     plan = plan_from_annotations(specs, rt.devices, rt.config,
                                  _stats(graph, capture, index, stage_of, len(specs)))
-    if automatic is not None and automatic.candidate is not None:
-        best = automatic.candidate
-        plan = dataclasses.replace(plan, estimate={
-            "step_time_s": best.step_time_s,
-            "memory_bytes_per_device": [best.memory_bytes] * len(rt.devices),
-            "comm_bytes": best.comm_bytes})
+    if automatic is not None and automatic.runnable is not None:
+        plan = dataclasses.replace(plan, estimate=_estimate(automatic.runnable, rt))
     if plan.schedule == "kfkb" and plan.group_size == "auto":
         plan = dataclasses.replace(plan, group_size=_group_size(index, capture, rt, plan, stage_of))
     return plan, index, stage_of
@@ -225,6 +317,20 @@ def _stats(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, stage_of,
     return {"num_ops": num_ops, "param_bytes": param_bytes, "split": split}
 
 
+def _warn_unbuilt_sharding(capture: GraphCapture) -> None:
+    automatic = capture.automatic[1] if capture.automatic is not None else None
+    if automatic is None or automatic.best is automatic.runnable:
+        return
+    best = automatic.best
+    log.warning(
+        "tfpar: the planner would shard %s over %d devices (estimated %.3g ms/step), but this "
+        "graph was built before the plan existed; it runs the best plan without sharding "
+        "(%.3g ms/step). Run the script itself (its planning pass pins the plan) or pin "
+        "wh.current_plan().to_json() as the config's 'plan'.",
+        ", ".join(scope for scope, _ in best.split_scopes), best.tensor,
+        best.step_time_s * 1e3, automatic.runnable.step_time_s * 1e3)
+
+
 def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
     """Rewrite ``graph`` once (if it trains under tfpar); return its fetch translator."""
     rt = active()
@@ -233,6 +339,7 @@ def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
         return None
     if capture.rewrite is None:
         plan, index, stage_of = _planned(graph, capture, rt)
+        _warn_unbuilt_sharding(capture)
         cfg = rt.config
         names = [tg.name for tg in plan.task_graphs]
         split_groups = {s: [tuple(canonical_device(d) for d in g) for g in tg.replicas]

@@ -1,0 +1,220 @@
+"""tfpar planner benchmark: the sharding planner on GPT-style training graphs (no session).
+
+For each depth in ``--layers`` a GPT is built in a fresh graph under
+``wh.init({"cluster.num_devices": 8})``: token + position embedding, pre-LN
+transformer layers (``ln1``, ``attention`` with v1 dense q/k/v/out and 16
+heads, ``ln2``, gelu MLP ``fc1``/``fc2``), ``ln_final``, an ``lm_head``
+projection, sparse softmax cross-entropy and ``AdamOptimizer(1e-4).minimize``.
+Measured per model:
+
+  * build s: wall time of building that graph (minimize included); graph ops;
+  * view s: reading the graph for the planner (``stages.model_view``);
+  * layer nodes, critical, blocks: the layer graph (``layers.layer_graph``), its
+    critical layers (Rhino §4.3.1) and TAP's similar blocks at the outermost
+    level (``pruning.shared_blocks``: the repeated transformer layers);
+  * plan O2 s: ``layer_graph`` + ``plan_sharding`` O2 on a data 1 x tensor 8 mesh
+    of V100-32GB (32 GiB per device), global batch ``--batch``;
+  * O3 s, O3 optimal, O2/O3 cost: the whole-graph CP-SAT ILP (``--o3-limit`` s)
+    and the ratio of the O2 and O3 plans' estimated step times;
+  * search s: ``auto.search`` over every mesh (data x pipeline, data x tensor).
+
+Targets (``--check`` exits 1 when one is missed): plan O2 <= 25% of build time
+for the largest model; plan O2 of the largest model / of 24 layers <= 2 (TAP's
+sub-linear planning; only when 24 and a larger depth are measured); O2 within 5%
+of O3 wherever O3 proved its plan optimal. The view-time ratio of the same two
+models is printed for information.
+
+    cd /work/main && .venv/bin/python benchmarks/planner.py [--layers 12,24,48,96] [--quick] [--check] [--json]
+"""
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import tensorflow as tf  # noqa: E402
+
+import tfpar as wh  # noqa: E402
+from tfpar.cluster.hardware import CATALOG  # noqa: E402
+from tfpar.hooks.capture import capture_for  # noqa: E402
+from tfpar.planner.auto import search  # noqa: E402
+from tfpar.planner.layers import layer_graph  # noqa: E402
+from tfpar.planner.pruning import shared_blocks  # noqa: E402
+from tfpar.planner.sharding import Mesh, critical_layers, plan_sharding  # noqa: E402
+from tfpar.rewriters.select import GraphIndex  # noqa: E402
+from tfpar.rewriters.stages import model_view  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_args import parse_sizes  # noqa: E402  (same directory)
+
+v1 = tf.compat.v1
+
+DEVICES, HEADS, LIMIT_S = 8, 16, 60  # LIMIT_S: time limit of O2 and of auto.search
+HARDWARE = CATALOG["V100-32GB"]
+LAYERS = {False: "12,24,48,96", True: "2,4"}  # --layers default, full / --quick
+SIZES = {"hidden": (1024, 64, "hidden size"), "seq": (128, 16, "sequence length"),
+         "vocab": (32000, 1000, "vocabulary size"), "batch": (8, 8, "global batch of the plans"),
+         "o3_limit": (60, 10, "O3 (CP-SAT) time limit in seconds")}
+COLUMNS = [("layers", "layers", "d"), ("graph ops", "graph_ops", "d"),
+           ("layer nodes", "layer_nodes", "d"), ("critical", "critical", "d"),
+           ("blocks", "blocks", "d"), ("build s", "build_s", ".2f"), ("view s", "view_s", ".2f"),
+           ("plan O2 s", "plan_s", ".3f"), ("plan/build", "plan_build", ".3f"),
+           ("O3 s", "o3_s", ".2f"), ("O3 optimal", "o3_optimal", ""),
+           ("O2/O3 cost", "o2_o3_cost", ".4f"), ("search s", "search_s", ".2f")]
+
+
+def layer_norm(x, name):
+    """Layer norm over the last axis, all of its ops and variables in scope ``name``."""
+    with v1.variable_scope(name):
+        d = int(x.shape[-1])
+        gamma = v1.get_variable("gamma", [d], initializer=v1.ones_initializer())
+        beta = v1.get_variable("beta", [d], initializer=v1.zeros_initializer())
+        mean, var = tf.nn.moments(x, axes=[-1], keepdims=True)
+        return (x - mean) * tf.math.rsqrt(var + 1e-6) * gamma + beta
+
+
+def gpt_train_op(layers, hidden, seq, vocab):
+    """Pre-LN GPT on token ids, LM cross-entropy, Adam; returns the train op."""
+    ids = v1.placeholder(tf.int32, [None, seq], name="ids")
+    labels = v1.placeholder(tf.int32, [None, seq], name="labels")
+    dh = hidden // HEADS
+
+    def heads_first(t):  # [B, S, H] -> [B, heads, S, dh]
+        return tf.transpose(tf.reshape(t, [-1, seq, HEADS, dh]), [0, 2, 1, 3])
+    with v1.variable_scope("embedding"):
+        h = (tf.gather(v1.get_variable("tokens", [vocab, hidden]), ids)
+             + v1.get_variable("positions", [seq, hidden]))
+    for i in range(layers):
+        with v1.variable_scope(f"layer_{i}"):
+            a = layer_norm(h, "ln1")
+            with v1.variable_scope("attention"):
+                q, k, v = (heads_first(v1.layers.dense(a, hidden, name=n)) for n in "qkv")
+                att = tf.nn.softmax(tf.matmul(q, k, transpose_b=True) / math.sqrt(dh))
+                ctx = tf.reshape(tf.transpose(tf.matmul(att, v), [0, 2, 1, 3]), [-1, seq, hidden])
+                out = v1.layers.dense(ctx, hidden, name="out")
+            h = h + out
+            f = v1.layers.dense(layer_norm(h, "ln2"), 4 * hidden, tf.nn.gelu, name="fc1")
+            h = h + v1.layers.dense(f, hidden, name="fc2")
+    h = layer_norm(h, "ln_final")
+    with v1.variable_scope("lm_head"):
+        logits = tf.matmul(tf.reshape(h, [-1, hidden]), v1.get_variable("kernel", [hidden, vocab]))
+    loss = v1.losses.sparse_softmax_cross_entropy(tf.reshape(labels, [-1]), logits)
+    return v1.train.AdamOptimizer(1e-4).minimize(loss)
+
+
+def timed(fn, *args, **kwargs):
+    """(fn's result, seconds it took)."""
+    start = time.perf_counter()
+    result = fn(*args, **kwargs)
+    return result, time.perf_counter() - start
+
+
+def measure(layers, args):
+    """One result row: build the GPT, read it, plan it (O2, O3) and run auto.search."""
+    graph = tf.Graph()
+    try:
+        with graph.as_default():
+            wh.init({"cluster.num_devices": DEVICES})
+            _, build_s = timed(gpt_train_op, layers, args.hidden, args.seq, args.vocab)
+            (_, view), view_s = timed(model_view, GraphIndex(graph), capture_for(graph))
+        mesh, memory = Mesh(DEVICES, DEVICES, args.batch, HARDWARE), HARDWARE.memory_gb * 2 ** 30
+        start = time.perf_counter()
+        graph_of_layers = layer_graph(view)
+        o2 = plan_sharding(graph_of_layers, mesh, memory, "O2", LIMIT_S)
+        plan_s = time.perf_counter() - start
+        o3, o3_s = timed(plan_sharding, graph_of_layers, mesh, memory, "O3", args.o3_limit)
+        best, search_s = timed(search, view, DEVICES, HARDWARE, args.batch, 1, time_limit_s=LIMIT_S)
+        levels = shared_blocks(view.names, view.types)
+        return {"layers": layers, "graph_ops": len(graph.get_operations()),
+                "layer_nodes": len(graph_of_layers.layers),
+                "critical": len(critical_layers(graph_of_layers)),
+                "blocks": len(levels[-1]) if levels else 0, "build_s": build_s, "view_s": view_s,
+                "plan_s": plan_s, "plan_build": plan_s / build_s, "o3_s": o3_s,
+                "o3_optimal": o3 is not None and o3.optimal,
+                "o2_step_s": o2 and o2.step_time_s, "o3_step_s": o3 and o3.step_time_s,
+                "o2_o3_cost": o2.step_time_s / o3.step_time_s if o2 and o3 else None,
+                "search_s": search_s, "search_mesh": f"data {best.data} x tensor {best.tensor} "
+                                                     f"x pipeline {best.pipeline}"}
+    finally:
+        wh.reset()
+        del graph
+        gc.collect()
+
+
+def target(name, value, limit):
+    """A target row; ``limit`` None marks an informational one (always met)."""
+    return {"target": name, "value": value, "limit": limit,
+            "met": limit is None or (value is not None and value <= limit)}
+
+
+def targets(rows):
+    by_layers = {r["layers"]: r for r in rows}
+    largest = by_layers[max(by_layers)]
+    found = [target(f"plan O2 / build, {largest['layers']} layers", largest["plan_build"], 0.25)]
+    if 24 in by_layers and largest["layers"] > 24:
+        ratio = f"{largest['layers']} / 24 layers"
+        found += [target(f"plan O2 {ratio}", largest["plan_s"] / by_layers[24]["plan_s"], 2.0),
+                  target(f"view {ratio}", largest["view_s"] / by_layers[24]["view_s"], None)]
+    found += [target(f"O2 / O3 step time, {r['layers']} layers", r["o2_o3_cost"], 1.05)
+              for r in rows if r["o3_optimal"]]
+    return found
+
+
+def _cell(value, fmt):
+    if value is None:
+        return "n/a"
+    return ("yes" if value else "no") if isinstance(value, bool) else format(value, fmt)
+
+
+def print_table(rows, found, args):
+    print(f"tfpar planner (GPT hidden {args.hidden}, {HEADS} heads, seq {args.seq}, vocab "
+          f"{args.vocab}; mesh data 1 x tensor {DEVICES} {HARDWARE.name}, global batch "
+          f"{args.batch}; O3 limit {args.o3_limit} s)")
+    widths = [max(len(title), 7) for title, _, _ in COLUMNS]
+    print("  ".join(f"{title:>{w}}" for (title, _, _), w in zip(COLUMNS, widths)))
+    for r in rows:
+        print("  ".join(f"{_cell(r[key], fmt):>{w}}" for (_, key, fmt), w in zip(COLUMNS, widths)))
+    for r in rows:
+        print(f"search, {r['layers']} layers: {r['search_mesh']}")
+    for t in found:
+        value = _cell(t["value"], ".3f")
+        print(f"{t['target']:<36} {value:>7}  " + (f"<= {t['limit']:<4}  "
+              f"{'met' if t['met'] else 'NOT MET'}" if t["limit"] is not None else "(info)"))
+
+
+def parse_args(argv):
+    layers = argparse.ArgumentParser(add_help=False)
+    layers.add_argument("--layers", type=lambda text: sorted({int(n) for n in text.split(",")}))
+    known, rest = layers.parse_known_args(argv)
+    p, args = parse_sizes(f"{__doc__.split(chr(10), 1)[0]} Also --layers N,N,... (default "
+                          f"{LAYERS[False]}, --quick {LAYERS[True]}).", SIZES, rest,
+                          "exit 1 when a target is missed", "tiny models (smoke test)")
+    args.layers = known.layers or sorted(int(n) for n in LAYERS[args.quick].split(","))
+    if min(args.layers + [args.seq, args.vocab, args.batch, args.o3_limit]) < 1:
+        p.error("--layers, --seq, --vocab, --batch and --o3-limit must be >= 1")
+    if args.hidden < HEADS or args.hidden % HEADS or args.batch % DEVICES:
+        p.error(f"--hidden must be a multiple of {HEADS} heads, --batch of {DEVICES} devices")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rows = [measure(layers, args) for layers in args.layers]
+    found = targets(rows)
+    if args.json:
+        print(json.dumps({"config": {k: v for k, v in vars(args).items() if k != "json"},
+                          "results": rows, "targets": found}, indent=2))
+    else:
+        print_table(rows, found, args)
+    missed = [t["target"] for t in found if not t["met"]]
+    if args.check and missed:
+        print("missed: " + "; ".join(missed), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
