@@ -19,10 +19,47 @@ def classifier(x, y):
 def test_wide_head_is_split_and_backbone_replicated():
     config = {"auto.auto_parallel": True, "cluster.num_devices": 4}
     plan = plan_of(classifier, config)
-    print(plan.summary())
     assert plan.sharding["layers"]["logits"] == "column"
+    assert "features" not in plan.sharding["layers"]
+    assert [tg.strategy for tg in plan.task_graphs] == ["replicate", "split"]
+    assert "sharded layers (tensor degree 4): logits -> column" in plan.summary()
     data = make_data(steps=3, batch=8, classes=CLASSES)
     pinned = {**config, "plan": plan.to_dict()}
     assert_equivalent(train(classifier, data), train(classifier, data, pinned))
     built = plan_of(classifier, pinned)
-    print(built.summary())
+    assert built.task_graphs[1].patterns["logits"] == "column"
+    assert built.sharding == plan.sharding
+
+
+def transformer_mlp(x, y):
+    """A residual MLP block (keras Dense layers) between an embedding and a head."""
+    h = dense(x, 16, "embed", seed=1)
+    glorot = tf.keras.initializers.GlorotUniform
+    inner = tf.keras.layers.Dense(64, activation="relu", name="fc1",
+                                  kernel_initializer=glorot(seed=2))(h)
+    out = tf.keras.layers.Dense(16, name="fc2", kernel_initializer=glorot(seed=3))(inner)
+    logits = dense(h + out, 3, "logits", seed=4)
+    loss = v1.losses.sparse_softmax_cross_entropy(y, logits)
+    return loss, v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+
+
+def test_memory_forces_megatron_column_then_row():
+    """Without a pipeline (num_task_graph 1), devices too small for the data
+    parallel copy: the MLP's first layer is split by columns, the second by
+    rows (no gather between them), the rest stays replicated."""
+    device = {"name": "small", "tflops": 0.01, "memory_gb": 16}
+    config = {"auto.auto_parallel": True, "cluster.num_devices": 2, "auto.num_task_graph": 1,
+              "cluster.hardware": [device]}
+    data_parallel = plan_of(transformer_mlp, config)
+    assert not data_parallel.sharding and data_parallel.data_parallel_degree == 2
+    need = max(data_parallel.estimate["memory_bytes_per_device"])
+    config["cluster.hardware"] = [{**device, "memory_gb": 0.8 * need / 2 ** 30}]
+    plan = plan_of(transformer_mlp, config)
+    assert plan.sharding == {"tensor_degree": 2, "layers": {"fc1": "column", "fc2": "row"}}
+    assert [tg.strategy for tg in plan.task_graphs] == ["replicate", "split", "replicate"]
+    assert max(plan.estimate["memory_bytes_per_device"]) <= 0.8 * need
+    pinned = {**config, "plan": plan.to_dict()}
+    data = make_data(steps=3, batch=8)
+    assert_equivalent(train(transformer_mlp, data), train(transformer_mlp, data, pinned))
+    built = plan_of(transformer_mlp, pinned)
+    assert built.task_graphs[1].patterns == {"fc1": "column", "fc2": "row"}

@@ -44,7 +44,7 @@ from tfpar.cluster.hardware import Hardware
 from tfpar.planner.comm import Cost, LATENCY_S, allgather, allreduce
 from tfpar.planner.layers import LayerGraph
 
-__all__ = ["CANDIDATES", "Mesh", "ShardingPlan", "plan_sharding"]
+__all__ = ["CANDIDATES", "Mesh", "Problem", "ShardingPlan", "critical_layers", "plan_sharding"]
 
 LAYOUTS = {"dp": ("B", "B"), "column": ("W", "F"), "row": ("F", "W"), "whole": ("W", "W"),
            "shards": ("F", "F"), "xent": ("F", "W")}
@@ -87,7 +87,7 @@ class ShardingPlan:
 def plan_sharding(graph: LayerGraph, mesh: Mesh, memory_limit: float, opt_level: str = "O2",
                   time_limit_s: float = 10.0) -> Optional[ShardingPlan]:
     """The cheapest candidates for ``graph`` on ``mesh`` (None: nothing fits)."""
-    problem = _Problem(graph, mesh)
+    problem = Problem(graph, mesh)
     if opt_level == "O3":
         found = _ilp(problem, problem.allowed(), {}, memory_limit, time_limit_s)
         return None if found is None else problem.plan(*found)
@@ -101,7 +101,7 @@ def plan_sharding(graph: LayerGraph, mesh: Mesh, memory_limit: float, opt_level:
             return None
 
 
-class _Problem:
+class Problem:
     """Costs of one layer graph on one mesh."""
 
     def __init__(self, graph: LayerGraph, mesh: Mesh):
@@ -163,12 +163,17 @@ class _Problem:
         """The edge between a layer with candidate ``producer`` and one with ``consumer``."""
         return self.edge(size, LAYOUTS[producer][1], LAYOUTS[consumer][0])
 
-    def total(self, chosen: Sequence[str]) -> Cost:
+    def objective(self, chosen: Sequence[str]) -> Cost:
+        """What the solvers minimise: layers' costs plus resharding edges."""
         cost = sum((self.node(i, c) for i, c in enumerate(chosen)), Cost())
         for j, preds in enumerate(self.preds):
             for i, size in preds:
                 cost = cost + self.reshard(size, chosen[i], chosen[j])
-        # Gradients go in fused buckets: one latency per all-reduce group.
+        return cost
+
+    def total(self, chosen: Sequence[str]) -> Cost:
+        """The step: the objective plus one latency per fused gradient bucket."""
+        cost = self.objective(chosen)
         mesh = self.mesh
         if any(c not in SHARDED and self.graph.layers[i].param_bytes for i, c in enumerate(chosen)):
             cost = cost + Cost(2 * (mesh.devices - 1) * LATENCY_S)
@@ -181,7 +186,7 @@ class _Problem:
         return ShardingPlan(tuple(chosen), cost.seconds, self.memory(chosen), cost.bytes, optimal)
 
 
-def _ilp(problem: _Problem, allowed: Sequence[Tuple[str, ...]], fixed: Dict[int, str],
+def _ilp(problem: Problem, allowed: Sequence[Tuple[str, ...]], fixed: Dict[int, str],
          memory_limit: Optional[float], time_limit_s: float,
          nodes: Optional[Sequence[int]] = None) -> Optional[Tuple[List[str], bool]]:
     """Rhino §4.2 over ``nodes`` (all layers when None; edges among them):
@@ -240,7 +245,7 @@ def critical_layers(graph: LayerGraph) -> List[int]:
     return critical
 
 
-def _segments_dp(problem: _Problem, allowed: Sequence[Tuple[str, ...]]) -> List[str]:
+def _segments_dp(problem: Problem, allowed: Sequence[Tuple[str, ...]]) -> List[str]:
     """Rhino §4.3.2: DP over critical layers, segments between them solved once
     per signature (TAP's plan reuse)."""
     graph = problem.graph
@@ -259,14 +264,14 @@ def _segments_dp(problem: _Problem, allowed: Sequence[Tuple[str, ...]]) -> List[
     return min(best.values(), key=lambda x: x[0])[1]
 
 
-def _segment_key(problem: _Problem, allowed, start: int, end: int) -> Tuple:
+def _segment_key(problem: Problem, allowed, start: int, end: int) -> Tuple:
     layers = problem.graph.layers[start:end + 1]
     edges = tuple((i - start, j - start, size) for j in range(start + 1, end + 1)
                   for i, size in problem.preds[j])
     return tuple(layer.signature for layer in layers), edges, tuple(allowed[start:end + 1])
 
 
-def _solve_segment(problem: _Problem, allowed, start: int, end: int):
+def _solve_segment(problem: Problem, allowed, start: int, end: int):
     """(candidate of start, of end) -> (cost of the segment past ``start``,
     candidates of the layers after ``start``)."""
     inner = list(range(start + 1, end))
@@ -290,7 +295,7 @@ def _solve_segment(problem: _Problem, allowed, start: int, end: int):
     return table
 
 
-def _chain_dp(problem: _Problem, allowed, start: int, end: int, a: str, b: str) -> List[str]:
+def _chain_dp(problem: Problem, allowed, start: int, end: int, a: str, b: str) -> List[str]:
     """Candidates of layers start+1..end of a chain, start's and end's fixed."""
     size = {j: problem.preds[j][0][1] for j in range(start + 1, end + 1)}
     best = {a: (0.0, [])}
@@ -303,7 +308,7 @@ def _chain_dp(problem: _Problem, allowed, start: int, end: int, a: str, b: str) 
     return best[b][1]
 
 
-def _force_largest_sharded(problem: _Problem, allowed, chosen) -> Optional[List[Tuple[str, ...]]]:
+def _force_largest_sharded(problem: Problem, allowed, chosen) -> Optional[List[Tuple[str, ...]]]:
     """Rhino §4.4: the layers with the largest weights not yet sharded (all of
     that size, so repeated blocks move together) may only be sharded; None when
     no such layer is left."""

@@ -188,9 +188,8 @@ def _automatic(graph: ops.Graph, index: GraphIndex, capture: GraphCapture,
                                 lambda line: print(line, file=sys.stderr),
                                 cfg.get("auto.opt_level"))
         best = choose(candidates, hardware)
-        runnable = best if best.tensor == 1 else choose(
-            [c for c in candidates if c.tensor == 1], hardware)
-        stages, count = runnable.stages, runnable.pipeline
+        runnable = best if best.tensor == 1 else _unsharded(candidates, hardware)
+        stages, count = (runnable.stages, runnable.pipeline) if runnable else ((0,) * len(order), 1)
     else:
         stages = partition_stages(view.flops, view.edges, count, min(time_limit, 10.0),
                                   view.labels)
@@ -198,6 +197,14 @@ def _automatic(graph: ops.Graph, index: GraphIndex, capture: GraphCapture,
                         runnable)
     capture.automatic = (graph.version, result)
     return result
+
+
+def _unsharded(candidates, hardware: Hardware):
+    """The best candidate that shards nothing, or None when none fits."""
+    try:
+        return choose([c for c in candidates if c.tensor == 1], hardware)
+    except PlanError:
+        return None
 
 
 def _hardware(rt: Runtime) -> Hardware:
@@ -318,17 +325,22 @@ def _stats(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, stage_of,
 
 
 def _warn_unbuilt_sharding(capture: GraphCapture) -> None:
+    """The search's pick shards layers of a graph built unsharded: run the best
+    plan that does not (warning), or fail when none fits."""
     automatic = capture.automatic[1] if capture.automatic is not None else None
     if automatic is None or automatic.best is automatic.runnable:
         return
     best = automatic.best
-    log.warning(
-        "tfpar: the planner would shard %s over %d devices (estimated %.3g ms/step), but this "
-        "graph was built before the plan existed; it runs the best plan without sharding "
-        "(%.3g ms/step). Run the script itself (its planning pass pins the plan) or pin "
-        "wh.current_plan().to_json() as the config's 'plan'.",
-        ", ".join(scope for scope, _ in best.split_scopes), best.tensor,
-        best.step_time_s * 1e3, automatic.runnable.step_time_s * 1e3)
+    what = (f"the planner shards {', '.join(scope for scope, _ in best.split_scopes)} over "
+            f"{best.tensor} devices (estimated {best.step_time_s * 1e3:.3g} ms/step), but this "
+            "graph was built before the plan existed")
+    how = ("run the script itself (its planning pass pins the plan) or pin "
+           "wh.current_plan().to_json() as the config's 'plan'")
+    if automatic.runnable is None:
+        raise PlanError(f"tfpar: {what}, and no plan without sharding fits the devices' "
+                        f"memory; {how}")
+    log.warning("tfpar: %s; it runs the best plan without sharding (%.3g ms/step). To shard, "
+                "%s.", what, automatic.runnable.step_time_s * 1e3, how)
 
 
 def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:

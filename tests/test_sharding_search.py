@@ -1,0 +1,132 @@
+"""The sharding search (Rhino §4) on layer graphs, no TensorFlow: the ILP and
+the segment DP equal brute force, critical layers, plan reuse, memory."""
+import itertools
+import random
+
+import pytest
+
+from tfpar.cluster.hardware import Hardware
+from tfpar.planner import sharding
+from tfpar.planner.auto import ModelView
+from tfpar.planner.layers import Layer, LayerGraph, layer_graph
+from tfpar.planner.sharding import Mesh, Problem, critical_layers, plan_sharding
+
+DEVICE = Hardware("test", tflops=0.05, memory_gb=16, intra_node_gbps=10)
+KINDS = ("matmul", "elementwise", "other", "matmul", "xent")
+
+
+def random_graph(seed, count, skip_edges):
+    rng = random.Random(seed)
+    layers = []
+    for i in range(count):
+        kind = KINDS[i % len(KINDS)] if i < count - 1 else "xent"
+        params = rng.choice([0.0, 4e4, 4e6]) if kind == "matmul" else 0.0
+        layers.append(Layer(f"l{i}", kind, flops=rng.uniform(1e3, 1e7),
+                            out_bytes=rng.choice([64.0, 4096.0, 65536.0]),
+                            activation_bytes=rng.uniform(64, 65536), param_bytes=params,
+                            input_bytes=8.0 if i == 0 else 0.0, ops=(i,),
+                            signature=(f"l{i}",)))
+    edges = {(i, i + 1): rng.choice([64.0, 4096.0, 65536.0]) for i in range(count - 1)}
+    for _ in range(skip_edges):
+        i = rng.randrange(count - 2)
+        edges[i, rng.randrange(i + 2, count)] = rng.choice([64.0, 4096.0])
+    return LayerGraph(tuple(layers), tuple((i, j, s) for (i, j), s in sorted(edges.items())))
+
+
+def brute_force(graph, mesh, memory_limit=float("inf")):
+    problem = Problem(graph, mesh)
+    feasible = [c for c in itertools.product(*problem.allowed())
+                if problem.memory(c) <= memory_limit]
+    return min(problem.objective(c).seconds for c in feasible)
+
+
+@pytest.mark.parametrize("seed,count,skips", [(0, 5, 0), (1, 6, 1), (2, 7, 2), (3, 6, 3),
+                                              (4, 8, 1)])
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_solvers_equal_brute_force(seed, count, skips, level):
+    graph = random_graph(seed, count, skips)
+    mesh = Mesh(devices=4, tensor=2, batch=32, hardware=DEVICE)
+    plan = plan_sharding(graph, mesh, memory_limit=1e12, opt_level=level)
+    found = Problem(graph, mesh).objective(plan.candidates).seconds
+    assert found == pytest.approx(brute_force(graph, mesh), rel=1e-4)
+
+
+def test_whole_graph_ilp_respects_memory_exactly():
+    graph = random_graph(5, 7, 2)
+    mesh = Mesh(devices=4, tensor=4, batch=32, hardware=DEVICE)
+    problem = Problem(graph, mesh)
+    everything_dp = problem.memory(["dp"] * 7)
+    limit = 0.7 * everything_dp
+    plan = plan_sharding(graph, mesh, memory_limit=limit, opt_level="O3")
+    assert plan.memory_bytes <= limit
+    found = problem.objective(plan.candidates).seconds
+    assert found == pytest.approx(brute_force(graph, mesh, limit), rel=1e-3)
+
+
+def test_segment_dp_forces_the_largest_weights_sharded_until_it_fits():
+    """Rhino §4.4: the cheapest plan keeps weights replicated; a tight memory
+    limit shards the largest ones first."""
+    layers = tuple(Layer(f"fc{i}", "matmul", flops=1e3, out_bytes=64.0, activation_bytes=64.0,
+                         param_bytes=size, input_bytes=0.0, ops=(i,), signature=(i,))
+                   for i, size in enumerate([1e3, 8e6, 1e3]))
+    graph = LayerGraph(layers, ((0, 1, 64.0), (1, 2, 64.0)))
+    mesh = Mesh(devices=2, tensor=2, batch=4, hardware=Hardware("fast", 1.0, 16, 1e4))
+    free = plan_sharding(graph, mesh, memory_limit=1e12)
+    assert free.candidates == ("dp", "dp", "dp")
+    tight = plan_sharding(graph, mesh, memory_limit=0.6 * free.memory_bytes)
+    assert tight.candidates[1] in sharding.SHARDED
+    assert tight.memory_bytes <= 0.6 * free.memory_bytes
+    assert plan_sharding(graph, mesh, memory_limit=1.0) is None
+
+
+def test_critical_layers_are_the_ones_no_edge_jumps_over():
+    graph = LayerGraph(tuple(Layer(str(i), "other", 1, 1, 1, 0, 0, (i,), (i,)) for i in range(6)),
+                       ((0, 1, 1), (1, 2, 1), (1, 3, 1), (2, 3, 1), (3, 4, 1), (4, 5, 1), (3, 5, 1)))
+    assert critical_layers(graph) == [0, 1, 3, 5]
+
+
+def repeated_blocks(count):
+    """A view of ``count`` identical residual MLP blocks (TAP's shared subgraphs)."""
+    names, types, flops, acts, params, edges = [], [], [], [], [], []
+    previous = None
+    for b in range(count):
+        start = len(names)
+        for name, kind, flop, param in (("fc1/MatMul", "MatMul", 4e4, 64 * 256 * 4.0),
+                                        ("fc1/Relu", "Relu", 256, 0.0),
+                                        ("fc2/MatMul", "MatMul", 4e4, 256 * 64 * 4.0),
+                                        ("add", "AddV2", 64, 0.0)):
+            names.append(f"block{b}/{name}")
+            types.append(kind)
+            flops.append(flop)
+            acts.append(1024.0)
+            params.append(param)
+        edges += [(start, start + 1, 1024.0), (start + 1, start + 2, 1024.0),
+                  (start + 2, start + 3, 256.0)]
+        if previous is not None:
+            edges += [(previous, start, 256.0), (previous, start + 3, 256.0)]
+        previous = start + 3
+    return ModelView(flops=flops, activation_bytes=acts, param_bytes=params, edges=edges,
+                     names=names, types=types)
+
+
+def test_repeated_blocks_are_solved_once(monkeypatch):
+    """Plan reuse (TAP §IV-C): segments with the same signature share one solve,
+    so 24 blocks cost as many segment solves as 4."""
+    solved = []
+    original = sharding._solve_segment
+    monkeypatch.setattr(sharding, "_solve_segment",
+                        lambda *args: solved.append(args[2:]) or original(*args))
+    mesh = Mesh(devices=8, tensor=4, batch=64, hardware=DEVICE)
+    counts = []
+    for blocks in (4, 24):
+        solved.clear()
+        graph = layer_graph(repeated_blocks(blocks))
+        assert [layer.scope for layer in graph.layers[:3]] == ["block0/fc1", "block0/fc2",
+                                                               "block0/add"]
+        o2 = plan_sharding(graph, mesh, memory_limit=1e12, opt_level="O2")
+        o3 = plan_sharding(graph, mesh, memory_limit=1e12, opt_level="O3")
+        problem = Problem(graph, mesh)
+        assert problem.objective(o2.candidates).seconds == pytest.approx(
+            problem.objective(o3.candidates).seconds, rel=1e-4)
+        counts.append(len(solved))
+    assert counts[0] == counts[1] <= 4
