@@ -64,7 +64,7 @@ def test_defaults():
         "pipeline": {"num_micro_batch": 1, "schedule": "1f1b", "group_size": 1},
         "split": {"patterns": None},
         "auto": {"auto_parallel": False, "num_task_graph": None, "opt_level": "O2",
-                 "global_batch": 32, "search_time_limit_s": 60.0},
+                 "global_batch": 32, "search_time_limit_s": 60.0, "planning_pass": True},
         "balance": {"hardware_aware": True},
         "communication": {"backend": "auto", "fusion_mb": 64.0, "timeout_s": 60.0},
         "io": {"shard_dataset": False},

@@ -17,7 +17,8 @@ layer graph, ``auto.opt_level`` O2 or O3); a pipeline mesh as follows:
     plus the activations of the micro-batches in flight.
 The fastest candidate whose memory fits wins (within 10%, the one with fewer
 stages, then the lower tensor degree: the estimates are rough); ``progress``
-reports each one as it is planned; ``time_limit_s`` bounds the whole search.
+reports each one as it is planned; ``time_limit_s`` bounds the whole search
+(each ILP solve at most ``SOLVE_LIMIT_S``).
 """
 import dataclasses
 import time
@@ -36,6 +37,7 @@ __all__ = ["Candidate", "ModelView", "StageCosts", "choose", "search", "search_a
            "stage_costs"]
 
 TOLERANCE = 0.1
+SOLVE_LIMIT_S = 10.0  # per ILP solve, within the search's time limit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,12 +110,13 @@ def search_all(model: ModelView, num_devices: int, hardware: Hardware, global_ba
             progress(f"tfpar auto: search time limit reached after {number - 1} of "
                      f"{len(meshes)} meshes")
             break
+        solve_limit = min(max(left, 1.0), SOLVE_LIMIT_S)
         if t > 1:
             candidate = _sharded(layers, Mesh(num_devices, t, global_batch, hardware),
-                                 capacity, opt_level, max(left, 1.0))
+                                 capacity, opt_level, solve_limit)
         else:
             candidate = _estimate(model, p, max(num_devices // p, 1), hardware, global_batch,
-                                  num_micro_batch if p > 1 else 1, max(left, 1.0))
+                                  num_micro_batch if p > 1 else 1, solve_limit)
         if candidate is None:
             progress(f"tfpar auto [{number}/{len(meshes)}] tensor {t}: no sharded plan fits "
                      "or beats data parallelism")
