@@ -23,6 +23,9 @@ class TaskGraphPlan:
       patterns: ShardingUnit name -> pattern name (split TaskGraphs).
       num_ops: ops captured in the TaskGraph (forward + backward + apply).
       param_bytes: bytes of the variables the TaskGraph trains (one copy).
+      estimate: the planner's ``time_s`` (busy per step), ``memory_bytes``
+        (per device) and ``comm_bytes`` (sent per step) for this TaskGraph;
+        empty for annotated plans.
     """
 
     name: str
@@ -32,6 +35,7 @@ class TaskGraphPlan:
     patterns: Dict[str, str] = dataclasses.field(default_factory=dict)
     num_ops: int = 0
     param_bytes: int = 0
+    estimate: Dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def devices(self) -> List[str]:
@@ -83,6 +87,7 @@ class Plan:
                     "patterns": dict(tg.patterns),
                     "num_ops": tg.num_ops,
                     "param_bytes": tg.param_bytes,
+                    "estimate": dict(tg.estimate),
                 }
                 for tg in self.task_graphs
             ],
@@ -110,7 +115,8 @@ class Plan:
                 device_count=tg["device_count"],
                 replicas=tuple(tuple(r) for r in replicas),
                 patterns=dict(tg.get("patterns", {})),
-                num_ops=tg.get("num_ops", 0), param_bytes=tg.get("param_bytes", 0)))
+                num_ops=tg.get("num_ops", 0), param_bytes=tg.get("param_bytes", 0),
+                estimate=dict(tg.get("estimate", {}))))
         return cls(task_graphs=tuple(tgs),
                    data_parallel_degree=data["data_parallel_degree"],
                    num_micro_batch=pipeline.get("num_micro_batch", 1),
@@ -152,11 +158,17 @@ class Plan:
             f"tfpar plan: data_parallel_degree={self.data_parallel_degree} "
             f"num_micro_batch={self.num_micro_batch} schedule={self.schedule}",
         ]
-        header = ("TaskGraph", "strategy", "devices", "ops", "params", "placement")
+        estimated = any(tg.estimate for tg in self.task_graphs)
+        header = ("TaskGraph", "strategy", "devices", "ops", "params", "placement") + (
+            ("est. time", "memory/dev", "comm") if estimated else ())
         rows = [header]
         for tg in self.task_graphs:
+            est = tg.estimate
             rows.append((tg.name, tg.strategy, str(len(tg.devices)), str(tg.num_ops),
-                         _human_bytes(tg.param_bytes), _short_devices(tg.devices)))
+                         _human_bytes(tg.param_bytes), _short_devices(tg.devices)) + ((
+                             f"{est.get('time_s', 0) * 1e3:.3f} ms",
+                             _human_bytes(est.get("memory_bytes", 0)),
+                             _human_bytes(est.get("comm_bytes", 0))) if estimated else ()))
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         for i, row in enumerate(rows):
             lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())

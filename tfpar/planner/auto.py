@@ -33,7 +33,7 @@ from tfpar.planner.schedule import build_schedule
 from tfpar.planner.sharding import STATE_BYTES as BYTES_PER_PARAM_STATE, Mesh, plan_sharding
 from tfpar.planner.simulate import simulate
 
-__all__ = ["Candidate", "ModelView", "StageCosts", "choose", "search", "search_all",
+__all__ = ["Candidate", "ModelView", "Part", "StageCosts", "choose", "search", "search_all",
            "stage_costs"]
 
 TOLERANCE = 0.1
@@ -66,10 +66,25 @@ class ModelView:
 
 
 @dataclasses.dataclass(frozen=True)
+class Part:
+    """The estimates of one piece of a candidate - a pipeline stage, or a layer
+    of a sharded plan (its scope, sharding candidate and ops): busy seconds per
+    step, bytes per device, bytes sent per step."""
+
+    seconds: float
+    memory_bytes: float
+    comm_bytes: float
+    scope: str = ""
+    sharding: str = "dp"
+    ops: Tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class Candidate:
     """One (data, tensor, pipeline) mesh with its estimates, the stage of every
-    op, and the sharded layers: (name scope, sharding candidate) for every
-    layer that runs in a split TaskGraph."""
+    op, the sharded layers: (name scope, sharding candidate) for every layer
+    that runs in a split TaskGraph, and the estimates of its parts (stages, or
+    layers of a sharded plan)."""
 
     data: int
     pipeline: int
@@ -79,6 +94,7 @@ class Candidate:
     comm_bytes: float
     tensor: int = 1
     split_scopes: Tuple[Tuple[str, str], ...] = ()
+    parts: Tuple[Part, ...] = ()
 
 
 def search(model: ModelView, num_devices: int, hardware: Hardware, global_batch: int,
@@ -159,10 +175,14 @@ def _sharded(layers, mesh: Mesh, capacity: float, opt_level: str,
         return None
     split = tuple((layer.scope, c) for layer, c in zip(layers.layers, plan.candidates)
                   if c != "dp")
+    parts = tuple(Part(cost.seconds, memory, cost.bytes, layer.scope, c, layer.ops)
+                  for layer, c, cost, memory in zip(layers.layers, plan.candidates,
+                                                    plan.layer_costs, plan.layer_memory))
     count = sum(len(layer.ops) for layer in layers.layers)
     return Candidate(data=mesh.data, pipeline=1, stages=(0,) * count,
                      step_time_s=plan.step_time_s, memory_bytes=plan.memory_bytes,
-                     comm_bytes=plan.comm_bytes, tensor=mesh.tensor, split_scopes=split)
+                     comm_bytes=plan.comm_bytes, tensor=mesh.tensor, split_scopes=split,
+                     parts=parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,10 +232,12 @@ def _estimate(model: ModelView, p: int, d: int, hardware: Hardware, global_batch
                       list(costs.backward_s), costs.transfer_s)
     bandwidth = hardware.intra_node_gbps * 1e9
     grads = [allreduce(d, b, bandwidth).seconds for b in costs.param_bytes]
-    memory = max(costs.fixed_bytes[s] + costs.activation_bytes[s] * result.peak_in_flight[s]
-                 for s in range(p))
-    comm = sum(2 * (d - 1) / d * b for b in costs.param_bytes) + costs.cut_bytes * micro * 2
+    memory = [costs.fixed_bytes[s] + costs.activation_bytes[s] * result.peak_in_flight[s]
+              for s in range(p)]
+    grad_bytes = [2 * (d - 1) / d * b for b in costs.param_bytes]
+    parts = tuple(Part(micro * (costs.forward_s[s] + costs.backward_s[s]) + grads[s], memory[s],
+                       grad_bytes[s]) for s in range(p))
     return Candidate(data=d, pipeline=p, stages=tuple(stages),
-                     step_time_s=result.length + max(grads), memory_bytes=memory,
-                     comm_bytes=comm)
+                     step_time_s=result.length + max(grads), memory_bytes=max(memory),
+                     comm_bytes=sum(grad_bytes) + costs.cut_bytes * micro * 2, parts=parts)
 

@@ -75,13 +75,16 @@ class Mesh:
 
 @dataclasses.dataclass(frozen=True)
 class ShardingPlan:
-    """Candidate per layer and the estimates; ``optimal`` when the solver proved it."""
+    """Candidate per layer and the estimates (whole step and per layer);
+    ``optimal`` when the solver proved it."""
 
     candidates: Tuple[str, ...]
     step_time_s: float
     memory_bytes: float
     comm_bytes: float
     optimal: bool
+    layer_costs: Tuple[Cost, ...] = ()
+    layer_memory: Tuple[float, ...] = ()
 
 
 def plan_sharding(graph: LayerGraph, mesh: Mesh, memory_limit: float, opt_level: str = "O2",
@@ -163,13 +166,14 @@ class Problem:
         """The edge between a layer with candidate ``producer`` and one with ``consumer``."""
         return self.edge(size, LAYOUTS[producer][1], LAYOUTS[consumer][0])
 
+    def layer_costs(self, chosen: Sequence[str]) -> List[Cost]:
+        """Each layer's cost with the resharding of its inputs."""
+        return [sum((self.reshard(size, chosen[i], chosen[j]) for i, size in self.preds[j]),
+                    self.node(j, chosen[j])) for j in range(len(chosen))]
+
     def objective(self, chosen: Sequence[str]) -> Cost:
         """What the solvers minimise: layers' costs plus resharding edges."""
-        cost = sum((self.node(i, c) for i, c in enumerate(chosen)), Cost())
-        for j, preds in enumerate(self.preds):
-            for i, size in preds:
-                cost = cost + self.reshard(size, chosen[i], chosen[j])
-        return cost
+        return sum(self.layer_costs(chosen), Cost())
 
     def total(self, chosen: Sequence[str]) -> Cost:
         """The step: the objective plus one latency per fused gradient bucket."""
@@ -183,7 +187,9 @@ class Problem:
 
     def plan(self, chosen: Sequence[str], optimal: bool) -> ShardingPlan:
         cost = self.total(chosen)
-        return ShardingPlan(tuple(chosen), cost.seconds, self.memory(chosen), cost.bytes, optimal)
+        return ShardingPlan(tuple(chosen), cost.seconds, self.memory(chosen), cost.bytes, optimal,
+                            tuple(self.layer_costs(chosen)),
+                            tuple(self.memory_of(i, c) for i, c in enumerate(chosen)))
 
 
 def _ilp(problem: Problem, allowed: Sequence[Tuple[str, ...]], fixed: Dict[int, str],

@@ -265,12 +265,22 @@ def _sharded_plan(automatic: _Automatic, rt: Runtime) -> Plan:
                              for _, members in runs]}
     config = rt.config.replace({"plan": None, "cluster.colocate_split_and_replicate": True})
     plan = plan_from_annotations(specs, rt.devices, config, stats)
+    part_of = {i: part for part in best.parts for i in part.ops}
     task_graphs = tuple(
         dataclasses.replace(tg, patterns={scopes[i]: layers[scopes[i]] for i in members}
-                            if split else {})
+                            if split else {},
+                            estimate=_part_estimate({id(part_of[i]): part_of[i]
+                                                     for i in members}.values()))
         for tg, (split, members) in zip(plan.task_graphs, runs))
     return dataclasses.replace(plan, task_graphs=task_graphs, estimate=_estimate(best, rt),
                                sharding={"tensor_degree": best.tensor, "layers": layers})
+
+
+def _part_estimate(parts) -> Dict[str, float]:
+    """A TaskGraph's estimate: the sum of its parts' (stages' or layers')."""
+    return {"time_s": sum(p.seconds for p in parts),
+            "memory_bytes": sum(p.memory_bytes for p in parts),
+            "comm_bytes": sum(p.comm_bytes for p in parts)}
 
 
 def _estimate(candidate, rt: Runtime) -> Dict[str, Any]:
@@ -290,7 +300,10 @@ def _planned(graph: ops.Graph, capture: GraphCapture, rt: Runtime):
     plan = plan_from_annotations(specs, rt.devices, rt.config,
                                  _stats(graph, capture, index, stage_of, len(specs)))
     if automatic is not None and automatic.runnable is not None:
-        plan = dataclasses.replace(plan, estimate=_estimate(automatic.runnable, rt))
+        runnable = automatic.runnable
+        plan = dataclasses.replace(plan, estimate=_estimate(runnable, rt), task_graphs=tuple(
+            dataclasses.replace(tg, estimate=_part_estimate([part]))
+            for tg, part in zip(plan.task_graphs, runnable.parts)))
     if plan.schedule == "kfkb" and plan.group_size == "auto":
         plan = dataclasses.replace(plan, group_size=_group_size(index, capture, rt, plan, stage_of))
     return plan, index, stage_of
