@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from tfpar.planner.partition import balanced_partition
+from tfpar.planner.partition import balanced_partition, partition_stages
 
 
 def brute_force_bottleneck(costs, stages):
@@ -30,3 +30,12 @@ def test_fewer_items_than_stages_and_bad_input():
     assert balanced_partition([], 3) == []
     with pytest.raises(ValueError, match="num_stages"):
         balanced_partition([1.0], 0)
+
+
+def test_stages_break_only_at_critical_items():
+    """Item 1 feeds item 4 directly: a stage boundary between them would cut
+    two tensors, so the chunks end at critical items and the balanced cut
+    (after item 3) moves to one of them."""
+    edges = [(i, i + 1, 1.0) for i in range(7)] + [(1, 4, 1.0)]
+    stages = partition_stages([1.0] * 8, edges, 2, time_limit_s=5.0)
+    assert stages[2] == stages[3] == stages[4] and stages[0] == 0 and stages[-1] == 1

@@ -15,11 +15,11 @@ Each layer has a kind, from its op types:
 """
 import collections
 import dataclasses
-from typing import Dict, List, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import networkx as nx
 
-__all__ = ["Layer", "LayerGraph", "layer_graph"]
+__all__ = ["Layer", "LayerGraph", "critical_positions", "layer_graph"]
 
 CONTRACTIONS = frozenset({"MatMul", "BatchMatMulV2", "BatchMatMul", "Einsum"})
 XENT = frozenset({"SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits"})
@@ -96,6 +96,23 @@ def layer_graph(view) -> LayerGraph:
     layers = tuple(_layer(key[members[g][0]], members[g], view, outgoing[position[g]])
                    for g in order)
     return LayerGraph(layers, tuple((a, b, s) for (a, b), s in sorted(volume.items())))
+
+
+def critical_positions(count: int, edges: Sequence[Tuple[int, int, float]]) -> List[int]:
+    """Nodes of a DAG in topological order (edges i < j) that no edge jumps
+    over, so every path from the first to the last passes them (Rhino's
+    critical nodes, §4.3.1); the first and last included."""
+    jumped = [0] * (count + 1)
+    for i, j, _ in edges:
+        if j > i + 1:
+            jumped[i + 1] += 1
+            jumped[j] -= 1
+    critical, running = [], 0
+    for k in range(count):
+        running += jumped[k]
+        if running == 0:
+            critical.append(k)
+    return critical
 
 
 def _weighted_contractions(view) -> List[bool]:

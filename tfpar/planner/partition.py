@@ -3,13 +3,13 @@ but no scopes (Whale Example 4); no TensorFlow.
 
 ``partition_stages``: the forward ops, in topological order, are coarsened into
 contiguous chunks — runs of the same repeated block (``pruning.block_labels``,
-TAP Algorithm 1) when given, so stages break between blocks, else at most
-``MAX_NODES`` equal runs — and Rhino's stage ILP (``pipeline_ilp``,
+TAP Algorithm 1) when given, so stages break between blocks, else runs ending
+at Rhino's critical nodes (§4.3.1), at most ``MAX_NODES`` — and Rhino's stage ILP (``pipeline_ilp``,
 Rhino §5) assigns chunks to stages, minimising the bytes crossing stages
 within a balance tolerance. If it finds nothing in time, ``balanced_partition``
-cuts the order into contiguous stages whose most expensive one is as cheap as
-possible (the linear partition problem, solved exactly: binary search on the
-bottleneck with a greedy check). Contiguity in a topological order keeps every
+cuts the chunks (or, with fewer chunks than stages, the items) into contiguous
+stages whose most expensive one is as cheap as possible (the linear partition
+problem, solved exactly: binary search on the bottleneck with a greedy check). Contiguity in a topological order keeps every
 edge pointing to the same or a later stage.
 """
 import math
@@ -17,6 +17,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import networkx as nx
 
+from tfpar.planner.layers import critical_positions
 from tfpar.planner.pipeline_ilp import stage_ilp
 
 __all__ = ["balanced_partition", "partition_stages"]
@@ -32,7 +33,7 @@ def partition_stages(costs: Sequence[float], edges: Sequence[Tuple[int, int, flo
     bytes) between items, i < j; ``labels`` an optional block per item)."""
     if not costs:
         return []
-    chunk = _chunks(len(costs), labels)
+    chunk = _chunks(len(costs), labels, edges)
     dag = nx.DiGraph()
     for i, cost in enumerate(costs):
         dag.add_node(chunk[i], comp=dag.nodes[chunk[i]]["comp"] + cost
@@ -43,14 +44,20 @@ def partition_stages(costs: Sequence[float], edges: Sequence[Tuple[int, int, flo
             previous = dag.edges[a, b]["bytes"] if dag.has_edge(a, b) else 0.0
             dag.add_edge(a, b, bytes=previous + volume)
     stages = stage_ilp(dag, min(num_stages, dag.number_of_nodes()), EPSILON, time_limit_s)
-    if stages is None:
+    if stages is not None:
+        return [stages[c] for c in chunk]
+    if dag.number_of_nodes() < num_stages:
         return balanced_partition(costs, num_stages)
-    return [stages[c] for c in chunk]
+    by_chunk = balanced_partition([dag.nodes[c]["comp"] for c in sorted(dag)], num_stages)
+    return [by_chunk[c] for c in chunk]
 
 
-def _chunks(count: int, labels: Optional[Sequence[Optional[str]]]) -> List[int]:
+def _chunks(count: int, labels: Optional[Sequence[Optional[str]]],
+            edges: Sequence[Tuple[int, int, float]]) -> List[int]:
     """Chunk of each item: runs of equal labels (items outside blocks run
-    together), or equal runs when that gives too many or too few chunks."""
+    together); else runs ending at critical items (no edge jumps over them,
+    Rhino §4.3.1: cutting there cuts one tensor), merged to at most
+    ``MAX_NODES``; else equal runs."""
     if labels is not None and any(labels):
         chunk, current = [], 0
         for i in range(count):
@@ -59,6 +66,15 @@ def _chunks(count: int, labels: Optional[Sequence[Optional[str]]]) -> List[int]:
             chunk.append(current)
         if 1 < current + 1 <= MAX_NODES:
             return chunk
+    ends = critical_positions(count, edges)
+    if len(ends) > 2:
+        per_chunk = math.ceil(len(ends) / MAX_NODES)
+        kept = set(ends[per_chunk - 1::per_chunk]) | {count - 1}
+        chunk, current = [], 0
+        for i in range(count):
+            chunk.append(current)
+            current += i in kept
+        return chunk
     size = math.ceil(count / MAX_NODES)
     return [i // size for i in range(count)]
 

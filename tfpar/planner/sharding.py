@@ -42,7 +42,7 @@ from ortools.sat.python import cp_model
 
 from tfpar.cluster.hardware import Hardware
 from tfpar.planner.comm import Cost, LATENCY_S, allgather, allreduce
-from tfpar.planner.layers import LayerGraph
+from tfpar.planner.layers import LayerGraph, critical_positions
 
 __all__ = ["CANDIDATES", "Mesh", "Problem", "ShardingPlan", "critical_layers", "plan_sharding"]
 
@@ -235,20 +235,8 @@ def _ilp(problem: Problem, allowed: Sequence[Tuple[str, ...]], fixed: Dict[int, 
 
 
 def critical_layers(graph: LayerGraph) -> List[int]:
-    """Layers no edge jumps over (every path from the first to the last passes
-    them), in order: the first and last layers included (Rhino §4.3.1)."""
-    count = len(graph.layers)
-    jumped = [0] * (count + 1)
-    for i, j, _ in graph.edges:
-        if j > i + 1:
-            jumped[i + 1] += 1
-            jumped[j] -= 1
-    critical, running = [], 0
-    for k in range(count):
-        running += jumped[k]
-        if running == 0:
-            critical.append(k)
-    return critical
+    """Layers every path from the first to the last passes (Rhino §4.3.1)."""
+    return critical_positions(len(graph.layers), graph.edges)
 
 
 def _segments_dp(problem: Problem, allowed: Sequence[Tuple[str, ...]]) -> List[str]:
