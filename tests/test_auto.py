@@ -1,4 +1,6 @@
 """auto.auto_parallel: the cost-model search over data x pipeline degrees."""
+import dataclasses
+
 import pytest
 import tensorflow as tf
 
@@ -76,3 +78,17 @@ def test_auto_parallel_with_scopes_is_an_error():
             return mlp_classifier()(x, y)
     with pytest.raises(wh.PlanError, match="plans the whole model"):
         plan_of(build, {"auto.auto_parallel": True, "cluster.num_devices": 2})
+
+
+def test_collectives_across_nodes_use_the_inter_node_network():
+    """Data-parallel replicas strided over 2 nodes all-reduce over the slow
+    network; a tensor group inside a node keeps the fast links."""
+    view = ModelView(flops=[1e3, 1e3], activation_bytes=[4.0, 4.0], param_bytes=[4e8, 0.0],
+                     edges=[(0, 1, 4.0)])
+    one_node = Hardware("fast", 10.0, 80.0, intra_node_gbps=100, inter_node_gbps=1)
+    two_nodes = dataclasses.replace(one_node, devices_per_node=2)
+    assert two_nodes.bandwidth(2) == 100e9 and two_nodes.bandwidth(4) == 1e9
+    assert one_node.bandwidth(4) == 100e9
+    same = search(view, 4, one_node, global_batch=8, num_micro_batch=1, pipeline=1)
+    spread = search(view, 4, two_nodes, global_batch=8, num_micro_batch=1, pipeline=1)
+    assert spread.step_time_s > 50 * same.step_time_s

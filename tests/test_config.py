@@ -210,7 +210,8 @@ def test_int_accepted_for_float():
 
 
 def test_group_size_auto_and_hardware():
-    hardware = ["V100-32GB", {"name": "custom", "tflops": 10, "memory_gb": 16.0}]
+    hardware = ["V100-32GB", {"name": "custom", "tflops": 10, "memory_gb": 16.0},
+                {"name": "linked", "tflops": 1, "memory_gb": 8, "inter_node_gbps": 3.0}]
     cfg = Config({"pipeline.group_size": "auto", "cluster.hardware": tuple(hardware)})
     assert cfg.pipeline.group_size == "auto" and cfg.cluster.hardware == hardware
 
@@ -352,6 +353,7 @@ def test_wrong_types(key, value, fragment):
     ("cluster.hardware", [{"name": "x", "tflops": 1}], "must be a non-empty list"),
     ("cluster.hardware", [{"name": "x", "tflops": 1, "memory_gb": 0}], "must be"),
     ("cluster.hardware", [{"name": "x", "tflops": True, "memory_gb": 1}], "must be"),
+    ("cluster.hardware", [{"name": "x", "tflops": 1, "memory_gb": 1, "nvlink": 9}], "must be"),
 ])
 def test_out_of_range_and_bad_choices(key, value, fragment):
     message = error(Config, {key: value})

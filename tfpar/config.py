@@ -14,6 +14,7 @@ import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from .cluster.hardware import LINK_KEYS
 from .errors import ConfigError
 
 ENV_CONFIG = "TFPAR_CONFIG"  # environment variable holding a config path or JSON text
@@ -49,13 +50,15 @@ def _one_of(*choices):
 def _is_device(d):
     if isinstance(d, str):
         return bool(d)
-    return (isinstance(d, Mapping) and set(d) == {"name", "tflops", "memory_gb"}
+    required = {"name", "tflops", "memory_gb"}
+    return (isinstance(d, Mapping) and required <= set(d) <= required | set(LINK_KEYS)
             and isinstance(d["name"], str)
-            and all(_ACCEPTS["float"](d[k]) and d[k] > 0 for k in ("tflops", "memory_gb")))
+            and all(_ACCEPTS["float"](d[k]) and d[k] > 0 for k in set(d) - {"name"}))
 
 
 _POSITIVE = ("> 0", lambda v: v > 0)
-_HARDWARE = ("a non-empty list of catalog names or {name, tflops, memory_gb} dicts",
+_HARDWARE = ("a non-empty list of catalog names or {name, tflops, memory_gb[, intra_node_gbps, "
+             "inter_node_gbps]} dicts",
              lambda v: bool(v) and all(_is_device(d) for d in v))
 _GROUP_SIZE = (">= 1 or 'auto'", lambda v: v == "auto" or isinstance(v, int) and v >= 1)
 

@@ -210,7 +210,7 @@ def stage_costs(model: ModelView, stages: Sequence[int], num_stages: int, rows: 
                 hardware: Hardware) -> StageCosts:
     """The cost model of ``stages`` (stage of each op) for micro-batches of ``rows``."""
     speed = hardware.tflops * 1e12
-    bandwidth = hardware.intra_node_gbps * 1e9
+    bandwidth = hardware.bandwidth(num_stages)  # neighbouring stages, consecutive devices
     forward = [0.0] * num_stages
     params = [0.0] * num_stages
     activations = [0.0] * num_stages
@@ -230,7 +230,7 @@ def _estimate(model: ModelView, p: int, d: int, hardware: Hardware, global_batch
     costs = stage_costs(model, stages, p, global_batch / d / micro, hardware)
     result = simulate(build_schedule("1f1b", p, micro), list(costs.forward_s),
                       list(costs.backward_s), costs.transfer_s)
-    bandwidth = hardware.intra_node_gbps * 1e9
+    bandwidth = hardware.bandwidth(p * d)  # a stage's replicas are strided over all devices
     grads = [allreduce(d, b, bandwidth).seconds for b in costs.param_bytes]
     memory = [costs.fixed_bytes[s] + costs.activation_bytes[s] * result.peak_in_flight[s]
               for s in range(p)]

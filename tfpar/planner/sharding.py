@@ -69,8 +69,14 @@ class Mesh:
         return self.devices // self.tensor
 
     @property
-    def bandwidth(self) -> float:
-        return self.hardware.intra_node_gbps * 1e9
+    def group_bandwidth(self) -> float:
+        """Within a tensor group (consecutive devices)."""
+        return self.hardware.bandwidth(self.tensor)
+
+    @property
+    def replica_bandwidth(self) -> float:
+        """Among data-parallel replicas (strided over all devices)."""
+        return self.hardware.bandwidth(self.devices)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,14 +130,16 @@ class Problem:
     def node(self, i: int, candidate: str) -> Cost:
         """Compute (forward + backward = 3 x forward) and communication of layer i."""
         layer, mesh = self.graph.layers[i], self.mesh
-        t, bandwidth = mesh.tensor, mesh.bandwidth
+        t, bandwidth = mesh.tensor, mesh.group_bandwidth
         rows = {"dp": self.rows_device, "whole": self.rows_group}.get(candidate,
                                                                       self.rows_group / t)
         compute = Cost(3 * layer.flops * rows / (mesh.hardware.tflops * 1e12))
         if candidate in SHARDED:
-            grads = allreduce(mesh.data, layer.param_bytes / t, bandwidth, latency=False)
+            grads = allreduce(mesh.data, layer.param_bytes / t, mesh.replica_bandwidth,
+                              latency=False)
         else:
-            grads = allreduce(mesh.devices, layer.param_bytes, bandwidth, latency=False)
+            grads = allreduce(mesh.devices, layer.param_bytes, mesh.replica_bandwidth,
+                              latency=False)
         # The model's inputs arrive split by rows (data parallelism feeds them);
         # a split layer gathers them (labels and ids are never feature-split).
         extra = self.edge(layer.input_bytes, "B", "B" if candidate == "dp" else "W")
@@ -147,10 +155,10 @@ class Problem:
             return Cost()
         if "W" not in (out_layout, in_layout):  # through whole rows
             return self.edge(size, out_layout, "W") + self.edge(size, "W", in_layout)
-        t, total = self.mesh.tensor, size * self.rows_group
-        gather = allgather(t, total, self.mesh.bandwidth)
+        t, total, bandwidth = self.mesh.tensor, size * self.rows_group, self.mesh.group_bandwidth
+        gather = allgather(t, total, bandwidth)
         return {("B", "W"): gather * 2, ("W", "B"): gather, ("F", "W"): gather,
-                ("W", "F"): allreduce(t, total, self.mesh.bandwidth)}[out_layout, in_layout]
+                ("W", "F"): allreduce(t, total, bandwidth)}[out_layout, in_layout]
 
     def memory_of(self, i: int, candidate: str) -> float:
         layer, t = self.graph.layers[i], self.mesh.tensor

@@ -209,12 +209,13 @@ def _unsharded(candidates, hardware: Hardware):
 
 def _hardware(rt: Runtime) -> Hardware:
     """The slowest, smallest device of ``cluster.hardware`` (a generic host CPU
-    when unset)."""
-    devices = device_hardware(rt.config.get("cluster.hardware"), len(rt.devices))
-    if not devices:
-        return HOST_CPU
-    return Hardware("cluster", min(d.tflops for d in devices), min(d.memory_gb for d in devices),
-                    min(d.intra_node_gbps for d in devices))
+    when unset), with the devices per node of a TF_CONFIG cluster."""
+    devices = device_hardware(rt.config.get("cluster.hardware"), len(rt.devices)) or [HOST_CPU]
+    return Hardware("cluster" if len(devices) > 1 else devices[0].name,
+                    min(d.tflops for d in devices), min(d.memory_gb for d in devices),
+                    min(d.intra_node_gbps for d in devices),
+                    min(d.inter_node_gbps for d in devices),
+                    rt.devices_per_worker if rt.cluster is not None else None)
 
 
 def task_graph_specs(capture: GraphCapture, rt: Runtime, automatic: Optional[_Automatic]):
