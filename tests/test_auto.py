@@ -92,3 +92,17 @@ def test_collectives_across_nodes_use_the_inter_node_network():
     same = search(view, 4, one_node, global_batch=8, num_micro_batch=1, pipeline=1)
     spread = search(view, 4, two_nodes, global_batch=8, num_micro_batch=1, pipeline=1)
     assert spread.step_time_s > 50 * same.step_time_s
+
+
+def test_a_pinned_search_plan_is_rebuilt_without_searching(capsys):
+    """plan.to_json() fed back: the same stages (the partition is deterministic)
+    and estimates, no search, same training."""
+    config = {"auto.auto_parallel": True, "cluster.num_devices": 2,
+              "pipeline.num_micro_batch": 2, "auto.num_task_graph": 2}
+    plan = plan_of(deep_mlp, config)
+    capsys.readouterr()
+    pinned = {**config, "plan": plan.to_json()}
+    again = plan_of(deep_mlp, pinned)
+    assert "tfpar auto" not in capsys.readouterr().err
+    assert again.to_dict() == plan.to_dict()
+    assert_equivalent(train(deep_mlp, DATA), train(deep_mlp, DATA, pinned))

@@ -163,12 +163,15 @@ def _automatic(graph: ops.Graph, index: GraphIndex, capture: GraphCapture,
     """The automatic plan of an unannotated model (cached per graph version):
     ``auto.auto_parallel`` searches data x tensor x pipeline meshes by cost
     model; ``num_task_graph`` alone cuts that many stages (Whale Examples 3
-    and 4). None when the model is annotated, or built with a pinned plan's
-    sharding."""
+    and 4), and so does a pinned plan of the search (as many stages as it
+    has: the partition is deterministic). None when the model is annotated,
+    or built with a pinned plan's sharding."""
     cfg = rt.config
     auto, count = cfg.get("auto.auto_parallel"), cfg.get("auto.num_task_graph")
     if _pinned_sharding(rt):
         return None
+    if auto and cfg.plan is not None:
+        auto, count = False, len(cfg.plan["task_graphs"])
     if not auto and (capture.task_graphs or rt.default_strategy is not None
                      or not count or count < 2):
         return None
