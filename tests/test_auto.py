@@ -106,3 +106,14 @@ def test_a_pinned_search_plan_is_rebuilt_without_searching(capsys):
     assert "tfpar auto" not in capsys.readouterr().err
     assert again.to_dict() == plan.to_dict()
     assert_equivalent(train(deep_mlp, DATA), train(deep_mlp, DATA, pinned))
+
+
+def test_search_time_limit_stops_the_mesh_enumeration():
+    view = ModelView(flops=[10.0] * 4, activation_bytes=[4.0] * 4, param_bytes=[4.0] * 4,
+                     edges=[(i, i + 1, 4.0) for i in range(3)])
+    lines = []
+    best = search(view, 4, Hardware("t", 1.0, 16.0), global_batch=8, num_micro_batch=2,
+                  time_limit_s=1e-9, progress=lines.append)
+    assert best.pipeline == 1  # the first mesh planned
+    assert lines[0].startswith("tfpar auto [1/3] data 4 x tensor 1 x pipeline 1")
+    assert "search time limit reached after 1 of 3 meshes" in lines[-1]
