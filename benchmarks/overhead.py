@@ -58,13 +58,14 @@ def _dense(x, units, name, seed=None, activation=None):
     return activation(y) if activation is not None else y
 
 
-def _layer_norm(x, name):
+def layer_norm(x, name):
+    """Layer norm over the last axis, its ops and variables in scope ``name``."""
     with v1.variable_scope(name):
         d = int(x.shape[-1])
         gamma = v1.get_variable("gamma", [d], initializer=v1.ones_initializer())
         beta = v1.get_variable("beta", [d], initializer=v1.zeros_initializer())
-    mean, var = tf.nn.moments(x, axes=[-1], keepdims=True)
-    return (x - mean) * tf.math.rsqrt(var + 1e-6) * gamma + beta
+        mean, var = tf.nn.moments(x, axes=[-1], keepdims=True)
+        return (x - mean) * tf.math.rsqrt(var + 1e-6) * gamma + beta
 
 
 def transformer_train_op(layers, hidden, heads, seq):
@@ -78,14 +79,14 @@ def transformer_train_op(layers, hidden, heads, seq):
     h = x
     for i in range(layers):
         with v1.variable_scope(f"layer_{i}"):
-            a = _layer_norm(h, "ln_attn")
+            a = layer_norm(h, "ln_attn")
             q, k, v = (heads_first(_dense(a, hidden, n)) for n in ("q", "k", "v"))
             att = tf.nn.softmax(tf.matmul(q, k, transpose_b=True) / math.sqrt(dh))
             ctx = tf.reshape(tf.transpose(tf.matmul(att, v), [0, 2, 1, 3]), [-1, seq, hidden])
             h = h + _dense(ctx, hidden, "out")
-            f = _dense(_layer_norm(h, "ln_ffn"), 4 * hidden, "ffn_in", activation=tf.nn.gelu)
+            f = _dense(layer_norm(h, "ln_ffn"), 4 * hidden, "ffn_in", activation=tf.nn.gelu)
             h = h + _dense(f, hidden, "ffn_out")
-    loss = tf.reduce_mean(tf.square(_layer_norm(h, "ln_final") - target))
+    loss = tf.reduce_mean(tf.square(layer_norm(h, "ln_final") - target))
     return v1.train.AdamOptimizer(1e-4).minimize(loss)
 
 

@@ -8,7 +8,7 @@ projection, sparse softmax cross-entropy and ``AdamOptimizer(1e-4).minimize``.
 Measured per model:
 
   * build s: wall time of building that graph (minimize included); graph ops;
-  * view s: reading the graph for the planner (``stages.model_view``);
+  * view s: reading the graph for the planner (``rewriters.model_view``);
   * layer nodes, critical, blocks: the layer graph (``layers.layer_graph``), its
     critical layers (Rhino §4.3.1) and TAP's similar blocks at the outermost
     level (``pruning.shared_blocks``: the repeated transformer layers);
@@ -26,8 +26,8 @@ models, and O2/O3 where O3 stopped at its limit, are printed for information.
 
     cd /work/main && .venv/bin/python benchmarks/planner.py [--check] [--json]
 
-(2 cores: about 1.5 minutes plus each model's O3 time, up to ``--o3-limit``; 1.1 GB peak
-memory. ``--quick``: 6 s.)
+(2 cores: about 1.5 minutes plus each model's O3 time, up to ``--o3-limit``; 1.1 GB
+peak memory. ``--quick``: 7 s.)
 """
 import argparse
 import gc
@@ -48,10 +48,11 @@ from tfpar.planner.layers import layer_graph  # noqa: E402
 from tfpar.planner.pruning import shared_blocks  # noqa: E402
 from tfpar.planner.sharding import Mesh, critical_layers, plan_sharding  # noqa: E402
 from tfpar.rewriters.select import GraphIndex  # noqa: E402
-from tfpar.rewriters.stages import model_view  # noqa: E402
+from tfpar.rewriters.model_view import model_view  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_args import parse_sizes  # noqa: E402  (same directory)
+from overhead import layer_norm  # noqa: E402
 
 v1 = tf.compat.v1
 
@@ -67,16 +68,6 @@ COLUMNS = [("layers", "layers", "d"), ("graph ops", "graph_ops", "d"),
            ("plan O2 s", "plan_s", ".3f"), ("plan/build", "plan_build", ".3f"),
            ("O3 s", "o3_s", ".2f"), ("O3 optimal", "o3_optimal", ""),
            ("O2/O3 cost", "o2_o3_cost", ".4f"), ("search s", "search_s", ".2f")]
-
-
-def layer_norm(x, name):
-    """Layer norm over the last axis, all of its ops and variables in scope ``name``."""
-    with v1.variable_scope(name):
-        d = int(x.shape[-1])
-        gamma = v1.get_variable("gamma", [d], initializer=v1.ones_initializer())
-        beta = v1.get_variable("beta", [d], initializer=v1.zeros_initializer())
-        mean, var = tf.nn.moments(x, axes=[-1], keepdims=True)
-        return (x - mean) * tf.math.rsqrt(var + 1e-6) * gamma + beta
 
 
 def gpt_train_op(layers, hidden, seq, vocab):
@@ -185,7 +176,7 @@ def print_table(rows, found, args):
         print(f"search, {r['layers']} layers: {r['search_mesh']}")
     for t in found:
         value = _cell(t["value"], ".3f")
-        print(f"{t['target']:<44} {value:>7}  " + (f"<= {t['limit']:<4}  "
+        print(f"{t['target']:<46} {value:>7}  " + (f"<= {t['limit']:<4}  "
               f"{'met' if t['met'] else 'NOT MET'}" if t["limit"] is not None else "(info)"))
 
 

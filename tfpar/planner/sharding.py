@@ -34,6 +34,7 @@ Solvers:
     are solved once and their plan reused, so planning grows with the number
     of distinct blocks, not layers. Memory: Rhino §4.4, the layers with the
     largest weights are forced to sharded candidates until the plan fits.
+    O3 starts from O2's plan (a solver hint), so it never returns a worse one.
 """
 import dataclasses
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -53,6 +54,7 @@ CANDIDATES = {"matmul": ("dp", "column", "row"), "xent": ("dp", "whole", "xent")
 SHARDED = frozenset({"column", "row"})
 STATE_BYTES = 4  # weights, gradients and two optimizer slots per parameter byte
 _RESOLUTION = 1e6  # CP-SAT integer steps per largest cost
+SEGMENT_LIMIT_S = 10.0  # per segment ILP (O2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,19 +97,48 @@ class ShardingPlan:
 
 def plan_sharding(graph: LayerGraph, mesh: Mesh, memory_limit: float, opt_level: str = "O2",
                   time_limit_s: float = 10.0) -> Optional[ShardingPlan]:
-    """The cheapest candidates for ``graph`` on ``mesh`` (None: nothing fits)."""
+    """The cheapest candidates for ``graph`` on ``mesh`` (None: nothing fits).
+    O3 starts from the O2 plan (a solver hint) and tries to prove or beat it."""
     problem = Problem(graph, mesh)
-    if opt_level == "O3":
-        found = _ilp(problem, problem.allowed(), {}, memory_limit, time_limit_s)
-        return None if found is None else problem.plan(*found)
     allowed = problem.allowed()
+    forced = False
     while True:
-        chosen = _segments_dp(problem, allowed)
+        chosen, optimal = _segments_dp(problem, allowed)
         if problem.memory(chosen) <= memory_limit:
-            return problem.plan(chosen, True)
+            break
         allowed = _force_largest_sharded(problem, allowed, chosen)
         if allowed is None:
+            chosen = None
+            break
+        forced = True
+    if opt_level == "O3":
+        found = _ilp(problem, problem.allowed(), {}, memory_limit, time_limit_s, hint=chosen)
+        if found is None:
             return None
+        chosen, optimal = found
+    elif chosen is None:
+        return None
+    return problem.plan(_follow_free_layers(problem, chosen), optimal and not forced)
+
+
+def _follow_free_layers(problem: "Problem", chosen: Sequence[str]) -> List[str]:
+    """Layers whose every candidate is free (constants: no compute, weights or
+    bytes in or out) take their first consumer's candidate, so they do not cut
+    a run of split layers into several TaskGraphs. The costs do not change."""
+    chosen = list(chosen)
+    allowed = problem.allowed()
+    consumers: Dict[int, List[int]] = {}
+    for i, j, _ in problem.graph.edges:
+        consumers.setdefault(i, []).append(j)
+    for i in reversed(range(len(chosen))):
+        layer = problem.graph.layers[i]
+        free = not (layer.flops or layer.param_bytes or layer.activation_bytes
+                    or layer.input_bytes or layer.out_bytes
+                    or any(size for _, size in problem.preds[i]))
+        follow = [chosen[j] for j in consumers.get(i, ()) if chosen[j] in allowed[i]]
+        if free and follow:
+            chosen[i] = follow[0]
+    return chosen
 
 
 class Problem:
@@ -202,10 +233,12 @@ class Problem:
 
 def _ilp(problem: Problem, allowed: Sequence[Tuple[str, ...]], fixed: Dict[int, str],
          memory_limit: Optional[float], time_limit_s: float,
-         nodes: Optional[Sequence[int]] = None) -> Optional[Tuple[List[str], bool]]:
+         nodes: Optional[Sequence[int]] = None,
+         hint: Optional[Sequence[str]] = None) -> Optional[Tuple[List[str], bool]]:
     """Rhino §4.2 over ``nodes`` (all layers when None; edges among them):
-    candidates of the ``fixed`` layers are given. Returns (candidate per
-    layer of ``nodes``, proved optimal) or None."""
+    candidates of the ``fixed`` layers are given; ``hint`` (a candidate per
+    layer) is where the solver starts. Returns (candidate per layer of
+    ``nodes``, proved optimal) or None."""
     nodes = list(range(len(allowed))) if nodes is None else list(nodes)
     inside = set(nodes)
     options = {i: ((fixed[i],) if i in fixed else allowed[i]) for i in nodes}
@@ -232,6 +265,9 @@ def _ilp(problem: Problem, allowed: Sequence[Tuple[str, ...]], fixed: Dict[int, 
         model.Add(sum(int(memory[key] / scale) * var for key, var in pick.items())
                   <= int(memory_limit / scale))
     model.Minimize(sum(objective))
+    if hint is not None:
+        for (i, c), var in pick.items():
+            model.AddHint(var, hint[i] == c)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_search_workers = 1
@@ -247,14 +283,15 @@ def critical_layers(graph: LayerGraph) -> List[int]:
     return critical_positions(len(graph.layers), graph.edges)
 
 
-def _segments_dp(problem: Problem, allowed: Sequence[Tuple[str, ...]]) -> List[str]:
+def _segments_dp(problem: Problem, allowed: Sequence[Tuple[str, ...]]) -> Tuple[List[str], bool]:
     """Rhino §4.3.2: DP over critical layers, segments between them solved once
-    per signature (TAP's plan reuse)."""
+    per signature (TAP's plan reuse). Returns the candidates and whether every
+    segment was solved to optimality."""
     graph = problem.graph
     critical = critical_layers(graph)
     first = critical[0]
     best = {c: (problem.node(first, c).seconds, [c]) for c in allowed[first]}
-    cache: Dict[Tuple, Dict[Tuple[str, str], Tuple[float, List[str]]]] = {}
+    cache: Dict[Tuple, Dict[Tuple[str, str], Tuple[float, List[str], bool]]] = {}
     for start, end in zip(critical, critical[1:]):
         key = _segment_key(problem, allowed, start, end)
         if key not in cache:
@@ -263,7 +300,8 @@ def _segments_dp(problem: Problem, allowed: Sequence[Tuple[str, ...]]) -> List[s
         best = {b: min(((cost + table[a, b][0], path + table[a, b][1])
                         for a, (cost, path) in best.items()), key=lambda x: x[0])
                 for b in allowed[end]}
-    return min(best.values(), key=lambda x: x[0])[1]
+    optimal = all(entry[2] for table in cache.values() for entry in table.values())
+    return min(best.values(), key=lambda x: x[0])[1], optimal
 
 
 def _segment_key(problem: Problem, allowed, start: int, end: int) -> Tuple:
@@ -275,25 +313,27 @@ def _segment_key(problem: Problem, allowed, start: int, end: int) -> Tuple:
 
 def _solve_segment(problem: Problem, allowed, start: int, end: int):
     """(candidate of start, of end) -> (cost of the segment past ``start``,
-    candidates of the layers after ``start``)."""
+    candidates of the layers after ``start``, proved optimal)."""
     inner = list(range(start + 1, end))
     chain = all(problem.preds[j] and [i for i, _ in problem.preds[j]] == [j - 1]
                 for j in range(start + 1, end + 1))
     table = {}
     for a in allowed[start]:
         for b in allowed[end]:
+            optimal = True
             if chain:
                 chosen = _chain_dp(problem, allowed, start, end, a, b)
             else:
-                found = _ilp(problem, allowed, {start: a, end: b}, None, 10.0,
+                found = _ilp(problem, allowed, {start: a, end: b}, None, SEGMENT_LIMIT_S,
                              [start] + inner + [end])
-                chosen = found[0][1:] if found else [b]
+                optimal = found is not None and found[1]
+                chosen = found[0][1:] if found else [allowed[k][0] for k in inner] + [b]
             path = [a] + chosen
             cost = sum(problem.node(k, c).seconds
                        for k, c in zip(range(start + 1, end + 1), chosen))
             cost += sum(problem.reshard(size, path[i - start], path[j - start]).seconds
                         for j in range(start + 1, end + 1) for i, size in problem.preds[j])
-            table[a, b] = (cost, chosen)
+            table[a, b] = (cost, chosen, optimal)
     return table
 
 

@@ -17,20 +17,16 @@ inferred here, in graph order:
 import dataclasses
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
-
 from tensorflow.python.framework import device as device_lib
-from tensorflow.python.framework import dtypes, ops, tensor_shape
+from tensorflow.python.framework import ops
 
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture
 from tfpar.ir.taskgraph import Phase
-from tfpar.planner.auto import ModelView
-from tfpar.planner.pruning import block_labels
-from tfpar.rewriters.select import INPUT_TYPES, VARIABLE_TYPES, GraphIndex, ancestors
+from tfpar.rewriters.select import VARIABLE_TYPES, GraphIndex
 
 __all__ = ["Placement", "assign_stages", "backward_dependent", "canonical_device",
-           "forward_costs", "forward_edges", "model_view", "split_op_devices"]
+           "split_op_devices"]
 
 
 @dataclasses.dataclass
@@ -193,66 +189,3 @@ def _check_order(index: GraphIndex, capture: GraphCapture, stage_of, names) -> N
 
 def _name(names: Sequence[str], stage: int) -> str:
     return f"'{names[stage]}'" if stage < len(names) else str(stage)
-
-
-def forward_costs(index: GraphIndex, capture: GraphCapture) -> List[Tuple[ops.Operation, float]]:
-    """The forward ops the losses depend on, in graph (topological) order, each
-    with a cost per batch row: FLOPs of matmuls and convolutions, output
-    elements otherwise (what a balanced stage partition weighs)."""
-    losses = [y.op for call in capture.gradient_calls for y in call.ys if hasattr(y, "op")]
-    needed = ancestors(losses, lambda op: op.type in VARIABLE_TYPES or op.type in INPUT_TYPES)
-    return [(op, _cost_per_row(op)) for op in index.ops
-            if op in needed and capture.op_phase.get(op.name, Phase.FORWARD) == Phase.FORWARD]
-
-
-def forward_edges(ops_in_order: List[ops.Operation]) -> List[Tuple[int, int, float]]:
-    """(i, j, bytes per row) for every data edge between the listed ops."""
-    position = {op: i for i, op in enumerate(ops_in_order)}
-    return [(position[t.op], j, _row_elements(t) * t.dtype.size)
-            for j, op in enumerate(ops_in_order) for t in op.inputs if t.op in position]
-
-
-def model_view(index: GraphIndex, capture: GraphCapture) -> Tuple[List[ops.Operation], ModelView]:
-    """The forward ops and the planner's view of them (FLOPs and output bytes
-    per row, bytes of the weights each reads first, edges, repeated blocks)."""
-    costs = forward_costs(index, capture)
-    order = [op for op, _ in costs]
-    seen = set()
-    params = []
-    for op in order:
-        owned = 0.0
-        for t in op.inputs:
-            if t.op.type in VARIABLE_TYPES and t.op not in seen:
-                seen.add(t.op)
-                shape = tensor_shape.TensorShape(t.op.get_attr("shape"))
-                dtype = dtypes.as_dtype(t.op.get_attr("dtype"))
-                owned += (shape.num_elements() or 0) * dtype.size
-        params.append(owned)
-    outputs = [_row_elements(op.outputs[0]) * op.outputs[0].dtype.size if op.outputs else 0.0
-               for op in order]
-    labels = block_labels([op.name for op in order], [op.type for op in order])
-    return order, ModelView(flops=[c for _, c in costs], activation_bytes=outputs,
-                            param_bytes=params, edges=forward_edges(order), labels=labels,
-                            names=[op.name for op in order], types=[op.type for op in order],
-                            input_bytes=[sum(_row_elements(t) * t.dtype.size for t in op.inputs
-                                             if t.op.type in INPUT_TYPES) for op in order])
-
-
-def _cost_per_row(op: ops.Operation) -> float:
-    out = op.outputs[0] if op.outputs else None
-    elements = _row_elements(out) if out is not None else 1.0
-    if op.type in ("MatMul", "BatchMatMulV2", "BatchMatMul", "Einsum", "Conv2D"):
-        a, b = op.inputs[0], op.inputs[1]
-        if op.type == "Conv2D":
-            depth = b.shape.num_elements() / max(int(b.shape[-1] or 1), 1) if (
-                b.shape.is_fully_defined()) else 1.0
-        else:
-            transposed = op.type == "MatMul" and op.get_attr("transpose_a")
-            depth = (a.shape[-2] if transposed else a.shape[-1]) or 1
-        return 2.0 * elements * float(depth)
-    return elements
-
-
-def _row_elements(t) -> float:
-    dims = t.shape.as_list() if t.shape.rank is not None else []
-    return float(max(1, int(np.prod([d for d in dims[1:] if d], dtype=np.int64)))) if dims else 1.0

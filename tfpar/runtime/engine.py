@@ -24,8 +24,8 @@ from tfpar.rewriters.allreduce import CollectiveKeys, make_reducer
 from tfpar.rewriters.data_parallel import replicate
 from tfpar.rewriters.horovod_backend import HorovodProcesses, HorovodReducer
 from tfpar.rewriters.select import GraphIndex
-from tfpar.rewriters.stages import (Placement, assign_stages, canonical_device, model_view,
-                                    split_op_devices)
+from tfpar.rewriters.model_view import model_view
+from tfpar.rewriters.stages import Placement, assign_stages, canonical_device, split_op_devices
 from tfpar.rewriters.fetch_translation import FetchTranslator
 from tfpar.runtime.context import Runtime, active
 

@@ -1,0 +1,131 @@
+"""The planner's view of a captured graph (read only): the forward ops the
+losses depend on, with FLOPs, output bytes and input bytes per sample, the
+bytes of the weights each reads, edges and repeated blocks (``auto.ModelView``).
+
+Sizes are per sample of the global batch, found by propagating from the
+model's inputs rather than read off static shapes, which say nothing about
+merged dimensions: a ``[batch * seq, d]`` reshape of ``[batch, seq, d]`` still
+holds ``seq * d`` elements per sample, and a dense layer on it
+(``[None, None]`` statically) multiplies them by ``units / depth``. Tensors
+that do not depend on the inputs (weights, constants, shapes of weights) hold
+nothing per sample.
+"""
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+from tensorflow.python.framework import dtypes, ops, tensor_shape
+
+from tfpar.hooks.capture import GraphCapture
+from tfpar.ir.taskgraph import Phase
+from tfpar.planner.auto import ModelView
+from tfpar.planner.pruning import block_labels
+from tfpar.rewriters.select import INPUT_TYPES, VARIABLE_TYPES, GraphIndex, ancestors
+
+__all__ = ["model_view"]
+
+CONTRACTIONS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
+SAME_ELEMENTS = frozenset({"Reshape", "Squeeze", "ExpandDims", "Transpose", "Identity"})
+
+
+def model_view(index: GraphIndex, capture: GraphCapture) -> Tuple[List[ops.Operation], ModelView]:
+    """The forward ops (graph order, a topological one) and their view."""
+    losses = [y.op for call in capture.gradient_calls for y in call.ys if hasattr(y, "op")]
+    needed = ancestors(losses, lambda op: op.type in VARIABLE_TYPES or op.type in INPUT_TYPES)
+    order = [op for op in index.ops
+             if op in needed and capture.op_phase.get(op.name, Phase.FORWARD) == Phase.FORWARD]
+    samples = _per_sample(order)
+    position = {op: i for i, op in enumerate(order)}
+
+    def size(t) -> float:
+        return samples.get(t, 0.0) * t.dtype.size
+
+    return order, ModelView(
+        flops=[_flops(op, samples) for op in order],
+        activation_bytes=[size(op.outputs[0]) if op.outputs else 0.0 for op in order],
+        param_bytes=_weight_bytes(order),
+        edges=[(position[t.op], j, size(t)) for j, op in enumerate(order) for t in op.inputs
+               if t.op in position],
+        labels=block_labels([op.name for op in order], [op.type for op in order]),
+        names=[op.name for op in order], types=[op.type for op in order],
+        input_bytes=[sum(size(t) for t in op.inputs if t.op.type in INPUT_TYPES)
+                     for op in order])
+
+
+def _per_sample(order: List[ops.Operation]) -> Dict[Any, float]:
+    """Elements per sample of every tensor the ops read or write."""
+    samples: Dict[Any, float] = {}
+    for op in order:
+        for t in op.inputs:
+            if t not in samples:
+                samples[t] = (_static(t) or 1.0) if t.op.type in INPUT_TYPES else 0.0
+        reads = [samples[t] for t in op.inputs]
+        base = max(reads, default=0.0)
+        main = op.inputs[reads.index(base)] if base else None
+        for out in op.outputs:
+            samples[out] = base * _ratio(op, main, out) if base else 0.0
+    return samples
+
+
+def _ratio(op: ops.Operation, main, out) -> float:
+    """Elements of ``out`` per element of the op's main (largest) input."""
+    if op.type in SAME_ELEMENTS:
+        return 1.0
+    if op.type in CONTRACTIONS and main is op.inputs[0]:
+        depth, units = _contraction_sizes(op)
+        if depth and units:
+            return units / depth
+    before, after = _static(main), _static(out)
+    return after / before if before and after else 1.0
+
+
+def _contraction_sizes(op: ops.Operation) -> Tuple[Optional[int], Optional[int]]:
+    """(contracted size, output columns) of a matmul from either operand."""
+    a, b = op.inputs[0].shape, op.inputs[1].shape
+    if a.rank is None or b.rank is None:
+        return None, None
+    if op.type == "MatMul":
+        flip_a, flip_b = op.get_attr("transpose_a"), op.get_attr("transpose_b")
+    else:
+        flip_a, flip_b = op.get_attr("adj_x"), op.get_attr("adj_y")
+    depth = a[-2] if flip_a else a[-1]
+    if depth is None:
+        depth = b[-1] if flip_b else b[-2]
+    return depth, b[-2] if flip_b else b[-1]
+
+
+def _flops(op: ops.Operation, samples) -> float:
+    """FLOPs per sample: 2 x multiply-adds of contractions and convolutions,
+    output elements otherwise."""
+    out = samples.get(op.outputs[0], 0.0) if op.outputs else 0.0
+    if op.type in CONTRACTIONS:
+        depth, _ = _contraction_sizes(op)
+        return 2.0 * out * float(depth or 1)
+    if op.type == "Conv2D":
+        kernel = op.inputs[1].shape
+        depth = kernel.num_elements() / max(int(kernel[-1] or 1), 1) if (
+            kernel.is_fully_defined()) else 1.0
+        return 2.0 * out * depth
+    return out
+
+
+def _static(t) -> Optional[float]:
+    """Elements per row of ``t`` from its static shape (None when unknown)."""
+    dims = t.shape.as_list() if t.shape.rank is not None else None
+    if not dims or any(d is None for d in dims[1:]):
+        return None
+    return float(np.prod(dims[1:], dtype=np.int64))
+
+
+def _weight_bytes(order: List[ops.Operation]) -> List[float]:
+    """Bytes of the variables each op reads first."""
+    seen = set()
+    owned = []
+    for op in order:
+        total = 0.0
+        for t in op.inputs:
+            if t.op.type in VARIABLE_TYPES and t.op not in seen:
+                seen.add(t.op)
+                shape = tensor_shape.TensorShape(t.op.get_attr("shape"))
+                total += (shape.num_elements() or 0) * dtypes.as_dtype(t.op.get_attr("dtype")).size
+        owned.append(total)
+    return owned
