@@ -43,17 +43,22 @@ def transformer_mlp(x, y):
     return loss, v1.train.GradientDescentOptimizer(0.5).minimize(loss)
 
 
-def test_memory_forces_megatron_column_then_row():
-    """Without a pipeline (num_task_graph 1), devices too small for the data
-    parallel copy: the MLP's first layer is split by columns, the second by
-    rows (no gather between them), the rest stays replicated."""
+def memory_bound_config():
+    """2 devices, no pipeline, each too small for the data-parallel copy."""
     device = {"name": "small", "tflops": 0.01, "memory_gb": 16}
     config = {"auto.auto_parallel": True, "cluster.num_devices": 2, "auto.num_task_graph": 1,
               "cluster.hardware": [device]}
     data_parallel = plan_of(transformer_mlp, config)
     assert not data_parallel.sharding and data_parallel.data_parallel_degree == 2
     need = max(data_parallel.estimate["memory_bytes_per_device"])
-    config["cluster.hardware"] = [{**device, "memory_gb": 0.8 * need / 2 ** 30}]
+    return {**config, "cluster.hardware": [{**device, "memory_gb": 0.8 * need / 2 ** 30}]}, need
+
+
+def test_memory_forces_megatron_column_then_row():
+    """Without a pipeline (num_task_graph 1), devices too small for the data
+    parallel copy: the MLP's first layer is split by columns, the second by
+    rows (no gather between them), the rest stays replicated."""
+    config, need = memory_bound_config()
     plan = plan_of(transformer_mlp, config)
     assert plan.sharding == {"tensor_degree": 2, "layers": {"fc1": "column", "fc2": "row"}}
     assert [tg.strategy for tg in plan.task_graphs] == ["replicate", "split", "replicate"]
@@ -63,3 +68,16 @@ def test_memory_forces_megatron_column_then_row():
     assert_equivalent(train(transformer_mlp, data), train(transformer_mlp, data, pinned))
     built = plan_of(transformer_mlp, pinned)
     assert built.task_graphs[1].patterns == {"fc1": "column", "fc2": "row"}
+
+
+def test_pinned_sharding_candidates_are_built_as_written():
+    """Anything the plan shows can be pinned: editing the layers' candidates
+    in the plan JSON changes the patterns built (and not the numbers)."""
+    config, _ = memory_bound_config()
+    plan = plan_of(transformer_mlp, config).to_dict()
+    plan["sharding"]["layers"] = {"fc1": "row", "fc2": "column"}
+    pinned = {**config, "plan": plan}
+    assert plan_of(transformer_mlp, pinned).task_graphs[1].patterns == {"fc1": "row",
+                                                                        "fc2": "column"}
+    data = make_data(steps=2, batch=8)
+    assert_equivalent(train(transformer_mlp, data), train(transformer_mlp, data, pinned))

@@ -159,7 +159,8 @@ def choose(candidates: Sequence[Candidate], hardware: Hardware) -> Candidate:
         least = min(candidates, key=lambda c: c.memory_bytes)
         raise PlanError(f"tfpar: auto.auto_parallel found no plan that fits {hardware.name}'s "
                         f"{hardware.memory_gb:g} GB per device; the smallest needs "
-                        f"{least.memory_bytes / 2 ** 30:.3g} GB (pipeline {least.pipeline})")
+                        f"{least.memory_bytes / 2 ** 30:.3g} GB (data {least.data} x tensor "
+                        f"{least.tensor} x pipeline {least.pipeline})")
     fastest = min(c.step_time_s for c in fitting)
     # Estimates are rough: within TOLERANCE of the fastest, fewer stages win.
     return min((c for c in fitting if c.step_time_s <= fastest * (1 + TOLERANCE)),

@@ -108,10 +108,12 @@ def run_failed(error: Exception) -> None:
 
 
 def make_split_context(capture: GraphCapture, spec: TaskGraphSpec, rt: Runtime,
-                       share: Optional[bool] = None):
+                       share: Optional[bool] = None, planned: Optional[Dict[str, str]] = None):
     """The SplitContext of a split TaskGraph: its shard devices, fixed now
     because its variables are built sharded: its VirtualDevice given the
-    TaskGraphs opened so far (Whale §3.2.1)."""
+    TaskGraphs opened so far (Whale §3.2.1). ``planned`` (a pinned plan's
+    layer -> candidate) forces its column / row choices on the dense units
+    named after those layers, unless ``split.patterns`` names them."""
     from tfpar.cluster.virtual_device import assign_devices  # pylint: disable=import-outside-toplevel
     from tfpar.patterns.sharded import SplitContext  # pylint: disable=import-outside-toplevel
 
@@ -119,8 +121,11 @@ def make_split_context(capture: GraphCapture, spec: TaskGraphSpec, rt: Runtime,
         share = rt.config.get("cluster.colocate_split_and_replicate")
     assignment = assign_devices([(s.name, s.device_count) for s in capture.task_graphs],
                                 rt.devices, share)
-    return SplitContext(spec.name, assignment.virtual_devices[-1][0],
-                        rt.config.get("split.patterns"), capture.sharded_tensors)
+    forced = {scope.rsplit("/", 1)[-1]: how for scope, how in (planned or {}).items()
+              if how in ("column", "row")}
+    forced.update(rt.config.get("split.patterns") or {})
+    return SplitContext(spec.name, assignment.virtual_devices[-1][0], forced,
+                        capture.sharded_tensors)
 
 
 def _pinned_sharding(rt: Optional[Runtime]) -> Dict[str, Any]:
@@ -136,7 +141,7 @@ def setup_capture(capture: GraphCapture) -> None:
     if sharding.get("layers"):
         capture.plan_split_layers(
             frozenset(sharding["layers"]), sharding["tensor_degree"],
-            lambda cap, spec: make_split_context(cap, spec, rt, share=True))
+            lambda cap, spec: make_split_context(cap, spec, rt, True, sharding["layers"]))
 
 
 @dataclasses.dataclass(frozen=True)
