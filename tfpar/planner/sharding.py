@@ -55,6 +55,10 @@ SHARDED = frozenset({"column", "row"})
 STATE_BYTES = 4  # weights, gradients and two optimizer slots per parameter byte
 _RESOLUTION = 1e6  # CP-SAT integer steps per largest cost
 SEGMENT_LIMIT_S = 10.0  # per segment ILP (O2)
+# O3: CP-SAT's portfolio; its LP- and core-based workers prove whole-graph
+# optimality in about a second where one worker alone stalls past a few
+# transformer layers (segments stay on one worker: small, deterministic).
+WHOLE_GRAPH_WORKERS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +116,8 @@ def plan_sharding(graph: LayerGraph, mesh: Mesh, memory_limit: float, opt_level:
             break
         forced = True
     if opt_level == "O3":
-        found = _ilp(problem, problem.allowed(), {}, memory_limit, time_limit_s, hint=chosen)
+        found = _ilp(problem, problem.allowed(), {}, memory_limit, time_limit_s, hint=chosen,
+                     workers=WHOLE_GRAPH_WORKERS)
         if found is None:
             return None
         chosen, optimal = found
@@ -233,12 +238,12 @@ class Problem:
 
 def _ilp(problem: Problem, allowed: Sequence[Tuple[str, ...]], fixed: Dict[int, str],
          memory_limit: Optional[float], time_limit_s: float,
-         nodes: Optional[Sequence[int]] = None,
-         hint: Optional[Sequence[str]] = None) -> Optional[Tuple[List[str], bool]]:
+         nodes: Optional[Sequence[int]] = None, hint: Optional[Sequence[str]] = None,
+         workers: int = 1) -> Optional[Tuple[List[str], bool]]:
     """Rhino §4.2 over ``nodes`` (all layers when None; edges among them):
     candidates of the ``fixed`` layers are given; ``hint`` (a candidate per
-    layer) is where the solver starts. Returns (candidate per layer of
-    ``nodes``, proved optimal) or None."""
+    layer) is where the solver starts; ``workers`` CP-SAT search workers.
+    Returns (candidate per layer of ``nodes``, proved optimal) or None."""
     nodes = list(range(len(allowed))) if nodes is None else list(nodes)
     inside = set(nodes)
     options = {i: ((fixed[i],) if i in fixed else allowed[i]) for i in nodes}
@@ -270,7 +275,7 @@ def _ilp(problem: Problem, allowed: Sequence[Tuple[str, ...]], fixed: Dict[int, 
             model.AddHint(var, hint[i] == c)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
-    solver.parameters.num_search_workers = 1
+    solver.parameters.num_search_workers = workers
     status = solver.Solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
