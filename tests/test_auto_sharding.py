@@ -1,5 +1,6 @@
 """auto.auto_parallel's sharding search, end to end: plans found on a model
 built plainly, pinned, built split, and trained like one device."""
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -89,3 +90,32 @@ def test_pinned_sharding_candidates_are_built_as_written():
                                                                         "fc2": "column"}
     data = make_data(steps=2, batch=8)
     assert_equivalent(train(transformer_mlp, data), train(transformer_mlp, data, pinned))
+
+
+VOCAB = 20000
+
+
+def embedding_model(ids, y):
+    """A large embedding table looked up by ids, a small head."""
+    rng = np.random.RandomState(5)
+    with v1.variable_scope("embedding"):
+        table = v1.get_variable("table", initializer=rng.randn(VOCAB, 32).astype(np.float32))
+        features = tf.reduce_sum(tf.nn.embedding_lookup(table, ids), axis=1)
+    logits = dense(features, 3, "head", seed=4)
+    loss = v1.losses.sparse_softmax_cross_entropy(y, logits)
+    return loss, v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+
+
+def test_large_embedding_is_vocabulary_sharded():
+    """Without a pipeline (which would keep the table on one device), all-reducing
+    the table's gradient costs more than summing looked-up rows over shards."""
+    config = {"auto.auto_parallel": True, "cluster.num_devices": 4, "auto.num_task_graph": 1}
+    plan = plan_of(embedding_model, config, tf.int64, (None, 2))
+    assert plan.sharding["layers"]["embedding"] == "vocab"
+    rng = np.random.RandomState(3)
+    data = (rng.randint(0, VOCAB, size=(3, 8, 2)).astype(np.int64),
+            rng.randint(0, 3, size=(3, 8)).astype(np.int64))
+    pinned = {**config, "plan": plan.to_dict()}
+    assert_equivalent(train(embedding_model, data), train(embedding_model, data, pinned))
+    built = plan_of(embedding_model, pinned, tf.int64, (None, 2))
+    assert "vocab" in built.task_graphs[1].patterns.values()

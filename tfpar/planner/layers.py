@@ -10,6 +10,7 @@ other both ways (interleaved scopes) are merged, so the layer graph is a DAG.
 Each layer has a kind, from its op types:
   * ``matmul``: a contraction with a weight (column / row shardable);
   * ``xent``: softmax cross-entropy (distributed over split classes);
+  * ``embedding``: a lookup in a weight (vocabulary-shardable);
   * ``elementwise``: only per-element ops (acts on shards as they are);
   * ``other``: everything else (needs whole rows).
 """
@@ -23,6 +24,7 @@ __all__ = ["Layer", "LayerGraph", "critical_positions", "layer_graph"]
 
 CONTRACTIONS = frozenset({"MatMul", "BatchMatMulV2", "BatchMatMul", "Einsum"})
 XENT = frozenset({"SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits"})
+LOOKUPS = frozenset({"GatherV2", "ResourceGather"})
 ELEMENTWISE = frozenset({"Relu", "Relu6", "Elu", "Selu", "Gelu", "Tanh", "Sigmoid", "Softplus",
                          "Identity", "Cast", "Neg", "Square", "Sqrt", "Rsqrt", "Exp", "Erf",
                          "Mul", "AddV2", "Add", "Sub", "RealDiv", "BiasAdd", "Const"})
@@ -154,6 +156,8 @@ def _layer(scope: str, ops: List[int], view, out_bytes: float) -> Layer:
         kind = "xent"
     elif kinds & CONTRACTIONS and weights:
         kind = "matmul"
+    elif kinds & LOOKUPS and weights:
+        kind = "embedding"
     elif kinds <= ELEMENTWISE | READS:
         kind = "elementwise"
     else:

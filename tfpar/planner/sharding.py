@@ -15,6 +15,7 @@ group. Candidates by kind:
   whole         W       W       compute repeated on the t devices
   shards        F       F       elementwise on the shards
   xent          F       W       per-row max and sum all-reduced over t
+  vocab         W       W       table rows / t; looked-up rows all-reduced
   ============  ======  ======  ===========================================
 
 Resharding an edge costs an all-gather (``B``->``W``, ``F``->``W``) forward and
@@ -48,10 +49,11 @@ from tfpar.planner.layers import LayerGraph, critical_positions
 __all__ = ["CANDIDATES", "Mesh", "Problem", "ShardingPlan", "critical_layers", "plan_sharding"]
 
 LAYOUTS = {"dp": ("B", "B"), "column": ("W", "F"), "row": ("F", "W"), "whole": ("W", "W"),
-           "shards": ("F", "F"), "xent": ("F", "W")}
+           "shards": ("F", "F"), "xent": ("F", "W"), "vocab": ("W", "W")}
 CANDIDATES = {"matmul": ("dp", "column", "row"), "xent": ("dp", "whole", "xent"),
-              "elementwise": ("dp", "whole", "shards"), "other": ("dp", "whole")}
-SHARDED = frozenset({"column", "row"})
+              "elementwise": ("dp", "whole", "shards"), "other": ("dp", "whole"),
+              "embedding": ("dp", "whole", "vocab")}
+SHARDED = frozenset({"column", "row", "vocab"})  # weights split over the tensor group
 STATE_BYTES = 4  # weights, gradients and two optimizer slots per parameter byte
 _RESOLUTION = 1e6  # CP-SAT integer steps per largest cost
 SEGMENT_LIMIT_S = 10.0  # per segment ILP (O2)
@@ -179,7 +181,7 @@ class Problem:
         # The model's inputs arrive split by rows (data parallelism feeds them);
         # a split layer gathers them (labels and ids are never feature-split).
         extra = self.edge(layer.input_bytes, "B", "B" if candidate == "dp" else "W")
-        if candidate == "row":
+        if candidate in ("row", "vocab"):  # partial sums of whole rows
             extra += allreduce(t, layer.out_bytes * self.rows_group, bandwidth)
         elif candidate == "xent":
             extra += allreduce(t, 8 * self.rows_group, bandwidth) * 2
@@ -199,8 +201,8 @@ class Problem:
     def memory_of(self, i: int, candidate: str) -> float:
         layer, t = self.graph.layers[i], self.mesh.tensor
         weights = layer.param_bytes / (t if candidate in SHARDED else 1)
-        rows = {"dp": self.rows_device, "whole": self.rows_group,
-                "row": self.rows_group}.get(candidate, self.rows_group / t)
+        rows = {"dp": self.rows_device, "whole": self.rows_group, "row": self.rows_group,
+                "vocab": self.rows_group}.get(candidate, self.rows_group / t)
         return STATE_BYTES * weights + layer.activation_bytes * rows
 
     def memory(self, chosen: Sequence[str]) -> float:

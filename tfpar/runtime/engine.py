@@ -13,7 +13,7 @@ from tfpar.errors import ClusterError, PlanError
 from tfpar.hooks.capture import (GraphCapture, capture_for, existing_capture, layer_of,
                                  recording_paused)
 from tfpar.ir.plan import Plan
-from tfpar.ir.taskgraph import Strategy, TaskGraphSpec
+from tfpar.ir.taskgraph import Phase, Strategy, TaskGraphSpec
 from tfpar.planner.auto import choose, search_all, stage_costs
 from tfpar.planner.from_annotations import plan_from_annotations
 from tfpar.planner.grouper import tune_group_size
@@ -247,39 +247,46 @@ def plan_for(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> Plan:
     plan, index, _ = _planned(graph, capture, rt)
     automatic = capture.automatic[1] if capture.automatic is not None else None
     if automatic is not None and automatic.best is not automatic.runnable:
-        return _sharded_plan(automatic, rt)
+        return _sharded_plan(automatic, rt, index, capture)
     return plan
 
 
-def _sharded_plan(automatic: _Automatic, rt: Runtime) -> Plan:
-    """The search's pick when it shards layers: runs of forward ops in
-    sharded layers are split TaskGraphs over ``tensor`` devices, the other
-    runs replicate on as many (devices shared, nested data parallelism), as
-    a build with this plan pinned makes them."""
+def _sharded_plan(automatic: _Automatic, rt: Runtime, index: GraphIndex,
+                  capture: GraphCapture) -> Plan:
+    """The search's pick when it shards layers, with the TaskGraphs a build
+    with it pinned makes: the ops built before the first backward op (inputs
+    and weights included), in creation order, cut into runs in and out of
+    the sharded layers; split runs over ``tensor`` devices, the others
+    replicated on as many (devices shared, nested data parallelism)."""
     best = automatic.best
     layers = dict(best.split_scopes)
     names = frozenset(layers)
-    runs: List[Tuple[bool, List[int]]] = []
-    scopes = [layer_of(op.name, names) for op in automatic.order]
-    for i, scope in enumerate(scopes):
-        split = scope is not None
+    backward = next((i for i, op in enumerate(index.ops)
+                     if capture.op_phase.get(op.name) == Phase.BACKWARD), len(index.ops))
+    position = {op: i for i, op in enumerate(automatic.order)}
+    runs: List[Tuple[bool, List[ops.Operation]]] = []
+    for op in index.ops[:backward]:
+        if op.name in capture.op_phase:
+            continue
+        split = layer_of(op.name, names) is not None
         if not runs or runs[-1][0] != split:
             runs.append((split, []))
-        runs[-1][1].append(i)
+        runs[-1][1].append(op)
     specs = [TaskGraphSpec(i, f"{'split' if split else 'default'}_{i}",
                            Strategy.SPLIT if split else Strategy.REPLICATE, best.tensor,
                            implicit=True) for i, (split, _) in enumerate(runs)]
     stats = {"num_ops": [len(members) for _, members in runs],
-             "param_bytes": [int(sum(automatic.param_bytes[i] for i in members))
-                             for _, members in runs]}
+             "param_bytes": [int(sum(automatic.param_bytes[position[op]] for op in members
+                                     if op in position)) for _, members in runs]}
     config = rt.config.replace({"plan": None, "cluster.colocate_split_and_replicate": True})
     plan = plan_from_annotations(specs, rt.devices, config, stats)
-    part_of = {i: part for part in best.parts for i in part.ops}
+    part_of = {automatic.order[i]: part for part in best.parts for i in part.ops}
     task_graphs = tuple(
-        dataclasses.replace(tg, patterns={scopes[i]: layers[scopes[i]] for i in members}
-                            if split else {},
-                            estimate=_part_estimate({id(part_of[i]): part_of[i]
-                                                     for i in members}.values()))
+        dataclasses.replace(
+            tg, patterns={layer_of(op.name, names): layers[layer_of(op.name, names)]
+                          for op in members if op in position} if split else {},
+            estimate=_part_estimate({id(part_of[op]): part_of[op]
+                                     for op in members if op in part_of}.values()))
         for tg, (split, members) in zip(plan.task_graphs, runs))
     return dataclasses.replace(plan, task_graphs=task_graphs, estimate=_estimate(best, rt),
                                sharding={"tensor_degree": best.tensor, "layers": layers})
