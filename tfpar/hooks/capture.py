@@ -66,7 +66,7 @@ class GraphCapture:
         # io.shard_dataset in a TF_CONFIG cluster: the chief's iterator op ->
         # the iterators the other workers read their shards with.
         self.worker_iterators: Dict[Any, List[Any]] = {}
-        # (graph version, automatic partition) cached by the runtime's planner.
+        # (training calls seen, automatic plan) cached by the runtime's planner.
         self.automatic: Any = None
         self._phases: List[Phase] = []
         # A pinned plan's sharded layers (name scopes), their tensor degree and

@@ -163,9 +163,10 @@ class _Automatic:
         return {op.name: s for op, s in zip(self.order, self.stages)}
 
 
-def _automatic(graph: ops.Graph, index: GraphIndex, capture: GraphCapture,
-               rt: Runtime) -> Optional[_Automatic]:
-    """The automatic plan of an unannotated model (cached per graph version):
+def _automatic(index: GraphIndex, capture: GraphCapture, rt: Runtime) -> Optional[_Automatic]:
+    """The automatic plan of an unannotated model (cached until the model
+    trains something new: ops added later cannot change what the losses
+    depend on):
     ``auto.auto_parallel`` searches data x tensor x pipeline meshes by cost
     model; ``num_task_graph`` alone cuts that many stages (Whale Examples 3
     and 4), and so does a pinned plan of the search (as many stages as it
@@ -183,8 +184,9 @@ def _automatic(graph: ops.Graph, index: GraphIndex, capture: GraphCapture,
     if auto and (capture.task_graphs or rt.default_strategy is not None):
         raise PlanError("tfpar: auto.auto_parallel plans the whole model; remove the "
                         "wh.replicate / wh.split scopes and set_default_strategy, or the key")
+    key = (len(capture.gradient_calls), len(capture.apply_calls))
     cached = capture.automatic
-    if cached is not None and cached[0] == graph.version:
+    if cached is not None and cached[0] == key:
         return cached[1]
     order, view = model_view(index, capture)
     time_limit = cfg.get("auto.search_time_limit_s")
@@ -203,7 +205,7 @@ def _automatic(graph: ops.Graph, index: GraphIndex, capture: GraphCapture,
                                   view.labels)
     result = _Automatic(tuple(order), tuple(view.param_bytes), tuple(stages), count, best,
                         runnable)
-    capture.automatic = (graph.version, result)
+    capture.automatic = (key, result)
     return result
 
 
@@ -309,7 +311,7 @@ def _planned(graph: ops.Graph, capture: GraphCapture, rt: Runtime):
     """The plan, with the graph index and the stage of every op it rests on
     (the rewrite uses the same ones)."""
     index = GraphIndex(graph)
-    automatic = _automatic(graph, index, capture, rt)
+    automatic = _automatic(index, capture, rt)
     specs = task_graph_specs(capture, rt, automatic)
     stage_of = assign_stages(index, capture, len(specs), [s.name for s in specs],
                              automatic.tags if automatic is not None else None)
