@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from equivalence import assert_equivalent, dense, layer, make_data, plan_of, train
+from equivalence import assert_equivalent, deep_mlp, dense, layer, make_data, plan_of, train
 
 v1 = tf.compat.v1
 def classifier(classes):
@@ -119,3 +119,26 @@ def test_large_embedding_is_vocabulary_sharded():
     assert_equivalent(train(embedding_model, data), train(embedding_model, data, pinned))
     built = plan_of(embedding_model, pinned, tf.int64, (None, 2))
     assert "vocab" in built.task_graphs[1].patterns.values()
+
+
+def test_memory_forces_tensor_and_pipeline_together():
+    """A 3-D mesh: with 2 stages asked for and devices too small for a data
+    parallel pipeline, each stage is split over its own 2 devices (tensor 2 x
+    pipeline 2), micro-batches flow through them, and training matches."""
+    model = deep_mlp(6)
+    device = {"name": "small", "tflops": 0.01, "memory_gb": 16}
+    config = {"auto.auto_parallel": True, "cluster.num_devices": 4, "auto.num_task_graph": 2,
+              "pipeline.num_micro_batch": 2, "cluster.hardware": [device]}
+    pipeline = plan_of(model, config)
+    assert not pipeline.sharding and pipeline.data_parallel_degree == 2
+    need = max(pipeline.estimate["memory_bytes_per_device"])
+    config["cluster.hardware"] = [{**device, "memory_gb": 0.85 * need / 2 ** 30}]
+    plan = plan_of(model, config)
+    assert plan.sharding["tensor_degree"] == 2 and set(plan.sharding["stages"].values()) == {0, 1}
+    assert [tg.strategy for tg in plan.task_graphs] == ["split", "split"]
+    assert not set(plan.task_graphs[0].devices) & set(plan.task_graphs[1].devices)
+    pinned = {**config, "plan": plan.to_dict()}
+    data = make_data(steps=3, batch=8)
+    assert_equivalent(train(model, data), train(model, data, pinned))
+    built = plan_of(model, pinned)
+    assert [tg.devices for tg in built.task_graphs] == [tg.devices for tg in plan.task_graphs]

@@ -7,12 +7,12 @@ import contextlib
 import dataclasses
 import threading
 import weakref
-from typing import Any, Callable, Dict, FrozenSet, List, Optional
+from typing import Any, Callable, Container, Dict, List, Optional
 
 from tfpar.ir.taskgraph import Phase, Strategy, TaskGraphSpec
 
 __all__ = ["ApplyCall", "GradientCall", "GraphCapture", "capture_for", "existing_capture",
-           "in_layers", "layer_of", "recording_paused", "reset_captures", "set_capture_setup"]
+           "layer_of", "recording_paused", "reset_captures", "set_capture_setup"]
 
 
 @dataclasses.dataclass
@@ -73,6 +73,7 @@ class GraphCapture:
         # the SplitContext factory; the split TaskGraph open while they build.
         self._planned_split: Any = None
         self._open_planned: Optional[int] = None
+        self._open_stage = 0
 
     # -- recording -----------------------------------------------------------------
     def record_op(self, op: Any, differentiated: Any = None) -> None:
@@ -111,34 +112,41 @@ class GraphCapture:
                 device_count=count, implicit=True))
         return self._implicit
 
-    def plan_split_layers(self, layers: FrozenSet[str], device_count: int,
-                          make_context: Callable[["GraphCapture", TaskGraphSpec], Any]) -> None:
-        """Build ``layers`` (name scopes or op names) split over ``device_count``
-        devices, as a pinned auto plan chose; other ops replicate on as many
-        devices (implicit TaskGraphs, nested data parallelism around both)."""
-        self._planned_split = (layers, device_count, make_context)
-        self.default_strategy = (Strategy.REPLICATE, device_count)
+    def plan_split_layers(self, layers: Dict[str, int], device_count: int,
+                          make_context: Callable[["GraphCapture", TaskGraphSpec], Any],
+                          pipelined: bool = False) -> None:
+        """Build ``layers`` (name scope or op name -> pipeline stage) split over
+        ``device_count`` devices, as a pinned auto plan chose: a split
+        TaskGraph per run of them (and per stage). Other ops replicate on as
+        many devices (implicit TaskGraphs, nested data parallelism around both),
+        or, ``pipelined`` (every layer split, one TaskGraph per stage), join the
+        open split TaskGraph."""
+        self._planned_split = (layers, device_count, make_context, pipelined)
+        self.default_strategy = None if pipelined else (Strategy.REPLICATE, device_count)
 
     def _planned_task_graph(self, name: str, closing: bool) -> Optional[int]:
         """The split TaskGraph of the planned layer holding ``name`` (opened by
-        the first of a run of such layers). A forward op outside them ends the
-        run (``closing``), unless a split pattern is building it."""
+        the first of a run of such layers of one stage). A forward op outside
+        them ends the run (``closing``), unless a split pattern is building it
+        or the plan is pipelined."""
         if self._scopes or self.gradient_calls:
             return None
-        layers, count, make_context = self._planned_split
+        layers, count, make_context, pipelined = self._planned_split
         open_ = self._open_planned
-        if not in_layers(name, layers):
-            if open_ is not None and self.split_contexts[open_].busy:
+        scope = layer_of(name, layers)
+        if scope is None:
+            if open_ is not None and (pipelined or self.split_contexts[open_].busy):
                 return open_
             if closing:
                 self._open_planned = None
             return None
-        if open_ is None:
+        if open_ is None or self._open_stage != layers[scope]:
             spec = TaskGraphSpec(index=len(self.task_graphs), name=f"split_{len(self.task_graphs)}",
                                  strategy=Strategy.SPLIT, device_count=count, implicit=True)
             self.task_graphs.append(spec)
             self.split_contexts[spec.index] = make_context(self, spec)
             self._open_planned, self._implicit = spec.index, None
+            self._open_stage = layers[scope]
         return self._open_planned
 
     def open_scope(self, strategy: Strategy, device_count: Optional[int],
@@ -177,16 +185,13 @@ class GraphCapture:
         return None if index is None else self.split_contexts[index]
 
 
-def layer_of(name: str, layers: FrozenSet[str]) -> Optional[str]:
+def layer_of(name: str, layers: Container[str]) -> Optional[str]:
     """The one of ``layers`` that ``name`` (an op or name scope) is or is inside."""
     parts = name.split("/")
     return next((prefix for prefix in ("/".join(parts[:depth])
                                        for depth in range(1, len(parts) + 1))
                   if prefix in layers), None)
 
-
-def in_layers(name: str, layers: FrozenSet[str]) -> bool:
-    return layer_of(name, layers) is not None
 
 
 _captures: "weakref.WeakKeyDictionary[Any, GraphCapture]" = weakref.WeakKeyDictionary()

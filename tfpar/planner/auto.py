@@ -2,10 +2,13 @@
 (no TensorFlow).
 
 Meshes: for every pipeline degree p dividing the device count K (or the given
-``num_task_graph``), data parallelism d = K / p on top; and, without a
-pipeline, every tensor degree t > 1 dividing K, with d = K / t. A tensor mesh
-is planned by the sharding search (``sharding.plan_sharding``: Rhino §4 on the
-layer graph, ``auto.opt_level`` O2 or O3); a pipeline mesh as follows:
+``num_task_graph``), data parallelism d = K / p on top; without a pipeline,
+every tensor degree t > 1 dividing K, with d = K / t; and tensor x pipeline
+meshes t x p = K (no data parallelism). A tensor mesh is planned by the
+sharding search (``sharding.plan_sharding``: Rhino §4 on the layer graph,
+``auto.opt_level`` O2 or O3); a tensor x pipeline mesh by cutting stages as
+below and searching each stage's sharding (``_pipelined_sharded``); a
+pipeline mesh as follows:
   * stages come from ``partition.partition_stages`` (Rhino's stage ILP);
   * compute: a stage's forward time is its FLOPs per row x the rows of a
     micro-batch / the device's throughput, backward twice that;
@@ -27,7 +30,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 from tfpar.cluster.hardware import Hardware
 from tfpar.errors import PlanError
 from tfpar.planner.comm import LATENCY_S, allreduce
-from tfpar.planner.layers import layer_graph
+from tfpar.planner.layers import layer_graph, subgraph
 from tfpar.planner.partition import partition_stages
 from tfpar.planner.schedule import build_schedule
 from tfpar.planner.sharding import STATE_BYTES as BYTES_PER_PARAM_STATE, Mesh, plan_sharding
@@ -83,8 +86,9 @@ class Part:
 class Candidate:
     """One (data, tensor, pipeline) mesh with its estimates, the stage of every
     op, the sharded layers: (name scope, sharding candidate) for every layer
-    that runs in a split TaskGraph, and the estimates of its parts (stages, or
-    layers of a sharded plan)."""
+    that runs in a split TaskGraph (with tensor and pipeline both > 1: every
+    layer, and ``split_stages`` its pipeline stage), and the estimates of its
+    parts (stages, or layers of a sharded plan)."""
 
     data: int
     pipeline: int
@@ -95,6 +99,7 @@ class Candidate:
     tensor: int = 1
     split_scopes: Tuple[Tuple[str, str], ...] = ()
     parts: Tuple[Part, ...] = ()
+    split_stages: Tuple[int, ...] = ()
 
 
 def search(model: ModelView, num_devices: int, hardware: Hardware, global_batch: int,
@@ -113,10 +118,13 @@ def search_all(model: ModelView, num_devices: int, hardware: Hardware, global_ba
                opt_level: str = "O2") -> List[Candidate]:
     """A candidate per mesh, planned within ``time_limit_s`` in all."""
     capacity = hardware.memory_gb * 2 ** 30
-    meshes = [(1, p) for p in ([pipeline] if pipeline else range(1, num_devices + 1))
-              if num_devices % p == 0 and p <= len(model.flops)]
-    if model.names is not None and (pipeline or 1) == 1:
-        meshes += [(t, 1) for t in range(2, num_devices + 1) if num_devices % t == 0]
+    pipelines = [pipeline] if pipeline else range(1, num_devices + 1)
+    meshes = [(1, p) for p in pipelines if num_devices % p == 0 and p <= len(model.flops)]
+    if model.names is not None:
+        meshes += [(t, 1) for t in range(2, num_devices + 1)
+                   if num_devices % t == 0 and (pipeline or 1) == 1]
+        meshes += [(num_devices // p, p) for p in pipelines
+                   if 1 < p < num_devices and num_devices % p == 0 and p <= len(model.flops)]
     layers = layer_graph(model) if any(t > 1 for t, _ in meshes) else None
     deadline = time.monotonic() + time_limit_s
     candidates = []
@@ -127,15 +135,18 @@ def search_all(model: ModelView, num_devices: int, hardware: Hardware, global_ba
                      f"{len(meshes)} meshes")
             break
         solve_limit = min(max(left, 1.0), SOLVE_LIMIT_S)
-        if t > 1:
+        if t > 1 and p > 1:
+            candidate = _pipelined_sharded(model, layers, t, p, hardware, global_batch,
+                                           num_micro_batch, capacity, opt_level, solve_limit)
+        elif t > 1:
             candidate = _sharded(layers, Mesh(num_devices, t, global_batch, hardware),
                                  capacity, opt_level, solve_limit)
         else:
             candidate = _estimate(model, p, max(num_devices // p, 1), hardware, global_batch,
                                   num_micro_batch if p > 1 else 1, solve_limit)
         if candidate is None:
-            progress(f"tfpar auto [{number}/{len(meshes)}] tensor {t}: no sharded plan fits "
-                     "or beats data parallelism")
+            progress(f"tfpar auto [{number}/{len(meshes)}] tensor {t} x pipeline {p}: no "
+                     "sharded plan fits or beats data parallelism")
             continue
         candidates.append(candidate)
         progress(f"tfpar auto [{number}/{len(meshes)}] data {candidate.data} x tensor "
@@ -184,6 +195,50 @@ def _sharded(layers, mesh: Mesh, capacity: float, opt_level: str,
                      step_time_s=plan.step_time_s, memory_bytes=plan.memory_bytes,
                      comm_bytes=plan.comm_bytes, tensor=mesh.tensor, split_scopes=split,
                      parts=parts)
+
+
+def _pipelined_sharded(model: ModelView, layers, t: int, p: int, hardware: Hardware,
+                       global_batch: int, micro: int, capacity: float, opt_level: str,
+                       time_limit_s: float) -> Optional[Candidate]:
+    """A 3-D mesh without data parallelism (t x p devices): the stages of
+    ``partition_stages`` on disjoint groups of t devices, every layer of a
+    stage split over its group (``split_only`` sharding search per stage, on
+    one micro-batch's rows); stage times replayed as a 1F1B pipeline."""
+    op_stages = partition_stages(model.flops, model.edges, p, time_limit_s, model.labels)
+    stage_of = [op_stages[layer.ops[0]] for layer in layers.layers]  # non-decreasing
+    rows = global_batch / micro
+    plans = []
+    for s in range(p):
+        members = [i for i, stage in enumerate(stage_of) if stage == s]
+        if not members:
+            return None
+        plan = plan_sharding(subgraph(layers, members), Mesh(t, t, rows, hardware), capacity,
+                             opt_level, time_limit_s, split_only=True)
+        if plan is None:
+            return None
+        plans.append((members, plan))
+    cut = sum(size for i, j, size in layers.edges if stage_of[i] != stage_of[j]) * rows
+    transfer = LATENCY_S + cut / (p - 1) / hardware.bandwidth(t * p)
+    result = simulate(build_schedule("1f1b", p, micro), [plan.step_time_s / 3 for _, plan in plans],
+                      [2 * plan.step_time_s / 3 for _, plan in plans], transfer)
+    memory = [plan.weight_memory + (plan.memory_bytes - plan.weight_memory) * peak
+              for (_, plan), peak in zip(plans, result.peak_in_flight)]
+    parts, split, stages = [], [], []
+    for s, (members, plan) in enumerate(plans):
+        for i, c, cost, mem in zip(members, plan.candidates, plan.layer_costs, plan.layer_memory):
+            layer = layers.layers[i]
+            parts.append(Part(cost.seconds * micro, mem, cost.bytes * micro, layer.scope, c,
+                              layer.ops))
+            split.append((layer.scope, c))
+            stages.append(s)
+    op_stage = [0] * len(model.flops)
+    for i, layer in enumerate(layers.layers):
+        for op in layer.ops:
+            op_stage[op] = stage_of[i]
+    return Candidate(data=1, pipeline=p, stages=tuple(op_stage), step_time_s=result.length,
+                     memory_bytes=max(memory), comm_bytes=sum(part.comm_bytes for part in parts)
+                     + cut * micro * 2, tensor=t, split_scopes=tuple(split), parts=tuple(parts),
+                     split_stages=tuple(stages))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import networkx as nx
 
-__all__ = ["Layer", "LayerGraph", "critical_positions", "layer_graph"]
+__all__ = ["Layer", "LayerGraph", "critical_positions", "layer_graph", "subgraph"]
 
 CONTRACTIONS = frozenset({"MatMul", "BatchMatMulV2", "BatchMatMul", "Einsum"})
 XENT = frozenset({"SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits"})
@@ -98,6 +98,24 @@ def layer_graph(view) -> LayerGraph:
     layers = tuple(_layer(key[members[g][0]], members[g], view, outgoing[position[g]])
                    for g in order)
     return LayerGraph(layers, tuple((a, b, s) for (a, b), s in sorted(volume.items())))
+
+
+def subgraph(graph: LayerGraph, members: Sequence[int]) -> LayerGraph:
+    """The layers ``members`` (in order) and the edges among them; edges from
+    other layers become model inputs of their consumer (a pipeline stage
+    receives them from the previous stage, split by rows)."""
+    index = {m: k for k, m in enumerate(members)}
+    layers = [graph.layers[m] for m in members]
+    outside = collections.defaultdict(float)
+    edges = []
+    for i, j, size in graph.edges:
+        if j in index and i in index:
+            edges.append((index[i], index[j], size))
+        elif j in index:
+            outside[index[j]] += size
+    layers = [dataclasses.replace(layer, input_bytes=layer.input_bytes + outside[k])
+              if outside[k] else layer for k, layer in enumerate(layers)]
+    return LayerGraph(tuple(layers), tuple(edges))
 
 
 def critical_positions(count: int, edges: Sequence[Tuple[int, int, float]]) -> List[int]:

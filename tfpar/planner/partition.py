@@ -4,13 +4,14 @@ but no scopes (Whale Example 4); no TensorFlow.
 ``partition_stages``: the forward ops, in topological order, are coarsened into
 contiguous chunks — runs of the same repeated block (``pruning.block_labels``,
 TAP Algorithm 1) when given, so stages break between blocks, else runs ending
-at Rhino's critical nodes (§4.3.1), at most ``MAX_NODES`` — and Rhino's stage ILP (``pipeline_ilp``,
-Rhino §5) assigns chunks to stages, minimising the bytes crossing stages
-within a balance tolerance. If it finds nothing in time, ``balanced_partition``
-cuts the chunks (or, with fewer chunks than stages, the items) into contiguous
-stages whose most expensive one is as cheap as possible (the linear partition
-problem, solved exactly: binary search on the bottleneck with a greedy check). Contiguity in a topological order keeps every
-edge pointing to the same or a later stage.
+at Rhino's critical nodes (§4.3.1), at most ``MAX_NODES`` — and Rhino's stage
+ILP (``pipeline_ilp``, Rhino §5) assigns chunks to stages, minimising the bytes
+crossing stages within a balance tolerance. If it finds nothing in time,
+``balanced_partition`` cuts the chunks (or, with fewer chunks than stages, the
+items) into contiguous stages whose most expensive one is as cheap as possible
+(the linear partition problem, solved exactly: binary search on the bottleneck
+with a greedy check). Contiguity in a topological order keeps every edge
+pointing to the same or a later stage.
 """
 import math
 from typing import List, Optional, Sequence, Tuple

@@ -99,13 +99,14 @@ class ShardingPlan:
     optimal: bool
     layer_costs: Tuple[Cost, ...] = ()
     layer_memory: Tuple[float, ...] = ()
+    weight_memory: float = 0.0
 
 
 def plan_sharding(graph: LayerGraph, mesh: Mesh, memory_limit: float, opt_level: str = "O2",
-                  time_limit_s: float = 10.0) -> Optional[ShardingPlan]:
+                  time_limit_s: float = 10.0, split_only: bool = False) -> Optional[ShardingPlan]:
     """The cheapest candidates for ``graph`` on ``mesh`` (None: nothing fits).
     O3 starts from the O2 plan (a solver hint) and tries to prove or beat it."""
-    problem = Problem(graph, mesh)
+    problem = Problem(graph, mesh, split_only)
     allowed = problem.allowed()
     forced = False
     while True:
@@ -149,10 +150,11 @@ def _follow_free_layers(problem: "Problem", chosen: Sequence[str]) -> List[str]:
 
 
 class Problem:
-    """Costs of one layer graph on one mesh."""
+    """Costs of one layer graph on one mesh; ``split_only``: every layer runs in
+    a split TaskGraph (a pipeline stage of a 3-D mesh), so no ``dp``."""
 
-    def __init__(self, graph: LayerGraph, mesh: Mesh):
-        self.graph, self.mesh = graph, mesh
+    def __init__(self, graph: LayerGraph, mesh: Mesh, split_only: bool = False):
+        self.graph, self.mesh, self.split_only = graph, mesh, split_only
         self.rows_device = mesh.batch / mesh.devices
         self.rows_group = mesh.batch / mesh.data
         self.preds: List[List[Tuple[int, float]]] = [[] for _ in graph.layers]
@@ -162,8 +164,9 @@ class Problem:
     def allowed(self) -> List[Tuple[str, ...]]:
         if self.mesh.tensor == 1:
             return [("dp",)] * len(self.graph.layers)
-        return [CANDIDATES[layer.kind] if layer.kind != "elementwise" or not layer.param_bytes
-                else ("dp", "whole") for layer in self.graph.layers]
+        allowed = [CANDIDATES[layer.kind] if layer.kind != "elementwise" or not layer.param_bytes
+                   else ("dp", "whole") for layer in self.graph.layers]
+        return [options[1:] for options in allowed] if self.split_only else allowed
 
     def node(self, i: int, candidate: str) -> Cost:
         """Compute (forward + backward = 3 x forward) and communication of layer i."""
@@ -198,9 +201,11 @@ class Problem:
         return {("B", "W"): gather * 2, ("W", "B"): gather, ("F", "W"): gather,
                 ("W", "F"): allreduce(t, total, bandwidth)}[out_layout, in_layout]
 
-    def memory_of(self, i: int, candidate: str) -> float:
+    def memory_of(self, i: int, candidate: str, activations: bool = True) -> float:
         layer, t = self.graph.layers[i], self.mesh.tensor
         weights = layer.param_bytes / (t if candidate in SHARDED else 1)
+        if not activations:
+            return STATE_BYTES * weights
         rows = {"dp": self.rows_device, "whole": self.rows_group, "row": self.rows_group,
                 "vocab": self.rows_group}.get(candidate, self.rows_group / t)
         return STATE_BYTES * weights + layer.activation_bytes * rows
@@ -233,9 +238,10 @@ class Problem:
 
     def plan(self, chosen: Sequence[str], optimal: bool) -> ShardingPlan:
         cost = self.total(chosen)
+        weights = sum(self.memory_of(i, c, activations=False) for i, c in enumerate(chosen))
         return ShardingPlan(tuple(chosen), cost.seconds, self.memory(chosen), cost.bytes, optimal,
                             tuple(self.layer_costs(chosen)),
-                            tuple(self.memory_of(i, c) for i, c in enumerate(chosen)))
+                            tuple(self.memory_of(i, c) for i, c in enumerate(chosen)), weights)
 
 
 def _ilp(problem: Problem, allowed: Sequence[Tuple[str, ...]], fixed: Dict[int, str],

@@ -80,8 +80,8 @@ def split_op_devices(index: GraphIndex, stage_of: Dict[ops.Operation, int],
                      split_groups: Dict[int, List[Tuple[str, ...]]]) -> Dict[ops.Operation, str]:
     """The device (in group 0) of every op of a split stage: the one a pattern
     gave it, else that of the forward op it differentiates, a colocated op or
-    its first placed input (gradients and optimizer updates of a shard stay on
-    the shard's device), else the group's first device."""
+    its first placed input in the same group (gradients and optimizer updates
+    of a shard stay on the shard's device), else the group's first device."""
     result: Dict[ops.Operation, str] = {}
     by_name = {op.name: op for op in index.ops}
     for op in index.ops:
@@ -95,7 +95,8 @@ def split_op_devices(index: GraphIndex, stage_of: Dict[ops.Operation, int],
         candidates = [getattr(op, "_original_op", None)]
         candidates += [by_name.get(name) for name in _colocation(op)]
         candidates += [t.op for t in op.inputs]
-        result[op] = next((result[c] for c in candidates if c in result), groups[0][0])
+        result[op] = next((result[c] for c in candidates
+                           if c in result and result[c] in groups[0]), groups[0][0])
     return result
 
 

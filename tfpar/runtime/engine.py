@@ -2,7 +2,7 @@
 import dataclasses
 import logging
 import sys
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.eager import context
@@ -108,24 +108,25 @@ def run_failed(error: Exception) -> None:
 
 
 def make_split_context(capture: GraphCapture, spec: TaskGraphSpec, rt: Runtime,
-                       share: Optional[bool] = None, planned: Optional[Dict[str, str]] = None):
+                       devices: Optional[Sequence[str]] = None,
+                       planned: Optional[Dict[str, str]] = None):
     """The SplitContext of a split TaskGraph: its shard devices, fixed now
-    because its variables are built sharded: its VirtualDevice given the
-    TaskGraphs opened so far (Whale §3.2.1). ``planned`` (a pinned plan's
-    layer -> candidate) forces its column / row choices on the dense units
-    named after those layers, unless ``split.patterns`` names them."""
+    because its variables are built sharded: ``devices``, or its
+    VirtualDevice given the TaskGraphs opened so far (Whale §3.2.1).
+    ``planned`` (a pinned plan's layer -> candidate) forces its column / row
+    choices on the dense units named after those layers, unless
+    ``split.patterns`` names them."""
     from tfpar.cluster.virtual_device import assign_devices  # pylint: disable=import-outside-toplevel
     from tfpar.patterns.sharded import SplitContext  # pylint: disable=import-outside-toplevel
 
-    if share is None:
-        share = rt.config.get("cluster.colocate_split_and_replicate")
-    assignment = assign_devices([(s.name, s.device_count) for s in capture.task_graphs],
-                                rt.devices, share)
+    if devices is None:
+        devices = assign_devices([(s.name, s.device_count) for s in capture.task_graphs],
+                                 rt.devices, rt.config.get("cluster.colocate_split_and_replicate")
+                                 ).virtual_devices[-1][0]
     forced = {scope.rsplit("/", 1)[-1]: how for scope, how in (planned or {}).items()
               if how in ("column", "row")}
     forced.update(rt.config.get("split.patterns") or {})
-    return SplitContext(spec.name, assignment.virtual_devices[-1][0], forced,
-                        capture.sharded_tensors)
+    return SplitContext(spec.name, devices, forced, capture.sharded_tensors)
 
 
 def _pinned_sharding(rt: Optional[Runtime]) -> Dict[str, Any]:
@@ -134,14 +135,23 @@ def _pinned_sharding(rt: Optional[Runtime]) -> Dict[str, Any]:
 
 
 def setup_capture(capture: GraphCapture) -> None:
-    """A pinned plan that shards layers: they are built split (on devices
-    shared with the replicated rest) as the model is built."""
+    """A pinned plan that shards layers: they are built split, on the devices
+    the plan gives their TaskGraph, as the model is built."""
     rt = active()
     sharding = _pinned_sharding(rt)
-    if sharding.get("layers"):
-        capture.plan_split_layers(
-            frozenset(sharding["layers"]), sharding["tensor_degree"],
-            lambda cap, spec: make_split_context(cap, spec, rt, True, sharding["layers"]))
+    if not sharding.get("layers"):
+        return
+    stages = sharding.get("stages") or {}
+    task_graphs = rt.config.plan["task_graphs"]
+
+    def context(cap: GraphCapture, spec: TaskGraphSpec):
+        if spec.index >= len(task_graphs) or task_graphs[spec.index]["strategy"] != "split":
+            raise PlanError(f"tfpar: the pinned plan has no split TaskGraph {spec.index} for the "
+                            f"layers being built; the model differs from the one planned")
+        return make_split_context(cap, spec, rt, task_graphs[spec.index]["replicas"][0],
+                                  sharding["layers"])
+    capture.plan_split_layers({scope: stages.get(scope, 0) for scope in sharding["layers"]},
+                              sharding["tensor_degree"], context, pipelined=bool(stages))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,42 +266,51 @@ def plan_for(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> Plan:
 def _sharded_plan(automatic: _Automatic, rt: Runtime, index: GraphIndex,
                   capture: GraphCapture) -> Plan:
     """The search's pick when it shards layers, with the TaskGraphs a build
-    with it pinned makes: the ops built before the first backward op (inputs
-    and weights included), in creation order, cut into runs in and out of
-    the sharded layers; split runs over ``tensor`` devices, the others
-    replicated on as many (devices shared, nested data parallelism)."""
+    with it pinned makes. Without a pipeline: the ops built before the first
+    backward op (inputs and weights included), in creation order, cut into
+    runs in and out of the sharded layers; split runs over ``tensor``
+    devices, the others replicated on as many (devices shared, nested data
+    parallelism). With one: a split TaskGraph per stage, on its own devices."""
     best = automatic.best
     layers = dict(best.split_scopes)
-    names = frozenset(layers)
-    backward = next((i for i, op in enumerate(index.ops)
-                     if capture.op_phase.get(op.name) == Phase.BACKWARD), len(index.ops))
     position = {op: i for i, op in enumerate(automatic.order)}
     runs: List[Tuple[bool, List[ops.Operation]]] = []
-    for op in index.ops[:backward]:
-        if op.name in capture.op_phase:
-            continue
-        split = layer_of(op.name, names) is not None
-        if not runs or runs[-1][0] != split:
-            runs.append((split, []))
-        runs[-1][1].append(op)
+    if best.split_stages:
+        runs = [(True, [op for op in automatic.order if best.stages[position[op]] == s])
+                for s in range(best.pipeline)]
+    else:
+        backward = next((i for i, op in enumerate(index.ops)
+                         if capture.op_phase.get(op.name) == Phase.BACKWARD), len(index.ops))
+        for op in index.ops[:backward]:
+            if op.name in capture.op_phase:
+                continue
+            split = layer_of(op.name, layers) is not None
+            if not runs or runs[-1][0] != split:
+                runs.append((split, []))
+            runs[-1][1].append(op)
     specs = [TaskGraphSpec(i, f"{'split' if split else 'default'}_{i}",
                            Strategy.SPLIT if split else Strategy.REPLICATE, best.tensor,
                            implicit=True) for i, (split, _) in enumerate(runs)]
     stats = {"num_ops": [len(members) for _, members in runs],
              "param_bytes": [int(sum(automatic.param_bytes[position[op]] for op in members
                                      if op in position)) for _, members in runs]}
-    config = rt.config.replace({"plan": None, "cluster.colocate_split_and_replicate": True})
+    config = rt.config.replace({"plan": None, "cluster.colocate_split_and_replicate":
+                                not best.split_stages})
     plan = plan_from_annotations(specs, rt.devices, config, stats)
     part_of = {automatic.order[i]: part for part in best.parts for i in part.ops}
     task_graphs = tuple(
         dataclasses.replace(
-            tg, patterns={layer_of(op.name, names): layers[layer_of(op.name, names)]
+            tg, patterns={layer_of(op.name, layers): layers[layer_of(op.name, layers)]
                           for op in members if op in position} if split else {},
             estimate=_part_estimate({id(part_of[op]): part_of[op]
                                      for op in members if op in part_of}.values()))
         for tg, (split, members) in zip(plan.task_graphs, runs))
+    sharding = {"tensor_degree": best.tensor, "layers": layers}
+    if best.split_stages:
+        sharding["stages"] = {scope: stage for (scope, _), stage
+                              in zip(best.split_scopes, best.split_stages)}
     return dataclasses.replace(plan, task_graphs=task_graphs, estimate=_estimate(best, rt),
-                               sharding={"tensor_degree": best.tensor, "layers": layers})
+                               sharding=sharding)
 
 
 def _part_estimate(parts) -> Dict[str, float]:
