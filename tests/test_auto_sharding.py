@@ -121,20 +121,25 @@ def test_large_embedding_is_vocabulary_sharded():
     assert "vocab" in built.task_graphs[1].patterns.values()
 
 
-def test_memory_forces_tensor_and_pipeline_together():
-    """A 3-D mesh: with 2 stages asked for and devices too small for a data
-    parallel pipeline, each stage is split over its own 2 devices (tensor 2 x
-    pipeline 2), micro-batches flow through them, and training matches."""
+@pytest.mark.parametrize("devices", [4, 8])
+def test_memory_forces_tensor_and_pipeline_together(devices):
+    """3-D meshes: with 2 stages asked for and devices too small for a data
+    parallel pipeline, each stage is split over its own devices (tensor x
+    pipeline, and data parallel copies of both on 8 devices), micro-batches
+    flow through them, and training matches one device."""
     model = deep_mlp(6)
     device = {"name": "small", "tflops": 0.01, "memory_gb": 16}
-    config = {"auto.auto_parallel": True, "cluster.num_devices": 4, "auto.num_task_graph": 2,
-              "pipeline.num_micro_batch": 2, "cluster.hardware": [device]}
+    config = {"auto.auto_parallel": True, "cluster.num_devices": devices,
+              "auto.num_task_graph": 2, "pipeline.num_micro_batch": 2,
+              "cluster.hardware": [device]}
     pipeline = plan_of(model, config)
-    assert not pipeline.sharding and pipeline.data_parallel_degree == 2
+    assert not pipeline.sharding and pipeline.data_parallel_degree == devices // 2
     need = max(pipeline.estimate["memory_bytes_per_device"])
     config["cluster.hardware"] = [{**device, "memory_gb": 0.85 * need / 2 ** 30}]
     plan = plan_of(model, config)
-    assert plan.sharding["tensor_degree"] == 2 and set(plan.sharding["stages"].values()) == {0, 1}
+    tensor = plan.sharding["tensor_degree"]
+    assert tensor > 1 and set(plan.sharding["stages"].values()) == {0, 1}
+    assert plan.data_parallel_degree * tensor * 2 == devices
     assert [tg.strategy for tg in plan.task_graphs] == ["split", "split"]
     assert not set(plan.task_graphs[0].devices) & set(plan.task_graphs[1].devices)
     pinned = {**config, "plan": plan.to_dict()}

@@ -4,7 +4,7 @@
 Meshes: for every pipeline degree p dividing the device count K (or the given
 ``num_task_graph``), data parallelism d = K / p on top; without a pipeline,
 every tensor degree t > 1 dividing K, with d = K / t; and tensor x pipeline
-meshes t x p = K (no data parallelism). A tensor mesh is planned by the
+meshes with t, p > 1 and d = K / (t p). A tensor mesh is planned by the
 sharding search (``sharding.plan_sharding``: Rhino §4 on the layer graph,
 ``auto.opt_level`` O2 or O3); a tensor x pipeline mesh by cutting stages as
 below and searching each stage's sharding (``_pipelined_sharded``); a
@@ -123,8 +123,8 @@ def search_all(model: ModelView, num_devices: int, hardware: Hardware, global_ba
     if model.names is not None:
         meshes += [(t, 1) for t in range(2, num_devices + 1)
                    if num_devices % t == 0 and (pipeline or 1) == 1]
-        meshes += [(num_devices // p, p) for p in pipelines
-                   if 1 < p < num_devices and num_devices % p == 0 and p <= len(model.flops)]
+        meshes += [(t, p) for p in pipelines for t in range(2, num_devices // max(p, 1) + 1)
+                   if p > 1 and num_devices % (t * p) == 0 and p <= len(model.flops)]
     layers = layer_graph(model) if any(t > 1 for t, _ in meshes) else None
     deadline = time.monotonic() + time_limit_s
     candidates = []
@@ -136,8 +136,9 @@ def search_all(model: ModelView, num_devices: int, hardware: Hardware, global_ba
             break
         solve_limit = min(max(left, 1.0), SOLVE_LIMIT_S)
         if t > 1 and p > 1:
-            candidate = _pipelined_sharded(model, layers, t, p, hardware, global_batch,
-                                           num_micro_batch, capacity, opt_level, solve_limit)
+            candidate = _pipelined_sharded(model, layers, (num_devices // (t * p), t, p),
+                                           hardware, global_batch, num_micro_batch, capacity,
+                                           opt_level, solve_limit)
         elif t > 1:
             candidate = _sharded(layers, Mesh(num_devices, t, global_batch, hardware),
                                  capacity, opt_level, solve_limit)
@@ -197,13 +198,15 @@ def _sharded(layers, mesh: Mesh, capacity: float, opt_level: str,
                      parts=parts)
 
 
-def _pipelined_sharded(model: ModelView, layers, t: int, p: int, hardware: Hardware,
+def _pipelined_sharded(model: ModelView, layers, mesh: Tuple[int, int, int], hardware: Hardware,
                        global_batch: int, micro: int, capacity: float, opt_level: str,
                        time_limit_s: float) -> Optional[Candidate]:
-    """A 3-D mesh without data parallelism (t x p devices): the stages of
-    ``partition_stages`` on disjoint groups of t devices, every layer of a
-    stage split over its group (``split_only`` sharding search per stage, on
-    one micro-batch's rows); stage times replayed as a 1F1B pipeline."""
+    """A 3-D mesh (data d, tensor t, pipeline p): the stages of
+    ``partition_stages``, each on its own d x t devices with every layer split
+    over groups of t (``split_only`` sharding search per stage, on one
+    micro-batch's rows, gradients apart); stage times replayed as a 1F1B
+    pipeline; each stage's weights all-reduced over its d replicas per step."""
+    d, t, p = mesh
     op_stages = partition_stages(model.flops, model.edges, p, time_limit_s, model.labels)
     stage_of = [op_stages[layer.ops[0]] for layer in layers.layers]  # non-decreasing
     rows = global_batch / micro
@@ -212,15 +215,17 @@ def _pipelined_sharded(model: ModelView, layers, t: int, p: int, hardware: Hardw
         members = [i for i, stage in enumerate(stage_of) if stage == s]
         if not members:
             return None
-        plan = plan_sharding(subgraph(layers, members), Mesh(t, t, rows, hardware), capacity,
-                             opt_level, time_limit_s, split_only=True)
+        plan = plan_sharding(subgraph(layers, members), Mesh(d * t, t, rows, hardware),
+                             capacity, opt_level, time_limit_s, split_only=True, gradients=False)
         if plan is None:
             return None
         plans.append((members, plan))
-    cut = sum(size for i, j, size in layers.edges if stage_of[i] != stage_of[j]) * rows
+    cut = sum(size for i, j, size in layers.edges if stage_of[i] != stage_of[j]) * rows / d
     transfer = LATENCY_S + cut / (p - 1) / hardware.bandwidth(t * p)
     result = simulate(build_schedule("1f1b", p, micro), [plan.step_time_s / 3 for _, plan in plans],
                       [2 * plan.step_time_s / 3 for _, plan in plans], transfer)
+    grads = [allreduce(d, plan.weight_memory / BYTES_PER_PARAM_STATE,
+                       hardware.bandwidth(d * t * p)) for _, plan in plans]
     memory = [plan.weight_memory + (plan.memory_bytes - plan.weight_memory) * peak
               for (_, plan), peak in zip(plans, result.peak_in_flight)]
     parts, split, stages = [], [], []
@@ -235,10 +240,12 @@ def _pipelined_sharded(model: ModelView, layers, t: int, p: int, hardware: Hardw
     for i, layer in enumerate(layers.layers):
         for op in layer.ops:
             op_stage[op] = stage_of[i]
-    return Candidate(data=1, pipeline=p, stages=tuple(op_stage), step_time_s=result.length,
-                     memory_bytes=max(memory), comm_bytes=sum(part.comm_bytes for part in parts)
-                     + cut * micro * 2, tensor=t, split_scopes=tuple(split), parts=tuple(parts),
-                     split_stages=tuple(stages))
+    return Candidate(data=d, pipeline=p, stages=tuple(op_stage),
+                     step_time_s=result.length + max(g.seconds for g in grads),
+                     memory_bytes=max(memory),
+                     comm_bytes=sum(part.comm_bytes for part in parts) + cut * micro * 2
+                     + sum(g.bytes for g in grads), tensor=t, split_scopes=tuple(split),
+                     parts=tuple(parts), split_stages=tuple(stages))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -103,10 +103,12 @@ class ShardingPlan:
 
 
 def plan_sharding(graph: LayerGraph, mesh: Mesh, memory_limit: float, opt_level: str = "O2",
-                  time_limit_s: float = 10.0, split_only: bool = False) -> Optional[ShardingPlan]:
+                  time_limit_s: float = 10.0, split_only: bool = False,
+                  gradients: bool = True) -> Optional[ShardingPlan]:
     """The cheapest candidates for ``graph`` on ``mesh`` (None: nothing fits).
-    O3 starts from the O2 plan (a solver hint) and tries to prove or beat it."""
-    problem = Problem(graph, mesh, split_only)
+    O3 starts from the O2 plan (a solver hint) and tries to prove or beat it.
+    ``split_only`` and ``gradients``: see ``Problem``."""
+    problem = Problem(graph, mesh, split_only, gradients)
     allowed = problem.allowed()
     forced = False
     while True:
@@ -151,10 +153,14 @@ def _follow_free_layers(problem: "Problem", chosen: Sequence[str]) -> List[str]:
 
 class Problem:
     """Costs of one layer graph on one mesh; ``split_only``: every layer runs in
-    a split TaskGraph (a pipeline stage of a 3-D mesh), so no ``dp``."""
+    a split TaskGraph (a pipeline stage of a 3-D mesh), so no ``dp``;
+    ``gradients``: count the gradient all-reduces (a pipeline stage's, once
+    per step, are counted by its caller)."""
 
-    def __init__(self, graph: LayerGraph, mesh: Mesh, split_only: bool = False):
-        self.graph, self.mesh, self.split_only = graph, mesh, split_only
+    def __init__(self, graph: LayerGraph, mesh: Mesh, split_only: bool = False,
+                 gradients: bool = True):
+        self.graph, self.mesh = graph, mesh
+        self.split_only, self.gradients = split_only, gradients
         self.rows_device = mesh.batch / mesh.devices
         self.rows_group = mesh.batch / mesh.data
         self.preds: List[List[Tuple[int, float]]] = [[] for _ in graph.layers]
@@ -175,7 +181,9 @@ class Problem:
         rows = {"dp": self.rows_device, "whole": self.rows_group}.get(candidate,
                                                                       self.rows_group / t)
         compute = Cost(3 * layer.flops * rows / (mesh.hardware.tflops * 1e12))
-        if candidate in SHARDED:
+        if not self.gradients:
+            grads = Cost()
+        elif candidate in SHARDED:
             grads = allreduce(mesh.data, layer.param_bytes / t, mesh.replica_bandwidth,
                               latency=False)
         else:
@@ -230,6 +238,8 @@ class Problem:
         """The step: the objective plus one latency per fused gradient bucket."""
         cost = self.objective(chosen)
         mesh = self.mesh
+        if not self.gradients:
+            return cost
         if any(c not in SHARDED and self.graph.layers[i].param_bytes for i, c in enumerate(chosen)):
             cost = cost + Cost(2 * (mesh.devices - 1) * LATENCY_S)
         if any(c in SHARDED for c in chosen) and mesh.data > 1:
