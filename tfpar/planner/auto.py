@@ -126,7 +126,8 @@ def search_all(model: ModelView, num_devices: int, hardware: Hardware, global_ba
         meshes += [(t, p) for p in pipelines for t in range(2, num_devices // max(p, 1) + 1)
                    if p > 1 and num_devices % (t * p) == 0 and p <= len(model.flops)]
     layers = layer_graph(model) if any(t > 1 for t, _ in meshes) else None
-    deadline = time.monotonic() + time_limit_s
+    start = time.monotonic()
+    deadline = start + time_limit_s
     candidates = []
     for number, (t, p) in enumerate(meshes, 1):
         left = deadline - time.monotonic()
@@ -147,12 +148,14 @@ def search_all(model: ModelView, num_devices: int, hardware: Hardware, global_ba
                                   num_micro_batch if p > 1 else 1, solve_limit)
         if candidate is None:
             progress(f"tfpar auto [{number}/{len(meshes)}] tensor {t} x pipeline {p}: no "
-                     "sharded plan fits or beats data parallelism")
+                     f"sharded plan fits or beats data parallelism "
+                     f"({time.monotonic() - start:.1f} s)")
             continue
         candidates.append(candidate)
         progress(f"tfpar auto [{number}/{len(meshes)}] data {candidate.data} x tensor "
                  f"{candidate.tensor} x pipeline {p}: step {candidate.step_time_s * 1e3:.3f} ms, "
-                 f"memory/device {candidate.memory_bytes / 2 ** 20:.1f} MiB")
+                 f"memory/device {candidate.memory_bytes / 2 ** 20:.1f} MiB "
+                 f"({time.monotonic() - start:.1f} s)")
     return candidates
 
 
