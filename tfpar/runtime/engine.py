@@ -1,23 +1,21 @@
 """Glue between the hooks and the rewriters: plan, rewrite once, translate fetches."""
 import dataclasses
 import logging
-import sys
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence
 
 from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.eager import context
 from tensorflow.python.framework import ops
 
-from tfpar.cluster.hardware import HOST_CPU, Hardware, device_hardware
+from tfpar.cluster.virtual_device import assign_devices
 from tfpar.errors import ClusterError, PlanError
-from tfpar.hooks.capture import (GraphCapture, capture_for, existing_capture, layer_of,
-                                 recording_paused)
+from tfpar.hooks.capture import GraphCapture, capture_for, existing_capture, recording_paused
 from tfpar.ir.plan import Plan
-from tfpar.ir.taskgraph import Phase, Strategy, TaskGraphSpec
-from tfpar.planner.auto import choose, search_all, stage_costs
+from tfpar.ir.taskgraph import Strategy, TaskGraphSpec
+from tfpar.planner.auto import stage_costs
 from tfpar.planner.from_annotations import plan_from_annotations
 from tfpar.planner.grouper import tune_group_size
-from tfpar.planner.partition import partition_stages
+from tfpar.patterns.sharded import SplitContext
 from tfpar.planner.schedule import build_schedule
 from tfpar.rewriters import graph_edit
 from tfpar.rewriters.allreduce import CollectiveKeys, make_reducer
@@ -27,6 +25,9 @@ from tfpar.rewriters.select import GraphIndex
 from tfpar.rewriters.model_view import model_view
 from tfpar.rewriters.stages import Placement, assign_stages, canonical_device, split_op_devices
 from tfpar.rewriters.fetch_translation import FetchTranslator
+from tfpar.runtime.automatic import (Automatic, automatic_plan, cluster_hardware, estimate_of,
+                                     part_estimate, pinned_sharding, sharded_plan,
+                                     warn_unbuilt_sharding)
 from tfpar.runtime.context import Runtime, active
 
 __all__ = ["before_run", "make_iterator", "make_split_context", "plan_for", "run_failed",
@@ -116,9 +117,6 @@ def make_split_context(capture: GraphCapture, spec: TaskGraphSpec, rt: Runtime,
     ``planned`` (a pinned plan's layer -> candidate) forces its column / row
     choices on the dense units named after those layers, unless
     ``split.patterns`` names them."""
-    from tfpar.cluster.virtual_device import assign_devices  # pylint: disable=import-outside-toplevel
-    from tfpar.patterns.sharded import SplitContext  # pylint: disable=import-outside-toplevel
-
     if devices is None:
         devices = assign_devices([(s.name, s.device_count) for s in capture.task_graphs],
                                  rt.devices, rt.config.get("cluster.colocate_split_and_replicate")
@@ -129,16 +127,11 @@ def make_split_context(capture: GraphCapture, spec: TaskGraphSpec, rt: Runtime,
     return SplitContext(spec.name, devices, forced, capture.sharded_tensors)
 
 
-def _pinned_sharding(rt: Optional[Runtime]) -> Dict[str, Any]:
-    plan = rt.config.plan if rt is not None else None
-    return (plan or {}).get("sharding") or {}
-
-
 def setup_capture(capture: GraphCapture) -> None:
     """A pinned plan that shards layers: they are built split, on the devices
     the plan gives their TaskGraph, as the model is built."""
     rt = active()
-    sharding = _pinned_sharding(rt)
+    sharding = pinned_sharding(rt)
     if not sharding.get("layers"):
         return
     stages = sharding.get("stages") or {}
@@ -154,91 +147,7 @@ def setup_capture(capture: GraphCapture) -> None:
                               sharding["tensor_degree"], context, pipelined=bool(stages))
 
 
-@dataclasses.dataclass(frozen=True)
-class _Automatic:
-    """Stages tfpar chose itself for the forward ops ``order``: ``stages`` and
-    ``count`` of the plan this graph runs; the search's pick ``best`` (may
-    shard layers: then it needs a build with the plan pinned) and the best
-    plan without sharding, ``runnable`` (None without ``auto.auto_parallel``)."""
-
-    order: Tuple[ops.Operation, ...]
-    param_bytes: Tuple[float, ...]
-    stages: Tuple[int, ...]
-    count: int
-    best: Any = None
-    runnable: Any = None
-
-    @property
-    def tags(self) -> Dict[str, int]:
-        return {op.name: s for op, s in zip(self.order, self.stages)}
-
-
-def _automatic(index: GraphIndex, capture: GraphCapture, rt: Runtime) -> Optional[_Automatic]:
-    """The automatic plan of an unannotated model (cached until the model
-    trains something new: ops added later cannot change what the losses
-    depend on):
-    ``auto.auto_parallel`` searches data x tensor x pipeline meshes by cost
-    model; ``num_task_graph`` alone cuts that many stages (Whale Examples 3
-    and 4), and so does a pinned plan of the search (as many stages as it
-    has: the partition is deterministic). None when the model is annotated,
-    or built with a pinned plan's sharding."""
-    cfg = rt.config
-    auto, count = cfg.get("auto.auto_parallel"), cfg.get("auto.num_task_graph")
-    if _pinned_sharding(rt):
-        return None
-    if auto and cfg.plan is not None:
-        auto, count = False, len(cfg.plan["task_graphs"])
-    if not auto and (capture.task_graphs or rt.default_strategy is not None
-                     or not count or count < 2):
-        return None
-    if auto and (capture.task_graphs or rt.default_strategy is not None):
-        raise PlanError("tfpar: auto.auto_parallel plans the whole model; remove the "
-                        "wh.replicate / wh.split scopes and set_default_strategy, or the key")
-    key = (len(capture.gradient_calls), len(capture.apply_calls))
-    cached = capture.automatic
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    order, view = model_view(index, capture)
-    time_limit = cfg.get("auto.search_time_limit_s")
-    best = runnable = None
-    if auto:
-        hardware = _hardware(rt)
-        candidates = search_all(view, len(rt.devices), hardware, cfg.get("auto.global_batch"),
-                                cfg.get("pipeline.num_micro_batch"), count, time_limit,
-                                lambda line: print(line, file=sys.stderr),
-                                cfg.get("auto.opt_level"))
-        best = choose(candidates, hardware)
-        runnable = best if best.tensor == 1 else _unsharded(candidates, hardware)
-        stages, count = (runnable.stages, runnable.pipeline) if runnable else ((0,) * len(order), 1)
-    else:
-        stages = partition_stages(view.flops, view.edges, count, min(time_limit, 10.0),
-                                  view.labels)
-    result = _Automatic(tuple(order), tuple(view.param_bytes), tuple(stages), count, best,
-                        runnable)
-    capture.automatic = (key, result)
-    return result
-
-
-def _unsharded(candidates, hardware: Hardware):
-    """The best candidate that shards nothing, or None when none fits."""
-    try:
-        return choose([c for c in candidates if c.tensor == 1], hardware)
-    except PlanError:
-        return None
-
-
-def _hardware(rt: Runtime) -> Hardware:
-    """The slowest, smallest device of ``cluster.hardware`` (a generic host CPU
-    when unset), with the devices per node of a TF_CONFIG cluster."""
-    devices = device_hardware(rt.config.get("cluster.hardware"), len(rt.devices)) or [HOST_CPU]
-    return Hardware("cluster" if len(devices) > 1 else devices[0].name,
-                    min(d.tflops for d in devices), min(d.memory_gb for d in devices),
-                    min(d.intra_node_gbps for d in devices),
-                    min(d.inter_node_gbps for d in devices),
-                    rt.devices_per_worker if rt.cluster is not None else None)
-
-
-def task_graph_specs(capture: GraphCapture, rt: Runtime, automatic: Optional[_Automatic]):
+def task_graph_specs(capture: GraphCapture, rt: Runtime, automatic: Optional[Automatic]):
     """The graph's TaskGraphs; the whole model is one when nothing is annotated,
     or the automatic partition's one-device stages."""
     if capture.task_graphs:
@@ -259,78 +168,15 @@ def plan_for(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> Plan:
     plan, index, _ = _planned(graph, capture, rt)
     automatic = capture.automatic[1] if capture.automatic is not None else None
     if automatic is not None and automatic.best is not automatic.runnable:
-        return _sharded_plan(automatic, rt, index, capture)
+        return sharded_plan(automatic, rt, index, capture)
     return plan
-
-
-def _sharded_plan(automatic: _Automatic, rt: Runtime, index: GraphIndex,
-                  capture: GraphCapture) -> Plan:
-    """The search's pick when it shards layers, with the TaskGraphs a build
-    with it pinned makes. Without a pipeline: the ops built before the first
-    backward op (inputs and weights included), in creation order, cut into
-    runs in and out of the sharded layers; split runs over ``tensor``
-    devices, the others replicated on as many (devices shared, nested data
-    parallelism). With one: a split TaskGraph per stage, on its own devices."""
-    best = automatic.best
-    layers = dict(best.split_scopes)
-    position = {op: i for i, op in enumerate(automatic.order)}
-    runs: List[Tuple[bool, List[ops.Operation]]] = []
-    if best.split_stages:
-        runs = [(True, [op for op in automatic.order if best.stages[position[op]] == s])
-                for s in range(best.pipeline)]
-    else:
-        backward = next((i for i, op in enumerate(index.ops)
-                         if capture.op_phase.get(op.name) == Phase.BACKWARD), len(index.ops))
-        for op in index.ops[:backward]:
-            if op.name in capture.op_phase:
-                continue
-            split = layer_of(op.name, layers) is not None
-            if not runs or runs[-1][0] != split:
-                runs.append((split, []))
-            runs[-1][1].append(op)
-    specs = [TaskGraphSpec(i, f"{'split' if split else 'default'}_{i}",
-                           Strategy.SPLIT if split else Strategy.REPLICATE, best.tensor,
-                           implicit=True) for i, (split, _) in enumerate(runs)]
-    stats = {"num_ops": [len(members) for _, members in runs],
-             "param_bytes": [int(sum(automatic.param_bytes[position[op]] for op in members
-                                     if op in position)) for _, members in runs]}
-    config = rt.config.replace({"plan": None, "cluster.colocate_split_and_replicate":
-                                not best.split_stages})
-    plan = plan_from_annotations(specs, rt.devices, config, stats)
-    part_of = {automatic.order[i]: part for part in best.parts for i in part.ops}
-    task_graphs = tuple(
-        dataclasses.replace(
-            tg, patterns={layer_of(op.name, layers): layers[layer_of(op.name, layers)]
-                          for op in members if op in position} if split else {},
-            estimate=_part_estimate({id(part_of[op]): part_of[op]
-                                     for op in members if op in part_of}.values()))
-        for tg, (split, members) in zip(plan.task_graphs, runs))
-    sharding = {"tensor_degree": best.tensor, "layers": layers}
-    if best.split_stages:
-        sharding["stages"] = {scope: stage for (scope, _), stage
-                              in zip(best.split_scopes, best.split_stages)}
-    return dataclasses.replace(plan, task_graphs=task_graphs, estimate=_estimate(best, rt),
-                               sharding=sharding)
-
-
-def _part_estimate(parts) -> Dict[str, float]:
-    """A TaskGraph's estimate: the sum of its parts' (stages' or layers')."""
-    return {"time_s": sum(p.seconds for p in parts),
-            "memory_bytes": sum(p.memory_bytes for p in parts),
-            "comm_bytes": sum(p.comm_bytes for p in parts)}
-
-
-def _estimate(candidate, rt: Runtime) -> Dict[str, Any]:
-    return {"step_time_s": candidate.step_time_s,
-            "memory_bytes_per_device": [candidate.memory_bytes] * len(rt.devices),
-            "comm_bytes": candidate.comm_bytes}
 
 
 def _planned(graph: ops.Graph, capture: GraphCapture, rt: Runtime):
     """The plan, with the graph index and the stage of every op it rests on
     (the rewrite uses the same ones)."""
     index = GraphIndex(graph)
-    automatic = _automatic(index, capture, rt)
+    automatic = automatic_plan(index, capture, rt)
     specs = task_graph_specs(capture, rt, automatic)
     stage_of = assign_stages(index, capture, len(specs), [s.name for s in specs],
                              automatic.tags if automatic is not None else None)
@@ -338,8 +184,8 @@ def _planned(graph: ops.Graph, capture: GraphCapture, rt: Runtime):
                                  _stats(graph, capture, index, stage_of, len(specs)))
     if automatic is not None and automatic.runnable is not None:
         runnable = automatic.runnable
-        plan = dataclasses.replace(plan, estimate=_estimate(runnable, rt), task_graphs=tuple(
-            dataclasses.replace(tg, estimate=_part_estimate([part]))
+        plan = dataclasses.replace(plan, estimate=estimate_of(runnable, rt), task_graphs=tuple(
+            dataclasses.replace(tg, estimate=part_estimate([part]))
             for tg, part in zip(plan.task_graphs, runnable.parts)))
     if plan.schedule == "kfkb" and plan.group_size == "auto":
         plan = dataclasses.replace(plan, group_size=_group_size(index, capture, rt, plan, stage_of))
@@ -352,7 +198,7 @@ def _group_size(index: GraphIndex, capture: GraphCapture, rt: Runtime, plan: Pla
     count = len(plan.task_graphs)
     order, view = model_view(index, capture)
     rows = rt.config.get("auto.global_batch") / plan.data_parallel_degree / plan.num_micro_batch
-    hardware = _hardware(rt)
+    hardware = cluster_hardware(rt)
     costs = stage_costs(view, [stage_of.get(op, 0) for op in order], count, rows, hardware)
     return tune_group_size(plan.num_micro_batch, costs.forward_s, costs.backward_s,
                            costs.transfer_s, costs.fixed_bytes, costs.activation_bytes,
@@ -374,25 +220,6 @@ def _stats(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, stage_of,
     return {"num_ops": num_ops, "param_bytes": param_bytes, "split": split}
 
 
-def _warn_unbuilt_sharding(capture: GraphCapture) -> None:
-    """The search's pick shards layers of a graph built unsharded: run the best
-    plan that does not (warning), or fail when none fits."""
-    automatic = capture.automatic[1] if capture.automatic is not None else None
-    if automatic is None or automatic.best is automatic.runnable:
-        return
-    best = automatic.best
-    what = (f"the planner shards {', '.join(scope for scope, _ in best.split_scopes)} over "
-            f"{best.tensor} devices (estimated {best.step_time_s * 1e3:.3g} ms/step), but this "
-            "graph was built before the plan existed")
-    how = ("run the script itself (its planning pass pins the plan) or pin "
-           "wh.current_plan().to_json() as the config's 'plan'")
-    if automatic.runnable is None:
-        raise PlanError(f"tfpar: {what}, and no plan without sharding fits the devices' "
-                        f"memory; {how}")
-    log.warning("tfpar: %s; it runs the best plan without sharding (%.3g ms/step). To shard, "
-                "%s.", what, automatic.runnable.step_time_s * 1e3, how)
-
-
 def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
     """Rewrite ``graph`` once (if it trains under tfpar); return its fetch translator."""
     rt = active()
@@ -401,7 +228,7 @@ def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
         return None
     if capture.rewrite is None:
         plan, index, stage_of = _planned(graph, capture, rt)
-        _warn_unbuilt_sharding(capture)
+        warn_unbuilt_sharding(capture)
         cfg = rt.config
         names = [tg.name for tg in plan.task_graphs]
         split_groups = {s: [tuple(canonical_device(d) for d in g) for g in tg.replicas]
