@@ -193,7 +193,6 @@ def layer_of(name: str, layers: Container[str]) -> Optional[str]:
                   if prefix in layers), None)
 
 
-
 _captures: "weakref.WeakKeyDictionary[Any, GraphCapture]" = weakref.WeakKeyDictionary()
 _paused = threading.local()
 _setup: Optional[Callable[[GraphCapture], None]] = None

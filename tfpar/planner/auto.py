@@ -297,13 +297,14 @@ def _estimate(model: ModelView, p: int, d: int, hardware: Hardware, global_batch
     result = simulate(build_schedule("1f1b", p, micro), list(costs.forward_s),
                       list(costs.backward_s), costs.transfer_s)
     bandwidth = hardware.bandwidth(p * d)  # a stage's replicas are strided over all devices
-    grads = [allreduce(d, b, bandwidth).seconds for b in costs.param_bytes]
+    grads = [allreduce(d, b, bandwidth) for b in costs.param_bytes]
     memory = [costs.fixed_bytes[s] + costs.activation_bytes[s] * result.peak_in_flight[s]
               for s in range(p)]
-    grad_bytes = [2 * (d - 1) / d * b for b in costs.param_bytes]
-    parts = tuple(Part(micro * (costs.forward_s[s] + costs.backward_s[s]) + grads[s], memory[s],
-                       grad_bytes[s]) for s in range(p))
+    parts = tuple(Part(micro * (costs.forward_s[s] + costs.backward_s[s]) + grads[s].seconds,
+                       memory[s], grads[s].bytes) for s in range(p))
     return Candidate(data=d, pipeline=p, stages=tuple(stages),
-                     step_time_s=result.length + max(grads), memory_bytes=max(memory),
-                     comm_bytes=sum(grad_bytes) + costs.cut_bytes * micro * 2, parts=parts)
+                     step_time_s=result.length + max(g.seconds for g in grads),
+                     memory_bytes=max(memory),
+                     comm_bytes=sum(g.bytes for g in grads) + costs.cut_bytes * micro * 2,
+                     parts=parts)
 

@@ -60,24 +60,24 @@ def _chunks(count: int, labels: Optional[Sequence[Optional[str]]],
     Rhino §4.3.1: cutting there cuts one tensor), merged to at most
     ``MAX_NODES``; else equal runs."""
     if labels is not None and any(labels):
-        chunk, current = [], 0
-        for i in range(count):
-            if i and labels[i] != labels[i - 1]:
-                current += 1
-            chunk.append(current)
-        if 1 < current + 1 <= MAX_NODES:
+        chunk = _runs(count, {i for i in range(1, count) if labels[i] != labels[i - 1]})
+        if 1 < chunk[-1] + 1 <= MAX_NODES:
             return chunk
     ends = critical_positions(count, edges)
     if len(ends) > 2:
         per_chunk = math.ceil(len(ends) / MAX_NODES)
-        kept = set(ends[per_chunk - 1::per_chunk]) | {count - 1}
-        chunk, current = [], 0
-        for i in range(count):
-            chunk.append(current)
-            current += i in kept
-        return chunk
+        return _runs(count, {end + 1 for end in ends[per_chunk - 1::per_chunk]})
     size = math.ceil(count / MAX_NODES)
     return [i // size for i in range(count)]
+
+
+def _runs(count: int, starts) -> List[int]:
+    """Run number of each of ``count`` items, a new run at every item in ``starts``."""
+    chunk, current = [], 0
+    for i in range(count):
+        current += i in starts
+        chunk.append(current)
+    return chunk
 
 
 def balanced_partition(costs: Sequence[float], num_stages: int) -> List[int]:

@@ -174,13 +174,20 @@ class Problem:
                    else ("dp", "whole") for layer in self.graph.layers]
         return [options[1:] for options in allowed] if self.split_only else allowed
 
+    def rows(self, candidate: str, kept: bool = False) -> float:
+        """Rows per device a layer with ``candidate`` computes on or, ``kept``,
+        keeps outputs of (row and vocab keep whole rows of partial sums)."""
+        if candidate == "dp":
+            return self.rows_device
+        if candidate == "whole" or kept and candidate in ("row", "vocab"):
+            return self.rows_group
+        return self.rows_group / self.mesh.tensor
+
     def node(self, i: int, candidate: str) -> Cost:
         """Compute (forward + backward = 3 x forward) and communication of layer i."""
         layer, mesh = self.graph.layers[i], self.mesh
         t, bandwidth = mesh.tensor, mesh.group_bandwidth
-        rows = {"dp": self.rows_device, "whole": self.rows_group}.get(candidate,
-                                                                      self.rows_group / t)
-        compute = Cost(3 * layer.flops * rows / (mesh.hardware.tflops * 1e12))
+        compute = Cost(3 * layer.flops * self.rows(candidate) / (mesh.hardware.tflops * 1e12))
         if not self.gradients:
             grads = Cost()
         elif candidate in SHARDED:
@@ -214,9 +221,7 @@ class Problem:
         weights = layer.param_bytes / (t if candidate in SHARDED else 1)
         if not activations:
             return STATE_BYTES * weights
-        rows = {"dp": self.rows_device, "whole": self.rows_group, "row": self.rows_group,
-                "vocab": self.rows_group}.get(candidate, self.rows_group / t)
-        return STATE_BYTES * weights + layer.activation_bytes * rows
+        return STATE_BYTES * weights + layer.activation_bytes * self.rows(candidate, kept=True)
 
     def memory(self, chosen: Sequence[str]) -> float:
         return sum(self.memory_of(i, c) for i, c in enumerate(chosen))
@@ -225,33 +230,37 @@ class Problem:
         """The edge between a layer with candidate ``producer`` and one with ``consumer``."""
         return self.edge(size, LAYOUTS[producer][1], LAYOUTS[consumer][0])
 
+    def layer_cost(self, j: int, candidate_of) -> Cost:
+        """Layer j's cost with the resharding of its inputs (``candidate_of``:
+        layer -> candidate, for j and its producers)."""
+        return sum((self.reshard(size, candidate_of[i], candidate_of[j])
+                    for i, size in self.preds[j]), self.node(j, candidate_of[j]))
+
     def layer_costs(self, chosen: Sequence[str]) -> List[Cost]:
-        """Each layer's cost with the resharding of its inputs."""
-        return [sum((self.reshard(size, chosen[i], chosen[j]) for i, size in self.preds[j]),
-                    self.node(j, chosen[j])) for j in range(len(chosen))]
+        return [self.layer_cost(j, chosen) for j in range(len(chosen))]
 
     def objective(self, chosen: Sequence[str]) -> Cost:
         """What the solvers minimise: layers' costs plus resharding edges."""
         return sum(self.layer_costs(chosen), Cost())
 
-    def total(self, chosen: Sequence[str]) -> Cost:
-        """The step: the objective plus one latency per fused gradient bucket."""
-        cost = self.objective(chosen)
-        mesh = self.mesh
+    def _bucket_latency(self, chosen: Sequence[str]) -> Cost:
+        """Gradients go in fused buckets: one latency per all-reduce group."""
+        mesh, latency = self.mesh, 0.0
         if not self.gradients:
-            return cost
+            return Cost()
         if any(c not in SHARDED and self.graph.layers[i].param_bytes for i, c in enumerate(chosen)):
-            cost = cost + Cost(2 * (mesh.devices - 1) * LATENCY_S)
+            latency += 2 * (mesh.devices - 1) * LATENCY_S
         if any(c in SHARDED for c in chosen) and mesh.data > 1:
-            cost = cost + Cost(2 * (mesh.data - 1) * LATENCY_S)
-        return cost
+            latency += 2 * (mesh.data - 1) * LATENCY_S
+        return Cost(latency)
 
     def plan(self, chosen: Sequence[str], optimal: bool) -> ShardingPlan:
-        cost = self.total(chosen)
+        costs = self.layer_costs(chosen)
+        step = sum(costs, Cost()) + self._bucket_latency(chosen)
+        memory = [self.memory_of(i, c) for i, c in enumerate(chosen)]
         weights = sum(self.memory_of(i, c, activations=False) for i, c in enumerate(chosen))
-        return ShardingPlan(tuple(chosen), cost.seconds, self.memory(chosen), cost.bytes, optimal,
-                            tuple(self.layer_costs(chosen)),
-                            tuple(self.memory_of(i, c) for i, c in enumerate(chosen)), weights)
+        return ShardingPlan(tuple(chosen), step.seconds, sum(memory), step.bytes, optimal,
+                            tuple(costs), tuple(memory), weights)
 
 
 def _ilp(problem: Problem, allowed: Sequence[Tuple[str, ...]], fixed: Dict[int, str],
@@ -351,11 +360,9 @@ def _solve_segment(problem: Problem, allowed, start: int, end: int):
                              [start] + inner + [end])
                 optimal = found is not None and found[1]
                 chosen = found[0][1:] if found else [allowed[k][0] for k in inner] + [b]
-            path = [a] + chosen
-            cost = sum(problem.node(k, c).seconds
-                       for k, c in zip(range(start + 1, end + 1), chosen))
-            cost += sum(problem.reshard(size, path[i - start], path[j - start]).seconds
-                        for j in range(start + 1, end + 1) for i, size in problem.preds[j])
+            candidate_of = dict(zip(range(start, end + 1), [a] + chosen))
+            cost = sum(problem.layer_cost(j, candidate_of).seconds
+                       for j in range(start + 1, end + 1))
             table[a, b] = (cost, chosen, optimal)
     return table
 
@@ -378,8 +385,8 @@ def _force_largest_sharded(problem: Problem, allowed, chosen) -> Optional[List[T
     that size, so repeated blocks move together) may only be sharded; None when
     no such layer is left."""
     layers = problem.graph.layers
-    open_ = [i for i, c in enumerate(chosen) if c not in SHARDED and layers[i].param_bytes
-             and SHARDED & set(allowed[i])]
+    open_ = {i for i, c in enumerate(chosen) if c not in SHARDED and layers[i].param_bytes
+             and SHARDED & set(allowed[i])}
     if not open_:
         return None
     largest = max(layers[i].param_bytes for i in open_)

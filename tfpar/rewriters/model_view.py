@@ -35,6 +35,7 @@ def model_view(index: GraphIndex, capture: GraphCapture) -> Tuple[List[ops.Opera
              if op in needed and capture.op_phase.get(op.name, Phase.FORWARD) == Phase.FORWARD]
     samples = _per_sample(order)
     position = {op: i for i, op in enumerate(order)}
+    names, types = [op.name for op in order], [op.type for op in order]
 
     def size(t) -> float:
         return samples.get(t, 0.0) * t.dtype.size
@@ -45,8 +46,7 @@ def model_view(index: GraphIndex, capture: GraphCapture) -> Tuple[List[ops.Opera
         param_bytes=_weight_bytes(order),
         edges=[(position[t.op], j, size(t)) for j, op in enumerate(order) for t in op.inputs
                if t.op in position],
-        labels=block_labels([op.name for op in order], [op.type for op in order]),
-        names=[op.name for op in order], types=[op.type for op in order],
+        labels=block_labels(names, types), names=names, types=types,
         input_bytes=[sum(size(t) for t in op.inputs if t.op.type in INPUT_TYPES)
                      for op in order])
 

@@ -127,11 +127,11 @@ def sharded_plan(automatic: Automatic, rt: Runtime, index: GraphIndex,
     best = automatic.best
     layers = dict(best.split_scopes)
     position = {op: i for i, op in enumerate(automatic.order)}
-    runs: List[Tuple[bool, List[ops.Operation]]] = []
     if best.split_stages:
         runs = [(True, [op for op in automatic.order if best.stages[position[op]] == s])
                 for s in range(best.pipeline)]
     else:
+        runs: List[Tuple[bool, List[ops.Operation]]] = []
         backward = next((i for i, op in enumerate(index.ops)
                          if capture.op_phase.get(op.name) == Phase.BACKWARD), len(index.ops))
         for op in index.ops[:backward]:
@@ -153,8 +153,9 @@ def sharded_plan(automatic: Automatic, rt: Runtime, index: GraphIndex,
     part_of = {automatic.order[i]: part for part in best.parts for i in part.ops}
     task_graphs = tuple(
         dataclasses.replace(
-            tg, patterns={layer_of(op.name, layers): layers[layer_of(op.name, layers)]
-                          for op in members if op in position} if split else {},
+            tg, patterns={scope: layers[scope] for scope in (layer_of(op.name, layers)
+                                                             for op in members if op in position)}
+            if split else {},
             estimate=part_estimate({id(part_of[op]): part_of[op]
                                      for op in members if op in part_of}.values()))
         for tg, (split, members) in zip(plan.task_graphs, runs))
@@ -174,6 +175,7 @@ def part_estimate(parts) -> Dict[str, float]:
 
 
 def estimate_of(candidate, rt: Runtime) -> Dict[str, Any]:
+    """A plan's ``estimate`` from a search candidate."""
     return {"step_time_s": candidate.step_time_s,
             "memory_bytes_per_device": [candidate.memory_bytes] * len(rt.devices),
             "comm_bytes": candidate.comm_bytes}
