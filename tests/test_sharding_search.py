@@ -7,7 +7,7 @@ import pytest
 
 from tfpar.cluster.hardware import Hardware
 from tfpar.planner import sharding
-from tfpar.planner.auto import ModelView
+from tfpar.planner.auto import ModelView, search
 from tfpar.planner.layers import Layer, LayerGraph, layer_graph
 from tfpar.planner.sharding import Mesh, Problem, critical_layers, plan_sharding
 
@@ -130,3 +130,16 @@ def test_repeated_blocks_are_solved_once(monkeypatch):
         assert problem.objective(o2.candidates).seconds == pytest.approx(
             problem.objective(o3.candidates).seconds, rel=1e-4)
     assert counts[0] == counts[1] <= 4
+
+
+def test_scopes_feeding_each_other_are_one_layer_naming_both():
+    """a -> b -> a: the scopes merge into one layer, and a plan that splits it
+    names both scopes (so a pinned build splits every op of it)."""
+    view = ModelView(flops=[4e6, 1e3, 1e3], activation_bytes=[4096.0] * 3,
+                     param_bytes=[4e7, 0.0, 0.0], edges=[(0, 1, 4096.0), (1, 2, 4096.0)],
+                     names=["a/MatMul", "b/Relu", "a/add"], types=["MatMul", "Relu", "AddV2"])
+    graph = layer_graph(view)
+    assert [(layer.scopes, layer.ops) for layer in graph.layers] == [(("a", "b"), (0, 1, 2))]
+    best = search(view, 4, Hardware("fast", 10.0, 80.0, 1e4), global_batch=8, num_micro_batch=1,
+                  pipeline=1)
+    assert best.tensor > 1 and {scope for scope, _ in best.split_scopes} == {"a", "b"}

@@ -71,14 +71,12 @@ class ModelView:
 @dataclasses.dataclass(frozen=True)
 class Part:
     """The estimates of one piece of a candidate - a pipeline stage, or a layer
-    of a sharded plan (its scope, sharding candidate and ops): busy seconds per
-    step, bytes per device, bytes sent per step."""
+    of a sharded plan (with its ops): busy seconds per step, bytes per device,
+    bytes sent per step."""
 
     seconds: float
     memory_bytes: float
     comm_bytes: float
-    scope: str = ""
-    sharding: str = "dp"
     ops: Tuple[int, ...] = ()
 
 
@@ -189,11 +187,11 @@ def _sharded(layers, mesh: Mesh, capacity: float, opt_level: str,
     plan = plan_sharding(layers, mesh, capacity, opt_level, time_limit_s)
     if plan is None or all(c == "dp" for c in plan.candidates):
         return None
-    split = tuple((layer.scope, c) for layer, c in zip(layers.layers, plan.candidates)
-                  if c != "dp")
-    parts = tuple(Part(cost.seconds, memory, cost.bytes, layer.scope, c, layer.ops)
-                  for layer, c, cost, memory in zip(layers.layers, plan.candidates,
-                                                    plan.layer_costs, plan.layer_memory))
+    split = tuple((scope, c) for layer, c in zip(layers.layers, plan.candidates) if c != "dp"
+                  for scope in layer.scopes)
+    parts = tuple(Part(cost.seconds, memory, cost.bytes, layer.ops)
+                  for layer, cost, memory in zip(layers.layers, plan.layer_costs,
+                                                 plan.layer_memory))
     count = sum(len(layer.ops) for layer in layers.layers)
     return Candidate(data=mesh.data, pipeline=1, stages=(0,) * count,
                      step_time_s=plan.step_time_s, memory_bytes=plan.memory_bytes,
@@ -235,10 +233,9 @@ def _pipelined_sharded(model: ModelView, layers, mesh: Tuple[int, int, int], har
     for s, (members, plan) in enumerate(plans):
         for i, c, cost, mem in zip(members, plan.candidates, plan.layer_costs, plan.layer_memory):
             layer = layers.layers[i]
-            parts.append(Part(cost.seconds * micro, mem, cost.bytes * micro, layer.scope, c,
-                              layer.ops))
-            split.append((layer.scope, c))
-            stages.append(s)
+            parts.append(Part(cost.seconds * micro, mem, cost.bytes * micro, layer.ops))
+            split += [(scope, c) for scope in layer.scopes]
+            stages += [s] * len(layer.scopes)
     op_stage = [0] * len(model.flops)
     for i, layer in enumerate(layers.layers):
         for op in layer.ops:

@@ -37,6 +37,9 @@ class Layer:
 
     Attributes:
       scope: the name scope its ops share (a single op: its name).
+      scopes: every name scope among its ops (more than ``scope`` when scopes
+        that feed each other both ways were merged): what a plan names to
+        build the layer split.
       kind: ``matmul``, ``xent``, ``elementwise`` or ``other``.
       flops: forward FLOPs per batch row.
       out_bytes: bytes per row it hands to later layers (its largest output edge).
@@ -57,6 +60,7 @@ class Layer:
     input_bytes: float
     ops: Tuple[int, ...]
     signature: Tuple
+    scopes: Tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +99,8 @@ def layer_graph(view) -> LayerGraph:
     outgoing = collections.defaultdict(float)
     for (a, _), size in volume.items():
         outgoing[a] = max(outgoing[a], size)
-    layers = tuple(_layer(key[members[g][0]], members[g], view, outgoing[position[g]])
-                   for g in order)
+    layers = tuple(_layer(tuple(dict.fromkeys(key[i] for i in members[g])), members[g], view,
+                          outgoing[position[g]]) for g in order)
     return LayerGraph(layers, tuple((a, b, s) for (a, b), s in sorted(volume.items())))
 
 
@@ -166,7 +170,7 @@ def _layer_keys(names: List[str], weighted: List[bool]) -> List[str]:
     return keys
 
 
-def _layer(scope: str, ops: List[int], view, out_bytes: float) -> Layer:
+def _layer(scopes: Tuple[str, ...], ops: List[int], view, out_bytes: float) -> Layer:
     types = view.types
     kinds = {types[i] for i in ops}
     weights = sum(view.param_bytes[i] for i in ops)
@@ -185,4 +189,5 @@ def _layer(scope: str, ops: List[int], view, out_bytes: float) -> Layer:
     inputs = sum(view.input_bytes[i] for i in ops) if view.input_bytes else 0.0
     signature = (kind, cost, out_bytes, kept, weights, inputs,
                  tuple(sorted(collections.Counter(types[i] for i in ops).items())))
-    return Layer(scope, kind, cost, out_bytes, kept, weights, inputs, tuple(ops), signature)
+    return Layer(scopes[0], kind, cost, out_bytes, kept, weights, inputs, tuple(ops), signature,
+                 scopes)
