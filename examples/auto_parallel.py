@@ -11,7 +11,6 @@ over the devices and the backbone stays data parallel (Whale's Example 2,
 found rather than written). The script then trains plainly and with tfpar
 and prints the plan and both runs' losses.
 """
-import argparse
 import os
 import warnings
 
@@ -22,7 +21,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfpar as wh  # noqa: E402
-from loss_report import report  # noqa: E402  (examples/loss_report.py)
+from loss_report import example_parser, report  # noqa: E402  (examples/loss_report.py)
 
 FEATURES, HIDDEN = 32, 256
 
@@ -62,11 +61,8 @@ def make_data(steps, batch, classes, seed=0):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--devices", type=int, default=4)
+    parser = example_parser(__doc__, devices=4, batch=32, steps=4)
     parser.add_argument("--classes", type=int, default=20000)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=32)
     args = parser.parse_args()
     tf.compat.v1.disable_eager_execution()
     data = make_data(args.steps, args.batch, args.classes)

@@ -6,7 +6,6 @@ Trains a small MLP classifier twice on the same data, plainly on one device and
 with tfpar on N logical CPU devices (GPUs when present), and prints the plan
 and the per-step losses side by side: they agree to float32 rounding.
 """
-import argparse
 import os
 import warnings
 
@@ -17,7 +16,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfpar as wh  # noqa: E402
-from loss_report import report  # noqa: E402  (examples/loss_report.py)
+from loss_report import example_parser, report  # noqa: E402  (examples/loss_report.py)
 
 
 def build_model(x, y):
@@ -49,10 +48,7 @@ def run(data, tfpar_config=None):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--devices", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=64)
+    parser = example_parser(__doc__, devices=4, batch=64, steps=8)
     parser.add_argument("--micro-batches", type=int, default=1)
     args = parser.parse_args()
     tf.compat.v1.disable_eager_execution()

@@ -10,7 +10,6 @@ predicts with both: loss, accuracy and logits agree to float32 rounding. The
 parallel checkpoint is then evaluated by a plain Estimator (checkpoints keep
 single-device names).
 """
-import argparse
 import contextlib
 import os
 import tempfile
@@ -23,6 +22,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfpar as wh  # noqa: E402
+from loss_report import example_parser  # noqa: E402  (examples/loss_report.py)
 
 v1 = tf.compat.v1
 CLASSES = 10
@@ -71,11 +71,8 @@ def run(model_dir, mode, args, input_fn):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = example_parser(__doc__, devices=2, batch=32, steps=8)
     parser.add_argument("--mode", default="dp", choices=["dp", "pipeline", "split"])
-    parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--model-dir", help="where both Estimators write (default: a temp dir)")
     args = parser.parse_args()
     v1.disable_eager_execution()

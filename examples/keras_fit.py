@@ -7,7 +7,6 @@ Fits the same model plainly and under tfpar (``wh.init`` before the model is
 built; scopes around its layers) and prints the per-epoch losses side by side,
 then both evaluations.
 """
-import argparse
 import contextlib
 import os
 import warnings
@@ -19,7 +18,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfpar as wh  # noqa: E402
-from loss_report import report  # noqa: E402  (examples/loss_report.py)
+from loss_report import example_parser, report  # noqa: E402  (examples/loss_report.py)
 
 CLASSES = 10
 
@@ -60,11 +59,9 @@ def run(x, y, args, mode=None):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = example_parser(__doc__, devices=2, batch=32)
     parser.add_argument("--mode", default="dp", choices=["dp", "pipeline", "split"])
-    parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=32)
     args = parser.parse_args()
     tf.compat.v1.disable_eager_execution()
     rng = np.random.RandomState(0)

@@ -1,4 +1,18 @@
-"""Shared by the examples: per-step losses of the single-device and tfpar runs side by side."""
+"""Shared by the examples: their common flags, and the per-step losses of the
+single-device and tfpar runs side by side."""
+import argparse
+
+
+def example_parser(doc: str, devices: int, batch: int, steps=None) -> argparse.ArgumentParser:
+    """A parser described by ``doc``'s first line with the flags every example
+    takes: --devices, --batch, and --steps when it trains by steps."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--devices", type=int, default=devices)
+    parser.add_argument("--batch", type=int, default=batch)
+    if steps is not None:
+        parser.add_argument("--steps", type=int, default=steps)
+    return parser
+
 
 
 def report(plain, parallel, label="tfpar", tolerance=1e-4) -> int:

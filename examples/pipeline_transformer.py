@@ -11,7 +11,6 @@ in-flight micro-batches, and the per-step losses side by side. With
 --trace-dir it writes the planned schedule and a traced real step as Chrome
 traces (open them in chrome://tracing or https://ui.perfetto.dev).
 """
-import argparse
 import contextlib
 import os
 import warnings
@@ -23,7 +22,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfpar as wh  # noqa: E402
-from loss_report import report  # noqa: E402  (examples/loss_report.py)
+from loss_report import example_parser, report  # noqa: E402  (examples/loss_report.py)
 
 v1 = tf.compat.v1
 VOCAB, SEQ, HIDDEN, HEADS, LAYERS, CLASSES = 50, 8, 32, 4, 4, 5
@@ -101,13 +100,10 @@ def run(data, config=None, trace_dir=None):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--devices", type=int, default=4)
+    parser = example_parser(__doc__, devices=4, batch=32, steps=4)
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "kfkb"])
     parser.add_argument("--group-size", type=int, default=2, help="k of kFkB")
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--trace-dir", help="write plan_timeline.json and step_timeline.json")
     args = parser.parse_args()
     v1.disable_eager_execution()
