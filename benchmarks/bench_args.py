@@ -1,12 +1,13 @@
-"""The command line every benchmark shares: --json, --check, --quick and sizes
-(no TensorFlow import).
+"""What every benchmark shares (no TensorFlow import): the command line (--json,
+--check, --quick and sizes) and the --check verdict on stated targets.
 
 ``sizes`` maps a size name to (full default, --quick default, help text); the
 flag is ``--name`` (underscores become dashes).
 """
 import argparse
+import sys
 
-__all__ = ["parse_sizes"]
+__all__ = ["meets", "parse_sizes", "verdict"]
 
 
 def parse_sizes(description, sizes, argv, check_help, quick_help="tiny sizes (smoke test)"):
@@ -23,3 +24,28 @@ def parse_sizes(description, sizes, argv, check_help, quick_help="tiny sizes (sm
         if getattr(args, key) is None:
             setattr(args, key, quick if args.quick else full)
     return p, args
+
+
+def meets(value, limit) -> bool:
+    """Whether a measured ``value`` is at most its target ``limit``; a None limit
+    marks an informational value (always met), a None value never meets a limit."""
+    return limit is None or (value is not None and value <= limit)
+
+
+def verdict(targets, args, checks_ok=True) -> int:
+    """The exit code of a benchmark: with ``args.check``, print one PASS/FAIL line per
+    stated target, each ``(name, measured value, limit)`` (limit None: informational,
+    not judged), to stderr under ``args.json``, and return 1 when a target is missed
+    or ``checks_ok`` (the benchmark's other checks) is false; without it, 0."""
+    if not args.check:
+        return 0
+    missed = 0
+    for name, value, limit in targets:
+        if limit is None:
+            continue
+        met = meets(value, limit)
+        missed += not met
+        shown = "n/a" if value is None else f"{value:.4g}"
+        print(f"{'PASS' if met else 'FAIL'}  {name}: measured {shown}, target <= {limit:g}",
+              file=sys.stderr if args.json else sys.stdout)
+    return 1 if missed or not checks_ok else 0

@@ -16,7 +16,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfpar as wh  # noqa: E402
-from loss_report import example_parser, report  # noqa: E402  (examples/loss_report.py)
+from loss_report import example_parser, print_devices, report, traced_step_options  # noqa: E402  (examples/loss_report.py)
 
 
 def build_model(x, y):
@@ -39,12 +39,15 @@ def run(data, tfpar_config=None):
         y = tf.compat.v1.placeholder(tf.int64, [None])
         loss, train_op = build_model(x, y)
         plan = wh.current_plan() if tfpar_config is not None else None
+        options, metadata = traced_step_options()  # to show where the last step ran
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
-            losses = [sess.run([loss, train_op], {x: a, y: b})[0] for a, b in data]
+            losses = [sess.run([loss, train_op], {x: a, y: b})[0] for a, b in data[:-1]]
+            losses.append(sess.run([loss, train_op], dict(zip((x, y), data[-1])),
+                                   options=options, run_metadata=metadata)[0])
     if tfpar_config is not None:
         wh.reset()
-    return losses, plan
+    return losses, plan, wh.step_devices(metadata)
 
 
 def main():
@@ -59,10 +62,11 @@ def main():
         labels = rng.randint(0, 10, args.batch)
         data.append(((centers[labels] + rng.randn(args.batch, 32)).astype(np.float32), labels))
 
-    plain, _ = run(data)
-    parallel, plan = run(data, {"cluster.num_devices": args.devices,
-                                "pipeline.num_micro_batch": args.micro_batches})
+    plain, _, _ = run(data)
+    parallel, plan, devices = run(data, {"cluster.num_devices": args.devices,
+                                         "pipeline.num_micro_batch": args.micro_batches})
     print(plan.summary())
+    print_devices(devices)
     return report(plain, parallel)
 
 

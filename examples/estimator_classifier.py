@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfpar as wh  # noqa: E402
-from loss_report import example_parser  # noqa: E402  (examples/loss_report.py)
+from loss_report import TracedStepHook, example_parser, print_devices  # noqa: E402  (examples/loss_report.py)
 
 v1 = tf.compat.v1
 CLASSES = 10
@@ -62,12 +62,13 @@ def run(model_dir, mode, args, input_fn):
     estimator = tf.estimator.Estimator(
         model_fn, config=tf.estimator.RunConfig(model_dir=model_dir, log_step_count_steps=4),
         params={"mode": mode, "devices": args.devices})
-    estimator.train(input_fn)
+    traced = TracedStepHook()
+    estimator.train(input_fn, hooks=[traced])
     metrics = estimator.evaluate(input_fn)
     logits = np.stack([p["logits"] for p in estimator.predict(input_fn)])
     if mode is not None:
         wh.reset()
-    return metrics, logits
+    return metrics, logits, wh.step_devices(traced.run_metadata)
 
 
 def main():
@@ -90,6 +91,7 @@ def main():
         print(f"{key:28}{plain[0][key]:>12.6g}{parallel[0][key]:>16.6g}{cross[key]:>20.6g}")
     worst = float(np.max(np.abs(plain[1] - parallel[1])))
     print(f"largest logit difference in predict: {worst:.2e}")
+    print_devices(parallel[2])
     same = abs(plain[0]["loss"] - parallel[0]["loss"]) <= 1e-4 * abs(plain[0]["loss"])
     print("equivalent" if same and worst < 1e-3 else "NOT equivalent")
     return 0 if same and worst < 1e-3 else 1

@@ -18,12 +18,12 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfpar as wh  # noqa: E402
-from loss_report import example_parser, report  # noqa: E402  (examples/loss_report.py)
+from loss_report import example_parser, print_devices, report, traced_step_options  # noqa: E402  (examples/loss_report.py)
 
 CLASSES = 10
 
 
-def build_model(mode, devices):
+def build_model(mode, devices, **session_kwargs):
     first = wh.replicate(1) if mode == "pipeline" else contextlib.nullcontext()
     second = (wh.replicate(1) if mode == "pipeline" else
               wh.split(devices) if mode == "split" else contextlib.nullcontext())
@@ -38,7 +38,7 @@ def build_model(mode, devices):
     model = tf.keras.Model(inputs, logits)
     model.compile(tf.keras.optimizers.legacy.Adam(1e-3),
                   tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+                  metrics=["accuracy"], **session_kwargs)
     return model
 
 
@@ -48,14 +48,16 @@ def run(x, y, args, mode=None):
         if mode is not None:
             wh.init({"cluster.num_devices": args.devices,
                      "pipeline.num_micro_batch": 2 if mode == "pipeline" else 1})
-        model = build_model(mode, args.devices)
+        options, metadata = traced_step_options()  # every step traced; the last one kept
+        model = build_model(mode, args.devices, options=options, run_metadata=metadata)
         history = model.fit(x, y, batch_size=args.batch, epochs=args.epochs, shuffle=False,
                             verbose=0)
+        devices = wh.step_devices(metadata)
         evaluation = model.evaluate(x, y, batch_size=args.batch, verbose=0)
         plan = wh.current_plan() if mode is not None else None
     if mode is not None:
         wh.reset()
-    return history.history["loss"], evaluation, plan
+    return history.history["loss"], evaluation, plan, devices
 
 
 def main():
@@ -67,9 +69,10 @@ def main():
     rng = np.random.RandomState(0)
     x = rng.randn(256, 32).astype(np.float32)
     y = np.argmax(x @ rng.randn(32, CLASSES), 1).astype(np.int64)
-    plain, plain_eval, _ = run(x, y, args)
-    parallel, parallel_eval, plan = run(x, y, args, args.mode)
+    plain, plain_eval, _, _ = run(x, y, args)
+    parallel, parallel_eval, plan, devices = run(x, y, args, args.mode)
     print(plan.summary())
+    print_devices(devices)
     print(f"\nevaluate (loss, accuracy): plain {plain_eval}, tfpar {parallel_eval}")
     return report(plain, parallel, args.mode)
 

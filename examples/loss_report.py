@@ -2,6 +2,8 @@
 single-device and tfpar runs side by side."""
 import argparse
 
+import tensorflow as tf
+
 
 def example_parser(doc: str, devices: int, batch: int, steps=None) -> argparse.ArgumentParser:
     """A parser described by ``doc``'s first line with the flags every example
@@ -13,6 +15,30 @@ def example_parser(doc: str, devices: int, batch: int, steps=None) -> argparse.A
         parser.add_argument("--steps", type=int, default=steps)
     return parser
 
+
+def traced_step_options():
+    """(options, run_metadata) that make a Session.run trace the step it runs."""
+    options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+    return options, tf.compat.v1.RunMetadata()
+
+
+class TracedStepHook(tf.compat.v1.train.SessionRunHook):
+    """Traces every step of an Estimator / MonitoredTrainingSession; keeps the
+    last one in ``run_metadata``."""
+
+    def __init__(self):
+        self.run_metadata = None
+
+    def before_run(self, run_context):
+        return tf.compat.v1.train.SessionRunArgs(None, options=traced_step_options()[0])
+
+    def after_run(self, run_context, run_values):
+        self.run_metadata = run_values.run_metadata
+
+
+def print_devices(counts) -> None:
+    """The ops a traced step ran per device (``tfpar.step_devices``)."""
+    print("traced step ran ops on: " + ", ".join(f"{d} ({n})" for d, n in counts.items()))
 
 
 def report(plain, parallel, label="tfpar", tolerance=1e-4) -> int:

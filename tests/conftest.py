@@ -21,3 +21,25 @@ def _clean_tfpar(monkeypatch):
     wh.reset()
     yield
     wh.reset()
+
+
+@pytest.fixture(autouse=True)
+def _trace_steps():
+    """Every session run is traced, so equivalence checks can prove the plan ran
+    (``proof.py``); ``TEST_REWRITE_OFF=1`` switches the rewrite off, to show
+    that those checks then fail (``test_proof.py``)."""
+    from proof import TRACER  # pylint: disable=import-outside-toplevel
+    TRACER.reset()
+    TRACER.install()
+    yield
+    TRACER.uninstall()
+
+
+if os.environ.get("TEST_REWRITE_OFF") == "1":
+    from tfpar.runtime import engine  # noqa: E402
+
+    engine.before_run = lambda graph: None
+    # Scripts the tests run (examples) get the switch through sitecustomize.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [os.path.join(os.path.dirname(__file__), "rewrite_off")]
+        + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])

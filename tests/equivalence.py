@@ -8,6 +8,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfpar as wh
+from proof import assert_parallel
 
 __all__ = ["assert_equivalent", "assert_same_variables", "checkpoint_session", "deep_mlp", "dense",
            "make_data", "mlp_classifier", "plan_of", "rewritten_op_types", "train",
@@ -190,11 +191,17 @@ def rewritten_op_types(build, tfpar_config, features=6):
 
 
 def assert_same_variables(reference, candidate, rtol=1e-5, atol=1e-6):
-    """``reference`` and ``candidate`` are {variable name: value}."""
+    """``reference`` and ``candidate`` are {variable name: value}; every graph
+    tfpar rewrote since the last check must have run its plan."""
     assert_equivalent((np.zeros(1), reference), (np.zeros(1), candidate), rtol, atol)
 
 
-def assert_equivalent(reference, candidate, rtol=1e-5, atol=1e-6):
+def assert_equivalent(reference, candidate, rtol=1e-5, atol=1e-6, parallel=True):
+    """Same losses and variables, and (unless ``parallel`` is False: two plain
+    runs compared) every graph tfpar rewrote since the last check ran its plan,
+    at least one did (``proof.assert_parallel``)."""
+    if parallel:
+        assert_parallel()
     ref_losses, ref_vars = reference
     losses, values = candidate
     np.testing.assert_allclose(losses, ref_losses, rtol=rtol, atol=atol,

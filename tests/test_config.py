@@ -12,6 +12,8 @@ import pytest
 from tfpar.config import ALIASES, SCHEMA, Config, describe
 from tfpar.errors import (AnnotationError, ConfigError, PlanError, ShardingError,
                           TfparError)
+from tfpar.ir.taskgraph import Strategy, TaskGraphSpec
+from tfpar.planner import plan_from_annotations
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -214,6 +216,20 @@ def test_group_size_auto_and_hardware():
                 {"name": "linked", "tflops": 1, "memory_gb": 8, "inter_node_gbps": 3.0}]
     cfg = Config({"pipeline.group_size": "auto", "cluster.hardware": tuple(hardware)})
     assert cfg.pipeline.group_size == "auto" and cfg.cluster.hardware == hardware
+
+
+@pytest.mark.parametrize("aware, stage_devices", [(True, ["/cpu:1", "/cpu:0"]),
+                                                   (False, ["/cpu:0", "/cpu:1"])])
+def test_hardware_aware_puts_the_first_stage_on_more_memory(aware, stage_devices):
+    """balance.hardware_aware (default true): pipeline stages take the
+    cluster.hardware devices by memory, most first (Whale §3.3.2); false keeps the
+    device order."""
+    specs = [TaskGraphSpec(i, f"stage{i}", Strategy.REPLICATE, 1) for i in range(2)]
+    cfg = Config({"cluster.hardware": ["P100-16GB", "V100-32GB"],
+                  "balance.hardware_aware": aware})
+    plan = plan_from_annotations(specs, ["/cpu:0", "/cpu:1"], cfg,
+                                 {"num_ops": [1, 1], "param_bytes": [4, 4]})
+    assert [tg.devices[0] for tg in plan.task_graphs] == stage_devices
 
 
 # --- environment overrides -------------------------------------------------

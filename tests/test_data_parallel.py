@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from proof import assert_parallel
 from equivalence import (assert_equivalent, dense, make_data, mlp_classifier,
                          rewritten_op_types, train)
 
@@ -103,6 +104,7 @@ def test_fetched_backward_tensors_are_global():
 
     for ref, got in zip(run(None), run({"cluster.num_devices": 4})):
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-7)
+    assert_parallel()
 
 
 def test_explicit_replicate_scope(sgd_reference):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from proof import assert_parallel
 from equivalence import assert_equivalent, assert_same_variables, dense, variable_values
 
 import tfpar as wh
@@ -143,6 +144,7 @@ def test_train_and_evaluate(tmp_path):
                 tf.estimator.EvalSpec(input_fn, steps=None, throttle_secs=0))
             results[name] = metrics
     assert results["tfpar"]["loss"] == pytest.approx(results["plain"]["loss"], rel=1e-5)
+    assert_parallel()
 
 
 # --- Keras --------------------------------------------------------------------------
@@ -258,6 +260,7 @@ def test_monitored_training_session_hooks(mode, tmp_path):
     assert len(tfpar[0]) == 3  # StopAtStepHook
     for got, expected in zip(tfpar, plain):  # losses, logged values, summaries
         np.testing.assert_allclose(got, expected, rtol=1e-5)
+    assert_parallel()
     assert tf.train.latest_checkpoint(str(tmp_path / "tfpar")).endswith("-3")
 
 

@@ -50,6 +50,22 @@ def test_errors_are_value_errors():
         assert issubclass(err, ValueError)
 
 
+def test_forced_pattern_that_cannot_shard_the_unit_is_a_sharding_error():
+    """split.patterns forcing the cross-entropy's pattern on a dense layer: the matcher
+    raises ShardingError, which ``except ConfigError`` / ``except PlanError`` also catch."""
+    with tf.Graph().as_default():
+        wh.init({"cluster.num_devices": 2, "split.patterns": {"logits": "distributed"}})
+        x = tf.compat.v1.placeholder(tf.float32, [None, 6])
+        try:
+            with pytest.raises(wh.ShardingError, match="forces 'distributed' on ShardingUnit "
+                                                       "'logits'.*match it: column, row") as info:
+                with wh.split(2):
+                    tf.compat.v1.layers.dense(x, 4, name="logits")
+        finally:
+            wh.reset()
+    assert isinstance(info.value, wh.ConfigError) and isinstance(info.value, wh.PlanError)
+
+
 def test_batch_smaller_than_replicas_fails_fast():
     with tf.Graph().as_default():
         wh.init({"cluster.num_devices": 4})

@@ -9,6 +9,7 @@ import tensorflow as tf
 from equivalence import assert_equivalent, deep_mlp, dense, make_data, plan_of, train
 
 import tfpar as wh
+from tfpar.planner.schedule import build_schedule
 
 DATA = make_data(steps=3, batch=8)
 v1 = tf.compat.v1
@@ -67,6 +68,8 @@ def test_ada_grouper_tunes_k(two_stage_reference):
     plan = plan_of(mlp_stages(2, True), config)
     assert isinstance(plan.group_size, int) and plan.group_size > 1
     assert_equivalent(two_stage_reference, train(mlp_stages(2, True), DATA, config))
+    result, _ = traced_step(config)  # what runs is kFkB with the tuned k
+    assert_follows(result, build_schedule("kfkb", 2, 4, plan.group_size))
 
 
 def test_four_stages():
@@ -170,15 +173,11 @@ def test_bert_like_transformer_in_two_stages():
                       train(transformer(2, True), data, config))
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_traced_step_follows_the_schedule(schedule, tmp_path):
-    """In a traced step every stage device runs its tasks in schedule order, each
-    task's ops all after the previous task's; wh.step_timeline writes it."""
-    from tfpar.planner.schedule import build_schedule
+def traced_step(config, path=None):
+    """wh.step_timeline of one traced step of the 2-stage MLP under ``config``."""
     graph = tf.Graph()
     with graph.as_default():
-        wh.init({"pipeline.num_micro_batch": 4, "cluster.num_devices": 2,
-                 "pipeline.schedule": schedule})
+        wh.init(config)
         x = v1.placeholder(tf.float32, [None, 6])
         y = v1.placeholder(tf.int64, [None])
         loss, train_op = mlp_stages(2, True)(x, y)
@@ -188,13 +187,27 @@ def test_traced_step_follows_the_schedule(schedule, tmp_path):
             sess.run(train_op, {x: DATA[0][0], y: DATA[1][0]},
                      options=v1.RunOptions(trace_level=v1.RunOptions.FULL_TRACE),
                      run_metadata=metadata)
-        result = wh.step_timeline(metadata, str(tmp_path / "step.json"))
+        result = wh.step_timeline(metadata, path)
     wh.reset()
-    for s, tasks in enumerate(build_schedule(schedule, 2, 4)):
+    return result, metadata
+
+
+def assert_follows(result, schedule):
+    """Every stage device ran its tasks in ``schedule`` order, one after another."""
+    for s, tasks in enumerate(schedule):
         ran = [t for t in result.tasks if t.stage == s]
         assert [str(t.task) for t in ran] == [str(t) for t in tasks]
         for before, after in zip(ran, ran[1:]):
             assert before.end <= after.start, f"stage {s}: {after.task} overlaps {before.task}"
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_traced_step_follows_the_schedule(schedule, tmp_path):
+    """In a traced step every stage device runs its tasks in schedule order, each
+    task's ops all after the previous task's; wh.step_timeline writes it."""
+    result, _ = traced_step({"pipeline.num_micro_batch": 4, "cluster.num_devices": 2,
+                             "pipeline.schedule": schedule}, str(tmp_path / "step.json"))
+    assert_follows(result, build_schedule(schedule, 2, 4))
     # GPipe keeps every micro-batch's activations on stage 0; 1F1B at most 2.
     assert result.peak_in_flight[0] == (4 if schedule == "gpipe" else 2)
     trace = json.loads((tmp_path / "step.json").read_text())

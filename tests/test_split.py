@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from proof import assert_parallel, ran_on
 from equivalence import (assert_equivalent, checkpoint_session, dense, layer, make_data,
                          plan_of, train)
 
@@ -129,8 +130,10 @@ def test_argmax_accuracy_over_split_logits():
                 out = sess.run(predictions, {x: DATA[0][0]})
         if tfpar:
             wh.reset()
-        return out
-    np.testing.assert_array_equal(run(True), run(False))
+        return out, ran_on(graph)
+    split, devices = run(True)
+    np.testing.assert_array_equal(split, run(False)[0])
+    assert len(devices) == 4  # one shard of the logits per device
 
 
 @pytest.mark.parametrize("backend", ["auto", "collective"])
@@ -284,7 +287,7 @@ def test_checkpoints_restore_between_split_and_single_device(tmp_path):
     assert_equivalent(reference, checkpoint_session(classifier(True), single, None, config,
                                                     second))
     assert_equivalent(reference, checkpoint_session(classifier(False), split, None, None,
-                                                    second))
+                                                    second), parallel=False)
 
 
 def test_default_initializers_in_a_split_scope():
@@ -307,6 +310,7 @@ def test_default_initializers_in_a_split_scope():
     wh.reset()
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
     assert sum(b.size for b in bias) == 10
+    assert_parallel()
 
 
 def seeded_classifier(tfpar):

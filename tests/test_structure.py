@@ -1,6 +1,7 @@
 """House rules that keep tfpar maintainable and deterministic."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -10,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 from equivalence import mlp_classifier
+from proof import assert_parallel
 
 import tfpar as wh
 
@@ -17,19 +19,29 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_planner_ir_cluster_import_without_tensorflow():
-    code = ("import sys\n"
+    """Every module file under tfpar/planner, tfpar/ir and tfpar/cluster (listed from
+    disk, so new modules are covered) imports with TensorFlow blocked."""
+    names = ["tfpar.config"] + [
+        f"tfpar.{package}" + ("" if name == "__init__.py" else f".{name[:-3]}")
+        for package in ("planner", "ir", "cluster")
+        for name in sorted(os.listdir(os.path.join(ROOT, "tfpar", package)))
+        if name.endswith(".py")]
+    code = ("import importlib, sys, traceback, types\n"
             "class Block:\n"
             "    def find_spec(self, name, path=None, target=None):\n"
             "        if name.split('.')[0] == 'tensorflow':\n"
             "            raise ImportError('tensorflow blocked')\n"
             "sys.meta_path.insert(0, Block())\n"
-            "import importlib.util, types\n"
             "pkg = types.ModuleType('tfpar'); pkg.__path__ = ['tfpar']; sys.modules['tfpar'] = pkg\n"
-            "import tfpar.planner, tfpar.ir, tfpar.cluster, tfpar.config\n"
+            f"for name in {names!r}:\n"
+            "    try:\n"
+            "        importlib.import_module(name)\n"
+            "    except Exception:\n"
+            "        print(name, traceback.format_exc(limit=-2))\n"
             "print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
-    assert out.stdout.strip() == "ok", out.stderr
+    assert len(names) > 10 and out.stdout.strip() == "ok", out.stdout + out.stderr
 
 
 def _rewritten_graph_def():
@@ -78,6 +90,7 @@ def test_fetches_are_merged():
     np.testing.assert_allclose(parallel["loss"], plain["loss"], rtol=1e-5)
     for a, b in zip(parallel["grads"], plain["grads"]):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert_parallel()
 
 
 def _run(*args, timeout=300):
@@ -89,6 +102,8 @@ def test_example_runs_and_is_equivalent():
     out = _run("examples/data_parallel_mlp.py", "--devices", "2", "--steps", "3")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "(equivalent)" in out.stdout and "replicate_all" in out.stdout
+    assert re.search(r"traced step ran ops on: CPU:0 \(\d+\), CPU:1 \(\d+\)$", out.stdout,
+                     re.M), out.stdout
 
 
 def test_pipeline_example_runs_and_is_equivalent(tmp_path):
@@ -99,13 +114,16 @@ def test_pipeline_example_runs_and_is_equivalent(tmp_path):
     assert (tmp_path / "plan_timeline.json").exists() and (tmp_path / "step_timeline.json").exists()
 
 
-@pytest.mark.parametrize("script,mode", [("examples/keras_fit.py", "split"),
+@pytest.mark.parametrize("script,mode", [("examples/keras_fit.py", "dp"),
+                                         ("examples/keras_fit.py", "split"),
                                          ("examples/estimator_classifier.py", "pipeline")])
 def test_entry_point_examples_run_and_are_equivalent(script, mode, tmp_path):
     args = ["--mode", mode] + (["--model-dir", str(tmp_path)] if "estimator" in script else [])
     out = _run(script, *args)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "equivalent" in out.stdout and "NOT" not in out.stdout
+    assert re.search(r"traced step ran ops on: CPU:0 \(\d+\), CPU:1 \(\d+\)$", out.stdout,
+                     re.M), out.stdout
 
 
 def test_auto_parallel_example_plans_first_then_builds_the_head_split():

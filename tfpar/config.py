@@ -85,7 +85,9 @@ SCHEMA = {
     "auto.planning_pass": Option("bool", True, (),
                                  "a script with auto_parallel plans in a child run first, "
                                  "so sharded layers are built split"),
-    "balance.hardware_aware": Option("bool", True, (), "Whale Algorithm 1 on mixed devices"),
+    "balance.hardware_aware": Option("bool", True, (),
+                                     "pipeline stages in order on cluster.hardware devices by "
+                                     "memory, most first (Whale §3.3.2); false: device order"),
     "communication.backend": Option(
         "str", "auto", _one_of("auto", "collective", "horovod"),
         "auto: one-process CPUs share variables and sum on one device; else collective"),

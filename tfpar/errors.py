@@ -20,8 +20,10 @@ class PlanError(TfparError):
     """No valid parallel plan, or a pinned plan that does not fit the graph or cluster."""
 
 
-class ShardingError(TfparError):
-    """An op or layer cannot be sharded with the requested pattern."""
+class ShardingError(ConfigError, PlanError):
+    """An op or layer cannot be sharded with the requested pattern. The pattern is
+    forced by ``split.patterns`` or by a pinned plan, so this is both a ConfigError
+    and a PlanError: callers catching either keep working."""
 
 
 class ClusterError(TfparError):

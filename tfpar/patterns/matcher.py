@@ -7,7 +7,7 @@ by unit name (Whale §5.1.4 forces SP1 / SP2 this way).
 """
 from typing import Sequence
 
-from tfpar.errors import ConfigError
+from tfpar.errors import ShardingError
 from tfpar.ir.sharding import ShardingUnit
 
 __all__ = ["Gather", "choose"]
@@ -40,7 +40,7 @@ def choose(ctx, unit: ShardingUnit, candidates: Sequence):
     if forced is not None:
         chosen = [p for p in matching if p.name == forced]
         if not chosen:
-            raise ConfigError(
+            raise ShardingError(
                 f"split.patterns forces '{forced}' on ShardingUnit '{unit.name}' "
                 f"({unit.kind}, inputs {', '.join(map(str, unit.inputs))}); patterns that "
                 f"match it: {', '.join(p.name for p in matching) or 'none'}")

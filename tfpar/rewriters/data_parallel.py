@@ -43,7 +43,7 @@ from tfpar.rewriters.batch_split import split_batch, split_sources
 from tfpar.rewriters.bridge import Bridges
 from tfpar.rewriters.gradients import reduce_gradients, scale_seeds
 from tfpar.rewriters.layout import Layout
-from tfpar.rewriters.merge import is_batch_major, merge_units
+from tfpar.rewriters.merge import merge_step_tensor
 from tfpar.rewriters.pipeline import lower_schedule, task_ops
 from tfpar.rewriters.replica_sync import add_replica_sync
 from tfpar.rewriters.select import GraphIndex, Selection, gradient_tensors, select_replication
@@ -71,6 +71,10 @@ class DataParallelRewrite:
       merged: step tensor -> merged tensor, filled on demand.
       seed_weighted: step ops downstream of scaled gradient seeds: their
         versions' values are already multiplied by the version weight.
+      summed_grads: raw gradients of batch-sum losses, whose versions weigh 1
+        (when gradients, not seeds, are weighted).
+      original_inputs: step op -> its inputs as the script built them (the
+        rewrite reroutes the originals' to their rows and stages).
       task_ops: (stage device j, stage, "F"/"B", micro-batch) -> the ops of that
         pipeline task (``pipeline.task_ops``).
       processes: the Horovod job this process is part of
@@ -89,6 +93,9 @@ class DataParallelRewrite:
     mirrored: bool = True
     merged: Dict[tensor_lib.Tensor, tensor_lib.Tensor] = dataclasses.field(default_factory=dict)
     seed_weighted: Set[ops.Operation] = dataclasses.field(default_factory=set)
+    summed_grads: Set[tensor_lib.Tensor] = dataclasses.field(default_factory=set)
+    original_inputs: Dict[ops.Operation, List[tensor_lib.Tensor]] = dataclasses.field(
+        default_factory=dict)
     task_ops: Dict[tuple, List[ops.Operation]] = dataclasses.field(default_factory=dict)
     processes: Any = None
     edits: int = 0
@@ -122,21 +129,10 @@ class DataParallelRewrite:
         return [m.get(op, op) if j else op for j, m in enumerate(maps)]
 
     def merged_tensor(self, t: tensor_lib.Tensor) -> tensor_lib.Tensor:
-        """``t`` (a step tensor) merged over versions: batch-major concatenated,
-        others averaged with version weights. Builds ops on first use."""
+        """``t`` (a step tensor) merged over versions (``merge``). Builds ops on
+        first use."""
         if t not in self.merged:
-            stage = self.placement.stage(t.op)
-            versions = [op.outputs[t.value_index] for op in self.versions(t.op)]
-            weights = [self.bridges.weight(stage, v) for v in range(len(versions))]
-            static = self.selection.batch_inputs[0].shape[0]
-            merged = merge_units(t, versions, weights, self.selection.batch_dependent,
-                                 static, weighted=t.op in self.seed_weighted)
-            if self.processes is not None and t.op in self.selection.batch_dependent:
-                if is_batch_major(t, static):
-                    merged = self.processes.gather(merged)
-                elif t.dtype.is_floating:
-                    merged = self.processes.sum(merged)  # partial means, global weights
-            self.merged[t] = merged
+            self.merged[t] = merge_step_tensor(self, t)
         return self.merged[t]
 
 
@@ -177,6 +173,7 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
             "tfpar: found no batch input to split into replicas / micro-batches: feed the "
             "model through a tf.compat.v1.placeholder or a tf.data iterator")
     step = set(sel.step_ops)
+    rw.original_inputs = {op: list(op.inputs) for op in sel.step_ops}
     copied = step | set(sel.update_ops)
     raw = {t for g, _ in sel.raw_grads for t in gradient_tensors(g)}
     # Snapshot edges before tfpar adds ops of its own.

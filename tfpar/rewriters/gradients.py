@@ -4,23 +4,29 @@ batch (through its seeds, or its gradients for higher-order gradients), summed
 over a device's micro-batches, then across the devices holding the same
 variable by the reducer of ``allreduce`` (or Horovod's)."""
 import collections
-from typing import List
+import logging
+from typing import List, Set
 
 from tensorflow.python.framework import indexed_slices, ops
 from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import array_ops, math_ops
 
+from tfpar.analysis.batch_reductions import loss_scaling
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture
 from tfpar.rewriters import graph_edit
+from tfpar.rewriters.merge import is_batch_major
 from tfpar.rewriters.select import GraphIndex, gradient_tensors
 
-__all__ = ["reduce_gradients", "scale_seeds"]
+__all__ = ["loss_weights", "reduce_gradients", "scale_seeds"]
+
+log = logging.getLogger("tfpar")
 
 
 def scale_seeds(rw, capture: GraphCapture, index: GraphIndex) -> None:
-    """Weight each version's backprop by its batch share by scaling the seeds it
-    starts from.
+    """Weight each version's backprop by its batch share (n_u / N for a loss that
+    is a mean over the rows; 1 for a sum: ``loss_weights``) by scaling the
+    seeds it starts from.
 
     Sets ``rw.seed_weighted``: every step op downstream of a seed, whose
     versions then equal the global-batch backprop restricted to their rows (so
@@ -32,6 +38,7 @@ def scale_seeds(rw, capture: GraphCapture, index: GraphIndex) -> None:
     Raises:
       PlanError: higher-order gradients across stages of different widths.
     """
+    summed = loss_weights(rw, capture)
     seeds = {s for call in capture.gradient_calls for s in call.seeds}
     step = set(rw.selection.step_ops)
     seed_ops = {s.op for s in seeds if isinstance(s, tensor_lib.Tensor) and s.op in step}
@@ -42,10 +49,13 @@ def scale_seeds(rw, capture: GraphCapture, index: GraphIndex) -> None:
         if len(set(rw.layout.widths)) > 1:
             raise PlanError("tfpar: higher-order gradients are not supported across bridged "
                             f"TaskGraphs of different widths {rw.layout.widths}")
+        rw.summed_grads = {t for call in capture.gradient_calls if id(call) in summed
+                           for g in call.grads if g is not None for t in gradient_tensors(g)}
         return
     rw.seed_weighted = downstream
     everything = {x for op in step for x in rw.versions(op)}
-    for seed in sorted(seeds, key=lambda t: t.name):
+    unweighted = {s for call in capture.gradient_calls if id(call) in summed for s in call.seeds}
+    for seed in sorted(seeds - unweighted, key=lambda t: t.name):
         stage = rw.placement.stage(seed.op)
         for v, seed_op in enumerate(rw.versions(seed.op)):
             seed_v = seed_op.outputs[seed.value_index]
@@ -56,6 +66,41 @@ def scale_seeds(rw, capture: GraphCapture, index: GraphIndex) -> None:
                 rw.edits += graph_edit.reroute(c, seed_v, scaled)
 
 
+def loss_weights(rw, capture: GraphCapture) -> Set[int]:
+    """ids of the gradient calls whose losses are sums over the rows (each copy's
+    gradient then weighs 1, not n_u / N; ``analysis.batch_reductions``).
+
+    Raises:
+      PlanError: a loss no weighting of copies reproduces (a batch sum plus a
+        term independent of the batch). A loss of unknown kind is taken for a
+        mean, with a warning naming the op.
+    """
+    static = rw.selection.batch_inputs[0].shape[0]
+    summed = set()
+    for call in capture.gradient_calls:
+        kinds = set()
+        for y in call.ys:
+            scaling = loss_scaling(y, rw.selection.batch_dependent,
+                                   lambda t: is_batch_major(t, static))
+            if scaling.mixed:
+                raise PlanError(
+                    f"tfpar: the loss '{y.name}' cannot be split over replicas / micro-batches: "
+                    f"{scaling.culprit}. Make it a mean over the batch (divide the sum by the "
+                    "batch size) or make the other term a sum over the rows too")
+            if scaling.kind is None:
+                log.warning("tfpar: cannot tell whether the loss '%s' is a mean or a sum over "
+                            "the batch (%s); its replicas are weighted as for a mean", y.name,
+                            scaling.culprit)
+            kinds.add(scaling.kind or "mean")
+        if kinds == {"sum"}:
+            summed.add(id(call))
+        elif len(kinds) > 1:
+            raise PlanError(f"tfpar: one tf.gradients call differentiates both a batch mean and "
+                            f"a batch sum ({[y.name for y in call.ys]}); add them into one loss "
+                            "of one kind")
+    return summed
+
+
 def _device_terms(rw, t: tensor_lib.Tensor, device: int,
                   weigh: bool = True) -> List[tensor_lib.Tensor]:
     """Stage device ``device``'s versions of ``t`` (one per micro-batch), each
@@ -64,7 +109,7 @@ def _device_terms(rw, t: tensor_lib.Tensor, device: int,
     versions = rw.versions(t.op)
     picks = [rw.layout.version(stage, device, m) for m in range(rw.num_micro_batch)]
     terms = [versions[v].outputs[t.value_index] for v in picks]
-    if not weigh or t.op in rw.seed_weighted:
+    if not weigh or t.op in rw.seed_weighted or t in rw.summed_grads:
         return terms
     return [x * math_ops.cast(rw.bridges.weight(stage, v), t.dtype) for x, v in zip(terms, picks)]
 

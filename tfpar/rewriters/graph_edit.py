@@ -59,9 +59,12 @@ class unfinalized:  # pylint: disable=invalid-name
 
 def clone_ops(graph: ops.Graph, op_list: Sequence[ops.Operation], prefix: str,
               device: Union[None, str, Callable[[ops.Operation], str]],
-              input_map: Mapping[tensor_lib.Tensor, tensor_lib.Tensor]) -> Dict[ops.Operation, ops.Operation]:
+              input_map: Mapping[tensor_lib.Tensor, tensor_lib.Tensor],
+              inputs_of: Callable[[ops.Operation], Sequence[tensor_lib.Tensor]] = None
+              ) -> Dict[ops.Operation, ops.Operation]:
     """Copy ``op_list`` into ``graph`` under a fresh name scope ``prefix``, on
     ``device`` (a name, a function of the original op, or None: unchanged).
+    ``inputs_of(op)`` gives the data inputs to copy (default: ``op.inputs``).
 
     Edges between copied ops point at the copies. A data input from outside the
     set reads ``input_map[t]`` when given, else the original tensor ``t``;
@@ -84,7 +87,7 @@ def clone_ops(graph: ops.Graph, op_list: Sequence[ops.Operation], prefix: str,
         if device is not None:
             node.device = device(op) if callable(device) else device
         del node.input[:]
-        for t in op.inputs:
+        for t in (inputs_of(op) if inputs_of is not None else op.inputs):
             node.input.append(t.name)
             if t.op.name not in names:
                 external[t.name] = input_map.get(t, t)

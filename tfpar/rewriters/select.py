@@ -3,6 +3,7 @@ tensors carry the batch, which variables are mirrored. Nothing here mutates.
 """
 import collections
 import dataclasses
+import functools
 from typing import Dict, Iterable, List, Optional, Set
 
 from tensorflow.python.framework import indexed_slices, ops
@@ -102,6 +103,8 @@ class Selection:
       raw_grads: (gradient, variable op) pairs reduced across units.
       sync_writers: ops outside the training step that write a mirrored
         variable (initializers, restores, user assigns).
+      batch_dependent: ops downstream of the batch inputs.
+      backward: the step ops ``tf.gradients`` made.
     """
 
     step_ops: List[ops.Operation]
@@ -111,6 +114,11 @@ class Selection:
     raw_grads: list
     sync_writers: List[ops.Operation]
     batch_dependent: Set[ops.Operation]
+    backward: Set[ops.Operation] = dataclasses.field(default_factory=set)
+
+    @functools.cached_property
+    def step_ops_set(self) -> Set[ops.Operation]:
+        return set(self.step_ops)
 
 
 def _var_op_of(x) -> Optional[ops.Operation]:
@@ -194,7 +202,8 @@ def select_replication(graph: ops.Graph, capture: GraphCapture, index: GraphInde
     return Selection(
         step_ops=sorted(step, key=order.get), update_ops=sorted(update, key=order.get),
         variables=variables, batch_inputs=batch_inputs, raw_grads=raw_grads,
-        sync_writers=sorted(set(sync_writers), key=order.get), batch_dependent=batch_dependent)
+        sync_writers=sorted(set(sync_writers), key=order.get), batch_dependent=batch_dependent,
+        backward={op for op in step if phase.get(op.name) == Phase.BACKWARD})
 
 
 def _written_variables(op: ops.Operation) -> List[ops.Operation]:

@@ -1,5 +1,7 @@
-"""Timeline of a traced training step: when each pipeline task really ran."""
-from typing import Optional
+"""What a traced training step really ran: ops per device, and when each
+pipeline task ran."""
+import collections
+from typing import Dict, Optional
 
 from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.framework import ops
@@ -11,7 +13,16 @@ from tfpar.planner.schedule import Task
 from tfpar.planner.simulate import SimulationResult, TimedTask, measured
 from tfpar.planner.trace import chrome_trace, write_chrome_trace
 
-__all__ = ["step_timeline"]
+__all__ = ["step_devices", "step_timeline"]
+
+
+def step_devices(run_metadata: config_pb2.RunMetadata) -> Dict[str, int]:
+    """Ops executed per device (short names, ``CPU:3``) in a step traced with
+    ``RunOptions(trace_level=FULL_TRACE)``: where the plan really ran."""
+    counts: Dict[str, int] = collections.Counter()
+    for device in run_metadata.step_stats.dev_stats:
+        counts[short_name(device.device.split("/stream:")[0])] += len(device.node_stats)
+    return dict(sorted((d, n) for d, n in counts.items() if n))
 
 
 def step_timeline(run_metadata: config_pb2.RunMetadata, path: Optional[str] = None,

@@ -1,0 +1,79 @@
+"""``--check`` of the benchmarks exits 1 when a stated target is missed: the verdict
+and each benchmark's exit path, judged on fabricated rows (no benchmark runs)."""
+import argparse
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "benchmarks"))
+import bench_args  # noqa: E402
+import overhead  # noqa: E402
+import planner  # noqa: E402
+import split  # noqa: E402
+
+
+def args(check=True, json=True):
+    return argparse.Namespace(check=check, json=json)
+
+
+def test_verdict_fails_on_a_missed_target_and_names_it(capsys):
+    targets = [("build ratio", 1.10, 1.15), ("step ratio", 1.07, 1.05), ("info", 9.0, None)]
+    assert bench_args.verdict(targets, args(json=False)) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["PASS  build ratio: measured 1.1, target <= 1.15",
+                     "FAIL  step ratio: measured 1.07, target <= 1.05"]
+
+
+@pytest.mark.parametrize("targets, checks_ok, check, code", [
+    ([("a", 1.0, 1.0), ("b", 0.5, 1.0)], True, True, 0),  # at the limit is met
+    ([("a", 5.0, None)], True, True, 0),  # informational only
+    ([("a", None, 1.0)], True, True, 1),  # nothing measured: missed
+    ([("a", 0.5, 1.0)], False, True, 1),  # another check failed
+    ([("a", 2.0, 1.0)], False, False, 0),  # without --check nothing is judged
+])
+def test_verdict_exit_codes(targets, checks_ok, check, code):
+    assert bench_args.verdict(targets, args(check), checks_ok) == code
+
+
+def test_verdict_lines_go_to_stderr_under_json(capsys):
+    assert bench_args.verdict([("a", 2.0, 1.0)], args(json=True)) == 1
+    out = capsys.readouterr()
+    assert out.out == "" and "FAIL  a: measured 2, target <= 1" in out.err
+
+
+@pytest.mark.parametrize("key, ratio, code", [
+    ("build", 1.2, 1), ("build", 1.1, 0), ("replicate1", 1.06, 1), ("dp_auto", 1.01, 1),
+])
+def test_overhead_check_fails_when_a_ratio_misses_its_target(key, ratio, code, capsys):
+    rows = [overhead.row(name, ratio if name == key else 0.5, 1.0, overhead.TARGETS[name])
+            for name in overhead.TARGETS] + [overhead.row("collective", 3.0, 1.0)]
+    assert overhead.finish(rows, [], args(), None, lambda trainers: []) == code
+    assert ("FAIL  " + key in capsys.readouterr().err) == bool(code)
+
+
+def test_overhead_targets_are_the_stated_ones():
+    assert overhead.TARGETS == {"build": 1.15, "replicate1": 1.05, "dp_auto": 1.0}
+
+
+@pytest.mark.parametrize("key", ["sp1_sp2_bytes", "hybrid_dp_step"])
+def test_split_check_fails_when_a_ratio_misses_its_target(key):
+    rows = [split.row(name, 2.0 if name == key else 1.0, 1.5, "B", ("A", "B"),
+                      split.TARGETS[name]) for name in split.TARGETS]
+    assert overhead.finish(rows, [], args(), None, lambda trainers: []) == 1
+    assert split.TARGETS == {"sp1_sp2_bytes": 1.0, "hybrid_dp_step": 1.0}
+
+
+def planner_rows(plan_96=1.0, o2_o3=1.0):
+    return [{"layers": n, "plan_build": plan / 10, "plan_s": plan, "view_s": 1.0,
+             "o2_o3_cost": o2_o3, "o3_optimal": True} for n, plan in ((24, 1.0), (96, plan_96))]
+
+
+@pytest.mark.parametrize("rows, code", [
+    (planner_rows(), 0),
+    (planner_rows(plan_96=3.0), 1),  # plan(96) / plan(24) = 3 > 2, plan / build 0.3 > 0.25
+    (planner_rows(o2_o3=1.06), 1),  # O2 more than 5% behind an optimal O3
+])
+def test_planner_check_fails_when_a_target_is_missed(rows, code, capsys):
+    assert planner.finish(rows, args()) == code

@@ -1,0 +1,1 @@
+"""Read-only analyses of a captured graph (no mutation, no TF patching)."""
