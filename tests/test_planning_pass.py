@@ -1,10 +1,11 @@
-"""The planning pass of auto_parallel scripts: when it runs, and what a failed
-pass leaves (the config as given). The pass itself: test_structure's example."""
+"""The planning pass of auto_parallel scripts: when it runs, and that a failed
+pass is an error. The pass itself: test_structure's example."""
 import sys
 
 import pytest
 
 from tfpar.config import Config
+from tfpar.errors import PlanError
 from tfpar.runtime import planning_pass
 
 AUTO = Config({"auto.auto_parallel": True})
@@ -31,11 +32,12 @@ def test_no_pass(config, caller, env, monkeypatch, tmp_path):
     assert not ran
 
 
-def test_a_failed_pass_keeps_the_config(monkeypatch, tmp_path, capsys):
+def test_a_failed_pass_is_an_error(monkeypatch, tmp_path, capsys):
+    """Before, a crashing pass printed a line and went on without sharding."""
     script = tmp_path / "train.py"
     script.write_text("raise SystemExit(3)\n")
     monkeypatch.setattr(sys, "argv", [str(script), "--flag"])
-    assert planning_pass.pinned_by_planning_pass(AUTO, SCRIPT) is AUTO
-    err = capsys.readouterr().err
-    assert "planning pass:" in err and "--flag" in err
-    assert "the planning pass failed (exit 3); planning without tensor sharding" in err
+    with pytest.raises(PlanError, match=r"planning pass .*--flag.* failed \(exit 3.*"
+                                        r"auto.planning_pass\": false"):
+        planning_pass.pinned_by_planning_pass(AUTO, SCRIPT)
+    assert "planning pass:" in capsys.readouterr().err

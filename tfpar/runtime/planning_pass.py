@@ -8,7 +8,9 @@ the child builds the model plainly, the planner searches, and the child stops
 at the first training step. If the plan it found shards layers, this process
 goes on with that plan pinned (config key ``plan``); otherwise it plans again
 itself, as without a planning pass. Scripts' output during the pass is
-discarded; the planner's progress lines go to stderr.
+discarded; the planner's progress lines and errors go to stderr. A pass that
+fails or times out is an error (``PlanError``), never a quiet fallback to a
+plan without sharding.
 """
 import json
 import os
@@ -18,6 +20,7 @@ import tempfile
 from typing import Any, Dict
 
 from tfpar.config import Config
+from tfpar.errors import PlanError
 
 __all__ = ["ENV", "pinned_by_planning_pass"]
 
@@ -46,16 +49,15 @@ def _run_pass(script: str, args) -> Dict[str, Any]:
         out = os.path.join(tmp, "plan.json")
         command = [sys.executable, "-m", "tfpar.cli", "plan", "--out", out, script, *args]
         print(f"tfpar auto: planning pass: {' '.join(command)}", file=sys.stderr, flush=True)
+        skip = ('set {"auto.planning_pass": false} to plan in this process without tensor '
+                "sharding, or pin a plan written by `tfpar plan --out FILE`")
         try:
             done = subprocess.run(command, env={**os.environ, ENV: "1"}, timeout=TIMEOUT_S,
                                   stdout=subprocess.DEVNULL, check=False)
-        except subprocess.TimeoutExpired:
-            print(f"tfpar auto: the planning pass took over {TIMEOUT_S} s; planning without "
-                  "tensor sharding", file=sys.stderr)
-            return {}
+        except subprocess.TimeoutExpired as error:
+            raise PlanError(f"tfpar: the planning pass took over {TIMEOUT_S} s; {skip}") from error
         if done.returncode != 0 or not os.path.exists(out):
-            print(f"tfpar auto: the planning pass failed (exit {done.returncode}); planning "
-                  "without tensor sharding", file=sys.stderr)
-            return {}
+            raise PlanError(f"tfpar: the planning pass `{' '.join(command)}` failed (exit "
+                            f"{done.returncode}; its error is printed above); {skip}")
         with open(out, encoding="utf-8") as f:
             return json.load(f)
