@@ -51,6 +51,7 @@ import tensorflow as tf  # noqa: E402
 
 import tfpar as wh  # noqa: E402
 from tfpar.hooks import split_patches  # noqa: E402
+from tfpar.patterns import dense as dense_patterns, matcher  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_args import meets, parse_sizes  # noqa: E402  (same directory)
@@ -104,17 +105,20 @@ def classifier_builder(layers, classes, backbone_scope=None, head_scope=None, ke
 def matcher_costs(costs):
     """While building, append (unit name, chosen pattern, cost in bytes per row) to
     ``costs`` for every ShardingUnit the matcher decides."""
-    original = split_patches.choose
+    modules = (split_patches, dense_patterns)  # every module that calls the matcher
+    original = matcher.choose
 
     def choose(ctx, unit, candidates):
         pattern = original(ctx, unit, candidates)
         costs.append((unit.name, pattern.name, float(pattern.cost(unit))))
         return pattern
-    split_patches.choose = choose
+    for module in modules:
+        module.choose = choose
     try:
         yield costs
     finally:
-        split_patches.choose = original
+        for module in modules:
+            module.choose = original
 
 
 def cross_device_bytes(trainer):

@@ -4,12 +4,20 @@ distributed implementation; outside split scopes, or for inputs the patterns
 do not cover, the original TensorFlow function runs.
 
 * keras ``Dense`` (``tf.keras.layers.Dense``, ``tf.compat.v1.layers.dense``):
-  ``build`` makes no full weight, ``call`` builds the chosen dense pattern;
+  ``build`` makes no full weight, ``call`` builds the chosen dense pattern; the
+  layer keeps its regularizers (``layer.losses``, and the collection for
+  ``tf.compat.v1.layers``), its constraints (on every shard) and its
+  ``kernel`` / ``bias`` attributes (partitioned variables when split);
 * ``gen_nn_ops`` softmax cross-entropy (sparse and dense; every ``tf.nn`` and
   ``tf.compat.v1.losses`` variant ends there) on class-split logits;
 * ``gen_math_ops.arg_max`` (``tf.argmax``) over the split dimension;
 * ``VariableScope.get_variable``: a variable made inside a split scope without a
-  partitioner is split along its first dimension (a ``ShardedVariable``);
+  partitioner is split along its first dimension (a ``ShardedVariable``),
+  keeping its regularizer and constraint;
+* ``_VariableStore._get_single_variable``: while a sharded variable is made,
+  TensorFlow builds each slice here; the slice goes to its shard's device and is
+  recorded in the SplitContext's side table (shard identity comes from the
+  slice's offset, never from its name);
 * ``gen_array_ops.gather_v2`` (``tf.gather``, ``tf.nn.embedding_lookup``) on a
   row-split table: vocabulary-sharded lookup;
 * ``gen_math_ops.mat_mul`` (``tf.matmul``) and ``gen_linalg_ops.einsum``
@@ -18,6 +26,8 @@ do not cover, the original TensorFlow function runs.
   shards, so it stays split.
 """
 import contextlib
+import functools
+import inspect
 
 from keras.src import backend as keras_backend
 from keras.src.layers.core import dense as keras_dense
@@ -34,9 +44,10 @@ from tfpar.patterns.contraction import (CONTRACTION_PATTERNS, GATHER as GATHER_O
                                         contraction_unit, sharded_contraction)
 from tfpar.patterns import moe
 from tfpar.patterns.embedding import vocab_lookup
-from tfpar.patterns.dense import DENSE_PATTERNS, dense_unit
+from tfpar.patterns.dense import choose_dense
 from tfpar.patterns.matcher import choose
-from tfpar.patterns.sharded import ShardedVariable, slicing_initializer
+from tfpar.patterns.sharded import ShardedVariable, shard_being_created, sharded_variable
+from tfpar.patterns.weights import regularization_loss
 from tfpar.patterns.softmax_xent import GATHER, XENT_PATTERNS, softmax_xent
 
 __all__ = ["add_split_patches"]
@@ -51,6 +62,8 @@ def add_split_patches(patches: PatchSet) -> None:
                 lambda original: _wrap_xent(original, sparse=False))
     patches.add(gen_math_ops, "arg_max", _wrap_arg_max)
     patches.add(variable_scope.VariableScope, "get_variable", _wrap_get_variable)
+    store = variable_scope._VariableStore  # pylint: disable=protected-access
+    patches.add(store, "_get_single_variable", _wrap_get_single_variable)
     patches.add(gen_array_ops, "gather_v2", _wrap_gather)
     patches.add(gen_math_ops, "mat_mul", _wrap_mat_mul)
     patches.add(gen_linalg_ops, "einsum", _wrap_einsum)
@@ -84,31 +97,59 @@ def _wrap_dense_call(original):
         if not hasattr(self, "_tfpar_split"):
             if ctx is None:
                 return original(self, inputs)
-            pattern = choose(ctx, dense_unit(ctx, self, inputs), DENSE_PATTERNS)
+            pattern = choose_dense(ctx, self, inputs)
             self._tfpar_split = (ctx, pattern, {})
         ctx, pattern, made = self._tfpar_split
         with ctx.building():
-            return pattern.build(ctx, self, inputs, _layer_getter(self, made))
+            return pattern.build(ctx, self, inputs, _layer_getter(ctx, self, made))
     return call
 
 
-def _layer_getter(layer, made):
-    """get_variable under the layer's variable names (legacy layers already run
-    inside their variable scope; keras layers name weights ``layer/...``), made
-    once per name and tracked as the layer's weights and by keras' session
-    (which initializes them in ``model.fit``)."""
-    def getter(name, **kwargs):
-        if name not in made:
-            scope = (contextlib.nullcontext() if isinstance(layer, legacy_layers.Layer)
-                     else variable_scope.variable_scope(layer.name))
-            with scope:
-                made[name] = variable_scope.get_variable(name, **kwargs)
-            parts = list(made[name]) if hasattr(made[name], "_get_variable_list") else [made[name]]
-            layer._trainable_weights.extend(parts)  # pylint: disable=protected-access
-            for part in parts:
-                keras_backend.track_variable(part)
-        return made[name]
+def _layer_getter(ctx, layer, made):
+    """The getter of the dense patterns (``patterns/dense.py``): the layer's
+    weight ``name`` split along ``axis`` (None: whole), made once under the
+    layer's variable names (legacy layers already run inside their variable
+    scope; keras layers name weights ``layer/...``) with the layer's
+    constraint; its regularizer's value on the whole weight is added as the
+    layer's loss, as ``add_weight`` does; the weight becomes the layer's
+    attribute (``layer.kernel``), is tracked as its weight and by keras'
+    session (which initializes it in ``model.fit``)."""
+    def getter(name, shape, dtype, initializer, axis, regularizer=None, constraint=None):
+        if name in made:
+            return made[name]
+        legacy = isinstance(layer, legacy_layers.Layer)
+        scope = contextlib.nullcontext() if legacy else variable_scope.variable_scope(layer.name)
+        known = ops.get_default_graph().get_collection_ref(ops.GraphKeys.GLOBAL_VARIABLES)
+        count = len(known)
+        with scope:
+            if axis is None:
+                variable = variable_scope.get_variable(
+                    name, shape=shape, dtype=dtype, initializer=initializer,
+                    constraint=constraint, trainable=layer.trainable)
+            else:
+                variable = sharded_variable(
+                    ctx, name, shape, axis, dtype, initializer, constraint=constraint,
+                    owner=f"layer '{layer.name}': {name}_constraint", trainable=layer.trainable)
+        made[name] = variable
+        parts = list(variable) if axis is not None else [variable]
+        # pylint: disable=protected-access
+        weights = layer._trainable_weights if layer.trainable else layer._non_trainable_weights
+        # pylint: enable=protected-access
+        weights.extend(parts)
+        for part in parts:
+            keras_backend.track_variable(part)
+        setattr(layer, name, variable)  # as Dense.build sets layer.kernel / layer.bias
+        if regularizer is not None and len(known) > count:  # reused weights: once, by their maker
+            # Named as keras names it: legacy layers evaluate it now, in their name scope.
+            layer.add_loss(functools.partial(_layer_regularization, ctx, regularizer, variable,
+                                             axis, name if legacy else f"{layer.name}/{name}"))
+        return variable
     return getter
+
+
+def _layer_regularization(ctx, regularizer, variable, axis, name):
+    with ops.name_scope(f"{name}/Regularizer"):
+        return regularization_loss(ctx, regularizer, variable, axis)
 
 
 def _wrap_xent(original, sparse: bool):
@@ -143,6 +184,8 @@ def _wrap_arg_max(original):
 
 
 def _wrap_get_variable(original):
+    signature = inspect.signature(original)
+
     def get_variable(self, var_store, name, shape=None, dtype=None, initializer=None,
                      *args, partitioner=None, **kwargs):
         ctx = _split_context()
@@ -150,15 +193,33 @@ def _wrap_get_variable(original):
         if ctx is None or partitioner is not None or not rank:
             return original(self, var_store, name, shape, dtype, initializer, *args,
                             partitioner=partitioner, **kwargs)
-        parts = [ctx.size] + [1] * (rank - 1)
-        if shape is None:
-            shape = initializer.shape
-        with ctx.building(), ctx.on_shard_devices():
-            partitioned = original(self, var_store, name, shape, dtype,
-                                   slicing_initializer(initializer), *args,
-                                   partitioner=lambda shape, dtype: parts, **kwargs)
+        given = signature.bind(self, var_store, name, shape, dtype, initializer, *args,
+                               **kwargs).arguments
+        for key in ("self", "var_store", "name", "shape", "dtype", "initializer"):
+            given.pop(key)
+        full_name = f"{self.name}/{name}" if self.name else name
+        with ctx.building():
+            partitioned = sharded_variable(
+                ctx, name, initializer.shape if shape is None else shape, 0, dtype, initializer,
+                getter=functools.partial(original, self, var_store),
+                owner=f"variable '{full_name}': constraint", **given)
         return ShardedVariable(partitioned, ctx)
     return get_variable
+
+
+def _wrap_get_single_variable(original):
+    """A slice of a sharded variable being made is built on its shard's device
+    and recorded (``SplitContext.shard_index``)."""
+    def _get_single_variable(self, *args, partition_info=None, **kwargs):
+        slot = shard_being_created(partition_info)
+        if slot is None:
+            return original(self, *args, partition_info=partition_info, **kwargs)
+        creation, index = slot
+        with ops.device(creation.ctx.devices[index]):
+            variable = original(self, *args, partition_info=partition_info, **kwargs)
+        creation.record(variable, index)
+        return variable
+    return _get_single_variable
 
 
 def _wrap_gather(original):

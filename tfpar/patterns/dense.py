@@ -7,23 +7,41 @@
   local slice, or the shards of a column-split input: column then row needs no
   gather, as in Megatron) and the partial products are summed. Output whole.
 
+The layer's weights keep its regularizers and constraints (``weights.py``); a
+pattern matches only if it splits no axis a constraint needs whole.
+
 Costs are float32 bytes per batch row moved between devices.
 """
+import dataclasses
+
 from tensorflow.python.framework import dtypes, ops
 from tensorflow.python.ops import math_ops
 
+from tfpar.errors import ShardingError
 from tfpar.ir.sharding import ShardingUnit
-from tfpar.patterns.sharded import sharded_variable
+from tfpar.patterns.matcher import choose
+from tfpar.patterns.weights import describe, whole_axes
 
-__all__ = ["COLUMN", "DENSE_PATTERNS", "ROW", "dense_unit"]
+__all__ = ["COLUMN", "DENSE_PATTERNS", "ROW", "choose_dense", "dense_unit"]
+
+# A pattern's ``build(ctx, layer, x, getter)`` gets its weights from
+# ``getter(name, shape, dtype, initializer, axis, regularizer=, constraint=)``:
+# the layer's weight ``name`` split along ``axis`` (None: whole), made once.
+
+
+def _keeps_whole(unit: ShardingUnit, splits) -> bool:
+    """The pattern splitting weight -> axis (``splits``) splits no axis that a
+    constraint of the unit's layer needs whole."""
+    whole = unit.sizes.get("whole", {})
+    return all(axis not in whole.get(weight, ()) for weight, axis in splits.items())
 
 
 class _Column:
     name = "column"
+    splits = {"kernel": 1, "bias": 0}
 
-    @staticmethod
-    def matches(unit: ShardingUnit) -> bool:
-        return unit.kind == "dense"
+    def matches(self, unit: ShardingUnit) -> bool:
+        return unit.kind == "dense" and _keeps_whole(unit, self.splits)
 
     @staticmethod
     def cost(unit: ShardingUnit) -> float:
@@ -32,15 +50,16 @@ class _Column:
 
     @staticmethod
     def build(ctx, layer, x, getter):
-        units, d_in = layer.units, int(x.shape[-1])
-        kernel = sharded_variable(ctx, "kernel", [d_in, units], 1, _dtype(layer, x),
-                                  layer.kernel_initializer, getter=getter)
-        bias = sharded_variable(ctx, "bias", [units], 0, _dtype(layer, x),
-                                layer.bias_initializer, getter=getter) if layer.use_bias else None
+        units, d_in, dtype = layer.units, int(x.shape[-1]), _dtype(layer, x)
+        kernel = getter("kernel", [d_in, units], dtype, layer.kernel_initializer, 1,
+                        regularizer=layer.kernel_regularizer, constraint=layer.kernel_constraint)
+        bias = getter("bias", [units], dtype, layer.bias_initializer, 0,
+                      regularizer=layer.bias_regularizer,
+                      constraint=layer.bias_constraint) if layer.use_bias else None
         biases = list(bias) if bias is not None else [None] * ctx.size
         shards = []
-        for device, kernel_i, bias_i in zip(ctx.devices, kernel, biases):
-            with ops.device(device):
+        for kernel_i, bias_i in zip(kernel, biases):
+            with ops.device(ctx.device_of(kernel_i)):
                 y = math_ops.matmul(x, kernel_i)
                 if bias_i is not None:
                     y = y + bias_i
@@ -50,10 +69,11 @@ class _Column:
 
 class _Row:
     name = "row"
+    splits = {"kernel": 0}
 
-    @staticmethod
-    def matches(unit: ShardingUnit) -> bool:
-        return unit.kind == "dense" and unit.inputs[0].axis in (None, len(unit.inputs[0].dims) - 1)
+    def matches(self, unit: ShardingUnit) -> bool:
+        return (unit.kind == "dense" and _keeps_whole(unit, self.splits)
+                and unit.inputs[0].axis in (None, len(unit.inputs[0].dims) - 1))
 
     @staticmethod
     def cost(unit: ShardingUnit) -> float:
@@ -62,24 +82,25 @@ class _Row:
 
     @staticmethod
     def build(ctx, layer, x, getter):
-        units, d_in = layer.units, int(x.shape[-1])
-        dtype = _dtype(layer, x)
-        kernel = list(sharded_variable(ctx, "kernel", [d_in, units], 0, dtype,
-                                       layer.kernel_initializer, getter=getter))
+        units, d_in, dtype = layer.units, int(x.shape[-1]), _dtype(layer, x)
+        kernel = list(getter("kernel", [d_in, units], dtype, layer.kernel_initializer, 0,
+                             regularizer=layer.kernel_regularizer,
+                             constraint=layer.kernel_constraint))
         sharded = ctx.lookup(x)
         partials = []
         offset = 0
-        for i, device in enumerate(ctx.devices):
-            rows = int(kernel[i].shape[0])
-            with ops.device(device):
-                x_i = sharded.shards[i] if sharded is not None else x[..., offset:offset + rows]
-                partials.append(math_ops.matmul(x_i, kernel[i]))
+        for kernel_i in kernel:
+            index, rows = ctx.shard_index(kernel_i), int(kernel_i.shape[0])
+            with ops.device(ctx.devices[index]):
+                x_i = sharded.shards[index] if sharded is not None else x[..., offset:offset + rows]
+                partials.append(math_ops.matmul(x_i, kernel_i))
             offset += rows
         with ops.device(ctx.devices[0]):
             y = math_ops.add_n(partials)
             if layer.use_bias:
-                y = y + getter("bias", shape=[units], dtype=dtype,
-                               initializer=layer.bias_initializer)
+                y = y + getter("bias", [units], dtype, layer.bias_initializer, None,
+                               regularizer=layer.bias_regularizer,
+                               constraint=layer.bias_constraint)
             return layer.activation(y) if layer.activation is not None else y
 
 
@@ -93,6 +114,37 @@ DENSE_PATTERNS = (COLUMN, ROW)
 
 
 def dense_unit(ctx, layer, x) -> ShardingUnit:
-    """The ShardingUnit of calling ``layer`` on ``x``."""
+    """The ShardingUnit of calling ``layer`` on ``x``; ``sizes["whole"]`` holds,
+    per weight, the axes its constraint needs whole."""
+    d_in, dtype = int(x.shape[-1]), _dtype(layer, x)
+    whole = {"kernel": whole_axes(layer.kernel_constraint, [d_in, layer.units], dtype)}
+    if layer.use_bias:
+        whole["bias"] = whole_axes(layer.bias_constraint, [layer.units], dtype)
     return ShardingUnit(ctx.unit_name(layer.name), "dense", (ctx.info(x),),
-                        {"in": int(x.shape[-1]), "out": layer.units})
+                        {"in": d_in, "out": layer.units, "whole": whole})
+
+
+def choose_dense(ctx, layer, x):
+    """The pattern for calling ``layer`` on ``x``. A ShardingError names the
+    layer and its constraints when they rule out every pattern, or the one
+    ``split.patterns`` forces."""
+    unit = dense_unit(ctx, layer, x)
+    free = dataclasses.replace(unit, sizes={k: v for k, v in unit.sizes.items() if k != "whole"})
+    forced = ctx.forced.get(unit.name)
+    ruled_out = [p for p in DENSE_PATTERNS if p.matches(free) and not p.matches(unit)
+                 and (forced is None or forced == p.name)]
+    if ruled_out and (forced is not None or not any(p.matches(unit) for p in DENSE_PATTERNS)):
+        constraint = {"kernel": layer.kernel_constraint, "bias": layer.bias_constraint}
+        why = "; ".join(
+            f"{p.name} splits {weight} axis {axis}"
+            for p in ruled_out for weight, axis in p.splits.items()
+            if axis in unit.sizes["whole"].get(weight, ()))
+        needs = ", ".join(
+            f"{weight}_constraint {describe(constraint[weight])} needs axes {list(axes)} whole"
+            for weight, axes in unit.sizes["whole"].items() if axes)
+        raise ShardingError(
+            f"wh.split cannot shard layer '{layer.name}': its {needs} ({why}). Each shard "
+            f"applies the constraint alone, so tfpar supports elementwise constraints (NonNeg, "
+            f"clipping) and MaxNorm / MinMaxNorm / UnitNorm along an axis that is not split; "
+            f"build this layer outside wh.split or change the constraint")
+    return choose(ctx, unit, DENSE_PATTERNS)

@@ -1,15 +1,18 @@
 """Sharded tensors and variables of one split TaskGraph.
 
-Variables are TensorFlow partitioned variables (``part_i`` slices with
-``save_slice_info``), so a checkpoint stores each under its single-device name
-and full shape, and slice i lives on device i: the full weight is never
-allocated. A sharded tensor is its per-device shards plus a full view (their
-concatenation) that is computed only if something outside the patterns reads it
-(Whale's split bridge: gather along the split dimension).
+Variables are TensorFlow partitioned variables (slices with ``save_slice_info``),
+so a checkpoint stores each under its single-device name and full shape, and
+slice i lives on device i: the full weight is never allocated. Which shard a
+slice is, and so its device, is recorded in a side table of the SplitContext as
+TensorFlow creates the slice (``ShardCreation``), from the slice's offset in
+the full variable, never from its name. A sharded tensor is its per-device
+shards plus a full view (their concatenation) that is computed only if
+something outside the patterns reads it (Whale's split bridge: gather along the
+split dimension).
 """
 import contextlib
 import dataclasses
-import re
+import weakref
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -19,10 +22,10 @@ from tensorflow.python.ops import array_ops, init_ops, variable_scope
 from tensorflow.python.ops import variables as variables_lib
 
 from tfpar.ir.sharding import ShardingInfo
+from tfpar.patterns.weights import NO_REGULARIZER, check_constraint, regularization_loss
 
-__all__ = ["ShardedTensor", "ShardedVariable", "SplitContext", "sharded_variable"]
-
-_PART = re.compile(r"/part_(\d+)(/|$)")
+__all__ = ["ShardCreation", "ShardedTensor", "ShardedVariable", "SplitContext",
+           "shard_being_created", "sharded_variable", "slice_offsets"]
 
 
 @dataclasses.dataclass
@@ -121,13 +124,85 @@ class SplitContext:
         return full
 
     @contextlib.contextmanager
-    def on_shard_devices(self):
-        """Ops named ``.../part_i/...`` (partitioned-variable slices) go to device i."""
-        def place(op):
-            match = _PART.search(op.name)
-            return self.devices[int(match.group(1))] if match else op.device
-        with ops.device(place):
-            yield
+    def creating_shards(self, shape: Sequence[int], axis: int):
+        """While TensorFlow creates the slices of a variable of full ``shape``
+        split along ``axis``, the variable-store hook (``hooks.split_patches``)
+        builds slice i on device i and records it (``shard_being_created``)."""
+        creation = ShardCreation(self, shape, axis)
+        _creations.append(creation)
+        try:
+            yield creation
+        finally:
+            _creations.remove(creation)
+
+    @staticmethod
+    def record_shard(variable, index: int) -> None:
+        """``variable`` was made as shard ``index`` of a split TaskGraph."""
+        _shard_of.setdefault(variable.graph, {})[variable.op.name] = index
+
+    @staticmethod
+    def shard_index(variable) -> int:
+        """Which shard ``variable`` (a slice of a sharded variable) is."""
+        return _shard_of[variable.graph][variable.op.name]
+
+    def device_of(self, variable) -> str:
+        """The device of shard ``variable`` among this TaskGraph's devices."""
+        return self.devices[self.shard_index(variable)]
+
+
+# The side table, per graph: slice variable (its handle op's name, a key as in
+# ``GraphCapture.op_task_graph``, never parsed) -> shard index, filled as
+# TensorFlow creates the slices of sharded variables (``record_shard``).
+_shard_of: "weakref.WeakKeyDictionary[ops.Graph, Dict[str, int]]" = weakref.WeakKeyDictionary()
+
+
+class ShardCreation:
+    """The sharded variable being created: its full shape, split axis and the
+    slices made so far (``created``), each recorded in the side table."""
+
+    def __init__(self, ctx: SplitContext, shape: Sequence[int], axis: int):
+        self.ctx = ctx
+        self.shape = [int(d) for d in shape]
+        self.axis = axis
+        self.offsets = slice_offsets(self.shape[axis], ctx.size)
+        self.created: List[variables_lib.Variable] = []
+
+    def index_of(self, partition_info) -> Optional[int]:
+        """The shard a slice with TensorFlow's ``partition_info`` is (None when
+        it is not a slice of this variable)."""
+        if partition_info is None or list(partition_info.full_shape) != self.shape:
+            return None
+        offset = list(partition_info.var_offset)
+        if any(o for i, o in enumerate(offset) if i != self.axis):
+            return None
+        return self.offsets.index(offset[self.axis]) if offset[self.axis] in self.offsets else None
+
+    def record(self, variable, index: int) -> None:
+        self.ctx.record_shard(variable, index)
+        self.created.append(variable)
+
+
+_creations: List[ShardCreation] = []
+
+
+def shard_being_created(partition_info):
+    """(creation, shard index) of the slice TensorFlow is about to create, or
+    None when no sharded variable is being created or it is not one's slice."""
+    for creation in reversed(_creations):
+        index = creation.index_of(partition_info)
+        if index is not None:
+            return creation, index
+    return None
+
+
+def slice_offsets(size: int, count: int) -> List[int]:
+    """Offsets of ``count`` slices of ``size`` as TensorFlow's partitioned
+    variables cut them (the first ``size % count`` one longer)."""
+    offsets, offset = [], 0
+    for i in range(count):
+        offsets.append(offset)
+        offset += size // count + (1 if i < size % count else 0)
+    return offsets
 
 
 class ShardedVariable:
@@ -154,8 +229,8 @@ class ShardedVariable:
     def value(self) -> tensor_lib.Tensor:
         """The full view of the slices (registered as split along dimension 0)."""
         reads = []
-        for part, device in zip(self._partitioned, self._ctx.devices):
-            with ops.device(device):
+        for part in self._partitioned:
+            with ops.device(self._ctx.device_of(part)):
                 reads.append(part.value())
         return self._ctx.sharded(reads, 0)
 
@@ -165,26 +240,49 @@ tensor_conversion_registry.register_tensor_conversion_function(
 
 
 def sharded_variable(ctx: SplitContext, name: str, shape: Sequence[int], axis: int,
-                     dtype, initializer=None, trainable: bool = True,
-                     getter=None) -> variables_lib.PartitionedVariable:
+                     dtype, initializer=None, getter=None, constraint=None, regularizer=None,
+                     owner: str = "", **kwargs) -> variables_lib.PartitionedVariable:
     """A variable of full ``shape`` split along ``axis`` into one slice per device
-    (uneven when the size does not divide), slice i on device i."""
+    (uneven when the size does not divide), slice i on device i.
+
+    ``constraint`` (else the variable scope's) is carried by every slice, so it
+    must act on each alone (``weights.check_constraint``, naming ``owner``).
+    ``regularizer`` (else the scope's) is what ``get_variable`` would get: its
+    value for the whole variable joins the REGULARIZATION_LOSSES collection
+    when the variable is made. ``kwargs`` go to ``getter``."""
     parts = [1] * len(shape)
     parts[axis] = ctx.size
     getter = getter or variable_scope.get_variable
-    with ctx.on_shard_devices():
-        return getter(name, shape=list(shape), dtype=dtype,
-                      initializer=slicing_initializer(initializer),
-                      trainable=trainable, partitioner=lambda shape, dtype: parts)
+    scope = variable_scope.get_variable_scope()
+    constraint = constraint if constraint is not None else scope.constraint
+    regularizer = regularizer if regularizer is not None else scope.regularizer
+    if dtype is None and isinstance(initializer, tensor_lib.Tensor):
+        dtype = initializer.dtype.base_dtype
+    check_constraint(owner or f"variable '{name}'", constraint, shape, axis, dtype)
+    with ctx.creating_shards(shape, axis) as creation:
+        partitioned = getter(name, shape=list(shape), dtype=dtype,
+                             initializer=slicing_initializer(initializer),
+                             partitioner=lambda shape, dtype: parts, constraint=constraint,
+                             regularizer=NO_REGULARIZER, **kwargs)
+    if creation.created and regularizer is not None:
+        with ops.name_scope(f"{name}/Regularizer/"):
+            loss = regularization_loss(ctx, regularizer, partitioned, axis)
+        if loss is not None:
+            ops.add_to_collection(ops.GraphKeys.REGULARIZATION_LOSSES, loss)
+    return partitioned
 
 
 def slicing_initializer(initializer):
     """An initializer that, for a slice, yields that slice of what
     ``initializer`` gives the full variable: numpy values and constants are cut;
     a seeded random initializer draws the full variable and keeps the slice
-    (the same numbers as on one device); other initializers get TensorFlow's
+    (the same numbers as on one device); a tensor is sliced inside the slice's
+    own creation (so on its device); other initializers get TensorFlow's
     partition_info as usual."""
     value = initializer
+    if isinstance(initializer, tensor_lib.Tensor):
+        return lambda shape, dtype=None, partition_info=None: array_ops.slice(
+            initializer, partition_info.var_offset, shape)
     if isinstance(initializer, init_ops.Constant):
         value = initializer.value
     if getattr(initializer, "seed", None) is not None:
