@@ -6,6 +6,7 @@ import tensorflow as tf
 
 import equivalence
 from equivalence import assert_equivalent, make_data, mlp_classifier, plan_of, train
+from test_cost_model import deep_mlp_layers, hand_memory, planned_stages
 
 import tfpar as wh
 from tfpar.cluster.hardware import Hardware
@@ -42,16 +43,23 @@ def test_small_mlp_on_8_devices_is_data_parallel():
 
 def test_memory_forces_a_pipeline():
     """Devices too small for the whole model's weights, gradients and optimizer
-    slots: the search splits it into stages (and says so)."""
+    slots: the search splits it into stages (and says so). Both plans' memory is
+    computed by hand from the layers' sizes (``test_cost_model.hand_memory``)."""
     base = {"auto.auto_parallel": True, "cluster.num_devices": 4,
             "pipeline.num_micro_batch": 2}
+    # Data parallel, 32 / 4 = 8 rows a device: 4 x (224 + 5 x 288 + 108) weight
+    # bytes + 8 x (6 x 96 + 24 + 20) bytes of outputs per row.
+    need = 4 * 1772 + 8 * 620
+    assert hand_memory(deep_mlp_layers(6), 32, 4) == [need]
     data_parallel = plan_of(deep_mlp, {**base, "auto.num_task_graph": 1})
-    need = max(data_parallel.estimate["memory_bytes_per_device"])
+    assert max(data_parallel.estimate["memory_bytes_per_device"]) == need
     tiny = {"name": "tiny", "tflops": 1, "memory_gb": 0.9 * need / 2 ** 30}  # DP does not fit
     config = {**base, "cluster.hardware": [tiny]}
-    plan = plan_of(deep_mlp, config)
+    plan, stages = planned_stages(deep_mlp, config)
     assert len(plan.task_graphs) > 1 and not plan.sharding  # stages, not sharded layers
-    assert max(plan.estimate["memory_bytes_per_device"]) <= 0.9 * need
+    by_hand = hand_memory(deep_mlp_layers(6), 32, 4, stages, len(plan.task_graphs), micro=2)
+    assert max(by_hand) <= 0.9 * need  # the chosen stages fit the device
+    assert max(plan.estimate["memory_bytes_per_device"]) == max(by_hand)
     assert_equivalent(train(deep_mlp, DATA), train(deep_mlp, DATA, config))
 
 

@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 from equivalence import assert_equivalent, deep_mlp, dense, layer, make_data, plan_of, train
+from test_cost_model import TRANSFORMER_MLP_LAYERS, deep_mlp_layers, hand_memory, planned_stages
 
 v1 = tf.compat.v1
 def classifier(classes):
@@ -66,12 +67,20 @@ def memory_bound_config():
 def test_memory_forces_megatron_column_then_row():
     """Without a pipeline (num_task_graph 1), devices too small for the data
     parallel copy: the MLP's first layer is split by columns, the second by
-    rows (no gather between them), the rest stays replicated."""
+    rows (no gather between them), the rest stays replicated. Memory by hand
+    (``test_cost_model.hand_memory``), 32 rows on 2 devices."""
     config, need = memory_bound_config()
+    # data parallel: 4 x 9164 weight bytes + 16 rows x 1132 bytes per row
+    assert need == hand_memory(TRANSFORMER_MLP_LAYERS, 32, 2)[0] == 4 * 9164 + 16 * 1132
     plan = plan_of(transformer_mlp, config)
     assert plan.sharding == {"tensor_degree": 2, "layers": {"fc1": "column", "fc2": "row"}}
     assert [tg.strategy for tg in plan.task_graphs] == ["replicate", "split", "replicate"]
-    assert max(plan.estimate["memory_bytes_per_device"]) <= 0.8 * need
+    # fc1 and fc2 hold half their weights; fc1 keeps 16 rows of its half of
+    # the features, fc2 the 32 whole rows of its partial sums
+    by_hand = hand_memory(TRANSFORMER_MLP_LAYERS, 32, 2, tensor=2,
+                          candidates=plan.sharding["layers"])
+    assert by_hand[0] <= 0.8 * need  # the split plan fits the device
+    assert max(plan.estimate["memory_bytes_per_device"]) == by_hand[0]
     pinned = {**config, "plan": plan.to_dict()}
     data = make_data(steps=3, batch=8)
     assert_equivalent(train(transformer_mlp, data), train(transformer_mlp, data, pinned))
@@ -132,13 +141,18 @@ def test_memory_forces_tensor_and_pipeline_together(devices):
     config = {"auto.auto_parallel": True, "cluster.num_devices": devices,
               "auto.num_task_graph": 2, "pipeline.num_micro_batch": 2,
               "cluster.hardware": [device]}
-    pipeline = plan_of(model, config)
+    pipeline, stages = planned_stages(model, config)
     assert not pipeline.sharding and pipeline.data_parallel_degree == devices // 2
-    need = max(pipeline.estimate["memory_bytes_per_device"])
+    need = max(hand_memory(deep_mlp_layers(6), 32, devices, stages, 2, micro=2))  # by hand
+    assert max(pipeline.estimate["memory_bytes_per_device"]) == need
     config["cluster.hardware"] = [{**device, "memory_gb": 0.85 * need / 2 ** 30}]
     plan = plan_of(model, config)
     tensor = plan.sharding["tensor_degree"]
     assert tensor > 1 and set(plan.sharding["stages"].values()) == {0, 1}
+    by_hand = hand_memory(deep_mlp_layers(6), 32, devices, plan.sharding["stages"], 2, micro=2,
+                          tensor=tensor, candidates=plan.sharding["layers"])
+    assert max(by_hand) <= 0.85 * need  # the split stages fit the device
+    assert max(plan.estimate["memory_bytes_per_device"]) == max(by_hand)
     assert plan.data_parallel_degree * tensor * 2 == devices
     assert [tg.strategy for tg in plan.task_graphs] == ["split", "split"]
     assert not set(plan.task_graphs[0].devices) & set(plan.task_graphs[1].devices)

@@ -8,7 +8,7 @@ merged dimensions: a ``[batch * seq, d]`` reshape of ``[batch, seq, d]`` still
 holds ``seq * d`` elements per sample, and a dense layer on it
 (``[None, None]`` statically) multiplies them by ``units / depth``. Tensors
 that do not depend on the inputs (weights, constants, shapes of weights) hold
-nothing per sample.
+nothing per sample, and neither do scalars (a batch mean is one value).
 """
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -38,6 +38,10 @@ def model_view(index: GraphIndex, capture: GraphCapture) -> Tuple[List[ops.Opera
     names, types = [op.name for op in order], [op.type for op in order]
 
     def size(t) -> float:
+        # A scalar is one value for the whole batch, not one per sample (the
+        # elements a full reduction reads stay its FLOPs, not its output bytes).
+        if t.shape.rank == 0:
+            return 0.0
         return samples.get(t, 0.0) * t.dtype.size
 
     return order, ModelView(
