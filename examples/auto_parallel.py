@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfpar as wh  # noqa: E402
-from loss_report import example_parser, report  # noqa: E402  (examples/loss_report.py)
+from loss_report import example_parser, print_devices, report, train_steps  # noqa: E402  (examples/loss_report.py)
 
 FEATURES, HIDDEN = 32, 256
 
@@ -46,12 +46,10 @@ def run(data, classes, tfpar_config=None):
         y = tf.compat.v1.placeholder(tf.int64, [None])
         loss, train_op = build_model(x, y, classes)
         plan = wh.current_plan() if tfpar_config is not None else None
-        with tf.compat.v1.Session() as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
-            losses = [sess.run([loss, train_op], {x: a, y: b})[0] for a, b in data]
+        losses, devices = train_steps(loss, train_op, [{x: a, y: b} for a, b in data])
     if tfpar_config is not None:
         wh.reset()
-    return losses, plan
+    return losses, plan, devices
 
 
 def make_data(steps, batch, classes, seed=0):
@@ -66,11 +64,12 @@ def main():
     args = parser.parse_args()
     tf.compat.v1.disable_eager_execution()
     data = make_data(args.steps, args.batch, args.classes)
-    plain, _ = run(data, args.classes)
-    parallel, plan = run(data, args.classes, {
+    plain, _, _ = run(data, args.classes)
+    parallel, plan, devices = run(data, args.classes, {
         "auto.auto_parallel": True, "cluster.num_devices": args.devices,
         "auto.global_batch": args.batch})
     print(plan.summary())
+    print_devices(devices)
     return report(plain, parallel)
 
 

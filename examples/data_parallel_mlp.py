@@ -16,7 +16,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfpar as wh  # noqa: E402
-from loss_report import example_parser, print_devices, report, traced_step_options  # noqa: E402  (examples/loss_report.py)
+from loss_report import example_parser, print_devices, report, train_steps  # noqa: E402  (examples/loss_report.py)
 
 
 def build_model(x, y):
@@ -39,15 +39,10 @@ def run(data, tfpar_config=None):
         y = tf.compat.v1.placeholder(tf.int64, [None])
         loss, train_op = build_model(x, y)
         plan = wh.current_plan() if tfpar_config is not None else None
-        options, metadata = traced_step_options()  # to show where the last step ran
-        with tf.compat.v1.Session() as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
-            losses = [sess.run([loss, train_op], {x: a, y: b})[0] for a, b in data[:-1]]
-            losses.append(sess.run([loss, train_op], dict(zip((x, y), data[-1])),
-                                   options=options, run_metadata=metadata)[0])
+        losses, devices = train_steps(loss, train_op, [{x: a, y: b} for a, b in data])
     if tfpar_config is not None:
         wh.reset()
-    return losses, plan, wh.step_devices(metadata)
+    return losses, plan, devices
 
 
 def main():

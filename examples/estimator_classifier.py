@@ -68,7 +68,7 @@ def run(model_dir, mode, args, input_fn):
     logits = np.stack([p["logits"] for p in estimator.predict(input_fn)])
     if mode is not None:
         wh.reset()
-    return metrics, logits, wh.step_devices(traced.run_metadata)
+    return metrics, logits, traced.devices
 
 
 def main():

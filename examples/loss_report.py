@@ -4,6 +4,8 @@ import argparse
 
 import tensorflow as tf
 
+import tfpar as wh
+
 
 def example_parser(doc: str, devices: int, batch: int, steps=None) -> argparse.ArgumentParser:
     """A parser described by ``doc``'s first line with the flags every example
@@ -16,6 +18,18 @@ def example_parser(doc: str, devices: int, batch: int, steps=None) -> argparse.A
     return parser
 
 
+def train_steps(loss, train_op, feeds):
+    """Initialize, run a training step per feed dict; returns (losses, where
+    the last step ran: ``tfpar.step_devices`` of its trace)."""
+    options, metadata = traced_step_options()
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        losses = [sess.run([loss, train_op], feed)[0] for feed in feeds[:-1]]
+        losses.append(sess.run([loss, train_op], feeds[-1], options=options,
+                               run_metadata=metadata)[0])
+    return losses, wh.step_devices(metadata)
+
+
 def traced_step_options():
     """(options, run_metadata) that make a Session.run trace the step it runs."""
     options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
@@ -23,22 +37,24 @@ def traced_step_options():
 
 
 class TracedStepHook(tf.compat.v1.train.SessionRunHook):
-    """Traces every step of an Estimator / MonitoredTrainingSession; keeps the
-    last one in ``run_metadata``."""
+    """Traces every step of an Estimator / MonitoredTrainingSession; keeps where
+    the last one ran (``tfpar.step_devices``) in ``devices``."""
 
     def __init__(self):
-        self.run_metadata = None
+        self.devices = {}
 
     def before_run(self, run_context):
         return tf.compat.v1.train.SessionRunArgs(None, options=traced_step_options()[0])
 
     def after_run(self, run_context, run_values):
-        self.run_metadata = run_values.run_metadata
+        self.devices = wh.step_devices(run_values.run_metadata, run_context.session.graph)
 
 
 def print_devices(counts) -> None:
-    """The ops a traced step ran per device (``tfpar.step_devices``)."""
-    print("traced step ran ops on: " + ", ".join(f"{d} ({n})" for d, n in counts.items()))
+    """The ops a traced step ran per TaskGraph and device (``tfpar.step_devices``)."""
+    print("traced step ran:")
+    for owner, devices in counts.items():
+        print(f"  {owner}: " + ", ".join(f"{d} ({n})" for d, n in devices.items()))
 
 
 def report(plain, parallel, label="tfpar", tolerance=1e-4) -> int:

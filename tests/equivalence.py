@@ -69,7 +69,7 @@ def make_data(steps, batch, features=6, classes=3, seed=0):
 
 
 def train(build, data, tfpar_config=None, use_dataset=False, session="plain",
-          scope=None):
+          scope=None, static_batch=False):
     """Train for len(data[0]) steps; return (losses, {var name: value}).
 
     ``data`` is (xs, ys): ``xs[step]`` is the batch fed to ``x`` (any dtype and
@@ -80,6 +80,8 @@ def train(build, data, tfpar_config=None, use_dataset=False, session="plain",
       use_dataset: feed through a tf.data iterator instead of feed_dict.
       session: "plain" (tf.compat.v1.Session) or "monitored".
       scope: optional callable returning a context manager around the model.
+      static_batch: declare the batch size in the graph (placeholders of shape
+        ``[B, ...]``, ``batch(B, drop_remainder=True)``).
     """
     xs, ys = data
     graph = tf.Graph()
@@ -88,12 +90,14 @@ def train(build, data, tfpar_config=None, use_dataset=False, session="plain",
             wh.init(tfpar_config)
         if use_dataset:
             ds = tf.data.Dataset.from_tensor_slices(
-                (xs.reshape(-1, *xs.shape[2:]), ys.reshape(-1))).batch(xs.shape[1])
+                (xs.reshape(-1, *xs.shape[2:]), ys.reshape(-1))).batch(
+                    xs.shape[1], drop_remainder=static_batch)
             x, y = tf.compat.v1.data.make_one_shot_iterator(ds).get_next()
             feeds = [None] * len(xs)
         else:
-            x = tf.compat.v1.placeholder(tf.as_dtype(xs.dtype), [None, *xs.shape[2:]], name="x")
-            y = tf.compat.v1.placeholder(tf.int64, [None], name="y")
+            rows = xs.shape[1] if static_batch else None
+            x = tf.compat.v1.placeholder(tf.as_dtype(xs.dtype), [rows, *xs.shape[2:]], name="x")
+            y = tf.compat.v1.placeholder(tf.int64, [rows], name="y")
             feeds = [{x: a, y: b} for a, b in zip(xs, ys)]
         if scope is not None:
             with scope():

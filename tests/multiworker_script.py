@@ -19,6 +19,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from equivalence import dense, make_data, mlp_classifier, variable_values  # noqa: E402
+from proof import TRACER, assert_parallel  # noqa: E402
 
 import tfpar as wh  # noqa: E402
 
@@ -65,6 +66,7 @@ def main():
     if args.mode == "pipeline":
         config["pipeline.num_micro_batch"] = 2
     wh.init(config)
+    TRACER.install()  # proves, below, that the plan ran in this process's steps
     build = BUILDS.get(args.mode) or mlp_classifier()
     xs, ys = DATA
     if args.mode in ("dp-data", "dp-shard"):
@@ -90,11 +92,13 @@ def main():
         values = variable_values(sess, v1.global_variables())
         if args.save:
             saver.save(sess, args.save)
+    assert_parallel()
+    TRACER.uninstall()  # a traced run of the exit-time worker release would wait on them
     if args.horovod:
         import horovod.tensorflow as hvd  # pylint: disable=import-outside-toplevel
         args.out = f"{args.out}.rank{hvd.rank()}.npz"
-    np.savez(args.out, losses=np.array(losses), **{k.replace("/", "|"): v
-                                                    for k, v in values.items()})
+    np.savez(args.out, losses=np.array(losses), plan_ran=np.array(True),
+             **{k.replace("/", "|"): v for k, v in values.items()})
     print("plan:", wh.current_plan().summary().splitlines()[0], flush=True)
 
 

@@ -28,9 +28,13 @@ def launch(*args, devices=2, timeout=240, env=None):
 
 
 def results(path):
+    """(losses, variables) a script saved after proving its plan ran
+    (``proof.assert_parallel`` in the script's own process): its numbers are
+    compared with ``parallel=False`` here."""
     saved = np.load(path)
+    assert "plan_ran" in saved.files, f"{path} holds no proof that the plan ran"
     return saved["losses"], {k.replace("|", "/"): saved[k] for k in saved.files
-                             if k != "losses"}
+                             if k not in ("losses", "plan_ran")}
 
 
 @pytest.mark.parametrize("mode", ["dp", "dp-data"])
@@ -41,7 +45,7 @@ def test_data_parallel_on_two_workers_matches_one_device(mode, tmp_path):
     assert out.returncode == 0, out.stdout[-3000:]
     assert "[worker 0] step 3" in out.stdout
     reference = train(mlp_classifier(), DATA, use_dataset=mode == "dp-data")
-    assert_equivalent(reference, results(tmp_path / "out.npz"))
+    assert_equivalent(reference, results(tmp_path / "out.npz"), parallel=False)
 
 
 @pytest.mark.parametrize("mode", ["pipeline", "split"])
@@ -52,7 +56,7 @@ def test_stages_and_shards_on_different_workers(mode, tmp_path):
     assert out.returncode == 0, out.stdout[-3000:]
     from multiworker_script import BUILDS
     plain = train(lambda x, y: _unscoped(BUILDS[mode], x, y), DATA)
-    assert_equivalent(plain, results(tmp_path / "out.npz"))
+    assert_equivalent(plain, results(tmp_path / "out.npz"), parallel=False)
 
 
 def _unscoped(build, x, y):
@@ -96,7 +100,7 @@ def test_restarted_workers_resume_from_the_last_checkpoint(tmp_path):
     losses_a, _ = results(tmp_path / "a.npz")
     losses_b, values = results(tmp_path / "b.npz")
     assert_equivalent(train(mlp_classifier(), DATA),
-                      (np.concatenate([losses_a, losses_b]), values))
+                      (np.concatenate([losses_a, losses_b]), values), parallel=False)
 
 
 def _free_ports(n):
@@ -112,7 +116,7 @@ def test_each_worker_reads_its_own_shard(tmp_path):
     out = launch(SCRIPT, str(tmp_path / "out.npz"), "--mode", "dp-shard", env=env)
     assert out.returncode == 0, out.stdout[-3000:]
     assert_equivalent(train(mlp_classifier(), DATA, use_dataset=True),
-                      results(tmp_path / "out.npz"))
+                      results(tmp_path / "out.npz"), parallel=False)
 
 
 def test_a_worker_that_never_starts_is_named_in_time(tmp_path):
@@ -189,7 +193,7 @@ def test_horovod_backend_on_two_processes(mode, tmp_path):
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     reference = train(mlp_classifier(), DATA, use_dataset=mode != "dp")
     for rank in range(2):
-        assert_equivalent(reference, results(tmp_path / f"out.rank{rank}.npz"))
+        assert_equivalent(reference, results(tmp_path / f"out.rank{rank}.npz"), parallel=False)
 
 
 def test_single_device_checkpoint_continues_on_two_workers(tmp_path):
@@ -199,4 +203,5 @@ def test_single_device_checkpoint_continues_on_two_workers(tmp_path):
                  "--first-step", "2")
     assert out.returncode == 0, out.stdout[-3000:]
     losses, values = results(tmp_path / "out.npz")
-    assert_equivalent(train(mlp_classifier(), DATA), (np.concatenate([first, losses]), values))
+    assert_equivalent(train(mlp_classifier(), DATA), (np.concatenate([first, losses]), values),
+                      parallel=False)

@@ -102,8 +102,7 @@ def test_example_runs_and_is_equivalent():
     out = _run("examples/data_parallel_mlp.py", "--devices", "2", "--steps", "3")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "(equivalent)" in out.stdout and "replicate_all" in out.stdout
-    assert re.search(r"traced step ran ops on: CPU:0 \(\d+\), CPU:1 \(\d+\)$", out.stdout,
-                     re.M), out.stdout
+    assert_ran(out.stdout, {"replicate_all": ["CPU:0", "CPU:1"]})
 
 
 def test_pipeline_example_runs_and_is_equivalent(tmp_path):
@@ -114,16 +113,24 @@ def test_pipeline_example_runs_and_is_equivalent(tmp_path):
     assert (tmp_path / "plan_timeline.json").exists() and (tmp_path / "step_timeline.json").exists()
 
 
-@pytest.mark.parametrize("script,mode", [("examples/keras_fit.py", "dp"),
-                                         ("examples/keras_fit.py", "split"),
-                                         ("examples/estimator_classifier.py", "pipeline")])
-def test_entry_point_examples_run_and_are_equivalent(script, mode, tmp_path):
+def assert_ran(stdout, task_graphs):
+    """The example's traced step ran each TaskGraph on exactly its devices."""
+    for name, devices in task_graphs.items():
+        ran = " ".join(f"{d} \\(\\d+\\)," for d in devices).rstrip(",")
+        assert re.search(rf"^  {name}: {ran}$", stdout, re.M), stdout
+
+
+@pytest.mark.parametrize("script,mode,task_graphs", [
+    ("examples/keras_fit.py", "dp", {"replicate_all": ["CPU:0", "CPU:1"]}),
+    ("examples/keras_fit.py", "split", {"split_0": ["CPU:0", "CPU:1"]}),
+    ("examples/estimator_classifier.py", "pipeline", {"replicate_0": ["CPU:0"],
+                                                      "replicate_1": ["CPU:1"]})])
+def test_entry_point_examples_run_and_are_equivalent(script, mode, task_graphs, tmp_path):
     args = ["--mode", mode] + (["--model-dir", str(tmp_path)] if "estimator" in script else [])
     out = _run(script, *args)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "equivalent" in out.stdout and "NOT" not in out.stdout
-    assert re.search(r"traced step ran ops on: CPU:0 \(\d+\), CPU:1 \(\d+\)$", out.stdout,
-                     re.M), out.stdout
+    assert_ran(out.stdout, task_graphs)
 
 
 def test_auto_parallel_example_plans_first_then_builds_the_head_split():
@@ -134,6 +141,7 @@ def test_auto_parallel_example_plans_first_then_builds_the_head_split():
     assert "tfpar auto: planning pass" in out.stderr
     assert "split_1    split" in out.stdout and "head -> column" in out.stdout
     assert "(equivalent)" in out.stdout
+    assert_ran(out.stdout, {tg: ["CPU:0", "CPU:1", "CPU:2", "CPU:3"] for tg in ("default_0", "split_1")})
 
 
 def test_cli_plan_writes_the_plan_file(tmp_path):

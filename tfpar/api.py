@@ -1,13 +1,16 @@
 """Public API: init, replicate, split, set_default_strategy, current_plan."""
+import logging
 import sys
 from typing import Any, Optional
 
 from tfpar.config import Config
-from tfpar.errors import AnnotationError, ConfigError
+from tfpar.errors import AnnotationError, ConfigError, PlanError
 from tfpar.ir.plan import Plan
 from tfpar.ir.taskgraph import Strategy
 
 __all__ = ["current_plan", "init", "replicate", "reset", "set_default_strategy", "split"]
+
+log = logging.getLogger("tfpar")
 
 
 def init(config: Any = None) -> Config:
@@ -31,6 +34,11 @@ def init(config: Any = None) -> Config:
         _start_horovod()
     devices, device_type = _discover_devices(cfg)
     previous = context.active()
+    if previous is not None and previous.config != cfg:
+        changed = previous.config.changes(cfg)
+        log.warning("tfpar: wh.init() called again with another config; it replaces the "
+                    "previous one for every graph not yet rewritten (%s)", ", ".join(
+                        f"{key}: {old!r} -> {new!r}" for key, (old, new) in changed.items()))
     default = previous.default_strategy if previous is not None else None
     cluster = _cluster(previous, cfg, device_type, len(devices))
     runtime = context.Runtime(config=cfg, devices=devices, device_type=device_type,
@@ -168,12 +176,22 @@ def set_default_strategy(scope: _Scope) -> None:
 
 
 def current_plan() -> Plan:
-    """The plan for the current default graph (works before any session runs)."""
+    """The plan for the current default graph (works before any session runs).
+
+    Raises:
+      PlanError: the graph trains but was built before ``wh.init`` (tfpar will
+        not parallelise it, so no plan describes what runs).
+    """
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     from tfpar.hooks.capture import capture_for  # pylint: disable=import-outside-toplevel
     from tfpar.runtime.engine import plan_for  # pylint: disable=import-outside-toplevel
 
+    from tfpar.runtime.engine import built_before_init_message, unseen_training  # pylint: disable=import-outside-toplevel
+
     rt = _runtime("current_plan")
     graph = tf.compat.v1.get_default_graph()
+    unseen = unseen_training(graph)
+    if unseen is not None:
+        raise PlanError(built_before_init_message(unseen))
     capture = capture_for(graph)
     return getattr(capture, "plan", None) or plan_for(graph, capture, rt)

@@ -302,6 +302,11 @@ class Config:
             (out.setdefault(section, {}) if section else out)[sub] = copy.deepcopy(value)
         return out
 
+    def changes(self, other: "Config"):
+        """{dotted key: (value here, value in ``other``)} where they differ."""
+        return {key: (value, other._values.get(key)) for key, value in self._values.items()
+                if other._values.get(key) != value}
+
     def replace(self, mapping=None, **kwargs):
         """New validated Config with the given keys changed (environment not re-applied)."""
         changes = _flatten({} if mapping is None else mapping, kwargs)

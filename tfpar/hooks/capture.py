@@ -66,6 +66,9 @@ class GraphCapture:
         # io.shard_dataset in a TF_CONFIG cluster: the chief's iterator op ->
         # the iterators the other workers read their shards with.
         self.worker_iterators: Dict[Any, List[Any]] = {}
+        # Batch sources declared with a static batch, built with it relaxed
+        # (``batch_shapes``): op or iterator name -> the declared size.
+        self.declared_batch: Dict[str, int] = {}
         # (training calls seen, automatic plan) cached by the runtime's planner.
         self.automatic: Any = None
         self._phases: List[Phase] = []

@@ -1,5 +1,7 @@
 """The TensorFlow seams tfpar intercepts. Each wrapper records, then forwards.
 
+* ``Graph._create_op_internal``: a placeholder declared with a static batch
+  dimension is made with that dimension unknown (``batch_shapes``).
 * ``Graph._create_op_helper``: every new op joins the open scope / phase.
 * ``gradients_util._GradientsHelper``: ops made by ``tf.gradients`` (and hence
   ``Optimizer.compute_gradients``) are BACKWARD; the call is recorded, with the
@@ -27,6 +29,7 @@ from tensorflow.python.ops import gradients_util
 from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.training import optimizer as tf_optimizer
 
+from tfpar.hooks import batch_shapes
 from tfpar.hooks import capture as cap_lib
 from tfpar.hooks.patching import PatchSet
 from tfpar.hooks.split_patches import add_split_patches
@@ -64,6 +67,7 @@ def install(runtime: Any) -> None:
     cap_lib.set_capture_setup(runtime.setup_capture)
     if _patches.installed:
         return
+    _patches.add(ops.Graph, "_create_op_internal", _wrap_create_op_internal)
     _patches.add(ops.Graph, "_create_op_helper", _wrap_create_op)
     _patches.add(ops.Graph, "finalize", _wrap_finalize)
     _patches.add(gradients_util, "_GradientsHelper", _wrap_gradients)
@@ -95,6 +99,21 @@ def _wrap_create_op(original):
     return _create_op_helper
 
 
+def _wrap_create_op_internal(original):
+    def _create_op_internal(self, op_type, inputs, dtypes=None, input_types=None, name=None,
+                            attrs=None, op_def=None, compute_device=True):
+        declared = None
+        if (op_type == "Placeholder" and attrs is not None and not cap_lib.is_paused()
+                and not self.building_function):
+            attrs, declared = batch_shapes.relaxed_placeholder_attrs(attrs)
+        op = original(self, op_type, inputs, dtypes, input_types, name, attrs, op_def,
+                      compute_device)
+        if declared is not None:
+            cap_lib.capture_for(self).declared_batch[op.name] = declared
+        return op
+    return _create_op_internal
+
+
 def _wrap_finalize(original):
     def finalize(self):
         if not self.finalized and _runtime is not None:
@@ -115,7 +134,14 @@ def _wrap_gradients(original):
     def _GradientsHelper(ys, xs, *args, **kwargs):  # pylint: disable=invalid-name
         graph = ops.get_default_graph()
         if graph.building_function:
-            return original(ys, xs, *args, **kwargs)
+            # Gradients TF takes inside function graphs (If / While gradients)
+            # have seeds of their own: keep them out of the outer call's.
+            outer = getattr(_seeds, "value", None)
+            _seeds.value = None
+            try:
+                return original(ys, xs, *args, **kwargs)
+            finally:
+                _seeds.value = outer
         cap = cap_lib.capture_for(graph)
         outer = getattr(_seeds, "value", None)
         _seeds.value = []
@@ -143,7 +169,9 @@ def _wrap_default_grad_ys(original):
 
 
 def _recorded_apply(grads_and_vars, global_step, apply):
-    """Run ``apply(grads_and_vars)`` in the APPLY phase; record the outermost call."""
+    """Run ``apply(grads_and_vars)`` in the APPLY phase; record the outermost call.
+    ``global_step``: the variable, or a function giving it after ``apply`` ran
+    (keras creates its ``iterations`` inside its own name scope there)."""
     graph = ops.get_default_graph()
     if graph.building_function:
         return apply(grads_and_vars)
@@ -158,7 +186,9 @@ def _recorded_apply(grads_and_vars, global_step, apply):
         cap._applying = nested  # pylint: disable=protected-access
     if not nested:
         cap.apply_calls.append(cap_lib.ApplyCall(
-            grads_and_vars=list(grads_and_vars), global_step=global_step, train_op=result))
+            grads_and_vars=list(grads_and_vars),
+            global_step=global_step() if callable(global_step) else global_step,
+            train_op=result))
     return result
 
 
@@ -173,7 +203,7 @@ def _wrap_keras_apply(original):
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         if ops.executing_eagerly_outside_functions():
             return original(self, grads_and_vars, *args, **kwargs)
-        return _recorded_apply(grads_and_vars, self.iterations, lambda gv: original(
+        return _recorded_apply(grads_and_vars, lambda: self.iterations, lambda gv: original(
             self, gv, *args, **kwargs))
     return apply_gradients
 

@@ -172,6 +172,7 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
         raise PlanError(
             "tfpar: found no batch input to split into replicas / micro-batches: feed the "
             "model through a tf.compat.v1.placeholder or a tf.data iterator")
+    _refuse_static_batches(sel.batch_inputs)
     step = set(sel.step_ops)
     rw.original_inputs = {op: list(op.inputs) for op in sel.step_ops}
     copied = step | set(sel.update_ops)
@@ -216,6 +217,25 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
             for writer in sel.sync_writers:
                 add_replica_sync(rw, writer, control_readers[writer])
     return rw
+
+
+def _refuse_static_batches(batch_inputs) -> None:
+    """Batch inputs keep their batch dimension unknown (``hooks.batch_shapes``
+    relaxes placeholders and tf.data iterators made after ``wh.init``); one
+    that fixes it (a queue's dequeue, a source made before ``wh.init``) let
+    TensorFlow build its size into the graph, which copies on fewer rows would
+    silently contradict."""
+    for t in batch_inputs:
+        if t.shape.rank and t.shape[0] is not None:
+            queue = t.op.type.startswith("QueueDequeue")
+            raise PlanError(
+                f"tfpar: batch input '{t.name}' ({t.op.type}) has the static batch size "
+                f"{t.shape[0]}, which TensorFlow built into the ops that read it; tfpar cannot "
+                "split it over replicas / micro-batches. " + (
+                    "Queue-based input (tf.train.batch, slice_input_producer) fixes it: read "
+                    "the data with tf.data instead (Dataset.from_tensor_slices(...).batch(n))"
+                    if queue else "Create it after wh.init(), or with its batch dimension "
+                    "unknown (placeholder([None, ...]))"))
 
 
 def _worker_sources(capture: GraphCapture, batch_inputs, num_pieces: int):

@@ -15,7 +15,8 @@ __all__ = ["GraphIndex", "Selection", "gradient_tensors", "select_replication",
            "variable_writers"]
 
 INPUT_TYPES = frozenset({"Placeholder", "PlaceholderWithDefault", "IteratorGetNext",
-                         "IteratorGetNextSync", "OptionalGetValue"})
+                         "IteratorGetNextSync", "OptionalGetValue", "QueueDequeueV2",
+                         "QueueDequeueManyV2", "QueueDequeueUpToV2"})
 VARIABLE_TYPES = frozenset({"VarHandleOp", "VariableV2", "Variable"})
 READ_ONLY_RESOURCE_TYPES = frozenset({"ReadVariableOp", "VarIsInitializedOp", "ResourceGather",
                                       "ResourceGatherNd", "VariableShape"})

@@ -1,6 +1,7 @@
 """Glue between the hooks and the rewriters: plan, rewrite once, translate fetches."""
 import dataclasses
 import logging
+import weakref
 from typing import Any, Callable, Dict, Optional, Sequence
 
 from tensorflow.core.protobuf import config_pb2
@@ -9,6 +10,7 @@ from tensorflow.python.framework import ops
 
 from tfpar.cluster.virtual_device import assign_devices
 from tfpar.errors import ClusterError, PlanError
+from tfpar.hooks.batch_shapes import relaxed_dataset
 from tfpar.hooks.capture import GraphCapture, capture_for, existing_capture, recording_paused
 from tfpar.ir.plan import Plan
 from tfpar.ir.taskgraph import Strategy, TaskGraphSpec
@@ -34,6 +36,8 @@ __all__ = ["before_run", "make_iterator", "make_split_context", "plan_for", "run
            "run_options", "session_config", "session_target", "setup_capture"]
 
 log = logging.getLogger("tfpar")
+# Graphs already checked for training built before wh.init (warned once each).
+_warned_unseen: "weakref.WeakSet[ops.Graph]" = weakref.WeakSet()
 
 
 def session_config(config: Optional[config_pb2.ConfigProto]) -> config_pb2.ConfigProto:
@@ -75,13 +79,22 @@ def run_options(options: Optional[config_pb2.RunOptions]) -> Optional[config_pb2
 
 
 def make_iterator(ds, make):
-    """``io.shard_dataset``: in a Horovod job each process iterates over its shard
-    of the dataset; in a TF_CONFIG cluster the chief makes one iterator per
-    worker, on that worker, over its shard (recorded in the capture for the
-    rewrite). Shards are whole elements: batches, if the dataset batches."""
+    """Iterators read the dataset with its static batch dimension relaxed
+    (``hooks.batch_shapes``). ``io.shard_dataset``: in a Horovod job each
+    process iterates over its shard of the dataset; in a TF_CONFIG cluster the
+    chief makes one iterator per worker, on that worker, over its shard
+    (recorded in the capture for the rewrite). Shards are whole elements:
+    batches, if the dataset batches."""
     rt = active()
-    if rt is None or not rt.config.get("io.shard_dataset"):
+    if rt is None:
         return make(ds)
+    ds, declared = relaxed_dataset(ds)
+    if not rt.config.get("io.shard_dataset"):
+        iterator = make(ds)
+        if declared is not None:
+            capture = capture_for(ops.get_default_graph())
+            capture.declared_batch[iterator._iterator_resource.op.name] = declared  # pylint: disable=protected-access
+        return iterator
     if rt.config.get("communication.backend") == "horovod":
         import horovod.tensorflow as hvd  # pylint: disable=import-outside-toplevel
         return make(ds.shard(hvd.size(), hvd.rank()))
@@ -220,10 +233,34 @@ def _stats(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, stage_of,
     return {"num_ops": num_ops, "param_bytes": param_bytes, "split": split}
 
 
+def unseen_training(graph: ops.Graph) -> Optional[str]:
+    """The name of an optimizer update op of ``graph`` that tfpar did not see
+    being built (the model was built before ``wh.init``), or None."""
+    capture = existing_capture(graph)
+    if capture is not None and capture.apply_calls:
+        return None
+    return next((op.name for op in graph.get_operations()
+                 if op.type.startswith(_UPDATE_PREFIXES)), None)
+
+
+_UPDATE_PREFIXES = ("Apply", "ResourceApply", "SparseApply", "ResourceSparseApply")
+
+
+def built_before_init_message(op_name: str) -> str:
+    return (f"tfpar: this graph trains ('{op_name}') but was built before wh.init(): tfpar "
+            "did not see it being built and cannot parallelise it; it runs unchanged. Call "
+            "wh.init() before building the model")
+
+
 def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
     """Rewrite ``graph`` once (if it trains under tfpar); return its fetch translator."""
     rt = active()
     capture = existing_capture(graph)
+    if rt is not None and graph not in _warned_unseen:
+        _warned_unseen.add(graph)
+        unseen = unseen_training(graph)
+        if unseen is not None:
+            log.warning("%s", built_before_init_message(unseen))
     if rt is None or capture is None or not capture.gradient_calls:
         return None
     if capture.rewrite is None:

@@ -1,7 +1,8 @@
 """What a traced training step really ran: ops per device, and when each
 pipeline task ran."""
 import collections
-from typing import Dict, Optional
+import re
+from typing import Dict, Optional, Set
 
 from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.framework import ops
@@ -16,13 +17,54 @@ from tfpar.planner.trace import chrome_trace, write_chrome_trace
 __all__ = ["step_devices", "step_timeline"]
 
 
-def step_devices(run_metadata: config_pb2.RunMetadata) -> Dict[str, int]:
-    """Ops executed per device (short names, ``CPU:3``) in a step traced with
-    ``RunOptions(trace_level=FULL_TRACE)``: where the plan really ran."""
-    counts: Dict[str, int] = collections.Counter()
+# Grappler renames the nodes it rewrites ``scope/ArithmeticOptimizer/AddOpsRewrite_name``.
+_GRAPPLER_RENAME = re.compile(r"(^|/)[A-Za-z]+Optimizer/[A-Za-z]+_")
+
+
+def executed_ops(run_metadata: config_pb2.RunMetadata) -> Dict[str, Set[str]]:
+    """Graph op name -> the devices (full names) it ran on in a traced step;
+    nodes grappler rewrote count for the op they replace."""
+    nodes: Dict[str, Set[str]] = {}
     for device in run_metadata.step_stats.dev_stats:
-        counts[short_name(device.device.split("/stream:")[0])] += len(device.node_stats)
-    return dict(sorted((d, n) for d, n in counts.items() if n))
+        for node in device.node_stats:
+            name = _GRAPPLER_RENAME.sub(r"\1", node.node_name)
+            nodes.setdefault(name, set()).add(device.device.split("/stream:")[0])
+    return nodes
+
+
+def step_devices(run_metadata: config_pb2.RunMetadata,
+                 graph: Optional[ops.Graph] = None) -> Dict[str, Dict[str, int]]:
+    """Ops a step traced with ``RunOptions(trace_level=FULL_TRACE)`` ran, per
+    TaskGraph and device (short names): where the plan really ran, e.g.
+    ``{"replicate_all": {"CPU:0": 40, "CPU:1": 40}, "tfpar": {...}}``. Ops tfpar
+    added (batch split, sums, merges) count under ``"tfpar"``, ops outside the
+    training step under ``"other"``; a graph tfpar did not rewrite has one
+    entry, ``"not rewritten"``. ``graph``: the default graph if not given."""
+    graph = graph if graph is not None else ops.get_default_graph()
+    capture = existing_capture(graph)
+    owner: Dict[str, str] = {}
+    if capture is not None and capture.rewrite is not None:
+        owner = _task_graph_of_ops(capture.rewrite.rewrite)
+    counts: Dict[str, Dict[str, int]] = collections.defaultdict(collections.Counter)
+    for name, devices in executed_ops(run_metadata).items():
+        if capture is None or capture.rewrite is None:
+            key = "not rewritten"
+        else:
+            key = owner.get(name) or ("tfpar" if name.startswith("tfpar") else "other")
+        for device in devices:
+            counts[key][short_name(device)] += 1
+    return {key: dict(sorted(per.items())) for key, per in sorted(counts.items())}
+
+
+def _task_graph_of_ops(rw) -> Dict[str, str]:
+    """Op name -> TaskGraph name, for every op of the step and its copies."""
+    placement = rw.placement
+    owner = {op.name: placement.task_graph_names[placement.stage(op)]
+             for op in rw.selection.step_ops + rw.selection.update_ops}
+    for stage, name in enumerate(placement.task_graph_names):
+        for copies in list(rw.version_maps[stage]) + list(rw.device_maps[stage]):
+            owner.update((op.name, name) for op in copies.values())
+    return owner
 
 
 def step_timeline(run_metadata: config_pb2.RunMetadata, path: Optional[str] = None,

@@ -1,0 +1,129 @@
+"""Graphs as users write them (issue 12): control flow in the loss path, Keras
+optimizers' variable names, queue-based input."""
+import io
+import logging
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from equivalence import assert_equivalent, dense, make_data, train
+
+import tfpar as wh
+
+v1 = tf.compat.v1
+DATA = make_data(steps=3, batch=8)
+
+
+def control_flow(x, y):
+    """tf.cond on a `training` placeholder and a tf.while_loop in the loss path
+    (their gradients are If / While ops whose functions call tf.gradients)."""
+    training = v1.placeholder_with_default(True, [])
+    h = dense(x, 8, "hidden", seed=1, activation=tf.nn.tanh)
+    h = tf.cond(training, lambda: h * 2.0, lambda: h)
+    _, h = tf.while_loop(lambda i, a: i < 3, lambda i, a: (i + 1, tf.tanh(a) * 1.1), [0, h])
+    loss = v1.losses.sparse_softmax_cross_entropy(y, dense(h, 3, "logits", seed=2))
+    return loss, v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+
+
+def dynamic_rnn(x, y):
+    """An LSTM over 3 steps of 2 features (tf.compat.v1.nn.dynamic_rnn: a while loop)."""
+    cell = v1.nn.rnn_cell.LSTMCell(5, initializer=v1.constant_initializer(0.1))
+    outputs, _ = v1.nn.dynamic_rnn(cell, tf.reshape(x, [-1, 3, 2]), dtype=tf.float32)
+    loss = v1.losses.sparse_softmax_cross_entropy(y, dense(outputs[:, -1], 3, "logits", seed=2))
+    return loss, v1.train.AdamOptimizer(0.05).minimize(loss)
+
+
+def frozen_batch_norm(x, y):
+    """Batch norm driven by a `training` placeholder (inference statistics)."""
+    training = v1.placeholder_with_default(False, [])
+    h = v1.layers.batch_normalization(dense(x, 8, "hidden", seed=1), training=training)
+    loss = v1.losses.sparse_softmax_cross_entropy(y, dense(tf.nn.relu(h), 3, "logits", seed=2))
+    return loss, v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+
+
+@pytest.mark.parametrize("build", [control_flow, dynamic_rnn, frozen_batch_norm],
+                         ids=["cond-while", "dynamic-rnn", "batch-norm"])
+def test_control_flow_in_the_loss_path(build):
+    """Before: `TypeError: Tensor is unhashable` (the If / While gradients' own
+    seeds overwrote the outer tf.gradients call's)."""
+    assert_equivalent(train(build, DATA), train(build, DATA, {"cluster.num_devices": 4}),
+                      rtol=1e-4, atol=1e-6)
+
+
+def keras_variable_names(config):
+    graph = tf.Graph()
+    with graph.as_default():
+        if config:
+            wh.init(config)
+        model = tf.keras.Sequential([tf.keras.layers.Dense(3, input_shape=(6,))])
+        model.compile(tf.keras.optimizers.legacy.Ftrl(0.1), "mse")
+        model.fit(DATA[0][0], np.ones((8, 3), np.float32), batch_size=8, verbose=0)
+        names = sorted(v.op.name for v in v1.global_variables())
+    if config:
+        wh.reset()
+    return names
+
+
+def test_keras_optimizer_variables_keep_their_names():
+    """Before: the step counter became `training/iter` instead of
+    `training/Ftrl/iter` (tfpar read it before keras opened its name scope),
+    so checkpoints were not interchangeable."""
+    plain = keras_variable_names(None)
+    assert any(name.endswith("Ftrl/iter") for name in plain)
+    assert keras_variable_names({"cluster.num_devices": 2}) == plain
+
+
+def test_queue_based_input_is_named_with_the_alternative():
+    """tf.train.batch fixes the batch size in the graph: refused by name,
+    pointing at tf.data (before: "found no batch input")."""
+    graph = tf.Graph()
+    with graph.as_default():
+        wh.init({"cluster.num_devices": 2})
+        x1, y1 = v1.train.slice_input_producer(
+            [DATA[0].reshape(-1, 6), DATA[1].reshape(-1)], shuffle=False)
+        x, y = v1.train.batch([x1, y1], batch_size=8)
+        loss = v1.losses.sparse_softmax_cross_entropy(y, dense(x, 3, "logits", seed=2))
+        train_op = v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+        with pytest.raises(wh.PlanError, match=r"'batch:0' \(QueueDequeueManyV2\) has the "
+                                               r"static batch size 8.*read the data with tf.data"):
+            with v1.train.MonitoredTrainingSession() as sess:
+                sess.run(train_op)
+    wh.reset()
+
+
+@pytest.fixture
+def tfpar_log():
+    """What tfpar logs during the test (works with pytest's logging plugin off)."""
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logging.getLogger("tfpar").addHandler(handler)
+    yield stream
+    logging.getLogger("tfpar").removeHandler(handler)
+
+
+def test_init_after_the_model_is_built_says_so(tfpar_log):
+    """Before: the graph ran unchanged on one device while current_plan() showed
+    a 4-way replicate, without a word."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 6])
+        y = v1.placeholder(tf.int64, [None])
+        loss = v1.losses.sparse_softmax_cross_entropy(y, dense(x, 3, "logits", seed=2))
+        train_op = v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+        wh.init({"cluster.num_devices": 4})
+        with pytest.raises(wh.PlanError, match="built before wh.init"):
+            wh.current_plan()
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            sess.run(train_op, {x: DATA[0][0], y: DATA[1][0]})
+    wh.reset()
+    assert "was built before wh.init()" in tfpar_log.getvalue()
+    assert "GradientDescent" in tfpar_log.getvalue()
+
+
+def test_init_twice_names_what_changed(tfpar_log):
+    wh.init({"cluster.num_devices": 2})
+    wh.init({"cluster.num_devices": 4})
+    assert "wh.init() called again" in tfpar_log.getvalue()
+    assert "cluster.num_devices: 2 -> 4" in tfpar_log.getvalue()
