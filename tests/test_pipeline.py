@@ -305,17 +305,41 @@ def test_whale_example_4_num_task_graph_without_scopes(devices):
     assert min(params) > 0 and max(params) <= 2 * min(params)  # balanced, no empty stage
 
 
-def test_a_bridge_refuses_tensors_that_are_not_batch_major():
-    """An [experts, ...] tensor crossing stages of different widths cannot be
-    regrouped by rows: a clear error instead of a wrong concatenation."""
+def transposed_between_stages(tfpar):
+    """A [features, batch] tensor crosses from a 2-wide stage to a 1-wide one."""
     def build(x, y):
-        with wh.replicate(2):
+        with scope(tfpar, 2):
             h = dense(x, 4, "first", seed=1)
-            per_feature = tf.transpose(h)  # [4, batch]: dimension 0 is not the batch
-        with wh.replicate(1):
+            per_feature = tf.transpose(h)  # [4, batch]: the batch is on axis 1
+        with scope(tfpar, 1):
             logits = dense(tf.transpose(per_feature), 3, "second", seed=2)
             loss = v1.losses.sparse_softmax_cross_entropy(y, logits)
         return loss, v1.train.GradientDescentOptimizer(0.5).minimize(loss)
-    with pytest.raises(wh.PlanError, match="not batch-major"):
+    return build
+
+
+def scope(tfpar, width):
+    return wh.replicate(width) if tfpar else contextlib.nullcontext()
+
+
+def test_a_bridge_regroups_rows_along_the_batch_axis():
+    """Before: refused ("not batch-major"). The bridge follows the batch to
+    axis 1 through the transpose and gathers along it."""
+    assert_equivalent(train(transposed_between_stages(False), DATA),
+                      train(transposed_between_stages(True), DATA, {"cluster.num_devices": 3}))
+
+
+def test_a_bridge_refuses_tensors_reduced_over_the_batch():
+    """A per-replica statistic (a mean over its rows) crossing stages of
+    different widths has no rows to regroup: a clear error naming it."""
+    def build(x, y):
+        with wh.replicate(2):
+            h = dense(x, 4, "first", seed=1)
+            centre = tf.reduce_mean(h, 0)  # [4]: one value per replica's rows
+        with wh.replicate(1):
+            logits = dense(h - centre, 3, "second", seed=2)
+            loss = v1.losses.sparse_softmax_cross_entropy(y, logits)
+        return loss, v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+    with pytest.raises(wh.PlanError, match="'Mean:0' .* cannot tell which of its axes"):
         train(build, DATA, {"cluster.num_devices": 3})
     wh.reset()

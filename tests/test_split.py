@@ -275,6 +275,37 @@ def test_whale_example_5_mixture_of_experts():
                                             "einsum_2": "sharded"}
 
 
+def dispatched_moe(tfpar, devices=4):
+    """Whale Example 5 as the paper writes it: gating *and dispatch* under the
+    default replicate strategy, so the split experts read ``[E, B, D]`` expert
+    inputs whose batch is on axis 1; the combination inside the split scope."""
+    def build(x, y):
+        if tfpar:
+            wh.set_default_strategy(wh.replicate(devices))
+        h = dense(x, MODEL, "embed", seed=1, activation=tf.nn.tanh)
+        gates = tf.nn.softmax(dense(h, EXPERTS, "gate", seed=2))
+        dispatch_inputs = tf.einsum("be,bd->ebd", gates, h)
+        with scope(tfpar, "split", devices):
+            rng = np.random.RandomState(6)
+            w1 = v1.get_variable("experts/w1", initializer=(0.5 * rng.randn(
+                EXPERTS, MODEL, HIDDEN)).astype(np.float32))
+            w2 = v1.get_variable("experts/w2", initializer=(0.5 * rng.randn(
+                EXPERTS, HIDDEN, MODEL)).astype(np.float32))
+            hidden = tf.nn.relu(tf.einsum("ebd,edh->ebh", dispatch_inputs, w1))
+            outputs = tf.einsum("be,ebd->bd", gates, tf.einsum("ebh,ehd->ebd", hidden, w2))
+        loss = v1.losses.sparse_softmax_cross_entropy(y, dense(outputs, 3, "head", seed=3))
+        return loss, v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+    return build
+
+
+def test_whale_example_5_as_written_with_dispatch_outside_the_split():
+    """Before: PlanError "'einsum/Einsum:0' ... is not batch-major". The bridge
+    into the split scope regroups the expert inputs along their batch axis 1."""
+    data = make_data(steps=3, batch=8, classes=3)
+    assert_equivalent(train(dispatched_moe(False), data),
+                      train(dispatched_moe(True), data, {"cluster.num_devices": 4}))
+
+
 def test_checkpoints_restore_between_split_and_single_device(tmp_path):
     """Split weights are saved as slices of their single-device names and shapes."""
     first, second = (DATA[0][:1], DATA[1][:1]), (DATA[0][1:], DATA[1][1:])

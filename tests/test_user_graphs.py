@@ -127,3 +127,50 @@ def test_init_twice_names_what_changed(tfpar_log):
     wh.init({"cluster.num_devices": 4})
     assert "wh.init() called again" in tfpar_log.getvalue()
     assert "cluster.num_devices: 2 -> 4" in tfpar_log.getvalue()
+
+
+def keras_weights_set_before_fit(config):
+    """get_weights / set_weights run Keras' session before fit builds its step."""
+    graph = tf.Graph()
+    with graph.as_default():
+        if config:
+            wh.init(config)
+        model = tf.keras.Sequential([tf.keras.layers.Dense(8, "tanh", input_shape=(6,)),
+                                     tf.keras.layers.Dense(3)])
+        model.compile(tf.keras.optimizers.legacy.SGD(0.5),
+                      tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.set_weights([np.full(w.shape, 0.1, np.float32) for w in model.get_weights()])
+        history = model.fit(DATA[0].reshape(-1, 6), DATA[1].reshape(-1), batch_size=8,
+                            shuffle=False, verbose=0)
+        values = dict(zip((w.name for w in model.weights), model.get_weights()))
+    if config:
+        wh.reset()
+    return np.array(history.history["loss"]), values
+
+
+def test_keras_session_run_before_fit_still_trains_in_parallel():
+    """Before: Keras ran its session (get_weights, set_weights, a dataset
+    iterator's initializer) before fit built the training step, TensorFlow
+    ignored the rewrite of the nodes it had ("This mutation will have no
+    effect") and the step failed with a shape error inside TF. tfpar now builds
+    a compiled model's training function before Keras first runs its session."""
+    assert_equivalent(keras_weights_set_before_fit(None),
+                      keras_weights_set_before_fit({"cluster.num_devices": 4}))
+
+
+def test_a_session_that_ran_before_the_training_step_is_refused():
+    """Plain TF: a session runs the forward graph, then the optimizer is built
+    and run in the same session. TensorFlow keeps the nodes it was sent, so the
+    rewrite cannot take effect there: a PlanError says why and what to do."""
+    graph = tf.Graph()
+    with graph.as_default():
+        wh.init({"cluster.num_devices": 4})
+        x = v1.placeholder(tf.float32, [None, 6])
+        y = v1.placeholder(tf.int64, [None])
+        loss = v1.losses.sparse_softmax_cross_entropy(y, dense(x, 3, "logits", seed=2))
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            train_op = v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+            with pytest.raises(wh.PlanError, match="ran the graph before its training step"):
+                sess.run(train_op, {x: DATA[0][0], y: DATA[1][0]})
+    wh.reset()

@@ -51,6 +51,9 @@ class GraphCapture:
         self.task_graphs: List[TaskGraphSpec] = []
         self.op_task_graph: Dict[str, int] = {}
         self.op_phase: Dict[str, Phase] = {}
+        # Backward op name -> the forward op tf.gradients differentiated when it
+        # made it (its gradient has that op's inputs' and outputs' layouts).
+        self.differentiates: Dict[str, Any] = {}
         self.gradient_calls: List[GradientCall] = []
         self.apply_calls: List[ApplyCall] = []
         self.rewrite: Any = None
@@ -88,6 +91,8 @@ class GraphCapture:
         if phase is not None:
             self.op_phase[op.name] = phase
         task_graph = None
+        if phase == Phase.BACKWARD and differentiated is not None:
+            self.differentiates[op.name] = differentiated
         if phase == Phase.BACKWARD:
             sources = [differentiated] if differentiated is not None else []
             sources += [t.op for t in op.inputs]

@@ -16,8 +16,11 @@
 * ``BaseSession.run``, ``BaseSession._make_callable_from_options`` (keras'
   graph functions) and ``Graph.finalize``: the graph is rewritten before it
   first runs or freezes; fetches are translated to their parallel versions.
+* keras ``fit`` / ``train_on_batch`` / ``set_weights`` / ``load_weights``:
+  the training function is built before they run the session (``keras_patches``).
 """
 import threading
+import weakref
 from typing import Any
 
 from keras.src.optimizers.legacy import optimizer_v2 as keras_optimizer_v2
@@ -32,6 +35,7 @@ from tensorflow.python.training import optimizer as tf_optimizer
 from tfpar.hooks import batch_shapes
 from tfpar.hooks import capture as cap_lib
 from tfpar.hooks.patching import PatchSet
+from tfpar.hooks.keras_patches import add_keras_patches
 from tfpar.hooks.split_patches import add_split_patches
 from tfpar.ir.taskgraph import Phase
 
@@ -57,6 +61,8 @@ def install(runtime: Any) -> None:
       run_options: RunOptions-or-None -> RunOptions for each run (a deadline).
       run_failed: called with the TensorFlow error a run raised (may raise a
         clearer one).
+      ran_before_rewrite: graph -> None, called when a session that already
+        ran the graph needs it rewritten (may raise).
       make_iterator: (dataset, make) -> iterator, where ``make(dataset)`` is
         TensorFlow's; may shard the dataset or make more iterators.
       setup_capture: prepares the capture of each new graph (a pinned plan's
@@ -81,6 +87,7 @@ def install(runtime: Any) -> None:
     for name in ("_make_one_shot_iterator", "_make_initializable_iterator"):
         _patches.add(dataset_ops.DatasetV1, name, _wrap_make_iterator)
     add_split_patches(_patches)
+    add_keras_patches(_patches, lambda: _runtime is not None)
 
 
 def uninstall() -> None:
@@ -241,9 +248,30 @@ def _wrap_make_iterator(original):
     return make_iterator
 
 
+def _before_run(session):
+    """The runtime's fetch translator for ``session``'s graph (rewriting it first
+    if need be), or None. A session that already ran the graph before the
+    rewrite keeps the nodes it was sent (TensorFlow ignores later changes to
+    them): the runtime is told, to refuse rather than run something else."""
+    if _runtime is None:
+        return None
+    graph = session.graph
+    capture = cap_lib.existing_capture(graph)
+    fresh = capture is None or capture.rewrite is None
+    translate = _runtime.before_run(graph)
+    if fresh and translate is not None and session in _sessions_that_ran:
+        _runtime.ran_before_rewrite(graph)
+    _sessions_that_ran.add(session)
+    return translate
+
+
+# Sessions that have run (their graph's nodes so far were sent to them).
+_sessions_that_ran: "weakref.WeakSet" = weakref.WeakSet()
+
+
 def _wrap_make_callable(original):
     def _make_callable_from_options(self, callable_options):
-        translate = _runtime.before_run(self.graph) if _runtime is not None else None
+        translate = _before_run(self)
         if translate is not None:
             callable_options = _translated_options(callable_options, translate)
         return original(self, callable_options)
@@ -264,7 +292,7 @@ def _translated_options(options, translate):
 
 def _wrap_session_run(original):
     def run(self, fetches, feed_dict=None, options=None, run_metadata=None):
-        translate = _runtime.before_run(self.graph) if _runtime is not None else None
+        translate = _before_run(self)
         if translate is not None:
             fetches = translate(fetches)
         if _runtime is not None:

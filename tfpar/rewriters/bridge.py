@@ -9,7 +9,7 @@ device (partition), so each consumer receives only its rows. Gather followed by
 partition along the same (batch) dimension is thereby fused: no tensor is
 gathered only to be cut again. Stages of equal width read version to version.
 """
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 from tensorflow.python.framework import ops
 from tensorflow.python.framework import tensor as tensor_lib
@@ -20,7 +20,7 @@ from tfpar.rewriters.batch_split import BatchSplit
 from tfpar.rewriters.layout import Layout
 from tfpar.rewriters.stages import Placement
 
-__all__ = ["Bridges"]
+__all__ = ["Bridges", "concat_rows"]
 
 
 class Bridges:
@@ -33,18 +33,20 @@ class Bridges:
         ``layout.num_pieces`` parts).
       versions: original op -> its versions (version order).
       batch_dependent: ops whose values depend on the batch.
-      static_batch: the global batch size if the feed fixes it, else None.
+      batch_axis: tensor -> the axis carrying its rows, or None
+        (``analysis.batch_axes``).
     """
 
     def __init__(self, layout: Layout, placement: Placement, split: BatchSplit,
                  versions: Callable[[ops.Operation], List[ops.Operation]],
-                 batch_dependent, static_batch=None) -> None:
+                 batch_dependent, batch_axis: Callable[[tensor_lib.Tensor], Optional[int]]
+                 ) -> None:
         self._layout = layout
         self._placement = placement
         self._split = split
         self._versions = versions
         self._batch_dependent = batch_dependent
-        self._static_batch = static_batch
+        self._batch_axis = batch_axis
         self._cache: Dict[tuple, tensor_lib.Tensor] = {}
 
     def device(self, stage: int, version: int) -> str:
@@ -56,7 +58,7 @@ class Bridges:
         if key not in self._cache:
             parts = [self._split.parts[index][p] for p in self._layout.pieces(stage, version)]
             with ops.device(self.device(stage, version)):
-                self._cache[key] = _concat(parts)
+                self._cache[key] = concat_rows(parts)
         return self._cache[key]
 
     def weight(self, stage: int, version: int) -> tensor_lib.Tensor:
@@ -78,23 +80,24 @@ class Bridges:
         sources = layout.unit_versions(producer, unit)
         if t.op not in self._batch_dependent:
             return self._output(t, sources[0])
-        self._check_batch_major(t, producer, stage)
+        axis = self._rows_axis(t, producer, stage)
         key = ("bridge", t, stage, version)
         if key not in self._cache:
             wanted = layout.pieces(stage, version)
-            parts = [self._partition(t, source, stage)[version] for source in sources
+            parts = [self._partition(t, source, stage, axis)[version] for source in sources
                      if _overlap(layout.pieces(producer, source), wanted)]
             with ops.device(self.device(stage, version)):
-                self._cache[key] = _concat(parts)
+                self._cache[key] = concat_rows(parts, axis)
         return self._cache[key]
 
     def _output(self, t: tensor_lib.Tensor, version: int) -> tensor_lib.Tensor:
         return self._versions(t.op)[version].outputs[t.value_index]
 
-    def _partition(self, t: tensor_lib.Tensor, source: int,
-                   stage: int) -> Dict[int, tensor_lib.Tensor]:
-        """Version ``source`` of ``t`` cut into the rows each version of
-        ``stage`` needs from it, keyed by that version (uncut for just one)."""
+    def _partition(self, t: tensor_lib.Tensor, source: int, stage: int,
+                   axis: int) -> Dict[int, tensor_lib.Tensor]:
+        """Version ``source`` of ``t`` cut along its batch ``axis`` into the rows
+        each version of ``stage`` needs from it, keyed by that version (uncut
+        for just one)."""
         key = ("partition", t, source, stage)
         if key not in self._cache:
             producer = self._placement.stage(t.op)
@@ -110,29 +113,33 @@ class Bridges:
             else:
                 sizes = [_total([self._split.sizes[p] for p in rows]) for rows in chunks.values()]
                 with ops.device(self.device(producer, source)):
-                    cut = array_ops.split(value, array_ops_stack.stack(sizes), num=len(sizes), axis=0)
+                    cut = array_ops.split(value, array_ops_stack.stack(sizes), num=len(sizes),
+                                          axis=axis)
                 self._cache[key] = dict(zip(chunks, cut))
         return self._cache[key]
 
-    def _check_batch_major(self, t: tensor_lib.Tensor, producer: int, consumer: int) -> None:
-        """Rows can be regrouped only along a batch dimension: dimension 0 must be
-        unknown at build time (fed batch) or the fed batch size."""
-        if t.shape.rank is None or t.shape.rank == 0 or t.shape[0] not in (None,
-                                                                           self._static_batch):
+    def _rows_axis(self, t: tensor_lib.Tensor, producer: int, consumer: int) -> int:
+        """The axis of ``t`` carrying its rows, along which a bridge regroups them."""
+        axis = self._batch_axis(t)
+        if axis is None:
             names = self._placement.task_graph_names
             raise PlanError(
-                f"tfpar: '{t.name}' depends on the batch and flows between TaskGraphs "
-                f"'{names[producer]}' ({self._layout.widths[producer]} replicas) and "
-                f"'{names[consumer]}' ({self._layout.widths[consumer]}), but it is not "
-                "batch-major; a bridge can only regroup rows of batch-major tensors")
+                f"tfpar: '{t.name}' ({t.op.type}, shape {t.shape}) depends on the batch and "
+                f"flows between TaskGraphs '{names[producer]}' ({self._layout.widths[producer]} "
+                f"replicas) and '{names[consumer]}' ({self._layout.widths[consumer]}), but tfpar "
+                "cannot tell which of its axes holds the batch rows (it was reduced over the "
+                "batch, or made by an op tfpar does not follow). Move the op that makes it into "
+                "the TaskGraph that reads it, or give the tensor a leading batch dimension")
+        return axis
 
 
 def _overlap(a: range, b: range) -> range:
     return range(max(a.start, b.start), min(a.stop, b.stop))
 
 
-def _concat(parts: List[tensor_lib.Tensor]) -> tensor_lib.Tensor:
-    return parts[0] if len(parts) == 1 else array_ops.concat(parts, 0)
+def concat_rows(parts: List[tensor_lib.Tensor], axis: int = 0) -> tensor_lib.Tensor:
+    """``parts`` joined along their batch ``axis``."""
+    return parts[0] if len(parts) == 1 else array_ops.concat(parts, axis)
 
 
 def _total(sizes: List[tensor_lib.Tensor]) -> tensor_lib.Tensor:

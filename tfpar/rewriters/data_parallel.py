@@ -36,6 +36,7 @@ from tensorflow.python.framework import ops
 from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.util import nest
 
+from tfpar.analysis.batch_axes import BatchAxes
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture
 from tfpar.rewriters import graph_edit
@@ -75,6 +76,8 @@ class DataParallelRewrite:
         (when gradients, not seeds, are weighted).
       original_inputs: step op -> its inputs as the script built them (the
         rewrite reroutes the originals' to their rows and stages).
+      batch_axes: which axis of each step tensor holds the batch rows
+        (``analysis.batch_axes.BatchAxes``).
       task_ops: (stage device j, stage, "F"/"B", micro-batch) -> the ops of that
         pipeline task (``pipeline.task_ops``).
       processes: the Horovod job this process is part of
@@ -96,6 +99,7 @@ class DataParallelRewrite:
     summed_grads: Set[tensor_lib.Tensor] = dataclasses.field(default_factory=set)
     original_inputs: Dict[ops.Operation, List[tensor_lib.Tensor]] = dataclasses.field(
         default_factory=dict)
+    batch_axes: Any = None
     task_ops: Dict[tuple, List[ops.Operation]] = dataclasses.field(default_factory=dict)
     processes: Any = None
     edits: int = 0
@@ -195,8 +199,11 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
             split = split_batch(sel.batch_inputs, layout.num_pieces,
                                 processes.share if processes is not None else (0, 1),
                                 processes.global_rows() if processes is not None else None)
+        rw.batch_axes = BatchAxes(
+            sel.batch_dependent, sel.batch_inputs, lambda op: rw.original_inputs.get(op, op.inputs),
+            lambda op: capture.differentiates.get(op.name))
         rw.bridges = Bridges(layout, placement, split, rw.versions, sel.batch_dependent,
-                             sel.batch_inputs[0].shape[0])
+                             rw.batch_axes.axis)
         _reroute_batch_inputs(rw, step)
         if rw.mirrored:
             _clone_variables(graph, rw)

@@ -15,7 +15,6 @@ from tfpar.analysis.batch_reductions import loss_scaling
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture
 from tfpar.rewriters import graph_edit
-from tfpar.rewriters.merge import is_batch_major
 from tfpar.rewriters.select import GraphIndex, gradient_tensors
 
 __all__ = ["loss_weights", "reduce_gradients", "scale_seeds"]
@@ -75,13 +74,12 @@ def loss_weights(rw, capture: GraphCapture) -> Set[int]:
         term independent of the batch). A loss of unknown kind is taken for a
         mean, with a warning naming the op.
     """
-    static = rw.selection.batch_inputs[0].shape[0]
     summed = set()
     for call in capture.gradient_calls:
         kinds = set()
         for y in call.ys:
             scaling = loss_scaling(y, rw.selection.batch_dependent,
-                                   lambda t: is_batch_major(t, static))
+                                   lambda t: rw.batch_axes.axis(t) is not None)
             if scaling.mixed:
                 raise PlanError(
                     f"tfpar: the loss '{y.name}' cannot be split over replicas / micro-batches: "

@@ -1,8 +1,9 @@
 """Merging a step tensor's per-unit versions back into its global-batch value.
 
 * not derived from the batch (a variable read): unit 0's value;
-* batch-major (one row per example: dimension 0 unknown at build time or equal
-  to the static global batch): the versions concatenated along dimension 0;
+* carrying the batch rows on some axis (``analysis.batch_axes``: axis 0 for
+  the inputs, moved by transposes and einsums): the versions concatenated
+  along that axis;
 * reduced over the rows in the forward pass (a loss, a count of correct
   predictions, ``tf.shape(x)[0]``): the ops that reduced it are recomputed
   once on the concatenated rows they read (``analysis.batch_reductions``), so
@@ -11,16 +12,18 @@
   summed, weighted by n_u / N unless the versions are weighted already.
 """
 import logging
-from typing import List, Optional
+from typing import List
 
 from tensorflow.python.framework import ops
 from tensorflow.python.framework import tensor as tensor_lib
-from tensorflow.python.ops import array_ops, math_ops
+from tensorflow.python.ops import math_ops
 
 from tfpar.analysis.batch_reductions import reduction_region
+from tfpar.errors import PlanError
 from tfpar.rewriters import graph_edit
+from tfpar.rewriters.bridge import concat_rows
 
-__all__ = ["is_batch_major", "merge_step_tensor"]
+__all__ = ["merge_step_tensor"]
 
 log = logging.getLogger("tfpar")
 
@@ -49,7 +52,7 @@ def merge_step_tensor(rw, t: tensor_lib.Tensor) -> tensor_lib.Tensor:
 
 
 def _is_rows(rw, t: tensor_lib.Tensor) -> bool:
-    return is_batch_major(t, rw.selection.batch_inputs[0].shape[0])
+    return rw.batch_axes.axis(t) is not None
 
 
 def _versions(rw, t: tensor_lib.Tensor) -> List[tensor_lib.Tensor]:
@@ -57,12 +60,18 @@ def _versions(rw, t: tensor_lib.Tensor) -> List[tensor_lib.Tensor]:
 
 
 def _rows(rw, t: tensor_lib.Tensor) -> tensor_lib.Tensor:
-    """Every row of batch-major ``t``: its versions concatenated (across Horovod
-    processes too); a batch input outside the step already holds them all."""
+    """Every row of ``t``: its versions concatenated along its batch axis (across
+    Horovod processes too); a batch input outside the step already holds them."""
     if t.op not in rw.selection.step_ops_set:
         return t
-    rows = array_ops.concat(_versions(rw, t), 0)
-    return rw.processes.gather(rows) if rw.processes is not None else rows
+    axis = rw.batch_axes.axis(t)
+    rows = concat_rows(_versions(rw, t), axis)
+    if rw.processes is None:
+        return rows
+    if axis:
+        raise PlanError(f"tfpar: fetching '{t.name}' needs its rows from every Horovod process, "
+                        f"and they are on axis {axis}; fetch a tensor with the batch first")
+    return rw.processes.gather(rows)
 
 
 def _weighted_sum(rw, t: tensor_lib.Tensor) -> tensor_lib.Tensor:
@@ -77,9 +86,3 @@ def _weighted_sum(rw, t: tensor_lib.Tensor) -> tensor_lib.Tensor:
                     for i, v in enumerate(versions)]
     merged = math_ops.add_n(versions)
     return rw.processes.sum(merged) if rw.processes is not None else merged
-
-
-def is_batch_major(t: tensor_lib.Tensor, static_batch: Optional[int]) -> bool:
-    shape = t.shape
-    return (shape.rank is not None and shape.rank >= 1
-            and (shape[0] is None or shape[0] == static_batch))

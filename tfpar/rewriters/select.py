@@ -20,6 +20,12 @@ INPUT_TYPES = frozenset({"Placeholder", "PlaceholderWithDefault", "IteratorGetNe
 VARIABLE_TYPES = frozenset({"VarHandleOp", "VariableV2", "Variable"})
 READ_ONLY_RESOURCE_TYPES = frozenset({"ReadVariableOp", "VarIsInitializedOp", "ResourceGather",
                                       "ResourceGatherNd", "VariableShape"})
+# Lookup tables: one per graph, shared by every copy (a copy on another device
+# would be a second, uninitialized table).
+TABLE_TYPES = frozenset({"HashTable", "HashTableV2", "MutableHashTable", "MutableHashTableV2",
+                         "MutableHashTableOfTensors", "MutableHashTableOfTensorsV2",
+                         "MutableDenseHashTable", "MutableDenseHashTableV2",
+                         "AnonymousHashTable", "AnonymousMutableHashTable"})
 # Ops that only read a reference variable; every other consumer of its ref writes it.
 REF_READ_TYPES = frozenset({"Identity", "IsVariableInitialized"})
 # Summaries and checkpoint I/O observe the model; they are never copied.
@@ -29,6 +35,8 @@ AUX_TYPES = frozenset({
     "WriteHistogramSummary", "WriteImageSummary", "WriteAudioSummary", "SaveV2", "Save",
     "SaveSlices", "RestoreV2", "Restore", "RestoreSlice", "MergeV2Checkpoints",
     "ShardedFilename", "ShardedFilespec", "StringJoin"})
+# Never copied: variables, inputs, summaries / checkpoint I/O, tables.
+_FROZEN_TYPES = VARIABLE_TYPES | INPUT_TYPES | AUX_TYPES | TABLE_TYPES
 
 
 class GraphIndex:
@@ -138,7 +146,7 @@ def select_replication(graph: ops.Graph, capture: GraphCapture, index: GraphInde
     """
     phase = capture.op_phase
     def frozen(op):
-        return op.type in VARIABLE_TYPES or op.type in INPUT_TYPES or op.type in AUX_TYPES
+        return op.type in _FROZEN_TYPES
 
     # Forward + backward: what the losses and gradients need, and what the batch feeds.
     roots = []

@@ -32,7 +32,8 @@ from tfpar.runtime.automatic import (Automatic, automatic_plan, cluster_hardware
                                      warn_unbuilt_sharding)
 from tfpar.runtime.context import Runtime, active
 
-__all__ = ["before_run", "make_iterator", "make_split_context", "plan_for", "run_failed",
+__all__ = ["before_run", "make_iterator", "make_split_context", "plan_for", "ran_before_rewrite",
+           "run_failed",
            "run_options", "session_config", "session_target", "setup_capture"]
 
 log = logging.getLogger("tfpar")
@@ -109,6 +110,22 @@ def make_iterator(ds, make):
     capture = capture_for(ops.get_default_graph())
     capture.worker_iterators[iterator._iterator_resource.op] = others  # pylint: disable=protected-access
     return iterator
+
+
+def ran_before_rewrite(graph: ops.Graph) -> None:
+    """A session ran ``graph`` before tfpar rewrote it (its training step did not
+    exist yet): TensorFlow keeps the nodes it already sent that session, so the
+    rewrite would not take effect there. Refused, never run half-rewritten."""
+    trivial = capture_for(graph).rewrite.rewrite.trivial
+    if not trivial:
+        raise PlanError(
+            "tfpar: this session ran the graph before its training step was built (Keras "
+            "set_weights / load_weights or a weights= file before the first fit, an iterator "
+            "initialized early...). TensorFlow ignores changes to nodes a session has already "
+            "run, so tfpar cannot parallelise the step in this session. Build the training step "
+            "before the first session run (Keras: call model.fit / train_on_batch once before "
+            "loading weights, or load them with a tf.compat.v1.train.Saver after the first "
+            "step), or run the training step in a new tf.compat.v1.Session")
 
 
 def run_failed(error: Exception) -> None:
