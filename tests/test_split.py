@@ -235,6 +235,15 @@ def test_vocabulary_sharded_embedding_and_row_split_matmul(devices):
 EXPERTS, MODEL, HIDDEN = 4, 6, 5
 
 
+def expert_weights():
+    """[experts, model, hidden] and [experts, hidden, model] expert weights."""
+    rng = np.random.RandomState(6)
+    return (v1.get_variable("experts/w1", initializer=(0.5 * rng.randn(
+                EXPERTS, MODEL, HIDDEN)).astype(np.float32)),
+            v1.get_variable("experts/w2", initializer=(0.5 * rng.randn(
+                EXPERTS, HIDDEN, MODEL)).astype(np.float32)))
+
+
 def moe_model(tfpar, devices=4):
     """Whale Example 5: data-parallel gating by default, experts in a split scope.
     Expert weights [experts, ...] are split by expert; each device runs its
@@ -244,11 +253,7 @@ def moe_model(tfpar, devices=4):
         return tf.nn.softmax(dense(h, EXPERTS, "gate", seed=2)), h
 
     def moe(combined_weights, dispatch_inputs):
-        rng = np.random.RandomState(6)
-        w1 = v1.get_variable("experts/w1", initializer=(0.5 * rng.randn(
-            EXPERTS, MODEL, HIDDEN)).astype(np.float32))
-        w2 = v1.get_variable("experts/w2", initializer=(0.5 * rng.randn(
-            EXPERTS, HIDDEN, MODEL)).astype(np.float32))
+        w1, w2 = expert_weights()
         hidden = tf.nn.relu(tf.einsum("bd,edh->beh", dispatch_inputs, w1))
         outputs = tf.einsum("beh,ehd->bed", hidden, w2)
         return tf.einsum("be,bed->bd", combined_weights, outputs)
@@ -286,11 +291,7 @@ def dispatched_moe(tfpar, devices=4):
         gates = tf.nn.softmax(dense(h, EXPERTS, "gate", seed=2))
         dispatch_inputs = tf.einsum("be,bd->ebd", gates, h)
         with scope(tfpar, "split", devices):
-            rng = np.random.RandomState(6)
-            w1 = v1.get_variable("experts/w1", initializer=(0.5 * rng.randn(
-                EXPERTS, MODEL, HIDDEN)).astype(np.float32))
-            w2 = v1.get_variable("experts/w2", initializer=(0.5 * rng.randn(
-                EXPERTS, HIDDEN, MODEL)).astype(np.float32))
+            w1, w2 = expert_weights()
             hidden = tf.nn.relu(tf.einsum("ebd,edh->ebh", dispatch_inputs, w1))
             outputs = tf.einsum("be,ebd->bd", gates, tf.einsum("ebh,ehd->ebd", hidden, w2))
         loss = v1.losses.sparse_softmax_cross_entropy(y, dense(outputs, 3, "head", seed=3))
