@@ -152,20 +152,26 @@ class Trainer:
     the graph at the first run), then hooks off; ``with self.hooks():`` turns them on.
     A later wh.init forgets this graph's capture: time each tfpar Trainer before the next."""
 
-    def __init__(self, name, build, data, tfpar_config=None, scope=None, config=None, warmup=3):
+    def __init__(self, name, build, data, tfpar_config=None, scope=None, config=None, warmup=3,
+                 dataset=False):
         self.name, self.losses, self.hooks = name, [], contextlib.nullcontext
         graph = tf.Graph()
         with graph.as_default():
             if tfpar_config is not None:
                 wh.init(tfpar_config)
-            x = v1.placeholder(tf.float32, [None, data[0].shape[1]], name="x")
-            y = v1.placeholder(tf.int64, [None], name="y")
+            if dataset:  # the usual input_fn: a static batch (drop_remainder=True)
+                ds = tf.data.Dataset.from_tensor_slices(data).batch(
+                    len(data[0]), drop_remainder=True).repeat()
+                x, y = v1.data.make_one_shot_iterator(ds).get_next()
+            else:
+                x = v1.placeholder(tf.float32, [None, data[0].shape[1]], name="x")
+                y = v1.placeholder(tf.int64, [None], name="y")
             with scope() if scope is not None else contextlib.nullcontext():
                 self.fetches = build(x, y)
             init = v1.global_variables_initializer()
         self.sess = v1.Session(graph=graph, config=config)
         self.sess.run(init)
-        self.feed = {x: data[0], y: data[1]}
+        self.feed = None if dataset else {x: data[0], y: data[1]}
         for _ in range(warmup):
             self.step()
         if tfpar_config is not None:
@@ -229,18 +235,20 @@ def measure_replicate1(args, data, trainers):
 
 def measure_data_parallel(args, data, trainers):
     """3. Step time of tfpar DP (per backend) vs MirroredStrategy, NUM_CPUS logical CPUs,
-    same global batch: one row per backend."""
+    same global batch read from a tf.data input batched with drop_remainder=True (a
+    static batch, as an Estimator input_fn makes it): one row per backend."""
     build = mlp_builder(args.width, args.mlp_layers)
     # TF2 MirroredStrategy sums replica gradients without scaling a v1 loss (only
     # Estimator did), so each replica minimises loss / replicas: the global-batch mean.
     per_replica = mlp_builder(args.width, args.mlp_layers, grad_scale=1.0 / NUM_CPUS)
     mirrored = Trainer("MirroredStrategy x4", mirrored_builder(per_replica), data,
-                       config=v1.ConfigProto(device_count={"CPU": NUM_CPUS}))
+                       config=v1.ConfigProto(device_count={"CPU": NUM_CPUS}), dataset=True)
     trainers.append(mirrored)
     rows = []
     for backend, target in (("auto", TARGETS["dp_auto"]), ("collective", None)):
         dp = Trainer(f"tfpar DP x{NUM_CPUS} {backend}", build, data,
-                     {"cluster.num_devices": NUM_CPUS, "communication.backend": backend})
+                     {"cluster.num_devices": NUM_CPUS, "communication.backend": backend},
+                     dataset=True)
         trainers.append(dp)
         t, b = alternate((dp.step, dp.hooks), (mirrored.step, mirrored.hooks), args.reps,
                          args.steps)

@@ -7,7 +7,11 @@ import tensorflow as tf
 from equivalence import assert_equivalent, deep_mlp, dense, layer, make_data, plan_of, train
 from test_cost_model import TRANSFORMER_MLP_LAYERS, deep_mlp_layers, hand_memory, planned_stages
 
+import tfpar as wh
+
 v1 = tf.compat.v1
+
+
 def classifier(classes):
     """build(x, y): a small backbone and a wide classification head, no scopes."""
     def build(x, y):
@@ -39,6 +43,25 @@ def test_the_split_head_plan_trains_like_one_device():
     built = plan_of(build, pinned)
     assert built.task_graphs[1].patterns["logits"] == "column"
     assert built.sharding == plan.sharding
+
+
+def test_current_plan_after_the_first_run_is_the_one_to_pin():
+    """In a test or notebook (no planning pass) the graph runs the best unsharded
+    plan; after its first run current_plan() must still be the sharded plan the
+    warning says to pin (before: the unsharded fallback, pinning built nothing
+    split)."""
+    build, config = classifier(8000), {"auto.auto_parallel": True, "cluster.num_devices": 4}
+    graph = tf.Graph()
+    with graph.as_default():
+        wh.init(config)
+        build(v1.placeholder(tf.float32, [None, 6]), v1.placeholder(tf.int64, [None]))
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+        after_run = wh.current_plan()
+    wh.reset()
+    assert after_run.sharding["layers"]["logits"] == "column"
+    built = plan_of(build, {**config, "plan": after_run.to_dict()})
+    assert built.task_graphs[1].patterns["logits"] == "column"
 
 
 def transformer_mlp(x, y):

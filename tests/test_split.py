@@ -454,3 +454,33 @@ def test_megatron_mlp_on_token_sequences():
     assert_equivalent(train(build_for(False), data), train(build_for(True), data, config))
     patterns = plan_of(build_for(True), config, shape=(None, 5, 6)).task_graphs[0].patterns
     assert patterns == {"fc1": "column", "fc2": "row"}
+
+
+def auto_named_head(config):
+    """A v1 dense head named automatically (its variables: dense_1/...)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        wh.init(config)
+        x = v1.placeholder(tf.float32, [None, 6])
+        y = v1.placeholder(tf.int64, [None])
+        h = v1.layers.dense(x, 8, tf.nn.tanh)
+        with wh.split(2):
+            loss = v1.losses.sparse_softmax_cross_entropy(y, v1.layers.dense(h, 10))
+        train_op = v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        patterns = wh.current_plan().task_graphs[-1].patterns
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            sess.run(train_op, {x: DATA[0][0], y: DATA[1][0]})
+    wh.reset()
+    return patterns
+
+
+def test_split_patterns_name_units_as_their_variables_and_refuse_unknown_names():
+    """Before: {"nosuch": "row"} was accepted, and the unit of a head whose
+    variables are dense_1/... could be named after keras' object name instead,
+    so forcing it by the name users see did nothing."""
+    assert auto_named_head({"cluster.num_devices": 2})["dense_1"] == "column"
+    assert auto_named_head({"cluster.num_devices": 2,
+                            "split.patterns": {"dense_1": "row"}})["dense_1"] == "row"
+    with pytest.raises(wh.ConfigError, match="split.patterns names 'nosuch'.*units.*dense_1"):
+        auto_named_head({"cluster.num_devices": 2, "split.patterns": {"nosuch": "row"}})

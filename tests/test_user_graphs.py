@@ -174,3 +174,23 @@ def test_a_session_that_ran_before_the_training_step_is_refused():
             with pytest.raises(wh.PlanError, match="ran the graph before its training step"):
                 sess.run(train_op, {x: DATA[0][0], y: DATA[1][0]})
     wh.reset()
+
+
+def test_sparse_tensors_from_an_iterator_are_refused_by_name():
+    """A SparseTensor element arrives from the iterator as one variant tensor:
+    before, a TF assertion inside tfpar's batch split failed at run time."""
+    graph = tf.Graph()
+    with graph.as_default():
+        wh.init({"cluster.num_devices": 2})
+        ids = tf.sparse.SparseTensor([[i, 0] for i in range(8)], list(range(8)), [8, 1])
+        labels = tf.constant(DATA[1][0])
+        ds = tf.data.Dataset.from_tensors(({"ids": ids}, labels)).repeat()
+        features, y = v1.data.make_one_shot_iterator(ds).get_next()
+        table = v1.get_variable("table", initializer=np.full((10, 3), 0.1, np.float32))
+        logits = tf.nn.embedding_lookup_sparse(table, features["ids"], None, combiner="mean")
+        loss = v1.losses.sparse_softmax_cross_entropy(y, logits)
+        train_op = v1.train.AdagradOptimizer(0.5).minimize(loss)
+        with v1.Session() as sess:
+            with pytest.raises(wh.PlanError, match="'IteratorGetNext:0' .* composite tensor"):
+                sess.run(v1.global_variables_initializer())
+    wh.reset()

@@ -194,4 +194,4 @@ def current_plan() -> Plan:
     if unseen is not None:
         raise PlanError(built_before_init_message(unseen))
     capture = capture_for(graph)
-    return getattr(capture, "plan", None) or plan_for(graph, capture, rt)
+    return capture.sharded_plan or getattr(capture, "plan", None) or plan_for(graph, capture, rt)

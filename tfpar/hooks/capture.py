@@ -57,6 +57,9 @@ class GraphCapture:
         self.gradient_calls: List[GradientCall] = []
         self.apply_calls: List[ApplyCall] = []
         self.rewrite: Any = None
+        # The search's sharded plan of a graph built unsharded (it runs the best
+        # unsharded plan): what current_plan() shows, to be pinned.
+        self.sharded_plan: Any = None
         self._scopes: List[int] = []
         # TaskGraph index -> patterns.sharded.SplitContext of each split scope,
         # and the sharded tensors they share.

@@ -120,8 +120,16 @@ def dense_unit(ctx, layer, x) -> ShardingUnit:
     whole = {"kernel": whole_axes(layer.kernel_constraint, [d_in, layer.units], dtype)}
     if layer.use_bias:
         whole["bias"] = whole_axes(layer.bias_constraint, [layer.units], dtype)
-    return ShardingUnit(ctx.unit_name(layer.name), "dense", (ctx.info(x),),
+    return ShardingUnit(ctx.unit_name(_visible_name(layer)), "dense", (ctx.info(x),),
                         {"in": d_in, "out": layer.units, "whole": whole})
+
+
+def _visible_name(layer) -> str:
+    """The name users see in the layer's variables: a ``tf.compat.v1.layers``
+    layer's variable scope (``dense_1`` while keras may call the object
+    ``dense_2``), else the keras layer name."""
+    scope = getattr(layer, "_scope", None)
+    return scope.name if scope is not None else layer.name
 
 
 def choose_dense(ctx, layer, x):

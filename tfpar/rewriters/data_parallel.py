@@ -32,7 +32,7 @@ import dataclasses
 import functools
 from typing import Any, Dict, List, Optional, Set
 
-from tensorflow.python.framework import ops
+from tensorflow.python.framework import dtypes, ops
 from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.util import nest
 
@@ -176,7 +176,7 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
         raise PlanError(
             "tfpar: found no batch input to split into replicas / micro-batches: feed the "
             "model through a tf.compat.v1.placeholder or a tf.data iterator")
-    _refuse_static_batches(sel.batch_inputs)
+    _refuse_unsplittable(sel.batch_inputs)
     step = set(sel.step_ops)
     rw.original_inputs = {op: list(op.inputs) for op in sel.step_ops}
     copied = step | set(sel.update_ops)
@@ -226,13 +226,22 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
     return rw
 
 
-def _refuse_static_batches(batch_inputs) -> None:
+def _refuse_unsplittable(batch_inputs) -> None:
     """Batch inputs keep their batch dimension unknown (``hooks.batch_shapes``
     relaxes placeholders and tf.data iterators made after ``wh.init``); one
     that fixes it (a queue's dequeue, a source made before ``wh.init``) let
     TensorFlow build its size into the graph, which copies on fewer rows would
-    silently contradict."""
+    silently contradict. Composite inputs (a SparseTensor from an iterator
+    arrives as one variant tensor) cannot be cut by rows yet."""
     for t in batch_inputs:
+        if t.dtype == dtypes.variant:
+            consumers = ", ".join(f"'{c.name}' ({c.type})" for c in t.consumers()[:3])
+            raise PlanError(
+                f"tfpar: batch input '{t.name}' ({t.op.type}) is a composite tensor (a "
+                f"SparseTensor or ragged tensor from a tf.data iterator, read by {consumers}); "
+                "tfpar cannot cut it into replicas / micro-batches by rows yet. Make it dense "
+                "in the input pipeline (tf.sparse.to_dense in Dataset.map) and, if the model "
+                "needs it sparse, tf.sparse.from_dense after the iterator")
         if t.shape.rank and t.shape[0] is not None:
             queue = t.op.type.startswith("QueueDequeue")
             raise PlanError(

@@ -9,7 +9,7 @@ from tensorflow.python.eager import context
 from tensorflow.python.framework import ops
 
 from tfpar.cluster.virtual_device import assign_devices
-from tfpar.errors import ClusterError, PlanError
+from tfpar.errors import ClusterError, ConfigError, PlanError
 from tfpar.hooks.batch_shapes import relaxed_dataset
 from tfpar.hooks.capture import GraphCapture, capture_for, existing_capture, recording_paused
 from tfpar.ir.plan import Plan
@@ -222,6 +222,18 @@ def _planned(graph: ops.Graph, capture: GraphCapture, rt: Runtime):
     return plan, index, stage_of
 
 
+def _check_forced_units(capture: GraphCapture, rt: Runtime) -> None:
+    """Every ShardingUnit ``split.patterns`` names exists in this graph."""
+    forced = rt.config.get("split.patterns") or {}
+    known = {name for ctx in capture.split_contexts.values() for name in ctx.decisions}
+    unknown = sorted(set(forced) - known)
+    if unknown:
+        raise ConfigError(
+            f"split.patterns names {', '.join(map(repr, unknown))}, but no ShardingUnit of this "
+            f"graph is called so; its units (layer names as in their variables, or op kinds "
+            f"numbered _1, _2...): {', '.join(sorted(known)) or 'none (no wh.split scope)'}")
+
+
 def _group_size(index: GraphIndex, capture: GraphCapture, rt: Runtime, plan: Plan,
                 stage_of) -> int:
     """Ada-Grouper's k for this pipeline, from the cost model (``planner.grouper``)."""
@@ -283,6 +295,11 @@ def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
     if capture.rewrite is None:
         plan, index, stage_of = _planned(graph, capture, rt)
         warn_unbuilt_sharding(capture)
+        _check_forced_units(capture, rt)
+        automatic = capture.automatic[1] if capture.automatic is not None else None
+        if automatic is not None and automatic.best is not automatic.runnable:
+            # What runs is unsharded; what current_plan() shows, to pin, is not.
+            capture.sharded_plan = sharded_plan(automatic, rt, index, capture)
         cfg = rt.config
         names = [tg.name for tg in plan.task_graphs]
         split_groups = {s: [tuple(canonical_device(d) for d in g) for g in tg.replicas]
