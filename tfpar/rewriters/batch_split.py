@@ -1,8 +1,9 @@
 """Split the fed global batch into contiguous per-unit slices.
 
 Unit u of U gets rows ``[N*u//U, N*(u+1)//U)`` of every batch input (uneven N
-allowed) and weight ``n_u / N``, so weighted sums of per-unit batch means equal
-the global batch mean.
+allowed; a batch of fewer than U rows leaves some units none, as a dataset's
+last partial batch may) and weight ``n_u / N``, so weighted sums of per-unit
+batch means equal the global batch mean; a unit without rows weighs 0.
 """
 import dataclasses
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -38,12 +39,12 @@ def split_batch(inputs: Sequence[tensor_lib.Tensor], num_units: int,
     the data (``io.shard_dataset``).
 
     Raises at run time (InvalidArgumentError naming the tensors) when the
-    inputs disagree on the batch size or the batch is smaller than the units.
+    inputs disagree on the batch size or the batch is empty.
     """
     with ops.name_scope("tfpar_split"):
         process, processes = share
         total = num_units * processes
-        n = _rows(inputs, total)
+        n = _rows(inputs, 1)
         first = process * num_units
         bounds = [(n * u) // total for u in range(first, first + num_units + 1)]
         sizes = [bounds[u + 1] - bounds[u] for u in range(num_units)]
@@ -76,9 +77,10 @@ def _rows(inputs: Sequence[tensor_lib.Tensor], minimum: int) -> tensor_lib.Tenso
     """Rows of the batch (int32), checked at run time: at least ``minimum``,
     the same in every input."""
     n = array_ops.shape(inputs[0], out_type=dtypes.int32)[0]
+    fewer = ("no rows" if minimum == 1 else
+             f"fewer rows than the {minimum} replicas x micro-batches of each worker")
     checks = [check_ops.assert_greater_equal(
-        n, minimum, message=f"tfpar: the global batch of {inputs[0].name} has fewer "
-                            f"rows than the {minimum} replicas x micro-batches")]
+        n, minimum, message=f"tfpar: the global batch of {inputs[0].name} has {fewer}")]
     for t in inputs[1:]:
         checks.append(check_ops.assert_equal(
             array_ops.shape(t, out_type=dtypes.int32)[0], n,
