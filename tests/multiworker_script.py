@@ -92,8 +92,10 @@ def main():
         values = variable_values(sess, v1.global_variables())
         if args.save:
             saver.save(sess, args.save)
-    assert_parallel()
-    TRACER.uninstall()  # a traced run of the exit-time worker release would wait on them
+    try:
+        assert_parallel()
+    finally:
+        TRACER.uninstall()  # a traced run of the exit-time worker release would wait on them
     if args.horovod:
         import horovod.tensorflow as hvd  # pylint: disable=import-outside-toplevel
         args.out = f"{args.out}.rank{hvd.rank()}.npz"
