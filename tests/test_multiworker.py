@@ -22,9 +22,19 @@ DATA = make_data(steps=4, batch=8)
 
 
 def launch(*args, devices=2, timeout=240, env=None):
-    return subprocess.run([sys.executable, "-m", "tfpar.cli", "launch", "--workers", "2",
-                           "--devices-per-worker", str(devices), *args], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    """``tfpar launch`` of 2 workers; on a timeout the launcher and its workers
+    (one process group) are killed, none left running."""
+    command = [sys.executable, "-m", "tfpar.cli", "launch", "--workers", "2",
+               "--devices-per-worker", str(devices), *args]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
 def results(path):
