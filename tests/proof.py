@@ -17,13 +17,13 @@ Tracing is installed per test by ``conftest.py``; it wraps ``Session.run`` and
 it stays below nothing and above tfpar's own hooks on ``BaseSession``.
 """
 import dataclasses
-import re
 from typing import Dict, List, Set
 
 from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.client import session as tf_session
 
 from tfpar.hooks.capture import existing_capture
+from tfpar.runtime.step_trace import executed_ops
 
 __all__ = ["TRACER", "StepTracer", "assert_parallel", "assert_plan_ran", "executed_nodes",
            "ran_on"]
@@ -131,19 +131,14 @@ def _traced(options):
     return traced
 
 
-# Grappler renames the nodes it rewrites ``scope/ArithmeticOptimizer/AddOpsRewrite_name``.
-_GRAPPLER_RENAME = re.compile(r"(^|/)[A-Za-z]+Optimizer/[A-Za-z]+_")
-
-
 def executed_nodes(run_metadata: List[config_pb2.RunMetadata]) -> Dict[str, Set[str]]:
     """graph op name -> the devices it executed on, over all ``run_metadata``
-    (nodes grappler rewrote counted under the op they replace)."""
+    (``step_trace.executed_ops`` of each: TensorFlow's step stats, names
+    grappler rewrote mapped back)."""
     nodes: Dict[str, Set[str]] = {}
     for metadata in run_metadata:
-        for device in metadata.step_stats.dev_stats:
-            for node in device.node_stats:
-                name = _GRAPPLER_RENAME.sub(r"\1", node.node_name)
-                nodes.setdefault(name, set()).add(_canonical(device.device))
+        for name, devices in executed_ops(metadata).items():
+            nodes.setdefault(name, set()).update(devices)
     return nodes
 
 

@@ -46,6 +46,9 @@ class BatchAxes:
         self._inputs_of = inputs_of
         self._differentiated = differentiated
 
+    def holds_rows(self, t: tensor_lib.Tensor) -> bool:
+        return self.axis(t) is not None
+
     def axis(self, t: tensor_lib.Tensor) -> Optional[int]:
         stack = [t]
         while stack:  # inputs first, without recursion (deep models)

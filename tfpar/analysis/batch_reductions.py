@@ -103,8 +103,10 @@ class _Unknown(Exception):
 
 
 def loss_scaling(y: tensor_lib.Tensor, batch_dependent: Set[ops.Operation],
-                 is_rows: Callable[[tensor_lib.Tensor], bool]) -> Scaling:
-    """How loss ``y`` scales with the rows it is computed from (module doc).
+                 is_rows: Callable[[tensor_lib.Tensor], bool],
+                 inputs_of: Callable[[ops.Operation], List[tensor_lib.Tensor]]) -> Scaling:
+    """How loss ``y`` scales with the rows it is computed from (module doc);
+    ``inputs_of(op)``: the inputs of ``op`` as the script built them.
 
     ``tf.gradients`` of a tensor with one value per row differentiates its sum.
     """
@@ -116,7 +118,7 @@ def loss_scaling(y: tensor_lib.Tensor, batch_dependent: Set[ops.Operation],
         if is_rows(x):
             return Kind.ROWS
         if x not in memo:
-            memo[x] = _transfer(x.op, [kind(i) for i in x.op.inputs])
+            memo[x] = _transfer(x.op, [kind(i) for i in inputs_of(x.op)])
         return memo[x]
 
     try:

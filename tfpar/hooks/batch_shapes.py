@@ -10,8 +10,8 @@ feed placeholder and dataset iterator is made unknown when it is created (the
 rows fed are unchanged): everything downstream is built for any batch size,
 as with ``placeholder([None, D])``, and computes what one device computes on
 each piece. Code that needs the batch as a Python number (``x.shape[0] * T``)
-then sees None and must use ``tf.shape(x)[0]``; the declared sizes are kept in
-the capture's ``declared_batch`` for messages.
+then sees None and must use ``tf.shape(x)[0]``. The declared sizes are recorded
+in the capture's ``declared_batch`` (no error message reads them yet).
 """
 from typing import Dict, Optional, Tuple
 

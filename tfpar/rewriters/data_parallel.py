@@ -132,6 +132,11 @@ class DataParallelRewrite:
         maps = self.device_maps[self.placement.stage(op)]
         return [m.get(op, op) if j else op for j, m in enumerate(maps)]
 
+    def built_inputs(self, op: ops.Operation) -> List[tensor_lib.Tensor]:
+        """``op``'s inputs as the script built them (before the rewrite rerouted
+        the originals to their rows and stages)."""
+        return self.original_inputs.get(op, op.inputs)
+
     def merged_tensor(self, t: tensor_lib.Tensor) -> tensor_lib.Tensor:
         """``t`` (a step tensor) merged over versions (``merge``). Builds ops on
         first use."""
@@ -177,7 +182,7 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
             "tfpar: found no batch input to split into replicas / micro-batches: feed the "
             "model through a tf.compat.v1.placeholder or a tf.data iterator")
     _refuse_unsplittable(sel.batch_inputs)
-    step = set(sel.step_ops)
+    step = sel.step_ops_set
     rw.original_inputs = {op: list(op.inputs) for op in sel.step_ops}
     copied = step | set(sel.update_ops)
     raw = {t for g, _ in sel.raw_grads for t in gradient_tensors(g)}
@@ -199,9 +204,8 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
             split = split_batch(sel.batch_inputs, layout.num_pieces,
                                 processes.share if processes is not None else (0, 1),
                                 processes.global_rows() if processes is not None else None)
-        rw.batch_axes = BatchAxes(
-            sel.batch_dependent, sel.batch_inputs, lambda op: rw.original_inputs.get(op, op.inputs),
-            lambda op: capture.differentiates.get(op.name))
+        rw.batch_axes = BatchAxes(sel.batch_dependent, sel.batch_inputs, rw.built_inputs,
+                                  lambda op: capture.differentiates.get(op.name))
         rw.bridges = Bridges(layout, placement, split, rw.versions, sel.batch_dependent,
                              rw.batch_axes.axis)
         _reroute_batch_inputs(rw, step)
@@ -354,7 +358,7 @@ def _copy_updates(graph: ops.Graph, rw: DataParallelRewrite) -> None:
     """Stage device j > 0 runs its own copy of the update ops of its stage on the
     reduced gradients and its copies of the variables."""
     sel, placement, layout = rw.selection, rw.placement, rw.layout
-    step = set(sel.step_ops)
+    step = sel.step_ops_set
     single = placement.num_stages == 1
     for stage, devices in enumerate(placement.stage_devices):
         update_ops = [op for op in sel.update_ops if placement.stage(op) == stage]

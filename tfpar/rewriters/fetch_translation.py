@@ -31,7 +31,7 @@ class FetchTranslator:
     def __init__(self, graph: ops.Graph, rewrite: DataParallelRewrite) -> None:
         self._graph = graph
         self.rewrite = rewrite
-        self._step = set(rewrite.selection.step_ops)
+        self._step = rewrite.selection.step_ops_set
         self._update = set(rewrite.selection.update_ops)
         self._groups: Dict[ops.Operation, ops.Operation] = {}
         self._known_ops = len(graph.get_operations())

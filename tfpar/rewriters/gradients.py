@@ -39,7 +39,7 @@ def scale_seeds(rw, capture: GraphCapture, index: GraphIndex) -> None:
     """
     summed = loss_weights(rw, capture)
     seeds = {s for call in capture.gradient_calls for s in call.seeds}
-    step = set(rw.selection.step_ops)
+    step = rw.selection.step_ops_set
     seed_ops = {s.op for s in seeds if isinstance(s, tensor_lib.Tensor) and s.op in step}
     downstream = {op for op in index.descendants(seed_ops) if op in step}
     if (not seeds or len(seed_ops) < len({getattr(s, "op", None) for s in seeds})
@@ -78,8 +78,8 @@ def loss_weights(rw, capture: GraphCapture) -> Set[int]:
     for call in capture.gradient_calls:
         kinds = set()
         for y in call.ys:
-            scaling = loss_scaling(y, rw.selection.batch_dependent,
-                                   lambda t: rw.batch_axes.axis(t) is not None)
+            scaling = loss_scaling(y, rw.selection.batch_dependent, rw.batch_axes.holds_rows,
+                                   rw.built_inputs)
             if scaling.mixed:
                 raise PlanError(
                     f"tfpar: the loss '{y.name}' cannot be split over replicas / micro-batches: "
@@ -130,7 +130,7 @@ def reduce_gradients(rw, raw, reducer_for) -> None:
         if devices not in reducers:
             reducers[devices] = reducer_for(list(devices))
         _reduce_group_gradients(rw, list(devices), grads, reducers[devices])
-    step = set(rw.selection.step_ops)
+    step = rw.selection.step_ops_set
     for t in raw:
         for c, k in consumers[t]:
             if c not in step:

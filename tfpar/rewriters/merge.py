@@ -34,25 +34,20 @@ def merge_step_tensor(rw, t: tensor_lib.Tensor) -> tensor_lib.Tensor:
     if t.op not in sel.batch_dependent:
         return t
     with ops.name_scope(None), ops.name_scope("tfpar_merge"):
-        if _is_rows(rw, t):
+        if rw.batch_axes.holds_rows(t):
             return _rows(rw, t)
         if t.op not in sel.backward and t.op not in rw.seed_weighted:
-            inputs_of = lambda op: rw.original_inputs.get(op, op.inputs)  # noqa: E731
-            region, why = reduction_region(t, sel.batch_dependent, lambda x: _is_rows(rw, x),
-                                           lambda op: op not in sel.backward, inputs_of)
+            region, why = reduction_region(t, sel.batch_dependent, rw.batch_axes.holds_rows,
+                                           lambda op: op not in sel.backward, rw.built_inputs)
             if region is not None:
                 rows = {x: _rows(rw, x) for x in region.frontier}
                 copies = graph_edit.clone_ops(t.graph, region.ops, "recomputed", None, rows,
-                                              inputs_of)
+                                              rw.built_inputs)
                 return copies[t.op].outputs[t.value_index]
             log.warning("tfpar: fetching '%s' merges its per-replica values by their batch "
                         "shares: it cannot be recomputed from the merged batch because %s",
                         t.name, why)
         return _weighted_sum(rw, t)
-
-
-def _is_rows(rw, t: tensor_lib.Tensor) -> bool:
-    return rw.batch_axes.axis(t) is not None
 
 
 def _versions(rw, t: tensor_lib.Tensor) -> List[tensor_lib.Tensor]:

@@ -127,6 +127,7 @@ class Selection:
 
     @functools.cached_property
     def step_ops_set(self) -> Set[ops.Operation]:
+        """``step_ops`` as a set (read-only)."""
         return set(self.step_ops)
 
 
