@@ -39,6 +39,7 @@ if os.environ.get("TEST_REWRITE_OFF") == "1":
     from tfpar.runtime import engine  # noqa: E402
 
     engine.before_run = lambda graph: None
+    engine.rewrites_next = lambda graph: False
     # Scripts the tests run (examples) get the switch through sitecustomize.
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [os.path.join(os.path.dirname(__file__), "rewrite_off")]

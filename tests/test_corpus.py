@@ -17,7 +17,9 @@ included) compared with a plain single-device run.
   ``training=False``).
 * canned ``tf.estimator`` classifiers (``DNNClassifier``,
   ``DNNLinearCombinedClassifier``) on feature columns from a dict of numpy
-  arrays, with their default optimizers (Adagrad, Ftrl).
+  arrays, or parsed from ``tf.Example`` records with a variable-length tag
+  list (a ``VarLenFeature``: a SparseTensor input), with their default
+  optimizers (Adagrad, Ftrl).
 
 Every input is batched with ``drop_remainder`` True (2 full batches) and False
 (16, 16 and an uneven 12 rows).
@@ -154,10 +156,39 @@ FEATURES = {
     "city": RNG.choice(["north", "south", "east"], ROWS),
 }
 FEATURE_LABELS = RNG.randint(0, 2, ROWS).astype(np.int64)
+TAGS = ["red", "green", "blue", "gold", "grey"]
+ROW_TAGS = [list(RNG.choice(TAGS, RNG.randint(0, 4), replace=False)) for _ in range(ROWS)]
 
 
-def feature_columns(categorical):
-    """(deep, wide) columns; ``categorical`` "vocabulary" (lookup tables) or "hash"."""
+def parsed_examples(drop_remainder):
+    """The feature rows, plus a variable-length tag list, as tf.Examples parsed
+    in the input pipeline (the tags arrive as a SparseTensor)."""
+    def feature(value):
+        if isinstance(value, (list, np.ndarray)) and (not len(value) or isinstance(value[0], str)):
+            return tf.train.Feature(bytes_list=tf.train.BytesList(value=[v.encode() for v in value]))
+        if isinstance(value, str):
+            return feature([value])
+        return tf.train.Feature(float_list=tf.train.FloatList(value=[value]))
+    records = [tf.train.Example(features=tf.train.Features(feature={
+        **{name: feature(column[r]) for name, column in FEATURES.items()},
+        "tags": feature(ROW_TAGS[r]),
+        "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[FEATURE_LABELS[r]]))}))
+        .SerializeToString() for r in range(ROWS)]
+    spec = {"age": tf.io.FixedLenFeature([], tf.float32),
+            "hours": tf.io.FixedLenFeature([], tf.float32),
+            "job": tf.io.FixedLenFeature([], tf.string), "city": tf.io.FixedLenFeature([], tf.string),
+            "tags": tf.io.VarLenFeature(tf.string), "label": tf.io.FixedLenFeature([], tf.int64)}
+
+    def parse(batch):
+        features = tf.io.parse_example(batch, spec)
+        return features, features.pop("label")
+    return tf.data.Dataset.from_tensor_slices(records).batch(
+        BATCH, drop_remainder=drop_remainder).map(parse)
+
+
+def feature_columns(categorical, tags=False):
+    """(deep, wide) columns; ``categorical`` "vocabulary" (lookup tables) or
+    "hash"; ``tags``: with the parsed tag list too."""
     fc = tf.feature_column
     if categorical == "vocabulary":
         job = fc.categorical_column_with_vocabulary_list("job", ["tech", "sales", "admin", "farm"])
@@ -168,6 +199,10 @@ def feature_columns(categorical):
     deep = [fc.numeric_column("age"), fc.numeric_column("hours"), fc.embedding_column(job, 3),
             fc.indicator_column(city)]
     wide = [job, city, fc.crossed_column(["job", "city"], hash_bucket_size=16)]
+    if tags:
+        tag = fc.categorical_column_with_vocabulary_list("tags", TAGS)
+        deep.append(fc.embedding_column(tag, 2))
+        wide += [tag, fc.crossed_column(["tags", "city"], hash_bucket_size=16)]
     return deep, wide
 
 
@@ -197,12 +232,13 @@ class StepLosses(tf.estimator.SessionRunHook):
         self.losses.append(run_values.results)
 
 
-def canned(config, estimator, categorical, drop_remainder, model_dir):
+def canned(config, estimator, categorical, drop_remainder, model_dir, parsed=False):
     """A canned ``estimator`` ("dnn" or "wide_and_deep", default optimizers)
-    trained for one epoch, plainly or under ``config``."""
+    trained for one epoch, plainly or under ``config``, on the numpy
+    features or (``parsed``) on tf.Examples with tags."""
     if config is not None:
         wh.init(config)
-    deep, wide = feature_columns(categorical)
+    deep, wide = feature_columns(categorical, tags=parsed)
     run_config = tf.estimator.RunConfig(model_dir=str(model_dir), tf_random_seed=0)
     if estimator == "dnn":
         est = tf.estimator.DNNClassifier([8, 4], deep, config=run_config)
@@ -211,8 +247,9 @@ def canned(config, estimator, categorical, drop_remainder, model_dir):
             linear_feature_columns=wide, dnn_feature_columns=deep, dnn_hidden_units=[8, 4],
             config=run_config)
     initial, losses = InitialValues(), StepLosses()
-    est.train(lambda: tf.data.Dataset.from_tensor_slices((FEATURES, FEATURE_LABELS)).batch(
-        BATCH, drop_remainder=drop_remainder), hooks=[initial, losses])
+    est.train(lambda: parsed_examples(drop_remainder) if parsed else
+              tf.data.Dataset.from_tensor_slices((FEATURES, FEATURE_LABELS)).batch(
+                  BATCH, drop_remainder=drop_remainder), hooks=[initial, losses])
     final = {name: est.get_variable_value(name) for name in est.get_variable_names()}
     wh.reset()
     return initial.values, np.array(losses.losses), final
@@ -224,6 +261,15 @@ def canned(config, estimator, categorical, drop_remainder, model_dir):
 def test_canned_estimator(estimator, categorical, drop_remainder, tmp_path):
     parallel = canned(DP, estimator, categorical, drop_remainder, tmp_path / "tfpar")
     compare(canned(None, estimator, categorical, drop_remainder, tmp_path / "plain"), parallel)
+
+
+@DROP
+@pytest.mark.parametrize("estimator", ["dnn", "wide_and_deep"])
+def test_canned_estimator_on_parsed_examples(estimator, drop_remainder, tmp_path):
+    """The tag list is a SparseTensor from the input pipeline (issue 12, cause 3)."""
+    parallel = canned(DP, estimator, "hash", drop_remainder, tmp_path / "tfpar", parsed=True)
+    compare(canned(None, estimator, "hash", drop_remainder, tmp_path / "plain", parsed=True),
+            parallel)
 
 
 @DROP

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from equivalence import assert_equivalent, dense, make_data, train
+from equivalence import assert_equivalent, dense, make_data, train, variable_values
 
 import tfpar as wh
 
@@ -129,17 +129,25 @@ def test_init_twice_names_what_changed(tfpar_log):
     assert "cluster.num_devices: 2 -> 4" in tfpar_log.getvalue()
 
 
-def keras_weights_set_before_fit(config):
-    """get_weights / set_weights run Keras' session before fit builds its step."""
+def keras_weights_set_early(config, before_compile=False):
+    """get_weights / set_weights run Keras' session before fit builds its step
+    (``before_compile``: before the model is compiled, as a weights= file or
+    load_weights before compile do)."""
     graph = tf.Graph()
     with graph.as_default():
         if config:
             wh.init(config)
         model = tf.keras.Sequential([tf.keras.layers.Dense(8, "tanh", input_shape=(6,)),
                                      tf.keras.layers.Dense(3)])
+
+        def set_weights():
+            model.set_weights([np.full(w.shape, 0.1, np.float32) for w in model.get_weights()])
+        if before_compile:
+            set_weights()
         model.compile(tf.keras.optimizers.legacy.SGD(0.5),
                       tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        model.set_weights([np.full(w.shape, 0.1, np.float32) for w in model.get_weights()])
+        if not before_compile:
+            set_weights()
         history = model.fit(DATA[0].reshape(-1, 6), DATA[1].reshape(-1), batch_size=8,
                             shuffle=False, verbose=0)
         values = dict(zip((w.name for w in model.weights), model.get_weights()))
@@ -154,45 +162,60 @@ def test_keras_session_run_before_fit_still_trains_in_parallel():
     ignored the rewrite of the nodes it had ("This mutation will have no
     effect") and the step failed with a shape error inside TF. tfpar now builds
     a compiled model's training function before Keras first runs its session."""
-    assert_equivalent(keras_weights_set_before_fit(None),
-                      keras_weights_set_before_fit({"cluster.num_devices": 4}))
+    assert_equivalent(keras_weights_set_early(None),
+                      keras_weights_set_early({"cluster.num_devices": 4}))
 
 
-def test_a_session_that_ran_before_the_training_step_is_refused():
-    """Plain TF: a session runs the forward graph, then the optimizer is built
-    and run in the same session. TensorFlow keeps the nodes it was sent, so the
-    rewrite cannot take effect there: a PlanError says why and what to do."""
+def trained_after_an_early_run(config):
+    """Plain TF: the session initializes and evaluates the model, then the
+    optimizer is built and trained in the same session."""
     graph = tf.Graph()
     with graph.as_default():
-        wh.init({"cluster.num_devices": 4})
+        if config:
+            wh.init(config)
         x = v1.placeholder(tf.float32, [None, 6])
         y = v1.placeholder(tf.int64, [None])
         loss = v1.losses.sparse_softmax_cross_entropy(y, dense(x, 3, "logits", seed=2))
         with v1.Session() as sess:
             sess.run(v1.global_variables_initializer())
+            losses = [sess.run(loss, {x: DATA[0][0], y: DATA[1][0]})]
             train_op = v1.train.GradientDescentOptimizer(0.5).minimize(loss)
-            with pytest.raises(wh.PlanError, match="ran the graph before its training step"):
-                sess.run(train_op, {x: DATA[0][0], y: DATA[1][0]})
-    wh.reset()
+            losses += [sess.run([loss, train_op], {x: a, y: b})[0] for a, b in zip(*DATA)]
+            values = variable_values(sess, v1.global_variables())
+    if config:
+        wh.reset()
+    return np.array(losses), values
 
 
-def test_sparse_tensors_from_an_iterator_are_refused_by_name():
-    """A SparseTensor element arrives from the iterator as one variant tensor:
-    before, a TF assertion inside tfpar's batch split failed at run time."""
+def test_a_session_that_ran_before_the_training_step_trains_in_parallel():
+    """Before: refused (TensorFlow keeps the nodes a session was sent, so the
+    rewrite could not take effect there). The session is now reopened on the
+    rewritten graph with its variables' values."""
+    assert_equivalent(trained_after_an_early_run(None),
+                      trained_after_an_early_run({"cluster.num_devices": 4}))
+
+
+def test_keras_weights_set_before_compile_are_carried_into_the_parallel_session():
+    assert_equivalent(keras_weights_set_early(None, before_compile=True),
+                      keras_weights_set_early({"cluster.num_devices": 4}, before_compile=True))
+
+
+def test_ragged_tensors_from_an_iterator_are_refused_by_name():
+    """A ragged element arrives from the iterator as one variant tensor, which
+    tfpar cannot cut by rows (SparseTensors it can: ``test_sparse_inputs``)."""
     graph = tf.Graph()
     with graph.as_default():
         wh.init({"cluster.num_devices": 2})
-        ids = tf.sparse.SparseTensor([[i, 0] for i in range(8)], list(range(8)), [8, 1])
-        labels = tf.constant(DATA[1][0])
-        ds = tf.data.Dataset.from_tensors(({"ids": ids}, labels)).repeat()
-        features, y = v1.data.make_one_shot_iterator(ds).get_next()
-        table = v1.get_variable("table", initializer=np.full((10, 3), 0.1, np.float32))
-        logits = tf.nn.embedding_lookup_sparse(table, features["ids"], None, combiner="mean")
-        loss = v1.losses.sparse_softmax_cross_entropy(y, logits)
+        rows = tf.ragged.constant([[1.0, 2.0], [3.0], [4.0, 5.0, 6.0], []] * 2)
+        ds = tf.data.Dataset.from_tensor_slices((rows, DATA[1][0])).batch(8).repeat()
+        ragged, y = v1.data.make_one_shot_iterator(ds).get_next()
+        features = tf.stack([tf.reduce_sum(ragged, 1), tf.cast(ragged.row_lengths(), tf.float32)], 1)
+        loss = v1.losses.sparse_softmax_cross_entropy(y, dense(features, 3, "logits", seed=2))
         train_op = v1.train.AdagradOptimizer(0.5).minimize(loss)
         with v1.Session() as sess:
             with pytest.raises(wh.PlanError, match="'IteratorGetNext:0' .* composite tensor"):
                 sess.run(v1.global_variables_initializer())
+                sess.run(train_op)
     wh.reset()
 
 

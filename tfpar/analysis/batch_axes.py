@@ -36,13 +36,17 @@ class BatchAxes:
         compute, or None. A gradient has the layout of the forward tensor it
         is the gradient of: a backward tensor no rule places takes the axis of
         the forward op's tensors of the same shape.
+      not_rows: sources that do not hold rows on axis 0 (a SparseTensor's
+        components: the rows are its dense shape's dimension 0).
     """
 
     def __init__(self, batch_dependent: Set[ops.Operation], sources: List[tensor_lib.Tensor],
                  inputs_of: Callable[[ops.Operation], List[tensor_lib.Tensor]],
-                 differentiated: Callable[[ops.Operation], Optional[ops.Operation]]) -> None:
+                 differentiated: Callable[[ops.Operation], Optional[ops.Operation]],
+                 not_rows: Set[tensor_lib.Tensor] = frozenset()) -> None:
         self._dependent = batch_dependent
-        self._axes: Dict[tensor_lib.Tensor, Optional[int]] = {t: 0 for t in sources}
+        self._axes: Dict[tensor_lib.Tensor, Optional[int]] = {
+            t: None if t in not_rows else 0 for t in sources}
         self._inputs_of = inputs_of
         self._differentiated = differentiated
 

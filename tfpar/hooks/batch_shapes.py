@@ -17,6 +17,7 @@ from typing import Dict, Optional, Tuple
 
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.data.ops import dataset_ops
+from tensorflow.python.framework import sparse_tensor
 from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import array_ops
 from tensorflow.python.util import nest
@@ -41,18 +42,27 @@ def relaxed_placeholder_attrs(attrs: Dict[str, attr_value_pb2.AttrValue]
 
 
 def relaxed_dataset(ds: dataset_ops.DatasetV2) -> Tuple[dataset_ops.DatasetV2, Optional[int]]:
-    """``ds`` with dimension 0 of its dense components unknown (an identity
-    map), and the static batch it declared; ``ds`` itself when it declares none."""
+    """``ds`` with dimension 0 of its dense and sparse components unknown (an
+    identity map), and the static batch it declared; ``ds`` itself when it
+    declares none."""
     specs = nest.flatten(ds.element_spec)
-    static = [s.shape[0] for s in specs if isinstance(s, tensor_lib.TensorSpec)
+    static = [s.shape[0] for s in specs
+              if isinstance(s, (tensor_lib.TensorSpec, sparse_tensor.SparseTensorSpec))
               and s.shape.rank and s.shape[0] is not None]
     if not static:
         return ds, None
 
     def relax(t):
-        if not isinstance(t, tensor_lib.Tensor) or not t.shape.rank or t.shape[0] is None:
+        if (not isinstance(t, (tensor_lib.Tensor, sparse_tensor.SparseTensor))
+                or not t.shape.rank or t.shape[0] is None):
             return t
-        return array_ops.placeholder_with_default(t, [None] + t.shape[1:].as_list())
+        shape = [None] + t.shape[1:].as_list()
+        if isinstance(t, tensor_lib.Tensor):
+            return array_ops.placeholder_with_default(t, shape)
+        relaxed = sparse_tensor.SparseTensor(
+            t.indices, t.values, array_ops.placeholder_with_default(t.dense_shape, [len(shape)]))
+        relaxed.set_shape(shape)
+        return relaxed
 
     def relax_element(*element):
         return nest.map_structure(relax, element[0] if len(element) == 1 else element)

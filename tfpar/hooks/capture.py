@@ -75,6 +75,9 @@ class GraphCapture:
         # Batch sources declared with a static batch, built with it relaxed
         # (``batch_shapes``): op or iterator name -> the declared size.
         self.declared_batch: Dict[str, int] = {}
+        # (indices, values, dense shape) of SparseTensors made of fed
+        # placeholders (``sparse_placeholder``): split by rows, as one input.
+        self.sparse_feeds: List[Any] = []
         # (training calls seen, automatic plan) cached by the runtime's planner.
         self.automatic: Any = None
         self._phases: List[Phase] = []

@@ -10,6 +10,8 @@
   ``OptimizerV2.apply_gradients`` (``tf.keras.optimizers.legacy``, used by
   ``model.fit`` in graph mode): APPLY; recorded (keras' ``iterations`` counts
   as the global step).
+* ``SparseTensor.__init__``: a SparseTensor made of fed placeholders
+  (``sparse_placeholder``) is recorded, so the batch split cuts it by rows.
 * ``BaseSession.__init__``: tfpar's devices are merged into the ConfigProto.
 * ``DatasetV1._make_one_shot_iterator`` / ``_make_initializable_iterator``:
   with ``io.shard_dataset`` each process / worker iterates over its shard.
@@ -24,10 +26,11 @@ import weakref
 from typing import Any
 
 from keras.src.optimizers.legacy import optimizer_v2 as keras_optimizer_v2
+from tensorflow.python.client import pywrap_tf_session as c_session
 from tensorflow.python.client import session as tf_session
 from tensorflow.python.data.ops import dataset_ops
 from tensorflow.python.framework import errors as tf_errors
-from tensorflow.python.framework import ops
+from tensorflow.python.framework import ops, sparse_tensor
 from tensorflow.python.ops import gradients_util
 from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.training import optimizer as tf_optimizer
@@ -61,8 +64,10 @@ def install(runtime: Any) -> None:
       run_options: RunOptions-or-None -> RunOptions for each run (a deadline).
       run_failed: called with the TensorFlow error a run raised (may raise a
         clearer one).
-      ran_before_rewrite: graph -> None, called when a session that already
-        ran the graph needs it rewritten (may raise).
+      rewrites_next: graph -> whether its next run rewrites it.
+      ran_before_rewrite: (graph, number of variables carried) -> whether a
+        session that ran the graph before its rewrite must be reopened
+        (called after the rewrite; may raise).
       make_iterator: (dataset, make) -> iterator, where ``make(dataset)`` is
         TensorFlow's; may shard the dataset or make more iterators.
       setup_capture: prepares the capture of each new graph (a pinned plan's
@@ -84,6 +89,7 @@ def install(runtime: Any) -> None:
     _patches.add(tf_session.BaseSession, "run", _wrap_session_run)
     _patches.add(tf_session.BaseSession, "_make_callable_from_options", _wrap_make_callable)
     _patches.add(keras_optimizer_v2.OptimizerV2, "apply_gradients", _wrap_keras_apply)
+    _patches.add(sparse_tensor.SparseTensor, "__init__", _wrap_sparse_tensor_init)
     for name in ("_make_one_shot_iterator", "_make_initializable_iterator"):
         _patches.add(dataset_ops.DatasetV1, name, _wrap_make_iterator)
     add_split_patches(_patches)
@@ -231,6 +237,21 @@ def _wrap_optimizer_init(original):
     return __init__
 
 
+def _wrap_sparse_tensor_init(original):
+    def __init__(self, indices, values, dense_shape):
+        original(self, indices, values, dense_shape)
+        components = (self.indices, self.values, self.dense_shape)
+        if (not isinstance(self.indices, ops.EagerTensor)
+                and self.indices.op.type in _FEED_TYPES and self.values.op.type in _FEED_TYPES):
+            capture = cap_lib.capture_for(self.indices.graph)
+            if not any(group[0] is self.indices for group in capture.sparse_feeds):
+                capture.sparse_feeds.append(components)
+    return __init__
+
+
+_FEED_TYPES = ("Placeholder", "PlaceholderWithDefault")
+
+
 def _wrap_session_init(original):
     def __init__(self, target="", graph=None, config=None):
         if _runtime is not None:
@@ -252,21 +273,59 @@ def _before_run(session):
     """The runtime's fetch translator for ``session``'s graph (rewriting it first
     if need be), or None. A session that already ran the graph before the
     rewrite keeps the nodes it was sent (TensorFlow ignores later changes to
-    them): the runtime is told, to refuse rather than run something else."""
+    them): it is reopened on the rewritten graph, with the values its variables
+    had (``_reopen``)."""
     if _runtime is None:
         return None
     graph = session.graph
-    capture = cap_lib.existing_capture(graph)
-    fresh = capture is None or capture.rewrite is None
+    early = session in _sessions_that_ran and _runtime.rewrites_next(graph)
+    carried = _variable_values(session) if early and not graph.finalized else {}
     translate = _runtime.before_run(graph)
-    if fresh and translate is not None and session in _sessions_that_ran:
-        _runtime.ran_before_rewrite(graph)
+    if early and _runtime.ran_before_rewrite(graph, len(carried)):
+        _reopen(session)
+        if carried:
+            session.run([v.initializer for v in carried],
+                        {v.initializer.inputs[1]: value for v, value in carried.items()})
     _sessions_that_ran.add(session)
     return translate
 
 
 # Sessions that have run (their graph's nodes so far were sent to them).
 _sessions_that_ran: "weakref.WeakSet" = weakref.WeakSet()
+# BaseSession.run as TensorFlow defines it (set when the patch is installed).
+_plain_run: Any = None
+
+
+def _variable_values(session) -> dict:
+    """Variable -> its value in ``session``, for every initialized variable of
+    the session's graph."""
+    graph = session.graph
+    variables = list({id(v): v for key in (ops.GraphKeys.GLOBAL_VARIABLES,
+                                           ops.GraphKeys.LOCAL_VARIABLES)
+                      for v in graph.get_collection(key)}.values())
+    if not variables:
+        return {}
+    with graph.as_default(), cap_lib.recording_paused(), ops.name_scope(None):
+        with ops.name_scope("tfpar_carry"):
+            flags = [v.is_initialized() for v in variables]
+    live = [v for v, ok in zip(variables, _plain_run(session, flags))
+            if ok and len(v.initializer.inputs) == 2]  # an assign of its initial value
+    return dict(zip(live, _plain_run(session, live)))
+
+
+def _reopen(session) -> None:
+    """Give ``session`` a new TensorFlow session on its (rewritten) graph, in
+    place of the one that ran the graph before: the state it held (variables,
+    iterators, tables) starts anew; variables are restored by the caller."""
+    # pylint: disable=protected-access
+    c_session.TF_CloseSession(session._session)
+    c_session.TF_DeleteSession(session._session)
+    options = c_session.TF_NewSessionOptions(target=session._target, config=session._config)
+    try:
+        with session._graph._c_graph.get() as c_graph:
+            session._session = c_session.TF_NewSessionRef(c_graph, options)
+    finally:
+        c_session.TF_DeleteSessionOptions(options)
 
 
 def _wrap_make_callable(original):
@@ -291,6 +350,9 @@ def _translated_options(options, translate):
 
 
 def _wrap_session_run(original):
+    global _plain_run
+    _plain_run = original
+
     def run(self, fetches, feed_dict=None, options=None, run_metadata=None):
         translate = _before_run(self)
         if translate is not None:

@@ -16,11 +16,11 @@ from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import array_ops, array_ops_stack, math_ops
 
 from tfpar.errors import PlanError
-from tfpar.rewriters.batch_split import BatchSplit
+from tfpar.rewriters.batch_split import BatchSplit, concat_rows
 from tfpar.rewriters.layout import Layout
 from tfpar.rewriters.stages import Placement
 
-__all__ = ["Bridges", "concat_rows"]
+__all__ = ["Bridges"]
 
 
 class Bridges:
@@ -56,9 +56,8 @@ class Bridges:
         """Batch input ``index`` as version ``version`` of ``stage`` reads it."""
         key = ("batch", index, stage, version)
         if key not in self._cache:
-            parts = [self._split.parts[index][p] for p in self._layout.pieces(stage, version)]
             with ops.device(self.device(stage, version)):
-                self._cache[key] = concat_rows(parts)
+                self._cache[key] = self._split.rows(index, self._layout.pieces(stage, version))
         return self._cache[key]
 
     def weight(self, stage: int, version: int) -> tensor_lib.Tensor:
@@ -135,11 +134,6 @@ class Bridges:
 
 def _overlap(a: range, b: range) -> range:
     return range(max(a.start, b.start), min(a.stop, b.stop))
-
-
-def concat_rows(parts: List[tensor_lib.Tensor], axis: int = 0) -> tensor_lib.Tensor:
-    """``parts`` joined along their batch ``axis``."""
-    return parts[0] if len(parts) == 1 else array_ops.concat(parts, axis)
 
 
 def _total(sizes: List[tensor_lib.Tensor]) -> tensor_lib.Tensor:

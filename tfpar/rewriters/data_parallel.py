@@ -181,7 +181,7 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
         raise PlanError(
             "tfpar: found no batch input to split into replicas / micro-batches: feed the "
             "model through a tf.compat.v1.placeholder or a tf.data iterator")
-    _refuse_unsplittable(sel.batch_inputs)
+    _refuse_unsplittable(sel.batch_inputs, sel.sparse_inputs)
     step = sel.step_ops_set
     rw.original_inputs = {op: list(op.inputs) for op in sel.step_ops}
     copied = step | set(sel.update_ops)
@@ -197,15 +197,17 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
     crossing_controls = [(c, p) for c in sel.step_ops for p in c.control_inputs
                          if p in step and placement.stage(p) != placement.stage(c)]
     with graph.as_default(), ops.name_scope(None), ops.name_scope("tfpar"):
-        sources = _worker_sources(capture, sel.batch_inputs, layout.num_pieces)
+        sources = _worker_sources(capture, sel, layout.num_pieces)
         if sources is not None:
             split = split_sources(sources, layout.num_pieces)
         else:
             split = split_batch(sel.batch_inputs, layout.num_pieces,
                                 processes.share if processes is not None else (0, 1),
-                                processes.global_rows() if processes is not None else None)
+                                processes.global_rows() if processes is not None else None,
+                                sel.sparse_inputs)
         rw.batch_axes = BatchAxes(sel.batch_dependent, sel.batch_inputs, rw.built_inputs,
-                                  lambda op: capture.differentiates.get(op.name))
+                                  lambda op: capture.differentiates.get(op.name),
+                                  not_rows={t for group in sel.sparse_inputs for t in group})
         rw.bridges = Bridges(layout, placement, split, rw.versions, sel.batch_dependent,
                              rw.batch_axes.axis)
         _reroute_batch_inputs(rw, step)
@@ -230,23 +232,24 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
     return rw
 
 
-def _refuse_unsplittable(batch_inputs) -> None:
+def _refuse_unsplittable(batch_inputs, sparse_inputs) -> None:
     """Batch inputs keep their batch dimension unknown (``hooks.batch_shapes``
     relaxes placeholders and tf.data iterators made after ``wh.init``); one
     that fixes it (a queue's dequeue, a source made before ``wh.init``) let
     TensorFlow build its size into the graph, which copies on fewer rows would
-    silently contradict. Composite inputs (a SparseTensor from an iterator
-    arrives as one variant tensor) cannot be cut by rows yet."""
+    silently contradict. Composite inputs other than SparseTensors (a ragged
+    tensor from an iterator arrives as one variant tensor) cannot be cut by
+    rows yet."""
+    sparse = {t for group in sparse_inputs for t in group}
     for t in batch_inputs:
         if t.dtype == dtypes.variant:
             consumers = ", ".join(f"'{c.name}' ({c.type})" for c in t.consumers()[:3])
             raise PlanError(
                 f"tfpar: batch input '{t.name}' ({t.op.type}) is a composite tensor (a "
-                f"SparseTensor or ragged tensor from a tf.data iterator, read by {consumers}); "
+                f"ragged tensor or other composite from a tf.data iterator, read by {consumers}); "
                 "tfpar cannot cut it into replicas / micro-batches by rows yet. Make it dense "
-                "in the input pipeline (tf.sparse.to_dense in Dataset.map) and, if the model "
-                "needs it sparse, tf.sparse.from_dense after the iterator")
-        if t.shape.rank and t.shape[0] is not None:
+                "or a SparseTensor in the input pipeline (Dataset.map)")
+        if t not in sparse and t.shape.rank and t.shape[0] is not None:
             queue = t.op.type.startswith("QueueDequeue")
             raise PlanError(
                 f"tfpar: batch input '{t.name}' ({t.op.type}) has the static batch size "
@@ -258,11 +261,16 @@ def _refuse_unsplittable(batch_inputs) -> None:
                     "unknown (placeholder([None, ...]))"))
 
 
-def _worker_sources(capture: GraphCapture, batch_inputs, num_pieces: int):
+def _worker_sources(capture: GraphCapture, sel: Selection, num_pieces: int):
     """With ``io.shard_dataset`` in a cluster: per worker, the batch inputs as
     read by that worker's own iterator (worker 0: the originals), or None."""
     if not capture.worker_iterators:
         return None
+    batch_inputs = sel.batch_inputs
+    if sel.sparse_inputs:
+        raise PlanError(f"tfpar: io.shard_dataset cannot split the SparseTensor input "
+                        f"'{sel.sparse_inputs[0][0].name}' yet; turn io.shard_dataset off (every "
+                        "worker then reads the global batch and takes its rows)")
     workers = 1 + len(next(iter(capture.worker_iterators.values())))
     if num_pieces % workers:
         raise PlanError(f"tfpar: io.shard_dataset splits the rows of {workers} workers into "

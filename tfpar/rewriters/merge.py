@@ -21,7 +21,7 @@ from tensorflow.python.ops import math_ops
 from tfpar.analysis.batch_reductions import reduction_region
 from tfpar.errors import PlanError
 from tfpar.rewriters import graph_edit
-from tfpar.rewriters.bridge import concat_rows
+from tfpar.rewriters.batch_split import concat_rows
 
 __all__ = ["merge_step_tensor"]
 

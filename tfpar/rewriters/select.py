@@ -17,6 +17,9 @@ __all__ = ["GraphIndex", "Selection", "gradient_tensors", "select_replication",
 INPUT_TYPES = frozenset({"Placeholder", "PlaceholderWithDefault", "IteratorGetNext",
                          "IteratorGetNextSync", "OptionalGetValue", "QueueDequeueV2",
                          "QueueDequeueManyV2", "QueueDequeueUpToV2"})
+# Ops that make a SparseTensor's components (indices, values, dense shape) of a
+# tf.data iterator's variant output: part of the input, their outputs are the batch.
+SPARSE_READER_TYPES = frozenset({"DeserializeSparse"})
 VARIABLE_TYPES = frozenset({"VarHandleOp", "VariableV2", "Variable"})
 READ_ONLY_RESOURCE_TYPES = frozenset({"ReadVariableOp", "VarIsInitializedOp", "ResourceGather",
                                       "ResourceGatherNd", "VariableShape"})
@@ -108,12 +111,14 @@ class Selection:
         (clipping, optimizer), copied once per replica.
       variables: variable ops mirrored per replica.
       batch_inputs: tensors from feeds / iterators entering ``step_ops``;
-        split along dimension 0.
+        split along dimension 0, except the components of ``sparse_inputs``.
       raw_grads: (gradient, variable op) pairs reduced across units.
       sync_writers: ops outside the training step that write a mirrored
         variable (initializers, restores, user assigns).
       batch_dependent: ops downstream of the batch inputs.
       backward: the step ops ``tf.gradients`` made.
+      sparse_inputs: (indices, values, dense shape) of every SparseTensor
+        batch input, split by rows (of its dense shape's dimension 0).
     """
 
     step_ops: List[ops.Operation]
@@ -124,6 +129,7 @@ class Selection:
     sync_writers: List[ops.Operation]
     batch_dependent: Set[ops.Operation]
     backward: Set[ops.Operation] = dataclasses.field(default_factory=set)
+    sparse_inputs: List[tuple] = dataclasses.field(default_factory=list)
 
     @functools.cached_property
     def step_ops_set(self) -> Set[ops.Operation]:
@@ -166,14 +172,17 @@ def select_replication(graph: ops.Graph, capture: GraphCapture, index: GraphInde
     # Batch sources are the feeds / iterators the losses read (not, say, a Saver's
     # filename placeholder); whatever descends from them depends on the batch.
     inputs = {t.op for op in needed for t in op.inputs if t.op.type in INPUT_TYPES}
+    sparse_readers = {op for op in needed if op.type in SPARSE_READER_TYPES
+                      and op.inputs[0].op in inputs}
+    inputs |= sparse_readers
     # Control edges count: tf.gradients' tuple() NoOps wait on a unit's gradients.
     batch_dependent = index.descendants(inputs, control=True)
     raw_grad_ops = {t.op for g, _ in raw_grads for t in gradient_tensors(g)}
     # Side outputs of the batch (accuracy, predictions) are per unit too, but what
     # consumes the raw gradients (clipping) acts on the reduced ones instead.
     side = batch_dependent - index.descendants(raw_grad_ops, control=True)
-    step = {op for op in needed | side
-            if phase.get(op.name, Phase.FORWARD) != Phase.APPLY and not frozen(op)}
+    step = {op for op in needed | side if phase.get(op.name, Phase.FORWARD) != Phase.APPLY
+            and not frozen(op) and op not in sparse_readers}
     # Accumulators (streaming metrics: keras' total / count) are variables the
     # step itself writes. Every unit adds to the one shared copy; reads of them
     # the losses do not need (the metric's value) run once, after every unit.
@@ -209,11 +218,15 @@ def select_replication(graph: ops.Graph, capture: GraphCapture, index: GraphInde
                 seen.add(t)
                 batch_inputs.append(t)
     order = {op: i for i, op in enumerate(index.ops)}
+    sparse_inputs = [tuple(op.outputs) for op in sorted(sparse_readers, key=order.get)]
+    sparse_inputs += [group for group in capture.sparse_feeds
+                      if any(t in seen for t in group)]
     return Selection(
         step_ops=sorted(step, key=order.get), update_ops=sorted(update, key=order.get),
         variables=variables, batch_inputs=batch_inputs, raw_grads=raw_grads,
         sync_writers=sorted(set(sync_writers), key=order.get), batch_dependent=batch_dependent,
-        backward={op for op in step if phase.get(op.name) == Phase.BACKWARD})
+        backward={op for op in step if phase.get(op.name) == Phase.BACKWARD},
+        sparse_inputs=sparse_inputs)
 
 
 def _written_variables(op: ops.Operation) -> List[ops.Operation]:

@@ -33,8 +33,7 @@ from tfpar.runtime.automatic import (Automatic, automatic_plan, cluster_hardware
 from tfpar.runtime.context import Runtime, active
 
 __all__ = ["before_run", "make_iterator", "make_split_context", "plan_for", "ran_before_rewrite",
-           "run_failed",
-           "run_options", "session_config", "session_target", "setup_capture"]
+           "rewrites_next", "run_failed", "run_options", "session_config", "session_target", "setup_capture"]
 
 log = logging.getLogger("tfpar")
 # Graphs already checked for training built before wh.init (warned once each).
@@ -112,20 +111,32 @@ def make_iterator(ds, make):
     return iterator
 
 
-def ran_before_rewrite(graph: ops.Graph) -> None:
+def rewrites_next(graph: ops.Graph) -> bool:
+    """Whether the next run of ``graph`` rewrites it (``before_run``)."""
+    capture = existing_capture(graph)
+    return (active() is not None and capture is not None and bool(capture.gradient_calls)
+            and capture.rewrite is None)
+
+
+def ran_before_rewrite(graph: ops.Graph, carried: int) -> bool:
     """A session ran ``graph`` before tfpar rewrote it (its training step did not
-    exist yet): TensorFlow keeps the nodes it already sent that session, so the
-    rewrite would not take effect there. Refused, never run half-rewritten."""
-    trivial = capture_for(graph).rewrite.rewrite.trivial
-    if not trivial:
+    exist yet: Keras weights= / set_weights / load_weights, an initializer run
+    before the optimizer was built). TensorFlow keeps the nodes it already sent
+    that session, so a rewrite that changes the step (more than one version)
+    needs the session reopened on the rewritten graph, with its ``carried``
+    variable values: returns whether it does. Refused when the graph is
+    finalized (``MonitoredSession``), where tfpar cannot add the ops it needs."""
+    rewrite = capture_for(graph).rewrite
+    if rewrite is None or rewrite.rewrite.trivial:
+        return False
+    if graph.finalized:
         raise PlanError(
-            "tfpar: this session ran the graph before its training step was built (Keras "
-            "set_weights / load_weights or a weights= file before the first fit, an iterator "
-            "initialized early...). TensorFlow ignores changes to nodes a session has already "
-            "run, so tfpar cannot parallelise the step in this session. Build the training step "
-            "before the first session run (Keras: call model.fit / train_on_batch once before "
-            "loading weights, or load them with a tf.compat.v1.train.Saver after the first "
-            "step), or run the training step in a new tf.compat.v1.Session")
+            "tfpar: this session ran the graph before its training step was built, and the "
+            "graph is finalized: build the training step before the session is created")
+    log.info("tfpar: the session ran the graph before its training step was built; it is "
+             "reopened on the parallel graph with its %d variables' values (the state of "
+             "iterators and lookup tables it held starts anew)", carried)
+    return True
 
 
 def run_failed(error: Exception) -> None:
