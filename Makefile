@@ -33,6 +33,7 @@ bench: $(STAMP) $(HOROVOD_STAMP)
 	$(PY) benchmarks/split.py --check
 	$(PY) benchmarks/multiworker.py --check
 	$(PY) benchmarks/planner.py --check
+	$(PY) benchmarks/startup.py --check
 
 # Horovod 0.28.1 built from source against the installed TF (~3 min, then pip's
 # wheel cache; for communication.backend "horovod", not needed otherwise).

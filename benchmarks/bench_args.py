@@ -7,7 +7,7 @@ flag is ``--name`` (underscores become dashes).
 import argparse
 import sys
 
-__all__ = ["meets", "parse_sizes", "verdict"]
+__all__ = ["cell", "meets", "parse_sizes", "verdict"]
 
 
 def parse_sizes(description, sizes, argv, check_help, quick_help="tiny sizes (smoke test)"):
@@ -49,3 +49,10 @@ def verdict(targets, args, checks_ok=True) -> int:
         print(f"{'PASS' if met else 'FAIL'}  {name}: measured {shown}, target <= {limit:g}",
               file=sys.stderr if args.json else sys.stdout)
     return 1 if missed or not checks_ok else 0
+
+
+def cell(value, fmt) -> str:
+    """A table cell: n/a for a missing value, yes/no for a flag, else ``fmt``."""
+    if value is None:
+        return "n/a"
+    return ("yes" if value else "no") if isinstance(value, bool) else format(value, fmt)

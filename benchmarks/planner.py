@@ -52,7 +52,7 @@ from tfpar.rewriters.select import GraphIndex  # noqa: E402
 from tfpar.rewriters.model_view import model_view  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_args import meets, parse_sizes, verdict  # noqa: E402  (same directory)
+from bench_args import cell, meets, parse_sizes, verdict  # noqa: E402  (same directory)
 from overhead import layer_norm  # noqa: E402
 
 v1 = tf.compat.v1
@@ -164,12 +164,6 @@ def targets(rows):
     return found
 
 
-def _cell(value, fmt):
-    if value is None:
-        return "n/a"
-    return ("yes" if value else "no") if isinstance(value, bool) else format(value, fmt)
-
-
 def print_table(rows, found, args):
     print(f"tfpar planner (GPT hidden {args.hidden}, {HEADS} heads, seq {args.seq}, vocab "
           f"{args.vocab}; mesh data 1 x tensor {DEVICES} {HARDWARE.name}, global batch "
@@ -177,11 +171,11 @@ def print_table(rows, found, args):
     widths = [max(len(title), 7) for title, _, _ in COLUMNS]
     print("  ".join(f"{title:>{w}}" for (title, _, _), w in zip(COLUMNS, widths)))
     for r in rows:
-        print("  ".join(f"{_cell(r[key], fmt):>{w}}" for (_, key, fmt), w in zip(COLUMNS, widths)))
+        print("  ".join(f"{cell(r[key], fmt):>{w}}" for (_, key, fmt), w in zip(COLUMNS, widths)))
     for r in rows:
         print(f"search, {r['layers']} layers: {r['search_mesh']}")
     for t in found:
-        value = _cell(t["value"], ".3f")
+        value = cell(t["value"], ".3f")
         print(f"{t['target']:<46} {value:>7}  " + (f"<= {t['limit']:<4}  "
               f"{'met' if t['met'] else 'NOT MET'}" if t["limit"] is not None else "(info)"))
 

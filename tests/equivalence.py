@@ -4,6 +4,8 @@
 input tensors and return ``(loss, train_op)``. The same seeded initial values
 are used in both runs, so only parallelisation can make the numbers differ.
 """
+import contextlib
+
 import numpy as np
 import tensorflow as tf
 
@@ -11,7 +13,7 @@ import tfpar as wh
 from proof import assert_parallel
 
 __all__ = ["assert_equivalent", "assert_same_variables", "checkpoint_session", "deep_mlp", "dense",
-           "make_data", "mlp_classifier", "plan_of", "rewritten_op_types", "train",
+           "initialized", "make_data", "mlp_classifier", "plan_of", "rewritten_op_types", "train",
            "variable_values"]
 
 
@@ -214,3 +216,19 @@ def assert_equivalent(reference, candidate, rtol=1e-5, atol=1e-6, parallel=True)
     for name in ref_vars:
         np.testing.assert_allclose(values[name], ref_vars[name], rtol=rtol, atol=atol,
                                    err_msg=f"variable {name} differs")
+
+
+@contextlib.contextmanager
+def initialized(build, config):
+    """The graph of ``build`` on placeholders x ``[None, 6]`` and y ``[None]``,
+    built under ``config`` and initialized once (tfpar rewrites it then);
+    ``wh.reset()`` on exit."""
+    graph = tf.Graph()
+    with graph.as_default():
+        wh.init(config)
+        build(tf.compat.v1.placeholder(tf.float32, [None, 6]),
+              tf.compat.v1.placeholder(tf.int64, [None]))
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+        yield graph
+    wh.reset()

@@ -117,10 +117,12 @@ def assert_parallel() -> None:
 
 def _ran_a_step(entry: RewrittenGraph) -> bool:
     """Graphs only built and initialized (structure tests), or only evaluated
-    (an Estimator's evaluate graph), prove nothing either way: a step runs
-    backward ops."""
+    (an Estimator's evaluate graph, whose forward tasks may wait on backward
+    ones the schedule orders before them), prove nothing either way: a step
+    sums gradients over the copies (or, with nothing to sum, runs backward ops)."""
     executed = executed_nodes(entry.run_metadata)
-    return any(op.name in executed for op in entry.rewrite.selection.backward)
+    sums = [t.op for reduced in entry.rewrite.reduced.values() for t in reduced]
+    return any(op.name in executed for op in sums or entry.rewrite.selection.backward)
 
 
 def _traced(options):

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from equivalence import assert_equivalent, deep_mlp, dense, layer, make_data, plan_of, train
+from equivalence import (assert_equivalent, deep_mlp, dense, initialized, layer, make_data,
+                         plan_of, train)
 from test_cost_model import TRANSFORMER_MLP_LAYERS, deep_mlp_layers, hand_memory, planned_stages
 
 import tfpar as wh
@@ -51,14 +52,8 @@ def test_current_plan_after_the_first_run_is_the_one_to_pin():
     warning says to pin (before: the unsharded fallback, pinning built nothing
     split)."""
     build, config = classifier(8000), {"auto.auto_parallel": True, "cluster.num_devices": 4}
-    graph = tf.Graph()
-    with graph.as_default():
-        wh.init(config)
-        build(v1.placeholder(tf.float32, [None, 6]), v1.placeholder(tf.int64, [None]))
-        with v1.Session() as sess:
-            sess.run(v1.global_variables_initializer())
+    with initialized(build, config):
         after_run = wh.current_plan()
-    wh.reset()
     assert after_run.sharding["layers"]["logits"] == "column"
     built = plan_of(build, {**config, "plan": after_run.to_dict()})
     assert built.task_graphs[1].patterns["logits"] == "column"

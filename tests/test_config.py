@@ -63,7 +63,8 @@ def test_defaults():
     assert cfg.to_dict() == {
         "cluster": {"num_devices": None, "hardware": None,
                     "colocate_split_and_replicate": False},
-        "pipeline": {"num_micro_batch": 1, "schedule": "1f1b", "group_size": 1},
+        "pipeline": {"num_micro_batch": 1, "schedule": "1f1b", "task_functions": True,
+                     "group_size": 1},
         "split": {"patterns": None},
         "auto": {"auto_parallel": False, "num_task_graph": None, "opt_level": "O2",
                  "global_batch": 32, "search_time_limit_s": 60.0, "planning_pass": True},

@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from equivalence import assert_equivalent, deep_mlp, dense, make_data, plan_of, train
+from equivalence import (assert_equivalent, deep_mlp, dense, initialized, make_data, plan_of,
+                         train)
 
 import tfpar as wh
+from tfpar.hooks.capture import existing_capture
 from tfpar.planner.schedule import build_schedule
 
 DATA = make_data(steps=3, batch=8)
@@ -243,7 +245,7 @@ def test_bridges_between_stages_of_different_widths(widths, devices, backend):
 
 
 @pytest.mark.parametrize("widths,reads", [([2, 4], "SplitV"), ([4, 2], "ConcatV2"),
-                                          ([2, 2], "Tanh")])
+                                          ([2, 2], "producer")])
 def test_bridge_fuses_gather_and_partition(widths, reads):
     """Splitting each producer's rows for narrower consumers needs no gather;
     gathering for wider ones needs no split; equal widths read directly."""
@@ -255,11 +257,18 @@ def test_bridge_fuses_gather_and_partition(widths, reads):
         mlp_stages(2, True, widths=widths)(x, y)
         with v1.Session() as sess:
             sess.run(v1.global_variables_initializer())
-        matmuls = [op for op in graph.get_operations()
-                   if op.type == "MatMul" and op.name.endswith("stage1/MatMul")]
+        rw = existing_capture(graph).rewrite.rewrite
+        matmul = graph.get_operation_by_name("stage1/MatMul")
+        hidden = rw.built_inputs(matmul)[0]  # what each version of stage 1 reads for it:
+        read = [rw.bridges.tensor(hidden, 1, v).op for v in range(len(rw.versions(matmul)))]
+        called = set(rw.versions(matmul))
+        producers = rw.versions(hidden.op)
     wh.reset()
-    assert len(matmuls) == widths[1]
-    assert {m.inputs[0].op.type for m in matmuls} == {reads}
+    assert len(read) == len(called) == widths[1]
+    if reads == "producer":
+        assert read == producers
+    else:
+        assert {op.type for op in read} == {reads}
 
 
 @pytest.mark.parametrize("hardware,devices,first_stage", [
@@ -343,3 +352,45 @@ def test_a_bridge_refuses_tensors_reduced_over_the_batch():
     with pytest.raises(wh.PlanError, match="'Mean:0' .* cannot tell which of its axes"):
         train(build, DATA, {"cluster.num_devices": 3})
     wh.reset()
+
+
+def deep_stages(layers_per_stage, tfpar=True):
+    """build(x, y): 2 stages of ``layers_per_stage`` tanh layers each, Adam."""
+    def build(x, y):
+        h = x
+        for s in range(2):
+            with stage(tfpar, 1):
+                for i in range(layers_per_stage):
+                    h = dense(h, 8, f"stage{s}_{i}", seed=10 * s + i, activation=tf.nn.tanh)
+        loss = v1.losses.sparse_softmax_cross_entropy(y, dense(h, 3, "logits", seed=99))
+        return loss, v1.train.AdamOptimizer(0.1).minimize(loss)
+    return build
+
+
+def rewritten_ops(build, config):
+    """Ops in the graph after the rewrite (made at the first run)."""
+    with initialized(build, config) as graph:
+        return len(graph.get_operations())
+
+
+@pytest.mark.parametrize("functions", [True, False], ids=["functions", "copies"])
+def test_a_pipeline_trains_with_stage_functions_or_copies(functions):
+    """Task functions (the default) and copies (``pipeline.task_functions``
+    false, also the fallback for split stages) give the single-device numbers."""
+    config = {"cluster.num_devices": 2, "pipeline.num_micro_batch": 4,
+              "pipeline.task_functions": functions}
+    assert_equivalent(train(deep_stages(2, False), DATA), train(deep_stages(2), DATA, config))
+
+
+def test_op_count_does_not_grow_with_micro_batches_times_ops():
+    """Issue 18: each micro-batch adds a call per task (and a few ops of
+    bookkeeping), not a copy of its stage: from 4 to 16 micro-batches a model
+    3x deeper grows by as many ops; copies grow by the model's size."""
+    def growth(layers, functions):
+        config = {"cluster.num_devices": 2, "pipeline.task_functions": functions}
+        return (rewritten_ops(deep_stages(layers), {**config, "pipeline.num_micro_batch": 16})
+                - rewritten_ops(deep_stages(layers), {**config, "pipeline.num_micro_batch": 4}))
+    shallow, deep = growth(1, True), growth(3, True)
+    assert shallow == deep, (shallow, deep)
+    assert shallow <= 12 * 2 * 10  # 12 more micro-batches x 2 stages x a few ops each
+    assert growth(3, False) > 3 * deep  # copies: one of every stage op per micro-batch

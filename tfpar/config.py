@@ -71,6 +71,9 @@ SCHEMA = {
     "pipeline.num_micro_batch": Option("int", 1, _at_least(1), "micro-batches per step"),
     "pipeline.schedule": Option("str", "1f1b", _one_of("gpipe", "1f1b", "kfkb", "zero_bubble"),
                                 "pipeline schedule"),
+    "pipeline.task_functions": Option(
+        "bool", True, (), "run each micro-batch's stage tasks as calls of one graph function "
+        "per task (off: a copy of the stage per micro-batch)"),
     "pipeline.group_size": Option("int|str", 1, _GROUP_SIZE, "k of kFkB, or 'auto' (Ada-Grouper)"),
     "split.patterns": Option("dict|None", None, (),
                              "ShardingUnit name -> sharding pattern the matcher must use"),

@@ -31,23 +31,25 @@ class Bridges:
       placement: stage devices and op stages.
       split: the batch pieces (``batch_split.split_batch`` with
         ``layout.num_pieces`` parts).
-      versions: original op -> its versions (version order).
+      version_tensor: (step tensor, version) -> that version's tensor.
       batch_dependent: ops whose values depend on the batch.
       batch_axis: tensor -> the axis carrying its rows, or None
         (``analysis.batch_axes``).
     """
 
     def __init__(self, layout: Layout, placement: Placement, split: BatchSplit,
-                 versions: Callable[[ops.Operation], List[ops.Operation]],
+                 version_tensor: Callable[[tensor_lib.Tensor, int], tensor_lib.Tensor],
                  batch_dependent, batch_axis: Callable[[tensor_lib.Tensor], Optional[int]]
                  ) -> None:
         self._layout = layout
         self._placement = placement
         self._split = split
-        self._versions = versions
+        self._version_tensor = version_tensor
         self._batch_dependent = batch_dependent
         self._batch_axis = batch_axis
         self._cache: Dict[tuple, tensor_lib.Tensor] = {}
+        # (tensor, stage) -> the key of what made it for that stage
+        self._made: Dict[tuple, tuple] = {}
 
     def device(self, stage: int, version: int) -> str:
         return self._placement.stage_devices[stage][self._layout.slot(stage, version)[0]]
@@ -58,7 +60,7 @@ class Bridges:
         if key not in self._cache:
             with ops.device(self.device(stage, version)):
                 self._cache[key] = self._split.rows(index, self._layout.pieces(stage, version))
-        return self._cache[key]
+        return self._remember(key, stage)
 
     def weight(self, stage: int, version: int) -> tensor_lib.Tensor:
         """Share of the global batch a version computes (float32)."""
@@ -66,7 +68,7 @@ class Bridges:
         if key not in self._cache:
             terms = [self._split.weights[p] for p in self._layout.pieces(stage, version)]
             self._cache[key] = terms[0] if len(terms) == 1 else math_ops.add_n(terms)
-        return self._cache[key]
+        return self._remember(key, stage)
 
     def tensor(self, t: tensor_lib.Tensor, stage: int, version: int) -> tensor_lib.Tensor:
         """What version ``version`` of ``stage`` reads for ``t``, an output of an
@@ -87,10 +89,28 @@ class Bridges:
                      if _overlap(layout.pieces(producer, source), wanted)]
             with ops.device(self.device(stage, version)):
                 self._cache[key] = concat_rows(parts, axis)
-        return self._cache[key]
+        return self._remember(key, stage)
 
     def _output(self, t: tensor_lib.Tensor, version: int) -> tensor_lib.Tensor:
-        return self._versions(t.op)[version].outputs[t.value_index]
+        return self._version_tensor(t, version)
+
+    def counterpart(self, x: tensor_lib.Tensor, stage: int, version: int
+                    ) -> Optional[tensor_lib.Tensor]:
+        """What version ``version`` of ``stage`` reads where version 0 reads
+        ``x``, if ``x`` is a batch input, weight or bridge made for stage
+        ``stage``; else None."""
+        key = self._made.get((x, stage))
+        if key is None:
+            return None
+        if key[0] == "batch":
+            return self.batch_input(key[1], stage, version)
+        if key[0] == "weight":
+            return self.weight(stage, version)
+        return self.tensor(key[1], stage, version)
+
+    def _remember(self, key: tuple, stage: int) -> tensor_lib.Tensor:
+        self._made.setdefault((self._cache[key], stage), key)
+        return self._cache[key]
 
     def _partition(self, t: tensor_lib.Tensor, source: int, stage: int,
                    axis: int) -> Dict[int, tensor_lib.Tensor]:

@@ -9,8 +9,12 @@ stages (S = 1 without a pipeline), stage s replicated ``width[s]`` times within
 a pipeline replica (``layout.Layout``, ``stages.Placement``):
   * the batch inputs are cut into pieces (``batch_split``); version v of stage s
     computes the rows of ``layout.pieces(s, v)``;
-  * version 0 of each stage is the original ops; version v > 0 is a copy on its
-    stage device; inputs from other stages go through bridges (``bridge``);
+  * version 0 of each stage is the original ops; version v > 0 is, per task
+    (a stage's forward or backward ops), a call of the task's function on its
+    stage device (``task_functions``), or where tasks cannot be functions
+    (split stages, reference variables, tasks reading each other both ways) a
+    copy of the stage's ops; inputs from other stages go through bridges
+    (``bridge``);
   * each stage device runs its versions' forward and backward tasks in the
     order of the pipeline schedule (``pipeline.lower_schedule``);
   * a version's gradients are weighted by its share of the batch, at no cost by
@@ -42,13 +46,14 @@ from tfpar.hooks.capture import GraphCapture
 from tfpar.rewriters import graph_edit
 from tfpar.rewriters.batch_split import split_batch, split_sources
 from tfpar.rewriters.bridge import Bridges
-from tfpar.rewriters.gradients import reduce_gradients, scale_seeds
+from tfpar.rewriters.gradients import reduce_gradients, scale_seed, scale_seeds
 from tfpar.rewriters.layout import Layout
 from tfpar.rewriters.merge import merge_step_tensor
-from tfpar.rewriters.pipeline import lower_schedule, task_ops
+from tfpar.rewriters.pipeline import lower_schedule, stage_tasks, task_ops
 from tfpar.rewriters.replica_sync import add_replica_sync
 from tfpar.rewriters.select import GraphIndex, Selection, gradient_tensors, select_replication
 from tfpar.rewriters.stages import Placement
+from tfpar.rewriters.task_functions import call_tasks, task_order
 
 __all__ = ["DataParallelRewrite", "replicate"]
 
@@ -62,7 +67,14 @@ class DataParallelRewrite:
       layout: the rows of every version of every stage.
       selection: the ops/variables/inputs that were copied.
       version_maps: ``version_maps[s][v]``: original op of stage s -> its
-        version v (empty for v = 0, the originals).
+        version v (empty for v = 0, the originals): its copy, or the call of
+        its task's function.
+      version_values: ``version_values[s][v]``: tensor of stage s -> its
+        value in version v, for versions made by function calls (their
+        results); empty for copies.
+      functions: versions are function calls (``task_functions``).
+      outside_tasks: step ops that run outside the task functions, once per
+        stage device (variable reads).
       device_maps: ``device_maps[s][j]``: original variable / update op of stage
         s -> its copy on stage device j (mirrored variables only; j = 0 empty).
       bridges: the batch pieces, version weights and cross-stage tensors.
@@ -76,6 +88,7 @@ class DataParallelRewrite:
         (when gradients, not seeds, are weighted).
       original_inputs: step op -> its inputs as the script built them (the
         rewrite reroutes the originals' to their rows and stages).
+      original_controls: step op -> its control inputs as the script built them.
       batch_axes: which axis of each step tensor holds the batch rows
         (``analysis.batch_axes.BatchAxes``).
       task_ops: (stage device j, stage, "F"/"B", micro-batch) -> the ops of that
@@ -90,6 +103,10 @@ class DataParallelRewrite:
     selection: Selection
     version_maps: List[List[Dict[ops.Operation, ops.Operation]]]
     device_maps: List[List[Dict[ops.Operation, ops.Operation]]]
+    version_values: List[List[Dict[tensor_lib.Tensor, tensor_lib.Tensor]]] = dataclasses.field(
+        default_factory=list)
+    functions: bool = False
+    outside_tasks: Set[ops.Operation] = dataclasses.field(default_factory=set)
     bridges: Optional[Bridges] = None
     reduced: Dict[tensor_lib.Tensor, List[tensor_lib.Tensor]] = dataclasses.field(default_factory=dict)
     sync_ops: Dict[ops.Operation, ops.Operation] = dataclasses.field(default_factory=dict)
@@ -99,10 +116,13 @@ class DataParallelRewrite:
     summed_grads: Set[tensor_lib.Tensor] = dataclasses.field(default_factory=set)
     original_inputs: Dict[ops.Operation, List[tensor_lib.Tensor]] = dataclasses.field(
         default_factory=dict)
+    original_controls: Dict[ops.Operation, List[ops.Operation]] = dataclasses.field(
+        default_factory=dict)
     batch_axes: Any = None
     task_ops: Dict[tuple, List[ops.Operation]] = dataclasses.field(default_factory=dict)
     processes: Any = None
     edits: int = 0
+    _copies: Dict[tuple, Dict] = dataclasses.field(default_factory=dict)
 
     @property
     def num_micro_batch(self) -> int:
@@ -121,8 +141,7 @@ class DataParallelRewrite:
 
     def versions(self, op: ops.Operation) -> List[ops.Operation]:
         """Every version of a step op, in batch order."""
-        maps = self.version_maps[self.placement.stage(op)]
-        return [m.get(op, op) if v else op for v, m in enumerate(maps)]
+        return [m.get(op, op) for m in self.version_maps[self.placement.stage(op)]]
 
     def replica_versions(self, op: ops.Operation) -> List[ops.Operation]:
         """Every stage device's copy of an update op or variable (just ``op``
@@ -137,6 +156,61 @@ class DataParallelRewrite:
         the originals to their rows and stages)."""
         return self.original_inputs.get(op, op.inputs)
 
+    def built_controls(self, op: ops.Operation) -> List[ops.Operation]:
+        """``op``'s control inputs as the script built them."""
+        return self.original_controls.get(op, op.control_inputs)
+
+    def version_tensor(self, t: tensor_lib.Tensor, version: int) -> tensor_lib.Tensor:
+        """Step tensor ``t`` as version ``version`` computes it.
+
+        Raises:
+          PlanError: the version is a function call that does not return it
+            (a backward tensor nothing outside its task read at the rewrite).
+        """
+        if t.op not in self.selection.step_ops_set or not (version or self.functions):
+            return t
+        stage = self.placement.stage(t.op)
+        if not self.functions:
+            return self.version_maps[stage][version][t.op].outputs[t.value_index]
+        value = self.version_values[stage][version].get(t)
+        if value is None:
+            raise PlanError(
+                f"tfpar: '{t.name}' is computed inside the backward function of TaskGraph "
+                f"'{self.placement.task_graph_names[stage]}' and was not read outside it when "
+                "tfpar rewrote the graph, so its per-micro-batch values cannot be fetched. "
+                "Fetch it in the first run, or read it in the graph (tf.identity) before")
+        return value
+
+    def variable_copies(self, stage: int, device: int) -> Dict:
+        """Original variable handle -> the copy stage device ``device`` of
+        ``stage`` reads."""
+        key = (stage, device)
+        if key not in self._copies:
+            self._copies[key] = _variable_copies(self, stage, device)
+        return self._copies[key]
+
+    def prefix(self, stage: int, device: int) -> str:
+        """Name scope of what stage device ``device`` of ``stage`` runs."""
+        return (f"replica_{device}" if self.placement.num_stages == 1
+                else f"stage_{stage}/replica_{device}")
+
+    def connect(self, c: ops.Operation, k: int, t: tensor_lib.Tensor, version: int) -> None:
+        """Version ``version`` of ``c`` reads its rows of ``t`` (another stage's
+        tensor) as input ``k``."""
+        c_v = self.versions(c)[version]
+        new = self.bridges.tensor(t, self.placement.stage(c), version)
+        if c_v.inputs[k] is not new:
+            graph_edit.update_input(c_v, k, new)
+            self.edits += 1 if version == 0 else 0
+
+    def wait(self, c: ops.Operation, p: ops.Operation, version: int) -> None:
+        """Version ``version`` of ``c`` waits on the versions of ``p`` (another
+        stage's op) of its own unit."""
+        stage_of = self.placement.stage
+        unit = self.layout.unit(stage_of(c), version)
+        for source in self.layout.unit_versions(stage_of(p), unit):
+            graph_edit.add_control_input(self.versions(c)[version], self.versions(p)[source])
+
     def merged_tensor(self, t: tensor_lib.Tensor) -> tensor_lib.Tensor:
         """``t`` (a step tensor) merged over versions (``merge``). Builds ops on
         first use."""
@@ -147,7 +221,7 @@ class DataParallelRewrite:
 
 def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placement: Placement,
               num_micro_batch: int, reducer_for, schedule,
-              processes=None) -> DataParallelRewrite:
+              processes=None, functions: bool = True) -> DataParallelRewrite:
     """Rewrite ``graph`` (see module docstring).
 
     Args:
@@ -158,6 +232,7 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
       schedule: per stage, the ordered forward/backward tasks of one stage
         device (``planner.schedule.build_schedule``).
       processes: the Horovod job (``horovod_backend.HorovodProcesses``) or None.
+      functions: make versions function calls where tasks can be functions.
     """
     global_steps = {v.op for v in graph.get_collection(ops.GraphKeys.GLOBAL_STEP)}
     global_steps |= {c.global_step.op for c in capture.apply_calls if c.global_step is not None}
@@ -184,6 +259,7 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
     _refuse_unsplittable(sel.batch_inputs, sel.sparse_inputs)
     step = sel.step_ops_set
     rw.original_inputs = {op: list(op.inputs) for op in sel.step_ops}
+    rw.original_controls = {op: list(op.control_inputs) for op in sel.step_ops}
     copied = step | set(sel.update_ops)
     raw = {t for g, _ in sel.raw_grads for t in gradient_tensors(g)}
     # Snapshot edges before tfpar adds ops of its own.
@@ -208,16 +284,32 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
         rw.batch_axes = BatchAxes(sel.batch_dependent, sel.batch_inputs, rw.built_inputs,
                                   lambda op: capture.differentiates.get(op.name),
                                   not_rows={t for group in sel.sparse_inputs for t in group})
-        rw.bridges = Bridges(layout, placement, split, rw.versions, sel.batch_dependent,
+        rw.bridges = Bridges(layout, placement, split, rw.version_tensor, sel.batch_dependent,
                              rw.batch_axes.axis)
         _reroute_batch_inputs(rw, step)
         if rw.mirrored:
             _clone_variables(graph, rw)
-        for s in stages:
-            _clone_stage(graph, rw, s)
-        _connect_stages(rw, crossing, crossing_controls)
-        lower_schedule(rw, capture, index, schedule)
-        scale_seeds(rw, capture, index)
+        tasks = stage_tasks(rw, capture, index)
+        order = task_order(rw, tasks) if functions and _passable(sel, placement) else None
+        seeds = scale_seeds(rw, capture, index)
+        if order is not None:
+            rw.functions = True
+            rw.version_values = [[{} for _ in range(layout.num_versions(s))] for s in stages]
+            call_tasks(graph, rw, tasks, order, seeds,
+                       {t for call in capture.gradient_calls for g in call.grads
+                        if g is not None for t in gradient_tensors(g)})
+            lower_schedule(rw, capture, index, schedule)
+            for op in sel.update_ops:  # they read version 0's values, not the template's
+                for k, t in enumerate(op.inputs):
+                    if t.op in step and t not in raw:
+                        graph_edit.update_input(op, k, rw.version_tensor(t, 0))
+        else:
+            for s in stages:
+                _clone_stage(graph, rw, s)
+            _connect_stages(rw, crossing, crossing_controls)
+            lower_schedule(rw, capture, index, schedule)
+            for seed in seeds:
+                scale_seed(rw, seed, range(len(rw.versions(seed.op))))
         reduce_gradients(rw, raw, reducer_for)
         if rw.mirrored:
             _copy_updates(graph, rw)
@@ -303,12 +395,11 @@ def _reroute_batch_inputs(rw: DataParallelRewrite, step) -> None:
 def _clone_variables(graph: ops.Graph, rw: DataParallelRewrite) -> None:
     """Mirrored: a copy of each stage's variables on its stage devices 1.."""
     placement = rw.placement
-    single = placement.num_stages == 1
     for stage, devices in enumerate(placement.stage_devices):
         variables = [v for v in rw.selection.variables if placement.stage(v) == stage]
         for j in range(1, len(devices)):
             rw.device_maps[stage][j] = graph_edit.clone_ops(
-                graph, variables, _prefix(stage, j, single) + "/variables",
+                graph, variables, rw.prefix(stage, j) + "/variables",
                 functools.partial(placement.device, index=j), {})
 
 
@@ -317,20 +408,21 @@ def _clone_stage(graph: ops.Graph, rw: DataParallelRewrite, stage: int) -> None:
     other stages are connected later."""
     sel, layout, placement = rw.selection, rw.layout, rw.placement
     stage_ops = [op for op in sel.step_ops if placement.stage(op) == stage]
-    single = placement.num_stages == 1
     for v in range(1, layout.num_versions(stage)):
         j, m = layout.slot(stage, v)
         imap = {rw.bridges.batch_input(i, stage, 0): rw.bridges.batch_input(i, stage, v)
                 for i in range(len(sel.batch_inputs))}
         if rw.mirrored:
-            imap.update(_variable_copies(rw, stage, j))
+            imap.update(rw.variable_copies(stage, j))
         rw.version_maps[stage][v] = graph_edit.clone_ops(
-            graph, stage_ops, f"{_prefix(stage, j, single)}/micro_{m}",
+            graph, stage_ops, f"{rw.prefix(stage, j)}/micro_{m}",
             functools.partial(placement.device, index=j), imap)
 
 
-def _prefix(stage: int, device: int, single_stage: bool) -> str:
-    return f"replica_{device}" if single_stage else f"stage_{stage}/replica_{device}"
+def _passable(sel: Selection, placement: Placement) -> bool:
+    """Whether tasks can be functions: no split stage (its ops span a device
+    group), every variable a resource variable (a reference cannot be passed)."""
+    return not placement.split_groups and all(v.type == "VarHandleOp" for v in sel.variables)
 
 
 def _variable_copies(rw: DataParallelRewrite, stage: int, device: int) -> Dict:
@@ -347,19 +439,12 @@ def _variable_copies(rw: DataParallelRewrite, stage: int, device: int) -> Dict:
 def _connect_stages(rw: DataParallelRewrite, crossing, crossing_controls) -> None:
     """Every version reads other stages' tensors for its own rows (bridges) and
     waits on their ops of its own unit."""
-    stage_of = rw.placement.stage
     for c, k, t in crossing:
-        for v, c_v in enumerate(rw.versions(c)):
-            new = rw.bridges.tensor(t, stage_of(c), v)
-            if c_v.inputs[k] is not new:
-                graph_edit.update_input(c_v, k, new)
-                rw.edits += 1 if v == 0 else 0
+        for v in range(len(rw.versions(c))):
+            rw.connect(c, k, t, v)
     for c, p in crossing_controls:
-        producer_versions = rw.versions(p)
-        for v, c_v in enumerate(rw.versions(c)):
-            unit = rw.layout.unit(stage_of(c), v)
-            for source in rw.layout.unit_versions(stage_of(p), unit):
-                graph_edit.add_control_input(c_v, producer_versions[source])
+        for v in range(len(rw.versions(c))):
+            rw.wait(c, p, v)
 
 
 def _copy_updates(graph: ops.Graph, rw: DataParallelRewrite) -> None:
@@ -367,11 +452,10 @@ def _copy_updates(graph: ops.Graph, rw: DataParallelRewrite) -> None:
     reduced gradients and its copies of the variables."""
     sel, placement, layout = rw.selection, rw.placement, rw.layout
     step = sel.step_ops_set
-    single = placement.num_stages == 1
     for stage, devices in enumerate(placement.stage_devices):
         update_ops = [op for op in sel.update_ops if placement.stage(op) == stage]
         for j in range(1, len(devices)) if update_ops else ():
-            imap = _variable_copies(rw, stage, j)
+            imap = dict(rw.variable_copies(stage, j))
             # The originals read device 0's reduced gradients: copies read their peer's.
             for grad, red in rw.reduced.items():
                 imap[red[0]] = red[layout.peer(j, stage, placement.stage(grad.op))]
@@ -380,14 +464,15 @@ def _copy_updates(graph: ops.Graph, rw: DataParallelRewrite) -> None:
                     if t.op in step and t not in imap:
                         owner = placement.stage(t.op)
                         v = layout.version(owner, layout.peer(j, stage, owner), 0)
-                        imap[t] = rw.versions(t.op)[v].outputs[t.value_index]
+                        imap[t] = rw.version_tensor(t, v)
             rw.device_maps[stage][j].update(graph_edit.clone_ops(
-                graph, update_ops, _prefix(stage, j, single) + "/update",
+                graph, update_ops, rw.prefix(stage, j) + "/update",
                 functools.partial(placement.device, index=j), imap))
 
 
 def _wire_control_edges(rw: DataParallelRewrite, control_readers, step, copied) -> None:
-    """An op waiting on a copied op also waits on every copy of it."""
+    """An op waiting on a copied op also waits on every copy of it (on every
+    call of its task instead, with functions: the template no longer runs)."""
     for x in rw.selection.step_ops:
         versions = rw.versions(x)
         for c in control_readers[x]:
@@ -396,6 +481,8 @@ def _wire_control_edges(rw: DataParallelRewrite, control_readers, step, copied) 
             for c_j in rw.replica_versions(c) if c in copied else [c]:
                 for dep in versions:
                     graph_edit.add_control_input(c_j, dep)
+                if rw.functions:
+                    graph_edit.remove_control_input(c_j, x)
     for x in rw.selection.update_ops:
         for c in control_readers[x]:
             if c not in copied:

@@ -17,22 +17,22 @@ from tfpar.hooks.capture import GraphCapture
 from tfpar.rewriters import graph_edit
 from tfpar.rewriters.select import GraphIndex, gradient_tensors
 
-__all__ = ["loss_weights", "reduce_gradients", "scale_seeds"]
+__all__ = ["loss_weights", "reduce_gradients", "scale_seed", "scale_seeds"]
 
 log = logging.getLogger("tfpar")
 
 
-def scale_seeds(rw, capture: GraphCapture, index: GraphIndex) -> None:
-    """Weight each version's backprop by its batch share (n_u / N for a loss that
-    is a mean over the rows; 1 for a sum: ``loss_weights``) by scaling the
-    seeds it starts from.
+def scale_seeds(rw, capture: GraphCapture, index: GraphIndex) -> List[tensor_lib.Tensor]:
+    """Decide how each version's backprop is weighted by its batch share (n_u / N
+    for a loss that is a mean over the rows; 1 for a sum: ``loss_weights``):
+    returns the seeds to scale (``scale_seed``), whose backprop is linear in them.
 
     Sets ``rw.seed_weighted``: every step op downstream of a seed, whose
     versions then equal the global-batch backprop restricted to their rows (so
     fetched gradients merge by concatenation or plain sums). Leaves it empty,
-    and gradients are weighted instead, when a seed is unknown or a
-    differentiated tensor depends on a seed (higher-order gradients, where the
-    backprop is no longer linear in the seed).
+    returns no seed, and gradients are weighted instead, when a seed is
+    unknown or a differentiated tensor depends on a seed (higher-order
+    gradients, where the backprop is no longer linear in the seed).
 
     Raises:
       PlanError: higher-order gradients across stages of different widths.
@@ -50,19 +50,29 @@ def scale_seeds(rw, capture: GraphCapture, index: GraphIndex) -> None:
                             f"TaskGraphs of different widths {rw.layout.widths}")
         rw.summed_grads = {t for call in capture.gradient_calls if id(call) in summed
                            for g in call.grads if g is not None for t in gradient_tensors(g)}
-        return
+        return []
     rw.seed_weighted = downstream
-    everything = {x for op in step for x in rw.versions(op)}
     unweighted = {s for call in capture.gradient_calls if id(call) in summed for s in call.seeds}
-    for seed in sorted(seeds - unweighted, key=lambda t: t.name):
-        stage = rw.placement.stage(seed.op)
-        for v, seed_op in enumerate(rw.versions(seed.op)):
-            seed_v = seed_op.outputs[seed.value_index]
-            readers = [c for c in seed_v.consumers() if c in everything]
-            with ops.device(rw.bridges.device(stage, v)):
-                scaled = seed_v * math_ops.cast(rw.bridges.weight(stage, v), seed.dtype)
-            for c in readers:
-                rw.edits += graph_edit.reroute(c, seed_v, scaled)
+    return sorted(seeds - unweighted, key=lambda t: t.name)
+
+
+def scale_seed(rw, seed: tensor_lib.Tensor, versions) -> List[ops.Operation]:
+    """Multiply ``seed`` by the batch share of each of its ``versions`` (what
+    reads it in that version reads the product); returns the ops made."""
+    stage = rw.placement.stage(seed.op)
+    everything = {x for op in rw.selection.step_ops for x in rw.versions(op)}
+    made = []
+    for v in versions:
+        seed_v = rw.versions(seed.op)[v].outputs[seed.value_index]
+        readers = [c for c in seed_v.consumers() if c in everything]
+        weight = rw.bridges.weight(stage, v)
+        known = len(seed.graph.get_operations())
+        with ops.device(rw.bridges.device(stage, v)):
+            scaled = seed_v * math_ops.cast(weight, seed.dtype)
+        made += seed.graph.get_operations()[known:]
+        for c in readers:
+            rw.edits += graph_edit.reroute(c, seed_v, scaled)
+    return made
 
 
 def loss_weights(rw, capture: GraphCapture) -> Set[int]:
@@ -104,9 +114,8 @@ def _device_terms(rw, t: tensor_lib.Tensor, device: int,
     """Stage device ``device``'s versions of ``t`` (one per micro-batch), each
     weighted by its batch share if ``weigh`` and not weighted already."""
     stage = rw.placement.stage(t.op)
-    versions = rw.versions(t.op)
     picks = [rw.layout.version(stage, device, m) for m in range(rw.num_micro_batch)]
-    terms = [versions[v].outputs[t.value_index] for v in picks]
+    terms = [rw.version_tensor(t, v) for v in picks]
     if not weigh or t.op in rw.seed_weighted or t in rw.summed_grads:
         return terms
     return [x * math_ops.cast(rw.bridges.weight(stage, v), t.dtype) for x, v in zip(terms, picks)]

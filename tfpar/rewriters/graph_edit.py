@@ -9,8 +9,8 @@ from tensorflow.core.framework import attr_value_pb2, graph_pb2
 from tensorflow.python.framework import importer, ops
 from tensorflow.python.framework import tensor as tensor_lib
 
-__all__ = ["add_control_input", "clone_ops", "reroute", "set_device", "unfinalized",
-           "update_input"]
+__all__ = ["add_control_input", "clone_ops", "remove_control_input", "reroute", "set_device",
+           "unfinalized", "update_input"]
 
 _VARIABLE_TYPES = ("VarHandleOp", "VariableV2", "Variable")
 
@@ -34,6 +34,14 @@ def add_control_input(op: ops.Operation, dep: ops.Operation) -> None:
     """Make ``op`` run after ``dep``."""
     if dep not in op.control_inputs:
         op._add_control_input(dep)  # pylint: disable=protected-access
+
+
+def remove_control_input(op: ops.Operation, dep: ops.Operation) -> None:
+    """Make ``op`` no longer wait for ``dep``."""
+    if dep in op.control_inputs:
+        kept = [d for d in op.control_inputs if d is not dep]
+        op._remove_all_control_inputs()  # pylint: disable=protected-access
+        op._add_control_inputs(kept)  # pylint: disable=protected-access
 
 
 def set_device(op: ops.Operation, device: str) -> None:

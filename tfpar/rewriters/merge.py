@@ -51,7 +51,7 @@ def merge_step_tensor(rw, t: tensor_lib.Tensor) -> tensor_lib.Tensor:
 
 
 def _versions(rw, t: tensor_lib.Tensor) -> List[tensor_lib.Tensor]:
-    return [op.outputs[t.value_index] for op in rw.versions(t.op)]
+    return [rw.version_tensor(t, v) for v in range(len(rw.versions(t.op)))]
 
 
 def _rows(rw, t: tensor_lib.Tensor) -> tensor_lib.Tensor:

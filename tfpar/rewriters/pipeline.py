@@ -19,7 +19,7 @@ from tfpar.rewriters import graph_edit
 from tfpar.rewriters.select import GraphIndex
 from tfpar.rewriters.stages import backward_dependent
 
-__all__ = ["lower_schedule", "task_ops"]
+__all__ = ["lower_schedule", "stage_tasks", "task_ops"]
 
 TaskKey = Tuple[int, int, str, int]  # (stage device j, stage, "F" or "B", micro-batch)
 
@@ -47,17 +47,26 @@ def lower_schedule(rw, capture: GraphCapture, index: GraphIndex,
                 previous = members
 
 
-def task_ops(rw, capture: GraphCapture, index: GraphIndex) -> Dict[TaskKey, List[ops.Operation]]:
-    """The ops of every task, keyed (stage device j, stage, kind, micro-batch)."""
+def stage_tasks(rw, capture: GraphCapture, index: GraphIndex
+                ) -> Dict[Tuple[int, str], List[ops.Operation]]:
+    """The original ops of every stage's forward ("F") and backward ("B") task,
+    keyed (stage, kind), in graph order."""
     backward = backward_dependent(rw.selection.step_ops, capture, index)
     groups: Dict[Tuple[int, str], List[ops.Operation]] = {}
     for op in rw.selection.step_ops:
         groups.setdefault((rw.placement.stage(op), "B" if op in backward else "F"), []).append(op)
+    return groups
+
+
+def task_ops(rw, capture: GraphCapture, index: GraphIndex) -> Dict[TaskKey, List[ops.Operation]]:
+    """The ops of every task, keyed (stage device j, stage, kind, micro-batch)
+    (a version made by a function call: the call)."""
     result = {}
-    for (s, kind), originals in groups.items():
+    for (s, kind), originals in stage_tasks(rw, capture, index).items():
         for v, version_map in enumerate(rw.version_maps[s]):
             j, m = rw.layout.slot(s, v)
-            result[(j, s, kind, m)] = [version_map.get(op, op) if v else op for op in originals]
+            members = [version_map.get(op, op) for op in originals if op not in rw.outside_tasks]
+            result[(j, s, kind, m)] = list(dict.fromkeys(members))
     return result
 
 

@@ -13,16 +13,21 @@ copy of the stage. The calls are marked ``_noinline`` so that TensorFlow does
 not inline them back into the graph before optimizing it.
 """
 import dataclasses
-from typing import Callable, Dict, List, Sequence, Set
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-from tensorflow.core.framework import attr_value_pb2
-from tensorflow.python.framework import dtypes, function, graph_to_function_def, ops
+import networkx as nx
+from tensorflow.core.framework import attr_value_pb2, function_pb2
+from tensorflow.core.protobuf import config_pb2
+from tensorflow.python.framework import function, ops
 from tensorflow.python.framework import tensor as tensor_lib
+from tensorflow.python.ops import gen_resource_variable_ops
 
-__all__ = ["TaskFunction", "call_task", "define_task"]
+from tfpar.rewriters.gradients import scale_seed
 
-# Results a function cannot pass (kept inside the task).
-_UNPASSABLE = (dtypes.resource, dtypes.variant)
+__all__ = ["TaskFunction", "call_task", "call_tasks", "define_task", "task_order"]
+
+Key = Tuple[int, str]  # (stage, "F" or "B")
+
 
 
 @dataclasses.dataclass
@@ -48,8 +53,9 @@ def define_task(graph: ops.Graph, task: Sequence[ops.Operation], name: str,
                 exported: Callable[[tensor_lib.Tensor], bool]) -> TaskFunction:
     """Add the function of ``task`` (ops of ``graph``) to the graph's library.
 
-    Its results are the task's tensors read by ops outside it, and those
-    ``exported(t)`` asks for (tensors a later fetch may need).
+    Its results are the task's tensors that ops outside it read, that nothing
+    reads (a fetch may), and those ``exported`` (what a later fetch, merged
+    over the versions, may need).
     """
     inside: Set[ops.Operation] = set(task)
     arguments: Dict[tensor_lib.Tensor, None] = {}
@@ -62,26 +68,74 @@ def define_task(graph: ops.Graph, task: Sequence[ops.Operation], name: str,
         for dep in op.control_inputs:
             if dep not in inside:
                 controls.setdefault(dep)
-        for t in op.outputs:
-            if t.dtype.base_dtype in _UNPASSABLE:
-                continue
-            if exported(t) or any(c not in inside for c in t.consumers()):
-                results.append(t)
-    definition = graph_to_function_def.graph_to_function_def(
-        graph, list(task), list(arguments), results)
-    definition.signature.name = graph.unique_name(name, mark_as_used=True).replace("/", "_")
-    names = {op.name for op in task}
-    for node in definition.node_def:
-        node.device = ""  # the body runs where its call does
-        if "_class" in node.attr:
-            del node.attr["_class"]
-        kept = [x for x in node.input if not x.startswith("^") or x[1:] in names]
-        del node.input[:]
-        node.input.extend(kept)
-    definition.attr["_noinline"].CopyFrom(attr_value_pb2.AttrValue(b=True))
+        results.extend(t for t in op.outputs if exported(t) or not t.consumers()
+                       or any(c not in inside for c in t.consumers()))
+    definition = _function_def(graph.unique_name(name, mark_as_used=True), task, inside,
+                               list(arguments), results)
     library_function = function._from_definition(definition)  # pylint: disable=protected-access
     library_function.add_to_graph(graph)
     return TaskFunction(list(task), list(arguments), list(controls), results, library_function)
+
+
+def _function_def(name: str, task: Sequence[ops.Operation], inside: Set[ops.Operation],
+                  arguments: List[tensor_lib.Tensor], results: List[tensor_lib.Tensor]
+                  ) -> function_pb2.FunctionDef:
+    """The FunctionDef whose body is ``task``'s ops (devices and colocations
+    dropped: the body runs where its call does), reading ``arguments`` and
+    returning ``results``. Ops whose effect is not a result (a metric
+    accumulator's update, a no-op others wait on) are control outputs, so
+    every call runs them."""
+    definition = function_pb2.FunctionDef()
+    definition.signature.name = name
+    refs: Dict[str, str] = {}
+    for i, t in enumerate(arguments):
+        arg = definition.signature.input_arg.add(name=f"arg{i}", type=t.dtype.as_datatype_enum)
+        refs[t.name] = arg.name
+    for op in task:
+        refs.update(zip((t.name for t in op.outputs), _output_refs(op)))
+    returned = {t.op for t in results}
+    for op in task:
+        node = definition.node_def.add()
+        node.CopyFrom(op.node_def)
+        node.device = ""
+        if "_class" in node.attr:
+            del node.attr["_class"]
+        del node.input[:]
+        node.input.extend([refs[t.name] for t in op.inputs]
+                          + ["^" + dep.name for dep in op.control_inputs if dep in inside])
+        if op.op_def.is_stateful:
+            definition.signature.is_stateful = True
+        if op not in returned and (op.op_def.is_stateful or not op.outputs):
+            definition.signature.control_output.append(op.name)
+            definition.control_ret[op.name] = op.name
+    for i, t in enumerate(results):
+        out = definition.signature.output_arg.add(name=f"out{i}", type=t.dtype.as_datatype_enum)
+        definition.ret[out.name] = refs[t.name]
+    definition.attr["_noinline"].CopyFrom(attr_value_pb2.AttrValue(b=True))
+    return definition
+
+
+def _call_config() -> bytes:
+    """The ConfigProto of every call: TensorFlow's graph optimizer already
+    optimized the library functions with the session's graph, so instantiating
+    a call (once per call op) does not run it again."""
+    config = config_pb2.ConfigProto()
+    config.graph_options.rewrite_options.disable_meta_optimizer = True
+    return config.SerializeToString()
+
+
+_CALL_CONFIG = _call_config()
+
+
+def _output_refs(op: ops.Operation) -> List[str]:
+    """How a function body refers to each output of ``op`` (``op:arg:i``)."""
+    attrs = op.node_def.attr
+    refs = []
+    for arg in op.op_def.output_arg:
+        count = (attrs[arg.number_attr].i if arg.number_attr else
+                 len(attrs[arg.type_list_attr].list.type) if arg.type_list_attr else 1)
+        refs += [f"{op.name}:{arg.name}:{i}" for i in range(count)]
+    return refs
 
 
 def call_task(graph: ops.Graph, fn: TaskFunction, arguments: Sequence[tensor_lib.Tensor],
@@ -101,8 +155,117 @@ def call_task(graph: ops.Graph, fn: TaskFunction, arguments: Sequence[tensor_lib
                 "Tout": attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(
                     type=[t.dtype.as_datatype_enum for t in fn.results])),
                 "config": attr_value_pb2.AttrValue(s=b""),
-                "config_proto": attr_value_pb2.AttrValue(s=b""),
+                "config_proto": attr_value_pb2.AttrValue(s=_CALL_CONFIG),
                 "executor_type": attr_value_pb2.AttrValue(s=b"")})
     result = dict(zip(fn.results, call.outputs))
     result[None] = call
     return result
+
+
+def task_order(rw, tasks: Dict[Key, List[ops.Operation]]) -> Optional[List[Key]]:
+    """The tasks in an order where each comes after every task it reads from
+    (data or control), or None when they read from each other both ways
+    (a task is called whole, so such tasks cannot be functions)."""
+    owner = {op: key for key, members in tasks.items() for op in members}
+    dag = nx.DiGraph()
+    dag.add_nodes_from(tasks)
+    for key, members in tasks.items():
+        for op in members:
+            for src in [t.op for t in rw.built_inputs(op)] + rw.built_controls(op):
+                if owner.get(src, key) != key:
+                    dag.add_edge(owner[src], key)
+    if not nx.is_directed_acyclic_graph(dag):
+        return None
+    return list(nx.lexicographical_topological_sort(dag))
+
+
+def call_tasks(graph: ops.Graph, rw, tasks: Dict[Key, List[ops.Operation]], order: List[Key],
+               seeds: Sequence[tensor_lib.Tensor], fetchable: Set[tensor_lib.Tensor]) -> None:
+    """Every version of every task as a call of its function (module doc), in
+    ``order``. The originals are the template: their ``seeds`` are scaled by
+    version 0's batch share (a weight each call passes its own of), the rest
+    of what they read maps to each version's counterpart; they no longer run.
+    A forward task returns all its tensors (a later fetch may need any of
+    them), a backward one also those of ``fetchable`` and its ops that
+    ``tf.gradients`` did not make (a loss reading a gradient)."""
+    step = rw.selection.step_ops_set
+    layout = rw.layout
+    reads = rw.outside_tasks = _read_variables(graph, rw)
+    for stage, kind in order:
+        members = [op for op in tasks[(stage, kind)] if op not in reads]
+        inside = set(members)
+        for seed in seeds:
+            if seed.op in inside:
+                members += scale_seed(rw, seed, [0])
+        fn = define_task(graph, members, f"tfpar_stage_{stage}_{kind}",
+                         (lambda t: True) if kind == "F" else
+                         (lambda t: t in fetchable or t.op not in rw.selection.backward))
+        for v in range(layout.num_versions(stage)):
+            j, m = layout.slot(stage, v)
+            values = call_task(
+                graph, fn, [_counterpart(rw, x, stage, v, j) for x in fn.arguments],
+                _call_controls(rw, members, inside, stage, v), rw.bridges.device(stage, v),
+                f"{rw.prefix(stage, j)}/micro_{m}/{kind}")
+            call = values.pop(None)
+            rw.version_values[stage][v].update(values)
+            rw.version_maps[stage][v].update((op, call) for op in members if op in step)
+
+
+def _read_variables(graph: ops.Graph, rw) -> Set[ops.Operation]:
+    """The step's plain variable reads run outside the task functions, once per
+    stage device (each version on it reads the value there), so that calls pass
+    values, not variable handles: TensorFlow's placer inspects the body of
+    every call that takes a resource, once per call. Returns the reads moved."""
+    reads = {op for op in rw.selection.step_ops if op.type == "ReadVariableOp"
+             and op.inputs[0].op in rw.selection.variables and not op.control_inputs}
+    for read in sorted(reads, key=lambda op: op.name):
+        stage = rw.placement.stage(read)
+        handle = read.inputs[0]
+        on_device = {}
+        for v in range(rw.layout.num_versions(stage)):
+            j = rw.layout.slot(stage, v)[0]
+            if j not in on_device:
+                copy = rw.variable_copies(stage, j).get(handle, handle) if rw.mirrored else handle
+                if copy is handle:
+                    on_device[j] = read
+                else:
+                    with graph.as_default(), ops.device(rw.placement.device(read, j)):
+                        on_device[j] = gen_resource_variable_ops.read_variable_op(
+                            copy, read.get_attr("dtype"), name=f"{rw.prefix(stage, j)}/read").op
+            rw.version_maps[stage][v][read] = on_device[j]
+            rw.version_values[stage][v][read.outputs[0]] = on_device[j].outputs[0]
+    return reads
+
+
+def _counterpart(rw, x: tensor_lib.Tensor, stage: int, version: int,
+                 device: int) -> tensor_lib.Tensor:
+    """What version ``version`` (on stage device ``device``) of a task of
+    ``stage`` reads where version 0 reads ``x``."""
+    made = rw.bridges.counterpart(x, stage, version)
+    if made is not None:
+        return made
+    if x.op in rw.selection.step_ops_set:
+        if rw.placement.stage(x.op) == stage:
+            return rw.version_tensor(x, version)
+        return rw.bridges.tensor(x, stage, version)
+    return rw.variable_copies(stage, device).get(x, x) if rw.mirrored else x
+
+
+def _call_controls(rw, members, inside, stage: int, version: int) -> List[ops.Operation]:
+    """What version ``version`` of a task waits on: its ops' control inputs
+    from outside the task, as the script built them, in that version."""
+    step = rw.selection.step_ops_set
+    deps: Dict[ops.Operation, None] = {}
+    for op in members:
+        for p in rw.built_controls(op):
+            if p in inside:
+                continue
+            if p not in step:
+                deps.setdefault(p)
+            elif rw.placement.stage(p) == stage:
+                deps.setdefault(rw.versions(p)[version])
+            else:
+                unit = rw.layout.unit(stage, version)
+                for source in rw.layout.unit_versions(rw.placement.stage(p), unit):
+                    deps.setdefault(rw.versions(p)[source])
+    return list(deps)

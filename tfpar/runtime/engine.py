@@ -336,7 +336,8 @@ def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
         with graph_edit.unfinalized(graph), recording_paused():
             rewrite = replicate(graph, capture, index, placement, plan.num_micro_batch,
                                 reducer_for, schedule,
-                                HorovodProcesses(cfg.get("io.shard_dataset")) if horovod else None)
+                                HorovodProcesses(cfg.get("io.shard_dataset")) if horovod else None,
+                                functions=cfg.get("pipeline.task_functions"))
         capture.plan = plan
         capture.rewrite = FetchTranslator(graph, rewrite)
         log.info("tfpar rewrote the graph:\n%s", plan.summary())

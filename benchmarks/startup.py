@@ -1,0 +1,250 @@
+"""tfpar start-up benchmark: what the rewrite costs before and after training starts.
+
+One model, a pre-LN transformer encoder (``--layers`` layers, ``--hidden``
+wide, 4 heads, ``--seq`` positions; float inputs, MSE loss, AdamOptimizer; TF1
+graph API, seeded initial values, the same fed global batch ``--batch`` every
+step), is trained in each configuration:
+
+  * ``plain``: plain TF (tfpar not initialised), 1 CPU;
+  * ``dp4``: tfpar data parallelism, no scopes, ``cluster.num_devices`` 4;
+  * ``pipe4_m4``, ``pipe4_m8``, ``pipe4_m32``: 4 ``wh.replicate(1)`` stages (the
+    attention and feed-forward blocks split evenly, 3 layers each by default;
+    the loss in the last; the optimizer outside every scope) on 4 devices,
+    default schedule (1F1B), ``pipeline.num_micro_batch`` 4, 8, 32;
+  * ``ga_m32``: gradient accumulation, no scopes, 1 device, 32 micro-batches.
+
+Every configuration runs in its own fresh process (no TF caches shared), given
+``--timeout`` seconds; one that times out or fails reports n/a and misses its
+targets. Each process measures, with 4 logical CPU devices where it uses 4:
+
+  * start-up s: from the end of graph building (after ``minimize`` and
+    ``global_variables_initializer``, before the Session exists) to the end of the
+    first training step: Session creation, the initializer run (where tfpar
+    rewrites the graph) and the first step; "init s" is its part up to the end
+    of the initializer run;
+  * step ms: the median of ``--steps`` steps after 2 warm-up steps;
+  * ops and GraphDef MB: ``len(graph.get_operations())`` and
+    ``graph.as_graph_def().ByteSize()`` (function library included) after the
+    first step, i.e. after the rewrite;
+  * the losses of steps 0 and 1, which must match plain TF's (rtol 1e-4).
+
+The ratios come from one run (every configuration once, in the order above).
+Targets (``TARGETS``, at most): pipe4_m8 start-up / plain 3; pipe4_m32 /
+pipe4_m8 start-up 1.5; pipe4_m8 step / plain 1.3; pipe4_m32 / pipe4_m8 ops
+1.10. ``--check`` prints PASS/FAIL per target and exits 1 when one is missed or
+a configuration's losses differ from plain TF's. Progress goes to stderr.
+
+    cd /work/main && .venv/bin/python benchmarks/startup.py [--quick] [--check] [--json]
+
+(2 cores, today: ``--quick`` about 2 minutes; the full run about 20 minutes plus
+pipe4_m32, which took more than 8 minutes alone, most of it start-up.)
+"""
+import argparse
+import contextlib
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import tensorflow as tf  # noqa: E402
+
+import tfpar as wh  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_args import cell, meets, parse_sizes, verdict  # noqa: E402  (same directory)
+from overhead import _dense, layer_norm  # noqa: E402
+
+v1 = tf.compat.v1
+
+HEADS, STAGES, WARMUP, RTOL = 4, 4, 2, 1e-4
+# name: (tfpar config or None for plain TF, logical CPU devices, pipeline stages)
+CONFIGS = {
+    "plain": (None, 1, 0),
+    "dp4": ({"cluster.num_devices": 4}, 4, 0),
+    **{f"pipe4_m{m}": ({"cluster.num_devices": 4, "pipeline.num_micro_batch": m}, 4, STAGES)
+       for m in (4, 8, 32)},
+    "ga_m32": ({"cluster.num_devices": 1, "pipeline.num_micro_batch": 32}, 1, 0),
+}
+TARGETS = {"startup_m8_plain": 3.0, "startup_m32_m8": 1.5, "step_m8_plain": 1.3,
+           "ops_m32_m8": 1.10}
+SIZES = {"layers": (12, 2, f"transformer layers (>= {STAGES // 2})"),
+         "hidden": (256, 32, f"hidden size (a multiple of {HEADS} heads)"),
+         "seq": (64, 8, "sequence length"), "batch": (64, 32, "global batch (a multiple of 32)"),
+         "steps": (5, 3, "timed steps per configuration"),
+         "timeout": (900, 300, "seconds a configuration may take before it is abandoned")}
+COLUMNS = [("config", "config", ""), ("start-up s", "startup_s", ".2f"),
+           ("init s", "init_s", ".2f"), ("/ plain", "startup_plain", ".2f"),
+           ("step ms", "step_ms", ".1f"), ("/ plain", "step_plain", ".2f"),
+           ("ops", "ops", "d"), ("GraphDef MB", "graphdef_mb", ".2f"),
+           ("same loss", "same_loss", "")]
+
+
+def build(args, stages):
+    """(x, target, loss, train_op) in the default graph: the transformer, its 2 x
+    ``--layers`` residual blocks (attention, feed-forward) split evenly over ``stages``
+    ``wh.replicate(1)`` scopes (none when 0), the loss in the last one."""
+    hidden, seq, dh = args.hidden, args.seq, args.hidden // HEADS
+    x = v1.placeholder(tf.float32, [None, seq, hidden], name="x")
+    target = v1.placeholder(tf.float32, [None, seq, hidden], name="target")
+
+    def heads_first(t):  # [B, S, H] -> [B, heads, S, dh]
+        return tf.transpose(tf.reshape(t, [-1, seq, HEADS, dh]), [0, 2, 1, 3])
+
+    def attention(h, i):
+        with v1.variable_scope(f"attn_{i}"):
+            a = layer_norm(h, "ln")
+            q, k, v = (heads_first(_dense(a, hidden, n, seed=10 * i + j))
+                       for j, n in enumerate(("q", "k", "v")))
+            att = tf.nn.softmax(tf.matmul(q, k, transpose_b=True) / math.sqrt(dh))
+            ctx = tf.reshape(tf.transpose(tf.matmul(att, v), [0, 2, 1, 3]), [-1, seq, hidden])
+            return h + _dense(ctx, hidden, "out", seed=10 * i + 3)
+
+    def feed_forward(h, i):
+        with v1.variable_scope(f"ffn_{i}"):
+            f = _dense(layer_norm(h, "ln"), 4 * hidden, "in", seed=10 * i + 4,
+                       activation=tf.nn.gelu)
+            return h + _dense(f, hidden, "out", seed=10 * i + 5)
+
+    h, groups, blocks = x, max(stages, 1), 2 * args.layers
+    for s in range(groups):
+        with wh.replicate(1) if stages else contextlib.nullcontext():
+            for b in range(s * blocks // groups, (s + 1) * blocks // groups):
+                h = (attention, feed_forward)[b % 2](h, b // 2)
+            if s == groups - 1:
+                loss = tf.reduce_mean(tf.square(layer_norm(h, "ln_final") - target))
+    return x, target, loss, v1.train.AdamOptimizer(1e-4).minimize(loss)
+
+
+def run_worker(name, args):
+    """Build and train configuration ``name`` in this process; its measurements as a dict."""
+    tfpar_config, devices, stages = CONFIGS[name]
+    v1.disable_eager_execution()
+    rng = np.random.RandomState(0)
+    data = [rng.randn(args.batch, args.seq, args.hidden).astype(np.float32) for _ in range(2)]
+    graph = tf.Graph()
+    with graph.as_default():
+        if tfpar_config is not None:
+            wh.init(tfpar_config)
+        x, target, loss, train = build(args, stages)
+        init = v1.global_variables_initializer()
+    feed = {x: data[0], target: data[1]}
+    start = time.perf_counter()
+    sess = v1.Session(graph=graph, config=v1.ConfigProto(device_count={"CPU": devices}))
+    sess.run(init)
+    init_s = time.perf_counter() - start
+    losses = [float(sess.run([loss, train], feed)[0])]
+    startup_s = time.perf_counter() - start
+    ops, graphdef_bytes = len(graph.get_operations()), graph.as_graph_def().ByteSize()
+    times = []
+    for i in range(WARMUP + args.steps):
+        begin = time.perf_counter()
+        losses.append(float(sess.run([loss, train], feed)[0]))
+        if i >= WARMUP:
+            times.append(time.perf_counter() - begin)
+    sess.close()
+    return {"startup_s": startup_s, "init_s": init_s, "step_s": statistics.median(times),
+            "ops": ops, "graphdef_bytes": graphdef_bytes, "losses": losses[:2]}
+
+
+def measure(name, args):
+    """Run configuration ``name`` in a fresh process; its measurements (None on failure)."""
+    sizes = [f"--{key.replace('_', '-')}={getattr(args, key)}" for key in SIZES]
+    print(f"startup: {name} ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    try:
+        done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", name,
+                               *sizes], capture_output=True, text=True, timeout=args.timeout)
+        failure = None if done.returncode == 0 else (done.stdout + done.stderr)[-2000:]
+    except subprocess.TimeoutExpired:
+        failure = f"timed out after {args.timeout} s"
+    print(f"startup: {name} {'failed' if failure else 'done'} in "
+          f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    if failure:
+        print(failure, file=sys.stderr)
+        return {"startup_s": None, "init_s": None, "step_s": None, "ops": None,
+                "graphdef_bytes": None, "losses": None, "error": failure}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def ratio(a, b):
+    return None if a is None or b is None else a / b
+
+
+def same_loss(r, plain) -> bool:
+    """Whether configuration ``r`` has plain TF's step-0 and step-1 losses (rtol ``RTOL``)."""
+    return r["losses"] is not None and plain["losses"] is not None and all(
+        math.isclose(a, b, rel_tol=RTOL) for a, b in zip(r["losses"], plain["losses"]))
+
+
+def rows_of(results):
+    """Table rows: the measurements, their ratios to plain TF and the loss check."""
+    plain = results["plain"]
+    return [{"config": name, **r, "startup_plain": ratio(r["startup_s"], plain["startup_s"]),
+             "step_ms": r["step_s"] and 1e3 * r["step_s"],
+             "step_plain": ratio(r["step_s"], plain["step_s"]),
+             "graphdef_mb": r["graphdef_bytes"] and r["graphdef_bytes"] / 2 ** 20,
+             "same_loss": same_loss(r, plain)} for name, r in results.items()]
+
+
+def targets(results):
+    """(name, measured value, limit) per target of ``TARGETS``."""
+    m8, m32, plain = results["pipe4_m8"], results["pipe4_m32"], results["plain"]
+    return [("pipe4_m8 start-up / plain", ratio(m8["startup_s"], plain["startup_s"]),
+             TARGETS["startup_m8_plain"]),
+            ("pipe4_m32 / pipe4_m8 start-up", ratio(m32["startup_s"], m8["startup_s"]),
+             TARGETS["startup_m32_m8"]),
+            ("pipe4_m8 step / plain", ratio(m8["step_s"], plain["step_s"]),
+             TARGETS["step_m8_plain"]),
+            ("pipe4_m32 / pipe4_m8 ops", ratio(m32["ops"], m8["ops"]), TARGETS["ops_m32_m8"])]
+
+
+def print_table(rows, found, args):
+    print(f"tfpar start-up (transformer {args.layers}x{args.hidden}, {HEADS} heads, seq "
+          f"{args.seq}, Adam; global batch {args.batch}; step: median of {args.steps} steps)")
+    widths = [max(len(title), 8) for title, _, _ in COLUMNS]
+    print("  ".join(f"{title:>{w}}" for (title, _, _), w in zip(COLUMNS, widths)))
+    for r in rows:
+        print("  ".join(f"{cell(r[key], fmt):>{w}}" for (_, key, fmt), w in zip(COLUMNS, widths)))
+    for name, value, limit in found:
+        print(f"{name:<32} {cell(value, '.3f'):>7}  <= {limit:<4}  "
+              f"{'met' if meets(value, limit) else 'NOT MET'}")
+
+
+def parse_args(argv):
+    worker = argparse.ArgumentParser(add_help=False)
+    worker.add_argument("--worker", choices=CONFIGS)
+    known, rest = worker.parse_known_args(argv)
+    p, args = parse_sizes(__doc__.split("\n", 1)[0], SIZES, rest,
+                          "exit 1 when a target is missed or a loss differs from plain TF's",
+                          "tiny model (smoke test, about 2 minutes)")
+    if 2 * args.layers < STAGES or args.hidden % HEADS or args.batch % 32 or args.steps < 1:
+        p.error(f"--layers must be >= {STAGES // 2}, --hidden a multiple of {HEADS}, --batch "
+                "of 32, --steps >= 1")
+    args.worker = known.worker
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.worker:
+        print(json.dumps(run_worker(args.worker, args)))
+        return 0
+    results = {name: measure(name, args) for name in CONFIGS}
+    rows, found = rows_of(results), targets(results)
+    if args.json:
+        print(json.dumps({"config": {k: getattr(args, k) for k in SIZES}, "results": rows,
+                          "targets": [{"target": n, "value": v, "limit": lim,
+                                       "met": meets(v, lim)} for n, v, lim in found]}, indent=2))
+    else:
+        print_table(rows, found, args)
+    return verdict(found, args, all(r["same_loss"] for r in rows))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
