@@ -185,8 +185,10 @@ def call_tasks(graph: ops.Graph, rw, tasks: Dict[Key, List[ops.Operation]], orde
     ``order``. The originals are the template: their ``seeds`` are scaled by
     version 0's batch share (a weight each call passes its own of), the rest
     of what they read maps to each version's counterpart; they no longer run.
-    A forward task returns all its tensors (a later fetch may need any of
-    them), a backward one also those of ``fetchable`` and its ops that
+    Besides what other ops read, a forward task returns its tensors that hold
+    batch rows (a later fetch merges any tensor from them: concatenated, or
+    recomputed from the rows it reduced), a backward one those of
+    ``fetchable`` (what ``tf.gradients`` returned) and of its ops that
     ``tf.gradients`` did not make (a loss reading a gradient)."""
     step = rw.selection.step_ops_set
     layout = rw.layout
@@ -198,7 +200,7 @@ def call_tasks(graph: ops.Graph, rw, tasks: Dict[Key, List[ops.Operation]], orde
             if seed.op in inside:
                 members += scale_seed(rw, seed, [0])
         fn = define_task(graph, members, f"tfpar_stage_{stage}_{kind}",
-                         (lambda t: True) if kind == "F" else
+                         rw.batch_axes.holds_rows if kind == "F" else
                          (lambda t: t in fetchable or t.op not in rw.selection.backward))
         for v in range(layout.num_versions(stage)):
             j, m = layout.slot(stage, v)
