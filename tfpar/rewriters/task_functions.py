@@ -37,14 +37,12 @@ class TaskFunction:
     Attributes:
       ops: the task's ops (version 0), graph order.
       arguments: the tensors it reads from outside, in argument order.
-      controls: the ops outside the task its ops wait on.
       results: the tensors it returns, in result order.
       function: the library function (``function._DefinedFunction``).
     """
 
     ops: List[ops.Operation]
     arguments: List[tensor_lib.Tensor]
-    controls: List[ops.Operation]
     results: List[tensor_lib.Tensor]
     function: object
 
@@ -59,22 +57,18 @@ def define_task(graph: ops.Graph, task: Sequence[ops.Operation], name: str,
     """
     inside: Set[ops.Operation] = set(task)
     arguments: Dict[tensor_lib.Tensor, None] = {}
-    controls: Dict[ops.Operation, None] = {}
     results: List[tensor_lib.Tensor] = []
     for op in task:
         for t in op.inputs:
             if t.op not in inside:
                 arguments.setdefault(t)
-        for dep in op.control_inputs:
-            if dep not in inside:
-                controls.setdefault(dep)
         results.extend(t for t in op.outputs if exported(t) or not t.consumers()
                        or any(c not in inside for c in t.consumers()))
     definition = _function_def(graph.unique_name(name, mark_as_used=True), task, inside,
                                list(arguments), results)
     library_function = function._from_definition(definition)  # pylint: disable=protected-access
     library_function.add_to_graph(graph)
-    return TaskFunction(list(task), list(arguments), list(controls), results, library_function)
+    return TaskFunction(list(task), list(arguments), results, library_function)
 
 
 def _function_def(name: str, task: Sequence[ops.Operation], inside: Set[ops.Operation],
