@@ -13,7 +13,7 @@ import tfpar as wh
 from proof import assert_parallel
 
 __all__ = ["assert_equivalent", "assert_same_variables", "checkpoint_session", "deep_mlp", "dense",
-           "initialized", "make_data", "mlp_classifier", "plan_of", "rewritten_op_types", "train",
+           "fed_graph", "initialized", "make_data", "mlp_classifier", "plan_of", "rewritten_op_types", "train",
            "variable_values"]
 
 
@@ -219,16 +219,29 @@ def assert_equivalent(reference, candidate, rtol=1e-5, atol=1e-6, parallel=True)
 
 
 @contextlib.contextmanager
-def initialized(build, config):
-    """The graph of ``build`` on placeholders x ``[None, 6]`` and y ``[None]``,
-    built under ``config`` and initialized once (tfpar rewrites it then);
-    ``wh.reset()`` on exit."""
+def fed_graph(config):
+    """A new default graph, with ``wh.init(config)`` first unless ``config`` is
+    None, holding placeholders x ``[None, 6]`` and y ``[None]``: yields
+    (graph, x, y); ``wh.reset()`` on exit."""
     graph = tf.Graph()
-    with graph.as_default():
-        wh.init(config)
-        build(tf.compat.v1.placeholder(tf.float32, [None, 6]),
-              tf.compat.v1.placeholder(tf.int64, [None]))
+    try:
+        with graph.as_default():
+            if config is not None:
+                wh.init(config)
+            yield (graph, tf.compat.v1.placeholder(tf.float32, [None, 6]),
+                   tf.compat.v1.placeholder(tf.int64, [None]))
+    finally:
+        if config is not None:
+            wh.reset()
+
+
+@contextlib.contextmanager
+def initialized(build, config):
+    """The graph of ``build`` on ``fed_graph``'s placeholders, built under
+    ``config`` and initialized once (tfpar rewrites it then); ``wh.reset()`` on
+    exit."""
+    with fed_graph(config) as (graph, x, y):
+        build(x, y)
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
         yield graph
-    wh.reset()

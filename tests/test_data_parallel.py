@@ -4,7 +4,7 @@ import pytest
 import tensorflow as tf
 
 from proof import assert_parallel
-from equivalence import (assert_equivalent, dense, make_data, mlp_classifier,
+from equivalence import (assert_equivalent, dense, fed_graph, make_data, mlp_classifier,
                          rewritten_op_types, train)
 
 import tfpar as wh
@@ -104,6 +104,30 @@ def test_fetched_backward_tensors_are_global():
 
     for ref, got in zip(run(None), run({"cluster.num_devices": 4})):
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-7)
+    assert_parallel()
+
+
+def test_a_backward_intermediate_task_functions_do_not_return_is_refused_by_name():
+    """A version made by a task function returns what other ops read, its
+    forward tensors holding rows and what tf.gradients returned. Fetching a
+    backward intermediate after the rewrite is refused naming it and the way
+    out (pipeline.task_functions false), which fetches the single-device value."""
+    def run(config):
+        with fed_graph(config) as (_, x, y):
+            h = dense(x, 8, "hidden", seed=1, activation=tf.nn.tanh)
+            loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(y, dense(h, 3, "logits", 2))
+            train_op = tf.compat.v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+            inner = tf.compat.v1.get_default_graph().get_tensor_by_name(
+                "gradients/Tanh_grad/TanhGrad:0")
+            with tf.compat.v1.Session() as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                return sess.run([inner, train_op], {x: DATA[0][0], y: DATA[1][0]})[0]
+    with pytest.raises(wh.PlanError, match="'gradients/Tanh_grad/TanhGrad:0' .* "
+                                           "pipeline.task_functions to false"):
+        run({"cluster.num_devices": 4})
+    np.testing.assert_allclose(
+        run({"cluster.num_devices": 4, "pipeline.task_functions": False}), run(None),
+        rtol=1e-5, atol=1e-7)
     assert_parallel()
 
 

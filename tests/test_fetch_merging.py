@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from equivalence import assert_equivalent, dense, make_data, train
+from equivalence import assert_equivalent, dense, fed_graph, make_data, train
 from proof import assert_parallel
 
 import tfpar as wh
@@ -101,12 +101,7 @@ def test_a_fetched_tensor_with_its_batch_on_axis_1_is_joined_there():
     """[experts, batch, features] (an einsum moved the batch): the replicas'
     pieces are concatenated along axis 1, not 0."""
     def run(config):
-        graph = tf.Graph()
-        with graph.as_default():
-            if config:
-                wh.init(config)
-            x = v1.placeholder(tf.float32, [None, 6])
-            y = v1.placeholder(tf.int64, [None])
+        with fed_graph(config) as (_, x, y):
             gates = tf.nn.softmax(dense(x, 2, "gate", 1))
             dispatched = tf.einsum("be,bd->ebd", gates, x)
             loss = v1.losses.sparse_softmax_cross_entropy(
@@ -114,10 +109,7 @@ def test_a_fetched_tensor_with_its_batch_on_axis_1_is_joined_there():
             train_op = v1.train.GradientDescentOptimizer(0.5).minimize(loss)
             with v1.Session() as sess:
                 sess.run(v1.global_variables_initializer())
-                out = sess.run([dispatched, train_op], {x: DATA[0][0], y: DATA[1][0]})[0]
-        if config:
-            wh.reset()
-        return out
+                return sess.run([dispatched, train_op], {x: DATA[0][0], y: DATA[1][0]})[0]
     plain = run(None)
     assert plain.shape == (2, 8, 6)
     np.testing.assert_allclose(run({"cluster.num_devices": 4}), plain, rtol=1e-5)

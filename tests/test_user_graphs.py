@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from equivalence import assert_equivalent, dense, make_data, train, variable_values
+from equivalence import (assert_equivalent, dense, fed_graph, make_data, train,
+                         variable_values)
 
 import tfpar as wh
 
@@ -169,12 +170,7 @@ def test_keras_session_run_before_fit_still_trains_in_parallel():
 def trained_after_an_early_run(config):
     """Plain TF: the session initializes and evaluates the model, then the
     optimizer is built and trained in the same session."""
-    graph = tf.Graph()
-    with graph.as_default():
-        if config:
-            wh.init(config)
-        x = v1.placeholder(tf.float32, [None, 6])
-        y = v1.placeholder(tf.int64, [None])
+    with fed_graph(config) as (_, x, y):
         loss = v1.losses.sparse_softmax_cross_entropy(y, dense(x, 3, "logits", seed=2))
         with v1.Session() as sess:
             sess.run(v1.global_variables_initializer())
@@ -182,8 +178,6 @@ def trained_after_an_early_run(config):
             train_op = v1.train.GradientDescentOptimizer(0.5).minimize(loss)
             losses += [sess.run([loss, train_op], {x: a, y: b})[0] for a, b in zip(*DATA)]
             values = variable_values(sess, v1.global_variables())
-    if config:
-        wh.reset()
     return np.array(losses), values
 
 

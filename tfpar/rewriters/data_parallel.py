@@ -9,12 +9,12 @@ stages (S = 1 without a pipeline), stage s replicated ``width[s]`` times within
 a pipeline replica (``layout.Layout``, ``stages.Placement``):
   * the batch inputs are cut into pieces (``batch_split``); version v of stage s
     computes the rows of ``layout.pieces(s, v)``;
-  * version 0 of each stage is the original ops; version v > 0 is, per task
-    (a stage's forward or backward ops), a call of the task's function on its
-    stage device (``task_functions``), or where tasks cannot be functions
-    (split stages, reference variables, tasks reading each other both ways) a
-    copy of the stage's ops; inputs from other stages go through bridges
-    (``bridge``);
+  * every version of each task (a stage's forward or backward ops) is a call
+    of the task's function on its stage device, the original ops being its
+    template (``task_functions``); where tasks cannot be functions (split
+    stages, reference variables, tasks reading each other both ways) version 0
+    is the original ops and version v > 0 a copy of them on its stage device;
+    inputs from other stages go through bridges (``bridge``);
   * each stage device runs its versions' forward and backward tasks in the
     order of the pipeline schedule (``pipeline.lower_schedule``);
   * a version's gradients are weighted by its share of the batch, at no cost by
@@ -165,7 +165,7 @@ class DataParallelRewrite:
 
         Raises:
           PlanError: the version is a function call that does not return it
-            (a backward tensor nothing outside its task read at the rewrite).
+            (``task_functions.call_tasks`` says which tensors it returns).
         """
         if t.op not in self.selection.step_ops_set or not (version or self.functions):
             return t
@@ -175,10 +175,11 @@ class DataParallelRewrite:
         value = self.version_values[stage][version].get(t)
         if value is None:
             raise PlanError(
-                f"tfpar: '{t.name}' is computed inside the backward function of TaskGraph "
-                f"'{self.placement.task_graph_names[stage]}' and was not read outside it when "
-                "tfpar rewrote the graph, so its per-micro-batch values cannot be fetched. "
-                "Fetch it in the first run, or read it in the graph (tf.identity) before")
+                f"tfpar: '{t.name}' ({t.op.type}) is computed inside a task function of "
+                f"TaskGraph '{self.placement.task_graph_names[stage]}' and is not one of its "
+                "results (tensors other ops read when tfpar rewrote the graph, forward tensors "
+                "holding batch rows, what tf.gradients returned), so its per-micro-batch values "
+                "cannot be fetched; to fetch it, set pipeline.task_functions to false")
         return value
 
     def variable_copies(self, stage: int, device: int) -> Dict:
@@ -193,23 +194,6 @@ class DataParallelRewrite:
         """Name scope of what stage device ``device`` of ``stage`` runs."""
         return (f"replica_{device}" if self.placement.num_stages == 1
                 else f"stage_{stage}/replica_{device}")
-
-    def connect(self, c: ops.Operation, k: int, t: tensor_lib.Tensor, version: int) -> None:
-        """Version ``version`` of ``c`` reads its rows of ``t`` (another stage's
-        tensor) as input ``k``."""
-        c_v = self.versions(c)[version]
-        new = self.bridges.tensor(t, self.placement.stage(c), version)
-        if c_v.inputs[k] is not new:
-            graph_edit.update_input(c_v, k, new)
-            self.edits += 1 if version == 0 else 0
-
-    def wait(self, c: ops.Operation, p: ops.Operation, version: int) -> None:
-        """Version ``version`` of ``c`` waits on the versions of ``p`` (another
-        stage's op) of its own unit."""
-        stage_of = self.placement.stage
-        unit = self.layout.unit(stage_of(c), version)
-        for source in self.layout.unit_versions(stage_of(p), unit):
-            graph_edit.add_control_input(self.versions(c)[version], self.versions(p)[source])
 
     def merged_tensor(self, t: tensor_lib.Tensor) -> tensor_lib.Tensor:
         """``t`` (a step tensor) merged over versions (``merge``). Builds ops on
@@ -439,12 +423,19 @@ def _variable_copies(rw: DataParallelRewrite, stage: int, device: int) -> Dict:
 def _connect_stages(rw: DataParallelRewrite, crossing, crossing_controls) -> None:
     """Every version reads other stages' tensors for its own rows (bridges) and
     waits on their ops of its own unit."""
+    stage_of = rw.placement.stage
     for c, k, t in crossing:
-        for v in range(len(rw.versions(c))):
-            rw.connect(c, k, t, v)
+        for v, c_v in enumerate(rw.versions(c)):
+            new = rw.bridges.tensor(t, stage_of(c), v)
+            if c_v.inputs[k] is not new:
+                graph_edit.update_input(c_v, k, new)
+                rw.edits += 1 if v == 0 else 0
     for c, p in crossing_controls:
-        for v in range(len(rw.versions(c))):
-            rw.wait(c, p, v)
+        producer_versions = rw.versions(p)
+        for v, c_v in enumerate(rw.versions(c)):
+            unit = rw.layout.unit(stage_of(c), v)
+            for source in rw.layout.unit_versions(stage_of(p), unit):
+                graph_edit.add_control_input(c_v, producer_versions[source])
 
 
 def _copy_updates(graph: ops.Graph, rw: DataParallelRewrite) -> None:

@@ -6,7 +6,8 @@ replicated wider than its neighbours, joined to them by bridge layers, Whale
 §3.2.3), so it has R*M*width[s] versions: version v = u*width[s] + k, on stage
 device j = r*width[s] + k. The global batch is cut into R*M*L pieces, L the
 least common multiple of the widths: version v of stage s reads pieces
-``pieces(s, v)``. Version 0 of every stage is the original ops.
+``pieces(s, v)``. Version 0 of every stage is the original ops, unless every
+version is a call of the stage's task functions (``task_functions``).
 """
 import dataclasses
 import math

@@ -2,15 +2,15 @@
 micro-batches (issue 18).
 
 A task is the ops a stage runs for one micro-batch in one direction
-(``pipeline.task_ops``). Its ops in version 0 (the originals, already wired to
-their rows and stages) become one function of the graph's library: its
-arguments are the tensors the task reads from outside it, its results the
-tensors anything else may read. Every other version of the task is one call of
-that function on its stage device, reading its own counterparts of the
-arguments. TensorFlow then optimizes a task's body once per device, however
-many micro-batches call it, and the graph grows by one op per call, not by a
-copy of the stage. The calls are marked ``_noinline`` so that TensorFlow does
-not inline them back into the graph before optimizing it.
+(``pipeline.stage_tasks``). Its original ops, the template, become one
+function of the graph's library: its arguments are the tensors the task reads
+from outside it, its results the tensors other ops (or a later fetch) may
+read. Every version of the task, version 0 included, is one call of that
+function on its stage device, reading its own counterparts of the arguments;
+the template no longer runs. The graph grows by one op per call, not by a copy
+of the stage, and TensorFlow optimizes each body with the session's graph. The
+functions are marked ``_noinline`` so that TensorFlow does not inline the
+calls back into the graph.
 """
 import dataclasses
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
@@ -29,19 +29,16 @@ __all__ = ["TaskFunction", "call_task", "call_tasks", "define_task", "task_order
 Key = Tuple[int, str]  # (stage, "F" or "B")
 
 
-
 @dataclasses.dataclass
 class TaskFunction:
     """A task's ops as a library function.
 
     Attributes:
-      ops: the task's ops (version 0), graph order.
       arguments: the tensors it reads from outside, in argument order.
       results: the tensors it returns, in result order.
       function: the library function (``function._DefinedFunction``).
     """
 
-    ops: List[ops.Operation]
     arguments: List[tensor_lib.Tensor]
     results: List[tensor_lib.Tensor]
     function: object
@@ -68,7 +65,7 @@ def define_task(graph: ops.Graph, task: Sequence[ops.Operation], name: str,
                                list(arguments), results)
     library_function = function._from_definition(definition)  # pylint: disable=protected-access
     library_function.add_to_graph(graph)
-    return TaskFunction(list(task), list(arguments), results, library_function)
+    return TaskFunction(list(arguments), results, library_function)
 
 
 def _function_def(name: str, task: Sequence[ops.Operation], inside: Set[ops.Operation],
