@@ -5,9 +5,13 @@
 flag is ``--name`` (underscores become dashes).
 """
 import argparse
+import json
+import os
+import subprocess
 import sys
+import time
 
-__all__ = ["cell", "meets", "parse_sizes", "verdict"]
+__all__ = ["cell", "meets", "parse_sizes", "ratio", "run_configuration", "verdict"]
 
 
 def parse_sizes(description, sizes, argv, check_help, quick_help="tiny sizes (smoke test)"):
@@ -56,3 +60,31 @@ def cell(value, fmt) -> str:
     if value is None:
         return "n/a"
     return ("yes" if value else "no") if isinstance(value, bool) else format(value, fmt)
+
+
+def ratio(a, b):
+    """``a / b``, or None when either is missing."""
+    return None if a is None or b is None else a / b
+
+
+def run_configuration(script, label, name, args, sizes, keys):
+    """Run configuration ``name`` of benchmark ``script`` in a fresh process
+    (``script --worker name`` with every size of ``sizes`` from ``args``, given
+    ``args.timeout`` seconds, progress on stderr under ``label``): the JSON
+    dict its last output line holds, or, on failure, ``keys`` set to None and
+    the error under "error"."""
+    flags = [f"--{key.replace('_', '-')}={getattr(args, key)}" for key in sizes]
+    print(f"{label}: {name} ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    try:
+        done = subprocess.run([sys.executable, os.path.abspath(script), "--worker", name,
+                               *flags], capture_output=True, text=True, timeout=args.timeout)
+        failure = None if done.returncode == 0 else (done.stdout + done.stderr)[-3000:]
+    except subprocess.TimeoutExpired:
+        failure = f"timed out after {args.timeout} s"
+    print(f"{label}: {name} {'failed' if failure else 'done'} in "
+          f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    if failure:
+        print(failure, file=sys.stderr)
+        return {**dict.fromkeys(keys), "error": failure}
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -45,7 +45,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -57,7 +56,7 @@ import tensorflow as tf  # noqa: E402
 import tfpar as wh  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_args import cell, meets, parse_sizes, verdict  # noqa: E402  (same directory)
+from bench_args import cell, meets, parse_sizes, ratio, run_configuration, verdict  # noqa: E402  (same directory)
 from overhead import _dense, layer_norm  # noqa: E402
 
 v1 = tf.compat.v1
@@ -154,26 +153,8 @@ def run_worker(name, args):
 
 def measure(name, args):
     """Run configuration ``name`` in a fresh process; its measurements (None on failure)."""
-    sizes = [f"--{key.replace('_', '-')}={getattr(args, key)}" for key in SIZES]
-    print(f"startup: {name} ...", file=sys.stderr, flush=True)
-    start = time.perf_counter()
-    try:
-        done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", name,
-                               *sizes], capture_output=True, text=True, timeout=args.timeout)
-        failure = None if done.returncode == 0 else (done.stdout + done.stderr)[-2000:]
-    except subprocess.TimeoutExpired:
-        failure = f"timed out after {args.timeout} s"
-    print(f"startup: {name} {'failed' if failure else 'done'} in "
-          f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
-    if failure:
-        print(failure, file=sys.stderr)
-        return {"startup_s": None, "init_s": None, "step_s": None, "ops": None,
-                "graphdef_bytes": None, "losses": None, "error": failure}
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def ratio(a, b):
-    return None if a is None or b is None else a / b
+    return run_configuration(__file__, "startup", name, args, SIZES,
+                             ("startup_s", "init_s", "step_s", "ops", "graphdef_bytes", "losses"))
 
 
 def same_loss(r, plain) -> bool:

@@ -63,7 +63,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -74,7 +73,7 @@ from tensorflow.python.eager import context  # noqa: E402
 import tfpar as wh  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_args import cell, meets, parse_sizes, verdict  # noqa: E402  (same directory)
+from bench_args import cell, meets, parse_sizes, ratio, run_configuration, verdict  # noqa: E402  (same directory)
 from overhead import CLASSES, make_data  # noqa: E402
 
 NUM_CPUS, LAYERS, WARMUP, RTOL, LEARNING_RATE = 4, 4, 3, 1e-4, 1e-3
@@ -255,22 +254,8 @@ def run_worker(name, args):
 
 def measure(name, args):
     """Run configuration ``name`` in a fresh process; its measurements (None on failure)."""
-    sizes = [f"--{key.replace('_', '-')}={getattr(args, key)}" for key in SIZES]
-    print(f"tf2: {name} ...", file=sys.stderr, flush=True)
-    start = time.perf_counter()
-    try:
-        done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", name,
-                               *sizes], capture_output=True, text=True, timeout=args.timeout)
-        failure = None if done.returncode == 0 else (done.stdout + done.stderr)[-3000:]
-    except subprocess.TimeoutExpired:
-        failure = f"timed out after {args.timeout} s"
-    print(f"tf2: {name} {'failed' if failure else 'done'} in "
-          f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
-    if failure:
-        print(failure, file=sys.stderr)
-        return {"startup_s": None, "step_s": None, "losses": None, "devices": None,
-                "device_names": None, "error": failure}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_configuration(__file__, "tf2", name, args, SIZES,
+                             ("startup_s", "step_s", "losses", "devices", "device_names"))
 
 
 def measure_rounds(args):
@@ -292,10 +277,6 @@ def measure_rounds(args):
             "step_s": statistics.median(r["step_s"] for r in done),
             "step_s_rounds": [r["step_s"] for r in done]}
     return results
-
-
-def ratio(a, b):
-    return None if a is None or b is None else a / b
 
 
 def plain_of(name):

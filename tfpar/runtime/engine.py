@@ -23,7 +23,7 @@ from tfpar.rewriters import graph_edit
 from tfpar.rewriters.allreduce import CollectiveKeys, LocalReducer, make_reducer
 from tfpar.rewriters.data_parallel import replicate
 from tfpar.rewriters.horovod_backend import HorovodProcesses, HorovodReducer
-from tfpar.rewriters.select import GraphIndex
+from tfpar.rewriters.select import GraphIndex, is_input
 from tfpar.rewriters.model_view import model_view
 from tfpar.rewriters.stages import Placement, assign_stages, canonical_device, split_op_devices
 from tfpar.rewriters.fetch_translation import FetchTranslator
@@ -346,16 +346,10 @@ def retraces_relaxed(graph: ops.Graph) -> bool:
 
 
 def _static_batch_inputs(graph: ops.Graph) -> list:
-    """A FuncGraph's arguments (not captures) and iterator reads with a known
-    dimension 0."""
-    captured = {id(inner) for _, inner in graph.captures}
-    sources = [t for t in graph.inputs if id(t) not in captured] + [
-        t for op in graph.get_operations() if op.type in _ITERATOR_READS for t in op.outputs]
-    return [t for t in sources if t.shape.rank and t.shape[0] is not None]
-
-
-# Ops that read a batch from an iterator.
-_ITERATOR_READS = ("IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue")
+    """A FuncGraph's batch inputs (arguments, iterator reads: not captures)
+    with a known dimension 0."""
+    return [t for op in graph.get_operations() if is_input(op) for t in op.outputs
+            if t.shape.rank and t.shape[0] is not None]
 
 
 def _warn_one_device(rt: Runtime, name: Optional[str], why: str) -> None:
