@@ -11,6 +11,7 @@ PYTEST_ARGS ?=
 .PHONY: demo test test-fast bench horovod clean
 
 $(STAMP): requirements.txt setup.py
+	@echo "tfpar: creating $(VENV)/ and installing TensorFlow 2.15 and the other requirements (1-3 minutes with pip's cache, longer without; pip runs quietly)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
@@ -34,12 +35,14 @@ bench: $(STAMP) $(HOROVOD_STAMP)
 	$(PY) benchmarks/multiworker.py --check
 	$(PY) benchmarks/planner.py --check
 	$(PY) benchmarks/startup.py --check
+	$(PY) benchmarks/tf2.py --check
 
 # Horovod 0.28.1 built from source against the installed TF (~3 min, then pip's
 # wheel cache; for communication.backend "horovod", not needed otherwise).
 horovod: $(HOROVOD_STAMP)
 
 $(HOROVOD_STAMP): $(STAMP)
+	@echo "tfpar: building Horovod 0.28.1 against the installed TensorFlow (about 3 minutes the first time, seconds from pip's wheel cache)"
 	HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
 	HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
 	$(PY) -m pip install -q --no-build-isolation horovod==0.28.1

@@ -11,12 +11,14 @@ import subprocess
 import sys
 import time
 
-__all__ = ["cell", "meets", "parse_sizes", "ratio", "run_configuration", "verdict"]
+__all__ = ["cell", "meets", "parse_sizes", "ratio", "run_configuration", "verdict",
+           "worker_option"]
 
 
-def parse_sizes(description, sizes, argv, check_help, quick_help="tiny sizes (smoke test)"):
+def parse_sizes(description, sizes, argv, check_help, quick_help="tiny sizes (smoke test)",
+                parents=()):
     """(parser, args) with every size resolved from --quick when not given."""
-    p = argparse.ArgumentParser(description=description)
+    p = argparse.ArgumentParser(description=description, parents=list(parents))
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--check", action="store_true", help=check_help)
     p.add_argument("--quick", action="store_true", help=quick_help)
@@ -28,6 +30,16 @@ def parse_sizes(description, sizes, argv, check_help, quick_help="tiny sizes (sm
         if getattr(args, key) is None:
             setattr(args, key, quick if args.quick else full)
     return p, args
+
+
+def worker_option(configurations):
+    """Parent parser of ``--worker NAME`` for benchmarks that run each
+    configuration in a fresh process of themselves."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--worker", choices=configurations,
+                   help="run only this configuration, in this process, and print its result "
+                        "as JSON (the table runs each configuration so, in a fresh process)")
+    return p
 
 
 def meets(value, limit) -> bool:

@@ -20,7 +20,7 @@ step 1.05, DP (auto backend) step 1.0; the collective row is informational.
 ``--check`` prints PASS/FAIL per target and exits 1 when one is missed or when a
 setup does not train (loss falls, from the same step-0 loss everywhere).
 
-    cd /work/main && .venv/bin/python benchmarks/overhead.py [--quick] [--check] [--json]
+    python benchmarks/overhead.py [--quick] [--check] [--json]
 """
 import contextlib
 import functools

@@ -25,7 +25,7 @@ and a larger depth are measured); O2 within 5% of O3 wherever O3 proved its plan
 optimal. The view-time ratio of the same two models, and O2/O3 where O3 stopped
 at its limit, are printed for information.
 
-    cd /work/main && .venv/bin/python benchmarks/planner.py [--check] [--json]
+    python benchmarks/planner.py [--check] [--json]
 
 (2 cores: about 1.5 minutes plus each model's O3 time, up to ``--o3-limit``; 1.1 GB
 peak memory. ``--quick``: 7 s.)

@@ -37,7 +37,7 @@ hybrid / DP bytes row is informational. ``--check`` prints PASS/FAIL per target
 and exits 1 when one is missed or when a setup does not train (loss falls, each
 pair from the same step-0 loss).
 
-    cd /work/main && .venv/bin/python benchmarks/split.py [--quick] [--check] [--json]
+    python benchmarks/split.py [--quick] [--check] [--json]
 """
 import contextlib
 import math

@@ -34,12 +34,11 @@ pipe4_m8 start-up 1.5; pipe4_m8 step / plain 1.3; pipe4_m32 / pipe4_m8 ops
 1.10. ``--check`` prints PASS/FAIL per target and exits 1 when one is missed or
 a configuration's losses differ from plain TF's. Progress goes to stderr.
 
-    cd /work/main && .venv/bin/python benchmarks/startup.py [--quick] [--check] [--json]
+    python benchmarks/startup.py [--quick] [--check] [--json]
 
 (2 cores, today: ``--quick`` about 2 minutes; the full run about 20 minutes plus
 pipe4_m32, which took more than 8 minutes alone, most of it start-up.)
 """
-import argparse
 import contextlib
 import json
 import math
@@ -56,7 +55,7 @@ import tensorflow as tf  # noqa: E402
 import tfpar as wh  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_args import cell, meets, parse_sizes, ratio, run_configuration, verdict  # noqa: E402  (same directory)
+from bench_args import cell, meets, parse_sizes, ratio, run_configuration, verdict, worker_option  # noqa: E402  (same directory)
 from overhead import _dense, layer_norm  # noqa: E402
 
 v1 = tf.compat.v1
@@ -198,16 +197,13 @@ def print_table(rows, found, args):
 
 
 def parse_args(argv):
-    worker = argparse.ArgumentParser(add_help=False)
-    worker.add_argument("--worker", choices=CONFIGS)
-    known, rest = worker.parse_known_args(argv)
-    p, args = parse_sizes(__doc__.split("\n", 1)[0], SIZES, rest,
+    p, args = parse_sizes(__doc__.split("\n", 1)[0], SIZES, argv,
                           "exit 1 when a target is missed or a loss differs from plain TF's",
-                          "tiny model (smoke test, about 2 minutes)")
+                          "tiny model (smoke test, about 2 minutes)",
+                          parents=[worker_option(CONFIGS)])
     if 2 * args.layers < STAGES or args.hidden % HEADS or args.batch % 32 or args.steps < 1:
         p.error(f"--layers must be >= {STAGES // 2}, --hidden a multiple of {HEADS}, --batch "
                 "of 32, --steps >= 1")
-    args.worker = known.worker
     return args
 
 

@@ -52,12 +52,11 @@ tfpar4_fit / mirrored4_fit 1.0, tfpar1_loop / plain_loop 1.05; mirrored4 / plain
 is shown for information. ``--check`` prints PASS/FAIL per target and exits 1
 when one is missed or a configuration's losses differ. Progress goes to stderr.
 
-    cd /work/main && .venv/bin/python benchmarks/tf2.py [--quick] [--check] [--json]
+    python benchmarks/tf2.py [--quick] [--check] [--json]
 
 (2 cores, today: ``--quick`` about 35 s; the full run about 3 minutes, 5 while
 other work runs.)
 """
-import argparse
 import contextlib
 import json
 import math
@@ -73,7 +72,7 @@ from tensorflow.python.eager import context  # noqa: E402
 import tfpar as wh  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_args import cell, meets, parse_sizes, ratio, run_configuration, verdict  # noqa: E402  (same directory)
+from bench_args import cell, meets, parse_sizes, ratio, run_configuration, verdict, worker_option  # noqa: E402  (same directory)
 from overhead import CLASSES, make_data  # noqa: E402
 
 NUM_CPUS, LAYERS, WARMUP, RTOL, LEARNING_RATE = 4, 4, 3, 1e-4, 1e-3
@@ -339,16 +338,13 @@ def text(value, fmt) -> str:
 
 
 def parse_args(argv):
-    worker = argparse.ArgumentParser(add_help=False)
-    worker.add_argument("--worker", choices=CONFIGS)
-    known, rest = worker.parse_known_args(argv)
-    p, args = parse_sizes(__doc__.split("\n", 1)[0], SIZES, rest,
+    p, args = parse_sizes(__doc__.split("\n", 1)[0], SIZES, argv,
                           "exit 1 when a target is missed or a loss differs from plain TF2's",
-                          "tiny model (smoke test, a few minutes)")
+                          "tiny model (smoke test, a few minutes)",
+                          parents=[worker_option(CONFIGS)])
     if args.batch % NUM_CPUS or min(args.steps, args.rounds, args.width, args.features) < 1:
         p.error(f"--batch must be a multiple of {NUM_CPUS}; --steps, --rounds, --width, "
                 "--features >= 1")
-    args.worker = known.worker
     return args
 
 

@@ -21,6 +21,8 @@ warnings.filterwarnings("ignore")  # tf.estimator and tf.compat.v1.layers deprec
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+tf.get_logger().setLevel("ERROR")  # one deprecation notice per Estimator class (tfpar logs as "tfpar")
+
 import tfpar as wh  # noqa: E402
 from loss_report import TracedStepHook, example_parser, print_devices  # noqa: E402  (examples/loss_report.py)
 

@@ -126,8 +126,9 @@ def test_replace_ignores_environment(monkeypatch):
 
 def test_describe_lists_every_key():
     text = describe()
+    words = " ".join(text.split())  # help text is wrapped over lines
     for key, option in SCHEMA.items():
-        assert key in text and option.help in text
+        assert key in text and option.help in words
 
 
 # --- accepted input forms ---------------------------------------------------
@@ -292,7 +293,7 @@ def test_unknown_env_var(monkeypatch):
     ("TFPAR_PIPELINE_NUM_MICRO_BATCH", "none", "expects int"),
     ("TFPAR_AUTO_AUTO_PARALLEL", "maybe", "expects bool, got 'maybe'"),
     ("TFPAR_COMMUNICATION_FUSION_MB", "big", "expects float"),
-    ("TFPAR_PIPELINE_SCHEDULE", "fast", "must be one of 'gpipe', '1f1b', 'kfkb', 'zero_bubble'"),
+    ("TFPAR_PIPELINE_SCHEDULE", "fast", "must be one of 'gpipe', '1f1b', 'kfkb'"),
     ("TFPAR_CLUSTER_HARDWARE", "[T4]", "malformed JSON in environment variable"),
     ("TFPAR_PLAN", "{", "malformed JSON"),
 ])
@@ -360,7 +361,7 @@ def test_wrong_types(key, value, fragment):
     ("communication.timeout_s", -1.5, "must be > 0, got -1.5"),
     ("auto.search_time_limit_s", 0.0, "must be > 0, got 0.0"),
     ("pipeline.schedule", "pipedream",
-     "must be one of 'gpipe', '1f1b', 'kfkb', 'zero_bubble', got 'pipedream'"),
+     "must be one of 'gpipe', '1f1b', 'kfkb' ('zero_bubble' is not built yet), got 'pipedream'"),
     ("auto.opt_level", "O1", "must be one of 'O2', 'O3', got 'O1'"),
     ("communication.backend", "nccl",
      "must be one of 'auto', 'collective', 'horovod', got 'nccl'"),

@@ -177,7 +177,55 @@ def test_launcher_returns_the_first_failure_and_stops_the_rest(tmp_path):
     out = launch(str(script), timeout=100)
     assert out.returncode == 3
     assert "[worker 1] hello from 1" in out.stdout and "[worker 0] hello from 0" in out.stdout
+    assert "tfpar launch: worker 1 failed with exit code 3:" in out.stdout.splitlines()[-2:]
     assert time.monotonic() - start < 60
+
+
+# Every worker: wh.init (the chief waits for the others, which serve), one step
+# on both workers in a session left open (closed as the chief exits), then the
+# chief fails if told to, else prints when it ended.
+SESSION_SCRIPT = """import sys, time
+import tensorflow as tf
+import tfpar as wh
+v1 = tf.compat.v1
+v1.disable_eager_execution()
+wh.init({"communication.timeout_s": 20.0})
+with tf.device("/job:worker/task:1"):
+    x = tf.constant(1.0) + 1.0
+sess = v1.Session()
+print("result", sess.run(x), flush=True)
+if sys.argv[1:] == ["--fail"]:
+    raise RuntimeError("boom from the chief")
+print("ended at", time.time(), flush=True)
+"""
+
+
+def test_a_failing_chief_is_the_last_thing_printed(tmp_path):
+    """The launch ends with the chief's error, not with gRPC errors of the
+    shutdown that follows it."""
+    script = tmp_path / "session.py"
+    script.write_text(SESSION_SCRIPT)
+    out = launch(str(script), "--fail", timeout=120)
+    assert out.returncode == 1, out.stdout[-3000:]
+    last = [line for line in out.stdout.splitlines() if line.strip()][-5:]
+    assert last[0] == "tfpar launch: worker 0 (chief) failed with exit code 1:", out.stdout[-3000:]
+    assert last[1] == "[worker 0] Traceback (most recent call last):"
+    assert last[-1] == "[worker 0] RuntimeError: boom from the chief"
+    assert "UNAVAILABLE" not in out.stdout.split("boom from the chief", 1)[1], out.stdout[-3000:]
+
+
+def test_launches_end_promptly_and_quietly(tmp_path):
+    """The chief's sessions to the other workers close before those exit: no
+    gRPC UNAVAILABLE errors, no 30 s wait for a session to close."""
+    script = tmp_path / "session.py"
+    script.write_text(SESSION_SCRIPT)
+    for _ in range(3):
+        out = launch(str(script), timeout=120)
+        shutdown_s = time.time() - float(out.stdout.split("ended at ")[1].split()[0])
+        assert out.returncode == 0, out.stdout[-3000:]
+        text = out.stdout + out.stderr
+        assert "UNAVAILABLE" not in text and "failed to close" not in text, text[-3000:]
+        assert shutdown_s < 15, out.stdout[-3000:]
 
 
 def test_hosts_form_prints_each_hosts_tf_config():

@@ -28,6 +28,8 @@ class _PlanReady(Exception):
 
 
 def _plan(args) -> int:
+    if _script_missing(args):
+        return 2
     from tfpar import api  # pylint: disable=import-outside-toplevel
     from tfpar.runtime import engine, planning_pass  # pylint: disable=import-outside-toplevel
 
@@ -68,6 +70,26 @@ def _plan(args) -> int:
     return 1
 
 
+def _script_missing(args) -> bool:
+    """True, after saying so on stderr, when the script to run does not exist."""
+    if os.path.exists(args.script):
+        return False
+    print(f"tfpar {args.command}: {args.script}: no such file", file=sys.stderr)
+    return True
+
+
+def _launch(args) -> int:
+    """Run the script as local workers, or print each host's command."""
+    from tfpar.runtime import launcher  # pylint: disable=import-outside-toplevel
+    if args.hosts:  # the script is on those hosts, not necessarily here
+        print(launcher.hosts_commands(args.hosts.split(","), args.port, args.script,
+                                      args.script_args))
+        return 0
+    if _script_missing(args):
+        return 2
+    return launcher.launch(args.workers, args.script, args.script_args, args.devices_per_worker)
+
+
 def _simulate(args) -> int:
     from tfpar.planner import schedule, simulate, trace  # pylint: disable=import-outside-toplevel
     try:
@@ -78,8 +100,7 @@ def _simulate(args) -> int:
         print(f"tfpar simulate: {exc}", file=sys.stderr)
         return 2
     print(f"{args.schedule} schedule, {args.stages} stages x {args.micro_batches} micro-batches: "
-          f"length {result.length:g}, bubble {result.bubble_fraction:.1%}, "
-          f"micro-batches in flight per stage {result.peak_in_flight}")
+          f"{result}")
     for stage, stage_tasks in enumerate(tasks):
         print(f"  stage {stage}: " + " ".join(map(str, stage_tasks)))
     if args.trace:
@@ -119,13 +140,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "simulate":
         return _simulate(args)
     if args.command == "launch":
-        from tfpar.runtime import launcher  # pylint: disable=import-outside-toplevel
-        if args.hosts:
-            print(launcher.hosts_commands(args.hosts.split(","), args.port, args.script,
-                                          args.script_args))
-            return 0
-        return launcher.launch(args.workers, args.script, args.script_args,
-                               args.devices_per_worker)
+        return _launch(args)
     if args.command == "config":
         from tfpar.config import describe  # pylint: disable=import-outside-toplevel
         print(describe())

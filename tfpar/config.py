@@ -11,6 +11,7 @@ import difflib
 import json
 import os
 import re
+import textwrap
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -43,8 +44,8 @@ def _at_least(low):
     return (f">= {low}", lambda v: v >= low)
 
 
-def _one_of(*choices):
-    return ("one of " + ", ".join(map(repr, choices)), lambda v: v in choices)
+def _one_of(*choices, note=""):
+    return ("one of " + ", ".join(map(repr, choices)) + note, lambda v: v in choices)
 
 
 def _is_device(d):
@@ -69,8 +70,9 @@ SCHEMA = {
     "cluster.colocate_split_and_replicate": Option("bool", False, (),
                                                    "let TaskGraphs share devices"),
     "pipeline.num_micro_batch": Option("int", 1, _at_least(1), "micro-batches per step"),
-    "pipeline.schedule": Option("str", "1f1b", _one_of("gpipe", "1f1b", "kfkb", "zero_bubble"),
-                                "pipeline schedule"),
+    "pipeline.schedule": Option(
+        "str", "1f1b", _one_of("gpipe", "1f1b", "kfkb", note=" ('zero_bubble' is not built yet)"),
+        "pipeline schedule"),
     "pipeline.task_functions": Option(
         "bool", True, (), "run each micro-batch's stage tasks as calls of one graph function "
         "per task (off: a copy of the stage per micro-batch)"),
@@ -334,12 +336,15 @@ def _restore(values):
     return Config(values, env={})
 
 
-def describe():
-    """Human-readable table of every config key: type, default, allowed values, help."""
-    rows = [("key", "type", "default", "allowed", "help")]
-    rows += [(k, o.type, repr(o.default), o.rule[0] if o.rule else "", o.help)
-             for k, o in SCHEMA.items()]
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[4] for row in rows]
-    lines.insert(1, "-" * len(max(lines, key=len)))
+def describe(width: int = 100) -> str:
+    """Every config key: key, type and default on one line, then its meaning and
+    allowed values indented below, wrapped to ``width`` columns."""
+    key_width = max(map(len, SCHEMA))
+    type_width = max(len(o.type) for o in SCHEMA.values())
+    lines = [f"{'key':<{key_width}}  {'type':<{type_width}}  default",
+             f"{'-' * key_width}  {'-' * type_width}  -------"]
+    for key, opt in SCHEMA.items():
+        lines.append(f"{key:<{key_width}}  {opt.type:<{type_width}}  {opt.default!r}")
+        for text in (opt.help, f"allowed: {opt.rule[0]}" if opt.rule else ""):
+            lines += textwrap.wrap(text, width, initial_indent="    ", subsequent_indent="    ")
     return "\n".join(lines)

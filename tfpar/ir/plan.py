@@ -52,8 +52,8 @@ class Plan:
       data_parallel_degree: replicas of the whole model (nested DP degree
         times the replicate degree of a single replicate TaskGraph).
       num_micro_batch, schedule, group_size: pipeline settings.
-      estimate: ``step_time_s`` (None until a cost model estimates it),
-        ``memory_bytes_per_device`` and ``comm_bytes`` per step.
+      estimate: ``step_time_s`` (None unless the ``auto.auto_parallel`` search
+        costed the plan), ``memory_bytes_per_device`` and ``comm_bytes`` per step.
       sharding: what the sharding search chose (``auto.auto_parallel``):
         ``tensor_degree`` and ``layers``, name scope -> sharding candidate
         (``planner.sharding``); pinned, those layers are built split.
@@ -186,10 +186,17 @@ class Plan:
             step = est.get("step_time_s")
             mem = est.get("memory_bytes_per_device") or [0]
             lines.append(
-                "estimate: step_time=" + ("n/a" if step is None else f"{step * 1e3:.2f} ms")
+                "estimate: step_time=" + ("none" if step is None else f"{step * 1e3:.2f} ms")
                 + f"  peak memory/device={_human_bytes(max(mem))}"
                 + f"  comm/step={_human_bytes(est.get('comm_bytes', 0))}")
+            if step is None:
+                lines.append("  (only auto.auto_parallel plans are costed; "
+                             "plans from scopes or config are not)")
         return "\n".join(lines)
+
+    def __str__(self) -> str:
+        """``print(plan)`` shows :meth:`summary`."""
+        return self.summary()
 
 
 def _short_devices(devices: List[str]) -> str:

@@ -53,6 +53,11 @@ class SimulationResult:
     bubble_fraction: float
     peak_in_flight: List[int]
 
+    def __str__(self) -> str:
+        """One line: length, bubble and micro-batches in flight per stage."""
+        return (f"length {self.length:g}, bubble {self.bubble_fraction:.1%}, "
+                f"micro-batches in flight per stage {self.peak_in_flight}")
+
 
 def simulate(schedule: List[List[Task]], forward_time: Times, backward_time: Times,
              transfer_time: float = 0.0) -> SimulationResult:

@@ -5,10 +5,10 @@ Every worker process runs the same script. ``wh.init`` starts a
 runs the whole parallel graph (in-graph replication): its devices span every
 worker (``/job:worker/replica:0/task:t/device:...``), data moves over gRPC, and
 collectives span processes with task 0 as group leader. The other workers
-serve their devices; ``wh.init`` does not return there: they exit when the
-chief releases them at its exit. Before the chief trains, every worker must
-answer within ``communication.timeout_s``, and a worker lost later fails the
-step with an error naming it, never a hang.
+serve their devices; ``wh.init`` does not return there: released at the
+chief's exit, they exit once the chief's process has ended. Before the chief
+trains, every worker must answer within ``communication.timeout_s``, and a
+worker lost later fails the step with an error naming it, never a hang.
 """
 import atexit
 import dataclasses
@@ -73,7 +73,7 @@ class Cluster:
             self.wait_for_workers(timeout_s)
             atexit.register(self.release_workers, timeout_s)
         else:
-            self._serve_until_released()
+            self._serve_until_released(timeout_s)
 
     def missing_workers(self, timeout_s: float) -> List[int]:
         """Tasks whose server does not accept a connection within ``timeout_s``."""
@@ -120,7 +120,7 @@ class Cluster:
             except Exception:  # pylint: disable=broad-except
                 pass  # workers already gone: nothing to release
 
-    def _serve_until_released(self) -> None:
+    def _serve_until_released(self, timeout_s: float) -> None:
         graph = ops.Graph()
         with graph.as_default(), ops.device(self.host_cpu(self.task)):
             queue = data_flow_ops.FIFOQueue(1, dtypes.int32, shared_name=_RELEASE_QUEUE)
@@ -130,6 +130,13 @@ class Cluster:
         own = config_pb2.ConfigProto(device_filters=[f"/job:{JOB}/task:{self.task}"])
         with tf_session.Session(self.server.target, graph=graph, config=own) as sess:
             sess.run(release)
+        # The chief still closes its sessions (the release's, the script's unclosed
+        # ones), which call this server: leaving earlier fails those calls (gRPC
+        # UNAVAILABLE logs) or even the release step in flight (its session then
+        # takes 30 s to close).
+        deadline = time.monotonic() + timeout_s
+        while _reachable(self.workers[0]) and time.monotonic() < deadline:
+            time.sleep(0.1)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)  # pylint: disable=protected-access  (gRPC server teardown can block)

@@ -1,0 +1,148 @@
+"""What users read: printed plans and simulations, `tfpar config`, CLI errors,
+and a `tfpar` command that starts without TensorFlow (issue 19 item 9)."""
+import subprocess
+import sys
+
+import pytest
+import tensorflow as tf
+
+from equivalence import mlp_classifier
+
+import tfpar as wh
+from tfpar import cli
+from tfpar.config import SCHEMA, Config, describe
+from tfpar.ir.plan import Plan, TaskGraphPlan
+from tfpar.planner.schedule import build_schedule
+from tfpar.planner.simulate import simulate
+
+CPU = "/job:localhost/replica:0/task:0/device:CPU:"
+
+
+def _run(*code_or_args, cwd=None):
+    """Run ``python *code_or_args`` in a fresh process."""
+    return subprocess.run([sys.executable, *code_or_args], capture_output=True, text=True,
+                          timeout=120, cwd=cwd)
+
+
+def _plan(step_time_s):
+    tg = TaskGraphPlan("replicate_all", "replicate", 1, ((CPU + "0",), (CPU + "1",)),
+                       num_ops=30, param_bytes=1000)
+    return Plan(task_graphs=(tg,), data_parallel_degree=2,
+                estimate={"step_time_s": step_time_s, "memory_bytes_per_device": [2000, 2000],
+                          "comm_bytes": 1000})
+
+
+# --- print(plan), print(plan.simulate()) ----------------------------------------
+
+def test_print_plan_shows_its_summary():
+    plan = _plan(None)
+    assert str(plan) == plan.summary()
+    assert repr(plan).startswith("Plan(task_graphs=(TaskGraphPlan(")
+
+
+def test_print_simulation_is_one_readable_line():
+    result = simulate(build_schedule("1f1b", 2, 4), 1.0, 2.0)
+    assert str(result) == "length 15, bubble 20.0%, micro-batches in flight per stage [2, 1]"
+    assert repr(result).startswith("SimulationResult(tasks=[")
+    assert str(_plan(None).simulate()).startswith("length 30, bubble 0.0%")
+
+
+def test_cli_simulate_prints_the_same_line(capsys):
+    assert cli.main(["simulate", "--stages", "2", "--micro-batches", "4"]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line == ("1f1b schedule, 2 stages x 4 micro-batches: "
+                    "length 15, bubble 20.0%, micro-batches in flight per stage [2, 1]")
+
+
+# --- step_time without an estimate --------------------------------------------
+
+def test_summary_says_why_a_plan_has_no_step_time():
+    text = _plan(None).summary()
+    assert "n/a" not in text
+    assert "step_time=none" in text and "only auto.auto_parallel plans are costed" in text
+    costed = _plan(0.005).summary()
+    assert "step_time=5.00 ms" in costed and "costed" not in costed
+
+
+def test_scope_plans_are_not_costed():
+    """The reason printed is the true one: a plan from scopes has no step time."""
+    with tf.Graph().as_default():
+        wh.init({"cluster.num_devices": 2})
+        x = tf.compat.v1.placeholder(tf.float32, [None, 6])
+        y = tf.compat.v1.placeholder(tf.int64, [None])
+        with wh.replicate(2):
+            mlp_classifier()(x, y)
+        plan = wh.current_plan()
+    assert plan.estimate["step_time_s"] is None
+    assert "plans from scopes or config are not" in str(plan)
+
+
+# --- tfpar config ---------------------------------------------------------------
+
+def test_config_listing_fits_100_columns(capsys):
+    assert cli.main(["config"]) == 0
+    text = capsys.readouterr().out
+    assert text == describe() + "\n"
+    assert max(len(line) for line in text.splitlines()) <= 100
+    words = " ".join(text.split())
+    for key, option in SCHEMA.items():
+        assert key in text and " ".join(option.help.split()) in words
+
+
+def test_zero_bubble_is_refused_as_not_built():
+    with pytest.raises(wh.ConfigError, match="'zero_bubble' is not built yet"):
+        Config({"pipeline.schedule": "zero_bubble"}, env={})
+    assert "'zero_bubble' is not built yet" in describe()
+    assert Config({"pipeline.schedule": "kfkb"}, env={}).pipeline.schedule == "kfkb"
+
+
+# --- missing scripts --------------------------------------------------------------
+
+@pytest.mark.parametrize("command", [["plan"], ["launch", "--workers", "2"]])
+def test_missing_script_is_named_without_traceback(command, tmp_path):
+    out = _run("-m", "tfpar.cli", *command, "nosuch.py", cwd=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr == f"tfpar {command[0]}: nosuch.py: no such file\n"
+    assert out.stdout == ""
+
+
+# --- no TensorFlow for commands that do not need it -----------------------------
+
+@pytest.mark.parametrize("argv", [["--help"], ["config"],
+                                  ["simulate", "--stages", "2", "--micro-batches", "4"]])
+def test_commands_without_tensorflow_do_not_import_it(argv):
+    code = ("import sys\n"
+            "import tfpar.cli\n"
+            "try:\n"
+            f"    tfpar.cli.main({argv!r})\n"
+            "except SystemExit as exc:\n"
+            "    assert exc.code == 0, exc.code\n"
+            "assert 'tensorflow' not in sys.modules, 'tensorflow imported'\n")
+    out = _run("-c", code)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "tensorflow" not in out.stderr
+
+
+def test_import_tfpar_without_tensorflow_then_lazy_names():
+    code = ("import sys\n"
+            "import tfpar as wh\n"
+            "from tfpar import Config, ConfigError, Plan, PlanError\n"
+            "import tfpar.config, tfpar.errors, tfpar.ir.plan, tfpar.planner.simulate\n"
+            "assert 'tensorflow' not in sys.modules, 'tensorflow imported'\n"
+            "from tfpar import step_timeline\n"
+            "assert 'tensorflow' in sys.modules\n")
+    out = _run("-c", code)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_public_names_are_the_defining_modules_objects():
+    from tfpar import api, errors  # pylint: disable=import-outside-toplevel
+    from tfpar.runtime import step_trace  # pylint: disable=import-outside-toplevel
+    assert wh.init is api.init and wh.replicate is api.replicate and wh.Plan is Plan
+    assert wh.step_timeline is step_trace.step_timeline and wh.PlanError is errors.PlanError
+    namespace = {}
+    exec("from tfpar import *", namespace)  # pylint: disable=exec-used
+    assert {name for name in namespace if name != "__builtins__"} == set(wh.__all__)
+    assert set(wh.__all__) <= set(dir(wh))
+    with pytest.raises(AttributeError, match="no attribute 'nosuch'"):
+        wh.nosuch  # pylint: disable=pointless-statement

@@ -1,0 +1,341 @@
+"""README.md cannot drift: its snippets run, its commands exist with the flags
+it names, its sample outputs match what the commands print, its
+Troubleshooting section quotes the messages tfpar really raises, and its
+configuration table lists the keys ``tfpar config`` knows.
+
+Every fenced block of README.md carries a marker comment on the line above it:
+``<!-- readme-test: run FIXTURE -->`` (a Python snippet completed by
+``FIXTURES[FIXTURE]``), ``<!-- readme-test: commands -->`` (one command per
+line) or ``<!-- readme-test: output of `COMMAND` -->`` (what COMMAND prints,
+numbers and ``...`` standing for anything). The docstrings of examples/ and
+benchmarks/ give their usage lines, checked like README's commands.
+"""
+import dataclasses
+import os
+import re
+import shlex
+import subprocess
+import sys
+from typing import Dict, List, Tuple
+
+import pytest
+
+from tfpar import config as tfpar_config
+from tfpar import errors
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "README.md")
+BIN = os.path.dirname(sys.executable)
+ENV = dict(os.environ, PATH=BIN + os.pathsep + os.environ.get("PATH", ""),
+           TF_CPP_MIN_LOG_LEVEL="2")
+MARKER = re.compile(r"<!-- readme-test: (run (?P<fixture>\w+)|commands|output of `(?P<of>[^`]+)`) -->")
+COMMAND_WORDS = ("python ", "tfpar ", "make ", "horovodrun ", "TEST_REWRITE_OFF=1 ")
+
+
+@dataclasses.dataclass
+class Block:
+    line: int       # 1-based line of the opening fence
+    marker: str     # the marker comment's text ("" when missing)
+    body: str
+
+
+def readme_text() -> str:
+    with open(README, encoding="utf-8") as f:
+        return f.read()
+
+
+def fenced_blocks(text: str) -> List[Block]:
+    lines, blocks, i = text.split("\n"), [], 0
+    while i < len(lines):
+        if lines[i].startswith("```"):
+            end = lines.index("```", i + 1)
+            marker = lines[i - 1] if i and lines[i - 1].startswith("<!--") else ""
+            blocks.append(Block(i + 1, marker, "\n".join(lines[i + 1:end])))
+            i = end
+        i += 1
+    return blocks
+
+
+def blocks_of(kind: str) -> List[Tuple[re.Match, Block]]:
+    found = [(MARKER.fullmatch(b.marker), b) for b in fenced_blocks(readme_text())]
+    return [(m, b) for m, b in found if m and m.group(0).startswith(f"<!-- readme-test: {kind}")]
+
+
+def test_every_block_has_a_marker():
+    bad = [b.line for b in fenced_blocks(readme_text()) if not MARKER.fullmatch(b.marker)]
+    assert not bad, f"README.md blocks at lines {bad} lack a readme-test marker (see this file)"
+
+
+def test_readme_starts_with_the_title_and_the_two_commands():
+    text = readme_text()
+    assert text.startswith("# tfpar\n\n<!-- readme-test: commands -->\n```\nmake demo\nmake test\n```\n"), text[:80]
+
+
+# -- Python snippets ------------------------------------------------------------
+
+# A fixture completes a snippet where it elides data: ``before`` runs before it
+# (no TensorFlow op there: the snippet calls wh.init first), ``after_init``
+# right after its ``wh.init(...)`` line, ``after`` once it ran, asserting where
+# the step ran.
+GRAPH_CHECK = """
+with tf.compat.v1.Session() as traced:
+    traced.run(tf.compat.v1.global_variables_initializer())
+    metadata = tf.compat.v1.RunMetadata()
+    traced.run({fetch}, {feed}, run_metadata=metadata, options=tf.compat.v1.RunOptions(
+        trace_level=tf.compat.v1.RunOptions.FULL_TRACE))
+ran = wh.step_devices(metadata)
+for name, devices in {expected!r}.items():
+    assert sorted(ran.get(name, {{}})) == devices, (name, ran)
+print("ran:", ran)
+"""
+FIXTURES: Dict[str, Dict[str, str]] = {
+    "tf2_loop": {
+        "before": "import numpy as np\n"
+                  "class LazyDataset:  # makes its tf.data ops only when iterated\n"
+                  "    def __iter__(self):\n"
+                  "        rng = np.random.RandomState(0)\n"
+                  "        x = rng.randn(256, 32).astype('float32'); y = rng.randint(0, 10, 256)\n"
+                  "        return iter(tf.data.Dataset.from_tensor_slices((x, y)).batch(64))\n"
+                  "dataset = LazyDataset()\n",
+        "after_init": "from tensorflow.python.eager import context\n"
+                      "context.context().enable_run_metadata()\n",
+        "after": "import sys\nsys.path.insert(0, {tests})\n"
+                 "from tf2_script import working_devices\n"
+                 "ran = working_devices(context.context().export_run_metadata())\n"
+                 "assert [d.rsplit('/', 1)[-1] for d in ran] == "
+                 "['device:CPU:0', 'device:CPU:1', 'device:CPU:2', 'device:CPU:3'], ran\n"
+                 "assert np.isfinite(float(loss))\nprint('ran:', ran)\n",
+    },
+    "graph_mlp": {
+        "before": "import numpy as np\nrng = np.random.RandomState(0)\n"
+                  "batch_x = rng.randn(64, 32).astype('float32'); batch_y = rng.randint(0, 10, 64)\n",
+        "after": GRAPH_CHECK.format(fetch="train_op", feed="{x: batch_x, y: batch_y}",
+                                    expected={"replicate_all": ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]}),
+    },
+    "whale_example_2": {
+        "before": "import numpy as np\nimport tensorflow as tf\nimport tfpar as wh\n"
+                  "tf.compat.v1.disable_eager_execution()\n"
+                  "def backbone(images):\n"
+                  "    return tf.compat.v1.layers.dense(tf.compat.v1.layers.flatten(images), 64, tf.nn.relu)\n",
+        "after_init": "images = tf.compat.v1.placeholder(tf.float32, [None, 8, 8, 3])\n"
+                      "labels = tf.compat.v1.placeholder(tf.int64, [None])\n",
+        "after": "rng = np.random.RandomState(0)\n" + GRAPH_CHECK.format(
+            fetch="train_op",
+            feed="{images: rng.randn(16, 8, 8, 3), labels: rng.randint(0, 100000, 16)}",
+            expected={"replicate_0": ["CPU:0", "CPU:1", "CPU:2", "CPU:3"],
+                      "split_1": ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]}),
+    },
+    "whale_example_1": {
+        "before": "import numpy as np\nimport tensorflow as tf\nimport tfpar as wh\n"
+                  "tf.compat.v1.disable_eager_execution()\n"
+                  "def stage_one(x):\n"
+                  "    return tf.compat.v1.layers.dense(x, 16, tf.nn.relu)\n"
+                  "def stage_two(h, y):\n"
+                  "    logits = tf.compat.v1.layers.dense(h, 10)\n"
+                  "    return tf.compat.v1.losses.sparse_softmax_cross_entropy(y, logits)\n",
+        "after_init": "x = tf.compat.v1.placeholder(tf.float32, [None, 32])\n"
+                      "y = tf.compat.v1.placeholder(tf.int64, [None])\n",
+        "after": "rng = np.random.RandomState(0)\n" + GRAPH_CHECK.format(
+            fetch="train_op",
+            feed="{x: rng.randn(16, 32), y: rng.randint(0, 10, 16)}",
+            expected={"replicate_0": ["CPU:0"], "replicate_1": ["CPU:1"]}),
+    },
+}
+
+
+def completed(snippet: str, fixture: Dict[str, str]) -> str:
+    """The snippet with the fixture's code around it and after its wh.init line."""
+    tests = os.path.join(ROOT, "tests")
+    lines = snippet.split("\n")
+    init = next(i for i, line in enumerate(lines) if line.startswith("wh.init("))
+    after_init = fixture.get("after_init", "").replace("{tests}", repr(tests))
+    body = "\n".join(lines[:init + 1] + [after_init] + lines[init + 1:])
+    return "\n".join([fixture.get("before", ""), body, fixture["after"].replace("{tests}", repr(tests))])
+
+
+def python_snippets():
+    return [pytest.param(m.group("fixture"), b.body, id=f"line{b.line}-{m.group('fixture')}")
+            for m, b in blocks_of("run")]
+
+
+@pytest.mark.parametrize("fixture,snippet", python_snippets())
+def test_python_snippet_runs_and_its_plan_ran(fixture, snippet, tmp_path):
+    assert fixture in FIXTURES, f"README names an unknown fixture {fixture!r}"
+    script = tmp_path / "snippet.py"
+    script.write_text(completed(snippet, FIXTURES[fixture]))
+    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, script.read_text() + "\n" + done.stderr[-3000:]
+    assert "ran:" in done.stdout
+
+
+# -- Commands ---------------------------------------------------------------------
+
+# Concrete values for the placeholders usage lines show.
+PLACEHOLDERS = {"script.py": "examples/data_parallel_mlp.py", "train.py": "examples/data_parallel_mlp.py",
+                "P": "4", "M": "8", "K": "2", "F": "1", "B": "2", "T": "0", "N": "2",
+                "FILE": "/tmp/readme_plan.json", "out.json": "/tmp/readme_trace.json",
+                "CFG": '{"cluster.num_devices": 2}', "h1,h2": "host1,host2", "DIR": "/tmp/readme_traces"}
+# Commands cheap enough to run in full (the examples run in full in test_structure.py,
+# the benchmarks' --check logic in test_benchmark_checks.py).
+RUN_IN_FULL = re.compile(r"^tfpar (config|simulate|plan|launch --hosts)\b")
+
+
+def inline_commands(text: str) -> List[str]:
+    """Code spans outside fenced blocks that are commands."""
+    outside = re.sub(r"```.*?```", "", text, flags=re.S)
+    spans = re.findall(r"`([^`\n]+)`", outside)
+    return [s for s in spans if s.startswith(COMMAND_WORDS) and not s.split()[1].endswith(":")]
+
+
+def readme_commands() -> List[str]:
+    fenced = [line.split("  #")[0].strip() for _, b in blocks_of("commands")
+              for line in b.body.split("\n") if line.strip()]
+    return sorted(set(fenced + inline_commands(readme_text())))
+
+
+def docstring_commands() -> List[str]:
+    """Usage lines of examples/ and benchmarks/ (``python <its path> ...``),
+    with their indented continuation lines."""
+    found = []
+    for folder in ("examples", "benchmarks"):
+        for name in sorted(os.listdir(os.path.join(ROOT, folder))):
+            path = f"{folder}/{name}"
+            with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+                text = f.read()
+            match = re.search(rf"^( +)python {re.escape(path)}\b.*(\n\1 +\S.*)*", text, re.M)
+            if match:
+                found.append(" ".join(match.group(0).split()))
+    return found
+
+
+def usage_flags(command: str) -> List[str]:
+    return re.findall(r"(?<![\w-])--[a-z][\w-]*", command)
+
+
+def concrete(command: str) -> List[str]:
+    """The usage line as a command to run: optional groups dropped, placeholders filled."""
+    words = shlex.split(re.sub(r"\[[^\]]*\]", " ", command))
+    return [PLACEHOLDERS.get(w, w.split("|")[0]) for w in words]
+
+
+def help_command(words: List[str]) -> List[str]:
+    """The command that prints the help naming this command's flags."""
+    while words and "=" in words[0]:
+        words = words[1:]
+    if words[0] == "python" and words[1] == "-m":
+        return [sys.executable, "-m", words[2], "--help"]
+    if words[0] == "python":
+        return [sys.executable, words[1], "--help"]
+    if words[0] == "tfpar":
+        return [sys.executable, "-m", "tfpar.cli", words[1], "--help"]
+    return [os.path.join(BIN, words[0]), "--help"]
+
+
+def all_commands():
+    return [pytest.param(c, id=c[:60]) for c in readme_commands() + docstring_commands()
+            if not c.startswith("make ")]
+
+
+@pytest.mark.parametrize("command", all_commands())
+def test_command_exists_with_the_flags_it_names(command):
+    words = concrete(command)
+    for word in words:
+        if re.fullmatch(r"[\w/]+\.py", word) and not word.startswith("/"):
+            assert os.path.exists(os.path.join(ROOT, word)), f"{command}: no {word}"
+    for name in re.findall(r"^(\w+)=", command):
+        assert subprocess.run(["git", "grep", "-q", name, "--", "tests", "tfpar"], cwd=ROOT).returncode == 0, name
+    done = subprocess.run(help_command(words), cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, f"{command}:\n{done.stderr[-2000:]}"
+    missing = [f for f in usage_flags(command) if f not in done.stdout]
+    assert not missing, f"{command}: its --help does not know {missing}"
+    if RUN_IN_FULL.match(command):
+        run = subprocess.run([sys.executable, "-m", "tfpar.cli", *words[1:]], cwd=ROOT, env=ENV,
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, f"{command}:\n{run.stderr[-2000:]}"
+
+
+def test_make_targets_exist():
+    targets = {c.split()[1] for c in readme_commands() if c.startswith("make ")}
+    assert {"demo", "test"} <= targets
+    for target in targets:
+        done = subprocess.run(["make", "-n", target], cwd=ROOT, capture_output=True, text=True)
+        assert done.returncode == 0, f"make {target}: {done.stderr}"
+
+
+# -- Sample outputs ---------------------------------------------------------------
+
+def line_pattern(line: str) -> str:
+    """A README output line as a regex: numbers match numbers, ``...`` anything."""
+    parts = re.split(r"(\.\.\.|\d+(?:\.\d+)?)", line.rstrip())
+    return "".join(".*" if p == "..." else r"\d+(?:\.\d+)?" if p and p[0].isdigit()
+                   else re.escape(p) for p in parts)
+
+
+def output_blocks():
+    return [pytest.param(m.group("of"), b.body, id=f"line{b.line}") for m, b in blocks_of("output")]
+
+
+@pytest.mark.parametrize("command,sample", output_blocks())
+def test_sample_output_matches_the_command(command, sample):
+    words = concrete(command)
+    done = subprocess.run([sys.executable, *words[1:]], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    printed = (done.stdout + "\n" + done.stderr).split("\n")
+    for line in filter(str.strip, sample.split("\n")):
+        if line.startswith("$ "):
+            assert concrete(line[2:]) == words, f"the sample shows {line[2:]}, the marker {command}"
+            continue
+        pattern = re.compile(line_pattern(line))
+        assert any(pattern.fullmatch(p.rstrip()) for p in printed), \
+            f"README's line {line!r} is not in what `{command}` prints:\n" + "\n".join(printed[-60:])
+
+
+# -- Troubleshooting and configuration ---------------------------------------------
+
+def section(title: str) -> str:
+    text = readme_text()
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end > 0 else len(text)]
+
+
+def tfpar_sources() -> str:
+    chunks = []
+    for folder, _, files in os.walk(os.path.join(ROOT, "tfpar")):
+        for name in files:
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                    chunks.append(f.read())
+    return "\n".join(chunks)
+
+
+def test_troubleshooting_quotes_real_messages_and_names_every_error_class():
+    rows = [r for r in section("Troubleshooting").split("\n") if r.startswith("| ") and "---" not in r][1:]
+    assert len(rows) >= 10
+    # Source strings are split over lines: compare with the quotes and line breaks taken out.
+    sources = re.sub(r'"\s*\n\s*f?"', "", tfpar_sources())
+    for row in rows:
+        message = re.search(r"`([^`]+)`", row.split(" | ")[0]).group(1)
+        for fragment in filter(None, (f.strip() for f in message.split("..."))):
+            assert fragment in sources, f"Troubleshooting quotes {fragment!r}, which tfpar never says"
+    named = section("Troubleshooting")
+    for name in errors.__all__:
+        assert f"`{name}`" in named or f"`tfpar.{name}`" in named, f"Troubleshooting lacks {name}"
+
+
+def test_configuration_table_lists_every_key_with_its_default():
+    rows = re.findall(r"^\| `([a-z_.]+)` \| ([^|]+) \|", section("Configuration"), re.M)
+    documented = dict(rows)
+    keys = tfpar_config.SCHEMA
+    assert set(documented) == set(keys), (set(keys) - set(documented), set(documented) - set(keys))
+    for key, option in keys.items():
+        shown, default = documented[key].strip().strip("`"), option.default
+        if isinstance(default, bool):
+            assert shown == str(default).lower(), (key, shown, default)
+        elif isinstance(default, (int, float)):
+            assert float(shown) == default, (key, shown, default)
+        elif isinstance(default, str):
+            assert shown == default, (key, shown, default)
