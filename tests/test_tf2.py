@@ -60,6 +60,16 @@ def test_a_tf2_step_trains_in_parallel_with_the_single_device_numbers(scenario, 
     planned = {f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(devices)}
     assert planned <= set(got["devices"]), (
         f"the step was never parallelised: work ran only on {got['devices']}")
+    assert set(got["planned"]) == planned, "wh.current_plan() is not the plan that ran"
+
+
+def test_current_plan_before_the_first_step_of_an_eager_script_says_what_to_do():
+    """Before: wh.current_plan() in eager code planned the empty global graph
+    and failed with an IndexError deep in the planner."""
+    with context.eager_mode():
+        wh.init({"cluster.num_devices": 2})
+        with pytest.raises(wh.PlanError, match="no training step of this eager script"):
+            wh.current_plan()
 
 
 def test_a_checkpoint_of_a_parallel_tf2_run_restores_into_a_plain_model(tmp_path):

@@ -125,7 +125,17 @@ def main(scenario: str, devices: int, late_init: bool, directory: str) -> dict:
     context.context().enable_graph_collection()
     losses, net = SCENARIOS[scenario](directory)
     return {"losses": losses, "weights": [w.numpy().tolist() for w in net.weights],
-            "devices": working_devices(context.context().export_run_metadata())}
+            "devices": working_devices(context.context().export_run_metadata()),
+            "planned": planned_devices() if devices and not late_init else []}
+
+
+def planned_devices() -> list:
+    """Devices of ``wh.current_plan()`` (none when no step was rewritten)."""
+    try:
+        plan = wh.current_plan()
+    except wh.PlanError:
+        return []
+    return sorted({d for tg in plan.task_graphs for d in tg.devices})
 
 
 if __name__ == "__main__":

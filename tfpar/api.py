@@ -193,11 +193,13 @@ def set_default_strategy(scope: _Scope) -> None:
 
 
 def current_plan() -> Plan:
-    """The plan for the current default graph (works before any session runs).
+    """The plan for the current default graph (works before any session runs);
+    in eager code, the plan of the last ``tf.function`` step tfpar rewrote.
 
     Raises:
       PlanError: the graph trains but was built before ``wh.init`` (tfpar will
-        not parallelise it, so no plan describes what runs).
+        not parallelise it, so no plan describes what runs); in eager code, no
+        step has been traced yet.
     """
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     from tfpar.hooks.capture import capture_for  # pylint: disable=import-outside-toplevel
@@ -206,6 +208,12 @@ def current_plan() -> Plan:
     from tfpar.runtime.engine import built_before_init_message, unseen_training  # pylint: disable=import-outside-toplevel
 
     rt = _runtime("current_plan")
+    if tf.executing_eagerly():
+        if rt.function_plan is None:
+            raise PlanError("tfpar: no training step of this eager script has been traced yet; "
+                            "call the tf.function step (or model.fit) once, then "
+                            "wh.current_plan() returns its plan")
+        return rt.function_plan
     graph = tf.compat.v1.get_default_graph()
     unseen = unseen_training(graph)
     if unseen is not None:

@@ -22,6 +22,8 @@ class Runtime:
       cluster: the multi-worker cluster (``runtime.cluster.Cluster``) or None.
       devices_per_worker: devices of one worker (all of them without a cluster).
       warned_one_device: functions said to train on one device (None: eager code).
+      function_plan: the plan of the last tf.function step tfpar rewrote (eager
+        scripts: what ``wh.current_plan()`` returns).
     """
 
     config: Config
@@ -31,6 +33,7 @@ class Runtime:
     cluster: Any = None
     devices_per_worker: int = 0
     warned_one_device: Set[Optional[str]] = dataclasses.field(default_factory=set)
+    function_plan: Any = None
 
 
 _active: Optional[Runtime] = None

@@ -336,6 +336,7 @@ def rewrite_function(graph: ops.Graph) -> None:
         translate = before_run(graph)
         if translate is not None:
             rewire_outputs(graph, translate)
+            rt.function_plan = capture.plan
 
 
 def retraces_relaxed(graph: ops.Graph) -> bool:
