@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-__all__ = ["cell", "meets", "parse_sizes", "ratio", "run_configuration", "verdict",
+__all__ = ["cell", "meets", "parse_sizes", "ratio", "report", "run_configuration", "verdict",
            "worker_option"]
 
 
@@ -40,6 +40,19 @@ def worker_option(configurations):
                    help="run only this configuration, in this process, and print its result "
                         "as JSON (the table runs each configuration so, in a fresh process)")
     return p
+
+
+def report(rows, found, args, sizes, print_table) -> int:
+    """Print ``rows``, the targets ``found`` and the ``sizes`` run as JSON
+    (``--json``), or the table ``print_table`` makes; return the benchmark's exit code (``verdict``; every row
+    must have the same losses as its plain run)."""
+    if args.json:
+        print(json.dumps({"config": {k: getattr(args, k) for k in sizes}, "results": rows,
+                          "targets": [{"target": n, "value": v, "limit": lim,
+                                       "met": meets(v, lim)} for n, v, lim in found]}, indent=2))
+    else:
+        print_table(rows, found, args)
+    return verdict(found, args, all(r["same_loss"] for r in rows))
 
 
 def meets(value, limit) -> bool:

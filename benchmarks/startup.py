@@ -55,7 +55,7 @@ import tensorflow as tf  # noqa: E402
 import tfpar as wh  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_args import cell, meets, parse_sizes, ratio, run_configuration, verdict, worker_option  # noqa: E402  (same directory)
+from bench_args import cell, meets, parse_sizes, ratio, report, run_configuration, worker_option  # noqa: E402  (same directory)
 from overhead import _dense, layer_norm  # noqa: E402
 
 v1 = tf.compat.v1
@@ -213,14 +213,7 @@ def main(argv=None):
         print(json.dumps(run_worker(args.worker, args)))
         return 0
     results = {name: measure(name, args) for name in CONFIGS}
-    rows, found = rows_of(results), targets(results)
-    if args.json:
-        print(json.dumps({"config": {k: getattr(args, k) for k in SIZES}, "results": rows,
-                          "targets": [{"target": n, "value": v, "limit": lim,
-                                       "met": meets(v, lim)} for n, v, lim in found]}, indent=2))
-    else:
-        print_table(rows, found, args)
-    return verdict(found, args, all(r["same_loss"] for r in rows))
+    return report(rows_of(results), targets(results), args, SIZES, print_table)
 
 
 if __name__ == "__main__":

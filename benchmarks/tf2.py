@@ -72,7 +72,7 @@ from tensorflow.python.eager import context  # noqa: E402
 import tfpar as wh  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_args import cell, meets, parse_sizes, ratio, run_configuration, verdict, worker_option  # noqa: E402  (same directory)
+from bench_args import cell, meets, parse_sizes, ratio, report, run_configuration, worker_option  # noqa: E402  (same directory)
 from overhead import CLASSES, make_data  # noqa: E402
 
 NUM_CPUS, LAYERS, WARMUP, RTOL, LEARNING_RATE = 4, 4, 3, 1e-4, 1e-3
@@ -354,14 +354,7 @@ def main(argv=None):
         print(json.dumps(run_worker(args.worker, args)))
         return 0
     results = measure_rounds(args)
-    rows, found = rows_of(results), targets(results)
-    if args.json:
-        print(json.dumps({"config": {k: getattr(args, k) for k in SIZES}, "results": rows,
-                          "targets": [{"target": n, "value": v, "limit": lim,
-                                       "met": meets(v, lim)} for n, v, lim in found]}, indent=2))
-    else:
-        print_table(rows, found, args)
-    return verdict(found, args, all(r["same_loss"] for r in rows))
+    return report(rows_of(results), targets(results), args, SIZES, print_table)
 
 
 if __name__ == "__main__":

@@ -233,8 +233,9 @@ def help_command(words: List[str]) -> List[str]:
 
 
 def all_commands():
-    return [pytest.param(c, id=c[:60]) for c in readme_commands() + docstring_commands()
-            if not c.startswith("make ")]
+    """README's commands and the docstrings' usage lines, each once."""
+    commands = sorted(set(readme_commands() + docstring_commands()))
+    return [pytest.param(c, id=c[:60]) for c in commands if not c.startswith("make ")]
 
 
 @pytest.mark.parametrize("command", all_commands())
