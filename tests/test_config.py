@@ -67,7 +67,7 @@ def test_defaults():
                      "group_size": 1},
         "split": {"patterns": None},
         "auto": {"auto_parallel": False, "num_task_graph": None, "opt_level": "O2",
-                 "global_batch": 32, "search_time_limit_s": 60.0, "planning_pass": True},
+                 "global_batch": None, "search_time_limit_s": 60.0, "planning_pass": True},
         "balance": {"hardware_aware": True},
         "communication": {"backend": "auto", "fusion_mb": 64.0, "timeout_s": 60.0},
         "io": {"shard_dataset": False},
@@ -372,6 +372,10 @@ def test_wrong_types(key, value, fragment):
     ("cluster.hardware", [{"name": "x", "tflops": 1, "memory_gb": 0}], "must be"),
     ("cluster.hardware", [{"name": "x", "tflops": True, "memory_gb": 1}], "must be"),
     ("cluster.hardware", [{"name": "x", "tflops": 1, "memory_gb": 1, "nvlink": 9}], "must be"),
+    ("cluster.hardware", [{"name": "x", "tflops": 1, "memory_gb": 1, "efficiency": 1.5}],
+     "efficiency <= 1"),
+    ("cluster.hardware", [{"name": "x", "tflops": 1, "memory_gb": 1, "tflops_fp16": 0}],
+     "must be"),
 ])
 def test_out_of_range_and_bad_choices(key, value, fragment):
     message = error(Config, {key: value})

@@ -37,6 +37,7 @@ model whose activations dominate). Hence the bounds asserted: [0.75, 1.5]
 where weights and optimizer state dominate, [1/3, 0.75] where activations do.
 """
 import contextlib
+import dataclasses
 import io
 
 import numpy as np
@@ -47,8 +48,10 @@ from tensorflow.python.framework import tensor_shape
 from equivalence import plan_of
 
 import tfpar as wh
-from tfpar.cluster.hardware import Hardware
+from tfpar.cluster.hardware import CATALOG, DTYPES, HOST_CPU, Hardware, device_hardware, slowest
+from tfpar.config import Config
 from tfpar.hooks.capture import existing_capture
+from tfpar.planner.auto import ModelView, search, stage_costs
 from tfpar.planner.comm import allgather, allreduce
 from tfpar.planner.layers import Layer, LayerGraph
 from tfpar.planner.sharding import Mesh, Problem
@@ -57,7 +60,7 @@ from tfpar.rewriters.select import GraphIndex
 
 v1 = tf.compat.v1
 FLOAT = 4
-ALPHA = 10e-6  # comm.py's latency per message (one step of a ring)
+ALPHA = 10e-6  # comm.py's latency per message
 LOSS = "sparse_softmax_cross_entropy_loss"
 # v1.losses.sparse_softmax_cross_entropy, per row: the per-example loss, loss x
 # weights, ones_like(weights) and the broadcast weights (one float each), and the
@@ -65,6 +68,10 @@ LOSS = "sparse_softmax_cross_entropy_loss"
 # shape [1] reads like a batch of one element). The scalars (sums, the mean)
 # hold nothing per row.
 LOSS_ROW_BYTES = 5 * 4
+# A dense layer on [B, T, D] (tensordot): the int32 outputs of its shape
+# arithmetic (Shape, two GatherV2, stack, concat_1), one each per row by the
+# same reading of their static shapes.
+TENSORDOT_ROW_BYTES = 5 * 4
 
 
 # ---------------------------------------------------------------------------
@@ -120,13 +127,13 @@ def hand_memory(table, global_batch, devices, stages=None, num_stages=1, micro=1
     return memory
 
 
-def planned_stages(build, config):
+def planned_stages(build, config, shape=(None, 6)):
     """(plan, op name -> stage) of ``build`` under ``config``: the stages the
     search chose for each forward op (built like ``plan_of``, not run)."""
     graph = tf.Graph()
     with graph.as_default(), contextlib.redirect_stderr(io.StringIO()):
         wh.init(config)
-        build(v1.placeholder(tf.float32, [None, 6]), v1.placeholder(tf.int64, [None]))
+        build(v1.placeholder(tf.float32, list(shape)), v1.placeholder(tf.int64, [None]))
         plan = wh.current_plan()
         tags = existing_capture(graph).automatic[1].tags
     wh.reset()
@@ -136,17 +143,20 @@ def planned_stages(build, config):
 # ---------------------------------------------------------------------------
 # Communication: the alpha-beta model of comm.py, a ring over n devices.
 
-def test_ring_allreduce_by_hand():
-    """Ring all-reduce of S bytes on n devices: reduce-scatter then all-gather,
-    2 (n-1) steps each sending S/n bytes and paying one latency alpha (10 us):
-    T = 2 (n-1) alpha + 2 (n-1)/n S / bandwidth."""
+def test_allreduce_by_hand():
+    """All-reduce of S bytes on n devices: the ring's bytes, 2 (n-1)/n S per
+    device, at 2 ceil(log2 n) latencies alpha (10 us; Rabenseifner's
+    algorithm, NCCL's trees): T = 2 ceil(log2 n) alpha + 2 (n-1)/n S / bandwidth."""
     n, size, bandwidth = 4, 100e6, 10e9
     cost = allreduce(n, size, bandwidth)
-    # 2 * 3 / 4 * 100 MB = 150 MB sent per device; 6 latencies.
+    # 2 * 3 / 4 * 100 MB = 150 MB sent per device; 2 log2 4 = 4 latencies.
     assert cost.bytes == pytest.approx(150e6)
-    assert cost.seconds == pytest.approx(6 * 10e-6 + 150e6 / 10e9)  # 0.01506 s
+    assert cost.seconds == pytest.approx(4 * 10e-6 + 150e6 / 10e9)  # 0.01504 s
     assert allreduce(n, size, bandwidth, latency=False).seconds == pytest.approx(0.015)
     assert allreduce(1, size, bandwidth) == (0.0, 0.0)  # nothing to reduce
+    # 8 devices: 6 latencies, not a ring's 14; 6 devices round up to 8's
+    assert allreduce(8, 0.0, bandwidth).seconds == pytest.approx(6 * 10e-6)
+    assert allreduce(6, 0.0, bandwidth).seconds == pytest.approx(6 * 10e-6)
 
 
 def test_ring_allgather_by_hand():
@@ -161,7 +171,7 @@ def test_split_layers_communication_by_hand():
     """A weighted layer split over t = 4 devices (one group: data degree 1), no
     compute (flops 0) so only communication is left:
       * row (Megatron SP2): the [rows, out] partial sums all-reduced over the
-        group: 2 (t-1) alpha + 2 (t-1)/t x rows x out_bytes / bandwidth;
+        group: 2 log2(t) alpha + 2 (t-1)/t x rows x out_bytes / bandwidth;
       * column reading the model's input (fed split by rows): all-gathered
         forward, its gradient gathered back in the backward pass:
         2 x [(t-1) alpha + (t-1)/t x rows x in_bytes / bandwidth]."""
@@ -173,7 +183,7 @@ def test_split_layers_communication_by_hand():
     input_gather = 2 * (3 * ALPHA + 3 / 4 * 64 * 1024 / 10e9)
     row = problem.node(0, "row")
     assert row.bytes == pytest.approx(2 * 3 / 4 * 64 * 4096 + 2 * 3 / 4 * 64 * 1024)
-    assert row.seconds == pytest.approx(6 * ALPHA + 2 * 3 / 4 * 64 * 4096 / 10e9 + input_gather)
+    assert row.seconds == pytest.approx(4 * ALPHA + 2 * 3 / 4 * 64 * 4096 / 10e9 + input_gather)
     column = problem.node(0, "column")
     assert column.seconds == pytest.approx(input_gather)  # weights never all-reduced (d = 1)
 
@@ -181,15 +191,21 @@ def test_split_layers_communication_by_hand():
 # ---------------------------------------------------------------------------
 # Layer FLOPs from real TF graphs (the model view of rewriters/model_view.py).
 
-def view_of(make_loss):
-    """{op name: (FLOPs per row, output bytes per row, weight bytes)} of the
-    forward ops of ``make_loss()``'s graph."""
+def graph_view(make_loss):
+    """(forward ops, model view) of ``make_loss()``'s graph."""
     graph = tf.Graph()
     with graph.as_default():
         wh.init({"cluster.num_devices": 1})
         v1.train.GradientDescentOptimizer(0.1).minimize(make_loss())
         order, view = model_view(GraphIndex(graph), existing_capture(graph))
     wh.reset()
+    return order, view
+
+
+def view_of(make_loss):
+    """{op name: (FLOPs per row, output bytes per row, weight bytes)} of the
+    forward ops of ``make_loss()``'s graph."""
+    order, view = graph_view(make_loss)
     return {op.name: (view.flops[i], view.activation_bytes[i], view.param_bytes[i])
             for i, op in enumerate(order)}
 
@@ -220,6 +236,21 @@ def test_dense_layer_on_a_sequence_flops_by_hand():
     ops = view_of(lambda: tf.reduce_sum(v1.layers.dense(
         v1.placeholder(tf.float32, [None, 5, 6]), 7, name="d")))
     assert ops["d/Tensordot/MatMul"][:2] == (2 * 5 * 6 * 7, 5 * 7 * FLOAT)
+
+
+def test_reshapes_of_a_sequence_layer_allocate_nothing():
+    """Tensordot's identity transpose and its two reshapes hand on their
+    input's buffer (TensorFlow forwards it): no activation bytes (they were
+    counted as T D, T D and T H floats per row, 5.5x the MatMul and BiasAdd
+    outputs of a Megatron fc2). The edges still carry the data."""
+    order, view = graph_view(lambda: tf.reduce_sum(v1.layers.dense(
+        v1.placeholder(tf.float32, [None, 5, 6]), 7, name="d")))
+    ops = {op.name: i for i, op in enumerate(order)}
+    assert [view.activation_bytes[ops[name]] for name in
+            ("d/Tensordot/transpose", "d/Tensordot/Reshape", "d/Tensordot")] == [0.0] * 3
+    assert view.activation_bytes[ops["d/BiasAdd"]] == 5 * 7 * FLOAT
+    into_matmul = [size for i, j, size in view.edges if j == ops["d/Tensordot/MatMul"]]
+    assert max(into_matmul) == 5 * 6 * FLOAT
 
 
 def test_conv2d_flops_by_hand():
@@ -255,7 +286,7 @@ def test_data_parallel_estimate_by_hand():
     """4 replicas, global batch 32 (8 rows each), HOST_CPU (0.05 TFLOPS, 10 GB/s):
       memory = 4 x 1740 + 8 x 412 = 10256 bytes per device;
       comm = ring all-reduce of the 1740 gradient bytes: 2 x 3/4 x 1740 = 2610;
-      time = 3 x forward FLOPs x 8 rows / 0.05e12 + 6 alpha + 2610 / 10e9, with
+      time = 3 x forward FLOPs x 8 rows / 0.05e12 + 4 alpha (2 log2 4) + 2610 / 10e9, with
       forward FLOPs per row l0 2x6x16+16+16, l1 2x16x16+16+16, logits
       2x16x3+3, loss 1, mean 1 = 869."""
     plan = plan_of(adam_mlp, {"auto.auto_parallel": True, "cluster.num_devices": 4,
@@ -271,7 +302,7 @@ def test_data_parallel_estimate_by_hand():
     flops = (2 * 6 * 16 + 32) + (2 * 16 * 16 + 32) + (2 * 16 * 3 + 3) + 1 + 1
     assert flops == 869
     assert plan.estimate["step_time_s"] == pytest.approx(
-        3 * 869 * 8 / 0.05e12 + 6 * ALPHA + 2610 / 10e9)
+        3 * 869 * 8 / 0.05e12 + 4 * ALPHA + 2610 / 10e9)
 
 
 def test_pipeline_estimate_by_hand():
@@ -289,6 +320,188 @@ def test_pipeline_estimate_by_hand():
         4 * 448 + 192 * 8 * 2, 4 * 1292 + 220 * 8]
     assert plan.estimate["memory_bytes_per_device"] == [6928] * 4
     assert plan.estimate["comm_bytes"] == pytest.approx(64 * 8 * 2 * 2 + 1740)
+
+
+# ---------------------------------------------------------------------------
+# Calibrated terms (issue 14): throughput per compute dtype, the batch from
+# the graph, one-micro-batch pipelines, activations of [B, T, H] layers.
+
+def test_catalog_peaks_per_dtype():
+    """The datasheets' dense peaks (TFLOPS; hardware.py's table): a dtype a
+    device has no units for (TF32, bf16 before Ampere) runs at its fp32
+    rate. The planner assumes peak x 0.5 (Megatron-LM's ~52%); HOST_CPU's
+    0.05 TFLOPS is already a sustained rate."""
+    expected = {"P100-16GB": (4.7, 9.3, 9.3, 18.7, 9.3), "V100-32GB": (7.8, 15.7, 15.7, 125, 15.7),
+                "T4": (0.25, 8.1, 8.1, 65, 8.1), "A100-80GB": (19.5, 19.5, 156, 312, 312),
+                "H100-80GB": (67, 67, 494.5, 989, 989)}
+    assert DTYPES == ("fp64", "fp32", "tf32", "fp16", "bf16")
+    for name, peaks in expected.items():
+        assert tuple(CATALOG[name].peak(dtype) for dtype in DTYPES) == peaks, name
+    assert CATALOG["V100-32GB"].flops_per_s("fp16") == pytest.approx(62.5e12)
+    assert CATALOG["V100-32GB"].flops_per_s("tf32") == pytest.approx(7.85e12)
+    assert CATALOG["A100-80GB"].flops_per_s("tf32") == pytest.approx(78e12)
+    assert HOST_CPU.flops_per_s("fp16") == pytest.approx(0.05e12)
+
+
+def test_explicit_specs_peaks_and_efficiency():
+    """``tflops`` is the peak of every dtype; a ``tflops_<dtype>`` key sets
+    one (TF32 without its own runs at ``tflops_fp32``); ``efficiency``
+    defaults to 0.5 and is validated <= 1."""
+    plain = {"name": "a", "tflops": 100, "memory_gb": 8}
+    custom = {**plain, "tflops_fp32": 10, "tflops_fp16": 400, "efficiency": 0.8}
+    Config({"cluster.hardware": [plain, custom]})  # valid keys
+    a, b = device_hardware([plain, custom], 2)
+    assert [a.peak(dtype) for dtype in DTYPES] == [100] * 5 and a.efficiency == 0.5
+    assert [b.peak(dtype) for dtype in DTYPES] == [100, 10, 10, 400, 100]
+    assert b.flops_per_s("fp16") == pytest.approx(400 * 0.8 * 1e12)
+    cluster = slowest([CATALOG["V100-32GB"], CATALOG["A100-80GB"]])
+    assert [cluster.peak(dtype) for dtype in DTYPES] == [7.8, 15.7, 15.7, 125, 15.7]
+    assert (cluster.name, cluster.memory_gb) == ("cluster", 32)
+
+
+def mixed_precision_dense():
+    """fp16 matmuls between float32 casts (keras' mixed_float16 pattern)."""
+    x = tf.cast(v1.placeholder(tf.float32, [None, 6]), tf.float16)
+    return tf.reduce_sum(tf.cast(v1.layers.dense(x, 7, name="d"), tf.float32))
+
+
+@pytest.mark.parametrize("dtype,tf32,expected", [
+    (tf.float32, True, "tf32"), (tf.float32, False, "fp32"), (tf.float16, True, "fp16"),
+    (tf.bfloat16, True, "bf16"), (tf.float64, True, "fp64"), (None, True, "fp16")])
+def test_compute_dtype_from_the_graph(dtype, tf32, expected):
+    """The dtype of most FLOPs; float32 is "tf32" while TensorFlow runs it so
+    (``enable_tensor_float_32_execution``, on by default)."""
+    make = mixed_precision_dense if dtype is None else lambda: tf.reduce_sum(
+        v1.layers.dense(v1.placeholder(dtype, [None, 6]), 7, name="d"))
+    tf.config.experimental.enable_tensor_float_32_execution(tf32)
+    try:
+        _, view = graph_view(make)
+    finally:
+        tf.config.experimental.enable_tensor_float_32_execution(True)
+    assert view.compute_dtype == expected
+
+
+def test_compute_time_is_flops_over_peak_times_efficiency():
+    """1e9 FLOPs per row, 8 rows: fp16 on a V100 at 125 x 0.5 TFLOPS, forward
+    8e9 / 62.5e12 = 128 us; tf32 on a V100 (no TF32 units) at 15.7 x 0.5:
+    1019 us; on an A100 at 156 x 0.5: 103 us. The sharding search's layer
+    costs 3 x forward (with backward) on its share of the rows."""
+    view = ModelView(flops=[4e8, 6e8], activation_bytes=[0.0, 0.0], param_bytes=[0.0, 0.0],
+                     edges=[(0, 1, 0.0)], compute_dtype="fp16")
+    v100, a100 = CATALOG["V100-32GB"], CATALOG["A100-80GB"]
+    assert stage_costs(view, [0, 0], 1, 8, v100).forward_s == pytest.approx((8e9 / 62.5e12,))
+    tf32 = dataclasses.replace(view, compute_dtype="tf32")
+    assert stage_costs(tf32, [0, 0], 1, 8, v100).forward_s == pytest.approx((8e9 / 7.85e12,))
+    assert stage_costs(tf32, [0, 0], 1, 8, a100).forward_s == pytest.approx((8e9 / 78e12,))
+    layer = Layer("fc", "matmul", flops=1e9, out_bytes=0.0, activation_bytes=0.0,
+                  param_bytes=0.0, input_bytes=0.0, ops=(0,), signature=())
+    problem = Problem(LayerGraph((layer,), ()), Mesh(4, 4, 32, v100, "fp16"))
+    assert problem.node(0, "column").seconds == pytest.approx(3 * 1e9 * 32 / 4 / 62.5e12)
+
+
+def adam_mlp_on_a_dataset(batch):
+    """``adam_mlp`` reading ``batch(batch, drop_remainder=True)`` batches."""
+    def build(_x, _y):
+        data = tf.data.Dataset.from_tensor_slices((np.zeros((2 * batch, 6), np.float32),
+                                                   np.zeros(2 * batch, np.int64)))
+        x, y = v1.data.make_one_shot_iterator(data.batch(batch, drop_remainder=True)).get_next()
+        return adam_mlp(x, y)
+    return build
+
+
+def test_the_batch_comes_from_the_graph():
+    """adam_mlp data parallel on 4 devices (1740 weight bytes, 412 bytes per
+    row, see above): inputs declaring 256 rows (placeholders, or a dataset
+    batched with drop_remainder) cost 256 / 4 = 64 rows a device; the config
+    key overrides (64: 16 rows); inputs that declare nothing: 32 (8 rows)."""
+    config = {"auto.auto_parallel": True, "cluster.num_devices": 4, "auto.num_task_graph": 1}
+
+    def memory(build, extra=None, shape=(None, 6)):
+        return max(plan_of(build, {**config, **(extra or {})},
+                           shape=shape).estimate["memory_bytes_per_device"])
+    assert memory(adam_mlp, shape=(256, 6)) == 4 * 1740 + 64 * 412
+    assert memory(adam_mlp_on_a_dataset(256)) == 4 * 1740 + 64 * 412
+    assert memory(adam_mlp, {"auto.global_batch": 64}, shape=(256, 6)) == 4 * 1740 + 16 * 412
+    assert memory(adam_mlp) == 4 * 1740 + 8 * 412
+
+
+def test_group_size_costs_the_graphs_batch():
+    """Ada-Grouper's k (``pipeline.group_size: auto``) is costed on the
+    graph's batch too: 32768 declared rows do not fit a device of 100 KiB
+    that 32 rows (nothing declared) fit."""
+    config = {"cluster.num_devices": 2, "auto.num_task_graph": 2, "pipeline.num_micro_batch": 4,
+              "pipeline.schedule": "kfkb", "pipeline.group_size": "auto",
+              "cluster.hardware": [{"name": "small", "tflops": 1, "memory_gb": 2 ** -20 * 100}]}
+    assert plan_of(adam_mlp, config).group_size >= 1
+    with pytest.raises(wh.PlanError, match="no group size fits"):
+        plan_of(adam_mlp, config, shape=(32768, 6))
+
+
+def test_one_micro_batch_pipeline_runs_its_stages_one_after_the_other():
+    """2 stages, 1 micro-batch, 8 rows on 2 devices (no replicas: no
+    all-reduce), 1 TFLOPS at efficiency 1, 10 GB/s: F0, send, F1, B1, send
+    back, B0 in sequence, forward + backward = 3 x forward:
+      3 x (1e9 + 3e9) x 8 / 1e12 + 2 x (10 us + 4096 x 8 / 10e9) = 96.027 ms,
+    the sum of the stages, never less than data parallelism's 3 x 4e9 x 4
+    rows / 1e12 = 48 ms on the same devices (the weights all-reduced too)."""
+    view = ModelView(flops=[1e9, 3e9], activation_bytes=[4096.0, 4.0], param_bytes=[4e3, 4e3],
+                     edges=[(0, 1, 4096.0)])
+    hardware = Hardware("h", 1.0, 16.0, intra_node_gbps=10, efficiency=1.0)
+    pipeline = search(view, 2, hardware, global_batch=8, num_micro_batch=1, pipeline=2)
+    assert (pipeline.pipeline, pipeline.stages) == (2, (0, 1))
+    assert pipeline.step_time_s == pytest.approx(3 * 4e9 * 8 / 1e12 + 2 * (10e-6 + 4096 * 8 / 10e9))
+    data_parallel = search(view, 2, hardware, global_batch=8, num_micro_batch=1, pipeline=1)
+    assert data_parallel.step_time_s == pytest.approx(
+        3 * 4e9 * 4 / 1e12 + 2 * ALPHA + 8e3 / 10e9)
+    assert search(view, 2, hardware, global_batch=8, num_micro_batch=1).pipeline == 1
+
+
+def mlp_block(activation=tf.nn.relu):
+    """build(x, y): a Megatron MLP block on [B, D] or [B, T, D] (dense 4D
+    with ``activation``, dense D, residual; the loss its mean square)."""
+    def build(x, y):
+        del y
+        depth = x.shape[-1]
+        h = v1.layers.dense(x, 4 * depth, activation, name="fc1")
+        out = v1.layers.dense(h, depth, name="fc2")
+        loss = tf.reduce_mean(tf.square(out + x))
+        return loss, v1.train.AdamOptimizer(1e-3).minimize(loss)
+    return build
+
+
+def mlp_block_ops(depth, seq=None, kept=2):
+    """Hand table of ``mlp_block`` on [B, depth] or [B, seq, depth], by op (a
+    pipeline may cut a layer after its MatMul): per row fc1 keeps its MatMul
+    output and ``kept`` more of T x 4D floats (BiasAdd and the activation's
+    ops: ReLU 1, erf GELU 5), fc2 its MatMul and BiasAdd (T x D), the
+    residual add and its square T x D each; tensordot's reshapes and
+    transposes nothing (T = 1 and no tensordot on [B, D]). Kernels go with
+    the MatMul, biases with the BiasAdd."""
+    wide, tokens = 4 * depth, seq or 1
+    matmul, shapes = ("fc{}/Tensordot/MatMul", TENSORDOT_ROW_BYTES) if seq else ("fc{}/MatMul", 0)
+    return [("fc1", matmul.format(1), depth * wide * FLOAT, tokens * wide * FLOAT + shapes),
+            ("fc1", "fc1/BiasAdd", wide * FLOAT, kept * tokens * wide * FLOAT),
+            ("fc2", matmul.format(2), wide * depth * FLOAT, tokens * depth * FLOAT + shapes),
+            ("fc2", "fc2/BiasAdd", depth * FLOAT, tokens * depth * FLOAT),
+            ("add", "add", 0, tokens * depth * FLOAT),
+            ("Square", "Square", 0, tokens * depth * FLOAT)]
+
+
+def test_sequence_layers_pipeline_memory_by_hand():
+    """[16, 32, 64] inputs, 2 stages x 2 replicas, 2 micro-batches: 4 rows
+    per micro-batch and replica. The stage ILP cuts after fc1's MatMul
+    (equal FLOPs on both sides): stage 0 holds its kernel and 2 micro-batches
+    of its output, 4 x 65536 + 4 rows x 2 x (32768 + 20); stage 1 the rest,
+    one micro-batch: 4 x (1024 + 65536 + 256) + 4 x (2 x 32768 + 8212 + 3 x 8192)."""
+    config = {"auto.auto_parallel": True, "cluster.num_devices": 4, "auto.num_task_graph": 2,
+              "pipeline.num_micro_batch": 2}
+    plan, stages = planned_stages(mlp_block(), config, shape=(16, 32, 64))
+    table = mlp_block_ops(64, seq=32)
+    assert [stages[op] for _, op, _, _ in table] == [0, 1, 1, 1, 1, 1]
+    by_hand = hand_memory(table, 16, 4, stages, 2, micro=2)
+    assert by_hand == [4 * 65536 + 4 * 2 * (32768 + 20),
+                       4 * (1024 + 65536 + 256) + 4 * (2 * 32768 + 8212 + 3 * 8192)]
+    assert [tg.estimate["memory_bytes"] for tg in plan.task_graphs] == by_hand
 
 
 # ---------------------------------------------------------------------------

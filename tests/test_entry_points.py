@@ -270,8 +270,8 @@ def test_estimator_session_config_is_honoured(tmp_path, monkeypatch):
     seen = []
     original = engine.session_config
 
-    def spy(config):
-        merged = original(config)
+    def spy(config, graph=None):
+        merged = original(config, graph)
         seen.append((config, merged))
         return merged
     monkeypatch.setattr(engine, "session_config", spy)
@@ -281,3 +281,5 @@ def test_estimator_session_config_is_honoured(tmp_path, monkeypatch):
     merged = [m for c, m in seen if c is not None and c.intra_op_parallelism_threads == 1]
     assert merged and merged[0].inter_op_parallelism_threads == 2
     assert merged[0].device_count["CPU"] == 2
+    # The Estimator's graph trains with task functions: grappler is left to the calls.
+    assert merged[0].graph_options.rewrite_options.disable_meta_optimizer

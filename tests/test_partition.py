@@ -39,3 +39,17 @@ def test_stages_break_only_at_critical_items():
     edges = [(i, i + 1, 1.0) for i in range(7)] + [(1, 4, 1.0)]
     stages = partition_stages([1.0] * 8, edges, 2, time_limit_s=5.0)
     assert stages[2] == stages[3] == stages[4] and stages[0] == 0 and stages[-1] == 1
+
+
+def test_a_block_holding_most_of_the_model_is_cut_inside():
+    """tf-slim's ResNet: its units are labelled alike (one chunk of blocks)
+    and the labels input feeds the loss at the end (no critical item inside):
+    chunks that cannot balance give way to finer ones, so no stage is left
+    with nothing to compute (it got only the input before)."""
+    count = 21
+    edges = [(i, i + 1, 1.0) for i in range(count - 1)] + [(0, count - 1, 1.0)]
+    labels = [None] + ["unit"] * (count - 1)
+    stages = partition_stages([0.0] + [1.0] * (count - 1), edges, 2, time_limit_s=5.0,
+                              labels=labels)
+    work = [stages[1:].count(s) for s in (0, 1)]
+    assert min(work) >= 8, (stages, work)

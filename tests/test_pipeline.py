@@ -5,9 +5,10 @@ import json
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 
-from equivalence import (assert_equivalent, deep_mlp, dense, initialized, make_data, plan_of,
-                         train)
+from equivalence import (assert_equivalent, deep_mlp, dense, fed_graph, initialized, make_data,
+                         plan_of, train)
 
 import tfpar as wh
 from tfpar.hooks.capture import existing_capture
@@ -394,3 +395,65 @@ def test_op_count_does_not_grow_with_micro_batches_times_ops():
     assert shallow == deep, (shallow, deep)
     assert shallow <= 12 * 2 * 10  # 12 more micro-batches x 2 stages x a few ops each
     assert growth(3, False) > 3 * deep  # copies: one of every stage op per micro-batch
+
+
+def _grappler_of(session_config, build, config):
+    """(the session's RewriterConfig, the RewriterConfigs of the task function
+    calls) of ``build`` under ``config``, in a session made with
+    ``session_config`` and initialized once (tfpar rewrites the graph then)."""
+    with fed_graph(config) as (graph, x, y):
+        build(x, y)
+        with v1.Session(config=session_config) as sess:
+            sess.run(v1.global_variables_initializer())
+            session_rewrites = sess._config.graph_options.rewrite_options  # pylint: disable=protected-access
+        calls = []
+        for op in graph.get_operations():
+            if op.type == "StatefulPartitionedCall":
+                proto = config_pb2.ConfigProto.FromString(op.get_attr("config_proto"))
+                calls.append(proto.graph_options.rewrite_options)
+        return session_rewrites, calls
+
+
+def test_task_function_calls_optimize_their_bodies_and_the_session_does_not():
+    """Issue 18: grappler on a step graph of calls cost about 2 s of a 5 s
+    pipeline start-up; a session of a graph that trains with task functions
+    runs it off, and each call optimizes its body when instantiated. A script
+    that sets grappler's options keeps them, its calls then optimizing nothing
+    twice; a graph that does not train keeps grappler."""
+    config = {"cluster.num_devices": 2, "pipeline.num_micro_batch": 4}
+    session, calls = _grappler_of(None, deep_stages(1), config)
+    assert session.disable_meta_optimizer
+    assert len(calls) == 2 * 2 * 4 and not any(c.disable_meta_optimizer for c in calls)
+
+    mine = v1.ConfigProto()
+    mine.graph_options.rewrite_options.constant_folding = rewriter_config_pb2.RewriterConfig.OFF
+    session, calls = _grappler_of(mine, deep_stages(1), config)
+    assert not session.disable_meta_optimizer
+    assert session.constant_folding == rewriter_config_pb2.RewriterConfig.OFF
+    assert calls and all(c.disable_meta_optimizer for c in calls)
+
+    def forward_only(x, y):
+        dense(x, 3, "logits", seed=1)
+    session, calls = _grappler_of(None, forward_only, config)
+    assert not session.disable_meta_optimizer and not calls
+
+
+def test_task_functions_hold_the_constants_they_read():
+    """A constant a task reads is copied into its body, not returned by the
+    forward task and passed to every backward call (a stage of the start-up
+    benchmark's transformer passed ~30: gelu's, moments' axes, transposes')."""
+    def build(x, y):
+        with stage(True):
+            h = tf.nn.gelu(dense(x, 8, "first", seed=1))
+        with stage(True):
+            logits = dense(h, 3, "second", seed=2)
+            loss = v1.losses.sparse_softmax_cross_entropy(y, logits)
+        return loss, v1.train.AdamOptimizer(0.1).minimize(loss)
+    config = {"cluster.num_devices": 2, "pipeline.num_micro_batch": 4}
+    with initialized(build, config) as graph:
+        functions = graph.as_graph_def().library.function
+        assert len(functions) == 4
+        for f in functions:
+            kinds = {node.name: node.op for node in f.node_def}
+            returned = [ref.split(":")[0] for ref in f.ret.values()]
+            assert "Const" not in {kinds[name] for name in returned}, f.signature.name

@@ -15,7 +15,7 @@ import textwrap
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from .cluster.hardware import LINK_KEYS
+from .cluster.hardware import OPTIONAL_KEYS
 from .errors import ConfigError
 
 ENV_CONFIG = "TFPAR_CONFIG"  # environment variable holding a config path or JSON text
@@ -52,14 +52,16 @@ def _is_device(d):
     if isinstance(d, str):
         return bool(d)
     required = {"name", "tflops", "memory_gb"}
-    return (isinstance(d, Mapping) and required <= set(d) <= required | set(LINK_KEYS)
+    return (isinstance(d, Mapping) and required <= set(d) <= required | set(OPTIONAL_KEYS)
             and isinstance(d["name"], str)
-            and all(_ACCEPTS["float"](d[k]) and d[k] > 0 for k in set(d) - {"name"}))
+            and all(_ACCEPTS["float"](d[k]) and d[k] > 0 for k in set(d) - {"name"})
+            and d.get("efficiency", 1) <= 1)
 
 
 _POSITIVE = ("> 0", lambda v: v > 0)
 _HARDWARE = ("a non-empty list of catalog names or {name, tflops, memory_gb[, intra_node_gbps, "
-             "inter_node_gbps]} dicts",
+             "inter_node_gbps, tflops_fp64, tflops_fp32, tflops_tf32, tflops_fp16, "
+             "tflops_bf16, efficiency <= 1]} dicts",
              lambda v: bool(v) and all(_is_device(d) for d in v))
 _GROUP_SIZE = (">= 1 or 'auto'", lambda v: v == "auto" or isinstance(v, int) and v >= 1)
 
@@ -84,8 +86,9 @@ SCHEMA = {
                                   "stage count for auto pipeline; None: planner decides"),
     "auto.opt_level": Option("str", "O2", _one_of("O2", "O3"),
                              "O2: segmented search, O3: whole-graph ILP"),
-    "auto.global_batch": Option("int", 32, _at_least(1),
-                                "global batch the planner's cost model assumes"),
+    "auto.global_batch": Option("int|None", None, _at_least(1),
+                                "global batch the planner's cost model assumes; None: the "
+                                "static batch of the model's inputs, else 32"),
     "auto.search_time_limit_s": Option("float", 60.0, _POSITIVE, "planner search time limit"),
     "auto.planning_pass": Option("bool", True, (),
                                  "a script with auto_parallel plans in a child run first, "

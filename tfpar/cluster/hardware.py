@@ -1,23 +1,49 @@
 """Hardware catalog: what ``cluster.hardware`` names mean (no TensorFlow).
 
-Numbers are vendor peak figures: dense FP16/BF16 tensor throughput, device
-memory, intra-node (NVLink, or PCIe for T4) bandwidth per device, and the
-inter-node network of the machines they usually come in (100 Gb/s for V100 /
-P100 / T4 nodes, 200 Gb/s A100, 400 Gb/s H100).
+Throughput is the vendor's dense peak per compute dtype (TFLOPS, no
+structured sparsity) times an achievable-efficiency factor. Peaks, from the
+NVIDIA datasheets (P100 PCIe, V100 SXM2, T4, A100 SXM4, H100 SXM5):
+
+  =========  =====  =====  =====  ============  =============================
+  device     fp64   fp32   tf32   fp16 / bf16   note
+  =========  =====  =====  =====  ============  =============================
+  P100-16GB  4.7    9.3    -      18.7 / -      no tensor cores: fp16 at 2x
+  V100-32GB  7.8    15.7   -      125 / -       fp16 tensor cores
+  T4         0.25   8.1    -      65 / -        fp16 tensor cores
+  A100-80GB  19.5   19.5   156    312 / 312     fp64 on tensor cores
+  H100-80GB  67     67     494.5  989 / 989     dense (datasheet / 2)
+  =========  =====  =====  =====  ============  =============================
+
+A dtype a device has no units for ("-": TF32 before Ampere, bf16 before
+Ampere) runs at its fp32 rate, the entry's ``tflops``. ``EFFICIENCY``: the
+fraction of peak large training runs sustain; Megatron-LM reports 52% of
+the A100's peak per GPU training a 1T-parameter GPT on 3072 GPUs
+(Narayanan et al., SC'21, abstract), so 0.5: no kernel mix of ours
+beats that. Memory, intra-node (NVLink, or PCIe for T4) bandwidth per device,
+and the inter-node network of the machines these usually come in (100 Gb/s
+for V100 / P100 / T4 nodes, 200 Gb/s A100, 400 Gb/s H100).
 """
 import dataclasses
-from typing import Any, List, Mapping, Optional, Sequence
+from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 from tfpar.errors import ConfigError
 
-__all__ = ["CATALOG", "HOST_CPU", "LINK_KEYS", "Hardware", "device_hardware"]
+__all__ = ["CATALOG", "DTYPES", "EFFICIENCY", "HOST_CPU", "LINK_KEYS", "OPTIONAL_KEYS", "PEAK_KEYS",
+           "Hardware", "device_hardware", "slowest"]
+
+DTYPES = ("fp64", "fp32", "tf32", "fp16", "bf16")
+EFFICIENCY = 0.5
+PEAK_KEYS = tuple(f"tflops_{dtype}" for dtype in DTYPES)  # optional in explicit specs
+LINK_KEYS = ("intra_node_gbps", "inter_node_gbps")
+OPTIONAL_KEYS = LINK_KEYS + PEAK_KEYS + ("efficiency",)
 
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
-    """One device type: peak TFLOPS, memory (GB), intra- and inter-node
-    bandwidth (GB/s); ``devices_per_node`` (None: all on one node) tells which
-    collectives cross nodes."""
+    """One device type: peak TFLOPS (``tflops`` for every dtype without its
+    own entry in ``peaks``), the fraction of peak it sustains, memory (GB),
+    intra- and inter-node bandwidth (GB/s); ``devices_per_node`` (None: all
+    on one node) tells which collectives cross nodes."""
 
     name: str
     tflops: float
@@ -25,6 +51,20 @@ class Hardware:
     intra_node_gbps: float = 16.0
     inter_node_gbps: float = 12.5
     devices_per_node: Optional[int] = None
+    peaks: Tuple[Tuple[str, float], ...] = ()
+    efficiency: float = EFFICIENCY
+
+    def peak(self, dtype: str) -> float:
+        """Peak TFLOPS for ``dtype`` (one of ``DTYPES``): its entry; TF32
+        without one at the fp32 entry's rate; else ``tflops``."""
+        table = dict(self.peaks)
+        if dtype == "tf32" and dtype not in table:
+            dtype = "fp32"
+        return table.get(dtype, self.tflops)
+
+    def flops_per_s(self, dtype: str) -> float:
+        """The FLOP/s the planner assumes: peak x efficiency."""
+        return self.peak(dtype) * self.efficiency * 1e12
 
     def bandwidth(self, span: int) -> float:
         """Bytes/s of a collective over ``span`` consecutive devices (a
@@ -34,24 +74,29 @@ class Hardware:
 
 
 CATALOG = {hw.name: hw for hw in (
-    Hardware("P100-16GB", 18.7, 16, 80, 12.5),
-    Hardware("V100-32GB", 125, 32, 150, 12.5),
-    Hardware("T4", 65, 16, 16, 12.5),
-    Hardware("A100-80GB", 312, 80, 300, 25),
-    Hardware("H100-80GB", 989, 80, 450, 50),
+    Hardware("P100-16GB", 9.3, 16, 80, 12.5, peaks=(("fp64", 4.7), ("fp16", 18.7))),
+    Hardware("V100-32GB", 15.7, 32, 150, 12.5, peaks=(("fp64", 7.8), ("fp16", 125))),
+    Hardware("T4", 8.1, 16, 16, 12.5, peaks=(("fp64", 0.25), ("fp16", 65))),
+    Hardware("A100-80GB", 19.5, 80, 300, 25,
+             peaks=(("fp64", 19.5), ("tf32", 156), ("fp16", 312), ("bf16", 312))),
+    Hardware("H100-80GB", 67, 80, 450, 50,
+             peaks=(("fp64", 67), ("tf32", 494.5), ("fp16", 989), ("bf16", 989))),
 )}
 
 
-# What the planner assumes when cluster.hardware is unset (a logical CPU device).
+# What the planner assumes when cluster.hardware is unset (a logical CPU
+# device): 0.05 TFLOPS is what one sustains, so efficiency 1.
 HOST_CPU = Hardware("host-CPU", tflops=0.05, memory_gb=16, intra_node_gbps=10,
-                    inter_node_gbps=1.25)
-LINK_KEYS = ("intra_node_gbps", "inter_node_gbps")  # optional in explicit specs
+                    inter_node_gbps=1.25, efficiency=1.0)
 
 
 def _resolve(spec: Any) -> Hardware:
     if isinstance(spec, Mapping):
         links = {key: float(spec[key]) for key in LINK_KEYS if key in spec}
-        return Hardware(spec["name"], float(spec["tflops"]), float(spec["memory_gb"]), **links)
+        peaks = tuple((dtype, float(spec[key])) for dtype, key in zip(DTYPES, PEAK_KEYS)
+                      if key in spec)
+        return Hardware(spec["name"], float(spec["tflops"]), float(spec["memory_gb"]), **links,
+                        peaks=peaks, efficiency=float(spec.get("efficiency", EFFICIENCY)))
     if spec not in CATALOG:
         raise ConfigError(f"cluster.hardware: unknown device '{spec}'; catalog names are "
                           f"{', '.join(CATALOG)}, or give {{name, tflops, memory_gb}}")
@@ -68,3 +113,15 @@ def device_hardware(specs: Optional[Sequence[Any]], num_devices: int) -> Optiona
                           f"{num_devices}; give one entry per device or a single one for all")
     resolved = [_resolve(s) for s in specs]
     return resolved * num_devices if len(resolved) == 1 else resolved
+
+
+def slowest(devices: Sequence[Hardware], devices_per_node: Optional[int] = None) -> Hardware:
+    """One device no better than any of ``devices`` in any respect (each
+    dtype's peak, efficiency, memory, links): the device itself when they
+    are alike, named "cluster" when there are several."""
+    return Hardware("cluster" if len(devices) > 1 else devices[0].name,
+                    min(d.tflops for d in devices), min(d.memory_gb for d in devices),
+                    min(d.intra_node_gbps for d in devices),
+                    min(d.inter_node_gbps for d in devices), devices_per_node,
+                    tuple((dtype, min(d.peak(dtype) for d in devices)) for dtype in DTYPES),
+                    min(d.efficiency for d in devices))

@@ -78,6 +78,10 @@ class GraphCapture:
         # (indices, values, dense shape) of SparseTensors made of fed
         # placeholders (``sparse_placeholder``): split by rows, as one input.
         self.sparse_feeds: List[Any] = []
+        # Whether task function calls optimize their bodies when instantiated,
+        # tfpar's sessions of the graph then running grappler off
+        # (runtime.engine; None until a session or the rewrite decides).
+        self.calls_optimized: Optional[bool] = None
         # A tf.function that trains, traced with static batch arguments: it is
         # traced again with them relaxed (``relaxed`` in that trace's capture),
         # and this trace is left as it is.

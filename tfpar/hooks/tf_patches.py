@@ -64,7 +64,8 @@ def install(runtime: Any) -> None:
     """Install every patch (idempotent); ``runtime`` (``tfpar.runtime.engine``,
     looked up at each call) provides:
 
-      session_config: ConfigProto-or-None -> ConfigProto for new sessions.
+      session_config: (ConfigProto-or-None, graph-or-None) -> ConfigProto for
+        new sessions.
       session_target: target -> target for new sessions (a cluster's server).
       before_run: graph -> fetch translator (or None); called before each run,
         before a keras callable is made and before a graph is finalized.
@@ -377,7 +378,7 @@ _FEED_TYPES = ("Placeholder", "PlaceholderWithDefault")
 def _wrap_session_init(original):
     def __init__(self, target="", graph=None, config=None):
         if _runtime is not None:
-            config = _runtime.session_config(config)
+            config = _runtime.session_config(config, graph)
             target = _runtime.session_target(target)
         original(self, target, graph, config)
     return __init__

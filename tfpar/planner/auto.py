@@ -11,11 +11,14 @@ below and searching each stage's sharding (``_pipelined_sharded``); a
 pipeline mesh as follows:
   * stages come from ``partition.partition_stages`` (Rhino's stage ILP);
   * compute: a stage's forward time is its FLOPs per row x the rows of a
-    micro-batch / the device's throughput, backward twice that;
+    micro-batch / the device's throughput for the model's compute dtype
+    (``Hardware.flops_per_s``: peak x efficiency), backward twice that;
   * the schedule (1F1B) is replayed by ``simulate`` with the activation bytes
-    crossing each cut as transfer time (alpha-beta model);
-  * each stage then all-reduces its gradients over its d replicas (ring:
-    2 (d-1)/d of the bytes, 2 (d-1) latencies);
+    crossing each cut as transfer time (alpha-beta model): with fewer
+    micro-batches than stages the stages mostly wait for each other (one
+    micro-batch: one after the other, the sum of their times);
+  * each stage then all-reduces its gradients over its d replicas
+    (``comm.allreduce``: 2 (d-1)/d of the bytes, 2 ceil(log2 d) latencies);
   * memory per device: the stage's weights, gradients and two optimizer slots,
     plus the activations of the micro-batches in flight.
 The fastest candidate whose memory fits wins (within 10%, the one with fewer
@@ -49,13 +52,17 @@ class ModelView:
 
     Attributes:
       flops: FLOPs per batch row of each op.
-      activation_bytes: bytes per row each op outputs.
+      activation_bytes: bytes per row each op's output allocates (none for
+        one that is its input's buffer: a reshape).
       param_bytes: bytes of the weights each op reads (counted once).
       edges: (i, j, bytes per row) between ops.
       labels: each op's repeated block (``pruning.block_labels``) or None.
       names, types: op names and types (the sharding search groups ops into
         layers by name scope; without them only pipelines are searched).
       input_bytes: bytes per row each op reads from the model's inputs.
+      batch: the global batch the model's inputs declare (None: unknown).
+      compute_dtype: the dtype of most of its FLOPs (``hardware.DTYPES``;
+        "tf32": float32 that TensorFlow may run as TF32).
     """
 
     flops: Sequence[float]
@@ -66,6 +73,8 @@ class ModelView:
     names: Optional[Sequence[str]] = None
     types: Optional[Sequence[str]] = None
     input_bytes: Optional[Sequence[float]] = None
+    batch: Optional[int] = None
+    compute_dtype: str = "fp32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +148,8 @@ def search_all(model: ModelView, num_devices: int, hardware: Hardware, global_ba
                                            hardware, global_batch, num_micro_batch, capacity,
                                            opt_level, solve_limit)
         elif t > 1:
-            candidate = _sharded(layers, Mesh(num_devices, t, global_batch, hardware),
+            candidate = _sharded(layers, Mesh(num_devices, t, global_batch, hardware,
+                                              model.compute_dtype),
                                  capacity, opt_level, solve_limit)
         else:
             candidate = _estimate(model, p, max(num_devices // p, 1), hardware, global_batch,
@@ -216,7 +226,8 @@ def _pipelined_sharded(model: ModelView, layers, mesh: Tuple[int, int, int], har
         members = [i for i, stage in enumerate(stage_of) if stage == s]
         if not members:
             return None
-        plan = plan_sharding(subgraph(layers, members), Mesh(d * t, t, rows, hardware),
+        plan = plan_sharding(subgraph(layers, members),
+                             Mesh(d * t, t, rows, hardware, model.compute_dtype),
                              capacity, opt_level, time_limit_s, split_only=True, gradients=False)
         if plan is None:
             return None
@@ -272,7 +283,7 @@ class StageCosts:
 def stage_costs(model: ModelView, stages: Sequence[int], num_stages: int, rows: float,
                 hardware: Hardware) -> StageCosts:
     """The cost model of ``stages`` (stage of each op) for micro-batches of ``rows``."""
-    speed = hardware.tflops * 1e12
+    speed = hardware.flops_per_s(model.compute_dtype)
     bandwidth = hardware.bandwidth(num_stages)  # neighbouring stages, consecutive devices
     forward = [0.0] * num_stages
     params = [0.0] * num_stages

@@ -4,7 +4,8 @@ but no scopes (Whale Example 4); no TensorFlow.
 ``partition_stages``: the forward ops, in topological order, are coarsened into
 contiguous chunks — runs of the same repeated block (``pruning.block_labels``,
 TAP Algorithm 1) when given, so stages break between blocks, else runs ending
-at Rhino's critical nodes (§4.3.1), at most ``MAX_NODES`` — and Rhino's stage
+at Rhino's critical nodes (§4.3.1), at most ``MAX_NODES``, else equal runs;
+the first whose chunks each cost no more than a stage may — and Rhino's stage
 ILP (``pipeline_ilp``, Rhino §5) assigns chunks to stages, minimising the bytes
 crossing stages within a balance tolerance. If it finds nothing in time,
 ``balanced_partition`` cuts the chunks (or, with fewer chunks than stages, the
@@ -34,7 +35,7 @@ def partition_stages(costs: Sequence[float], edges: Sequence[Tuple[int, int, flo
     bytes) between items, i < j; ``labels`` an optional block per item)."""
     if not costs:
         return []
-    chunk = _chunks(len(costs), labels, edges)
+    chunk = _chunks(costs, labels, edges, num_stages)
     dag = nx.DiGraph()
     for i, cost in enumerate(costs):
         dag.add_node(chunk[i], comp=dag.nodes[chunk[i]]["comp"] + cost
@@ -53,22 +54,37 @@ def partition_stages(costs: Sequence[float], edges: Sequence[Tuple[int, int, flo
     return [by_chunk[c] for c in chunk]
 
 
-def _chunks(count: int, labels: Optional[Sequence[Optional[str]]],
-            edges: Sequence[Tuple[int, int, float]]) -> List[int]:
-    """Chunk of each item: runs of equal labels (items outside blocks run
-    together); else runs ending at critical items (no edge jumps over them,
-    Rhino §4.3.1: cutting there cuts one tensor), merged to at most
-    ``MAX_NODES``; else equal runs."""
+def _chunks(costs: Sequence[float], labels: Optional[Sequence[Optional[str]]],
+            edges: Sequence[Tuple[int, int, float]], num_stages: int) -> List[int]:
+    """Chunk of each item, the first of these whose chunks each cost no more
+    than a stage may (``_balanceable``): runs of equal labels (items outside
+    blocks run together); runs ending at critical items (no edge jumps over
+    them, Rhino §4.3.1: cutting there cuts one tensor), merged to at most
+    ``MAX_NODES``; equal runs (always)."""
+    count = len(costs)
     if labels is not None and any(labels):
         chunk = _runs(count, {i for i in range(1, count) if labels[i] != labels[i - 1]})
-        if 1 < chunk[-1] + 1 <= MAX_NODES:
+        if 1 < chunk[-1] + 1 <= MAX_NODES and _balanceable(costs, chunk, num_stages):
             return chunk
     ends = critical_positions(count, edges)
     if len(ends) > 2:
         per_chunk = math.ceil(len(ends) / MAX_NODES)
-        return _runs(count, {end + 1 for end in ends[per_chunk - 1::per_chunk]})
+        chunk = _runs(count, {end + 1 for end in ends[per_chunk - 1::per_chunk]})
+        if _balanceable(costs, chunk, num_stages):
+            return chunk
     size = math.ceil(count / MAX_NODES)
     return [i // size for i in range(count)]
+
+
+def _balanceable(costs: Sequence[float], chunk: Sequence[int], num_stages: int) -> bool:
+    """Whether no chunk costs more than a stage may (an even share within
+    ``EPSILON``): a model whose blocks form one chunk (a ResNet's units,
+    labelled alike, between inputs that feed its end) is cut inside it,
+    not into empty stages."""
+    totals = [0.0] * (chunk[-1] + 1)
+    for c, cost in zip(chunk, costs):
+        totals[c] += cost
+    return max(totals) <= (1 + EPSILON) * sum(costs) / num_stages
 
 
 def _runs(count: int, starts) -> List[int]:

@@ -43,7 +43,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from ortools.sat.python import cp_model
 
 from tfpar.cluster.hardware import Hardware
-from tfpar.planner.comm import Cost, LATENCY_S, allgather, allreduce
+from tfpar.planner.comm import Cost, allgather, allreduce, allreduce_latency
 from tfpar.planner.layers import LayerGraph, critical_positions
 
 __all__ = ["CANDIDATES", "Mesh", "Problem", "ShardingPlan", "critical_layers", "plan_sharding"]
@@ -65,12 +65,14 @@ WHOLE_GRAPH_WORKERS = 8
 
 @dataclasses.dataclass(frozen=True)
 class Mesh:
-    """``devices`` = data x ``tensor``; the global batch and the device type."""
+    """``devices`` = data x ``tensor``; the global batch, the device type and
+    the compute dtype (``hardware.DTYPES``)."""
 
     devices: int
     tensor: int
     batch: float
     hardware: Hardware
+    dtype: str = "fp32"
 
     @property
     def data(self) -> int:
@@ -187,7 +189,8 @@ class Problem:
         """Compute (forward + backward = 3 x forward) and communication of layer i."""
         layer, mesh = self.graph.layers[i], self.mesh
         t, bandwidth = mesh.tensor, mesh.group_bandwidth
-        compute = Cost(3 * layer.flops * self.rows(candidate) / (mesh.hardware.tflops * 1e12))
+        compute = Cost(3 * layer.flops * self.rows(candidate)
+                       / mesh.hardware.flops_per_s(mesh.dtype))
         if not self.gradients:
             grads = Cost()
         elif candidate in SHARDED:
@@ -249,9 +252,9 @@ class Problem:
         if not self.gradients:
             return Cost()
         if any(c not in SHARDED and self.graph.layers[i].param_bytes for i, c in enumerate(chosen)):
-            latency += 2 * (mesh.devices - 1) * LATENCY_S
-        if any(c in SHARDED for c in chosen) and mesh.data > 1:
-            latency += 2 * (mesh.data - 1) * LATENCY_S
+            latency += allreduce_latency(mesh.devices)
+        if any(c in SHARDED for c in chosen):
+            latency += allreduce_latency(mesh.data)
         return Cost(latency)
 
     def plan(self, chosen: Sequence[str], optimal: bool) -> ShardingPlan:

@@ -283,7 +283,8 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
             rw.version_values = [[{} for _ in range(layout.num_versions(s))] for s in stages]
             call_tasks(graph, rw, tasks, order, seeds,
                        {t for call in capture.gradient_calls for g in call.grads
-                        if g is not None for t in gradient_tensors(g)})
+                        if g is not None for t in gradient_tensors(g)},
+                       capture.calls_optimized and not graph.building_function)
             lower_schedule(rw, capture, index, schedule)
             for op in sel.update_ops:  # they read version 0's values, not the template's
                 for k, t in enumerate(op.inputs):

@@ -1,6 +1,7 @@
 """The planner's view of a captured graph (read only): the forward ops the
 losses depend on, with FLOPs, output bytes and input bytes per sample, the
-bytes of the weights each reads, edges and repeated blocks (``auto.ModelView``).
+bytes of the weights each reads, edges and repeated blocks, the batch the
+inputs declare and the dtype of the FLOPs (``auto.ModelView``).
 
 Sizes are per sample of the global batch, found by propagating from the
 model's inputs rather than read off static shapes, which say nothing about
@@ -13,7 +14,7 @@ nothing per sample, and neither do scalars (a batch mean is one value).
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
-from tensorflow.python.framework import dtypes, ops, tensor_shape
+from tensorflow.python.framework import config, dtypes, ops, tensor_shape, tensor_util
 from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import handle_data_util
 
@@ -27,6 +28,12 @@ __all__ = ["model_view"]
 
 CONTRACTIONS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
 SAME_ELEMENTS = frozenset({"Reshape", "Squeeze", "ExpandDims", "Transpose", "Identity"})
+# Ops whose output is their input's buffer (TensorFlow forwards it): they
+# allocate nothing. A Transpose does when its permutation is the identity
+# (tensordot's, on a dense layer over [batch, sequence, features]).
+VIEWS = frozenset({"Reshape", "Squeeze", "ExpandDims", "Identity"})
+_DTYPES = {dtypes.float64: "fp64", dtypes.float32: "fp32", dtypes.float16: "fp16",
+           dtypes.bfloat16: "bf16"}
 
 
 def model_view(index: GraphIndex, capture: GraphCapture) -> Tuple[List[ops.Operation], ModelView]:
@@ -46,15 +53,60 @@ def model_view(index: GraphIndex, capture: GraphCapture) -> Tuple[List[ops.Opera
             return 0.0
         return samples.get(t, 0.0) * t.dtype.size
 
+    flops = [_flops(op, samples) for op in order]
     return order, ModelView(
-        flops=[_flops(op, samples) for op in order],
-        activation_bytes=[size(op.outputs[0]) if op.outputs else 0.0 for op in order],
+        flops=flops,
+        activation_bytes=[size(op.outputs[0]) if op.outputs and not _is_view(op) else 0.0
+                          for op in order],
         param_bytes=_weight_bytes(order),
         edges=[(position[t.op], j, size(t)) for j, op in enumerate(order) for t in op.inputs
                if t.op in position],
         labels=block_labels(names, types), names=names, types=types,
         input_bytes=[sum(size(t) for t in op.inputs if is_input(t.op))
-                     for op in order])
+                     for op in order],
+        batch=_declared_batch(order, capture), compute_dtype=_compute_dtype(order, flops))
+
+
+def _declared_batch(order: List[ops.Operation], capture: GraphCapture) -> Optional[int]:
+    """The batch the model's inputs declare: dimension 0 of their static
+    shapes, as written (``hooks.batch_shapes`` relaxes it while tfpar is
+    active and records it in ``capture.declared_batch``, by placeholder or
+    iterator). When they disagree, the size most of them declare (the
+    largest of those); None when none declares one."""
+    sizes = []
+    inputs = {t.name: t for op in order for t in op.inputs if is_input(t.op)}
+    for t in inputs.values():
+        sources = [t.op] + [s.op for s in t.op.inputs]  # an iterator read: its iterator
+        declared = [capture.declared_batch[s.name] for s in sources
+                    if s.name in capture.declared_batch]
+        if declared:
+            sizes.append(declared[0])
+        elif t.shape.rank and t.shape[0] is not None:
+            sizes.append(t.shape[0])
+    return max(sizes, key=lambda size: (sizes.count(size), size)) if sizes else None
+
+
+def _compute_dtype(order: List[ops.Operation], flops: List[float]) -> str:
+    """The dtype (``hardware.DTYPES``) of most FLOPs: float32 is "tf32" when
+    TensorFlow runs it as TF32 (the default, on devices that can:
+    ``tf.config.experimental.enable_tensor_float_32_execution``)."""
+    by_dtype: Dict[str, float] = {}
+    for op, count in zip(order, flops):
+        if op.outputs and op.outputs[0].dtype in _DTYPES:
+            name = _DTYPES[op.outputs[0].dtype]
+            by_dtype[name] = by_dtype.get(name, 0.0) + count
+    dtype = max(by_dtype, key=by_dtype.get) if any(by_dtype.values()) else "fp32"
+    if dtype == "fp32" and config.tensor_float_32_execution_enabled():
+        return "tf32"
+    return dtype
+
+
+def _is_view(op: ops.Operation) -> bool:
+    """Whether ``op``'s output shares its input's buffer."""
+    if op.type == "Transpose":
+        perm = tensor_util.constant_value(op.inputs[1])
+        return perm is not None and list(perm) == list(range(len(perm)))
+    return op.type in VIEWS
 
 
 def _per_sample(order: List[ops.Operation]) -> Dict[Any, float]:

@@ -8,9 +8,11 @@ from outside it, its results the tensors other ops (or a later fetch) may
 read. Every version of the task, version 0 included, is one call of that
 function on its stage device, reading its own counterparts of the arguments;
 the template no longer runs. The graph grows by one op per call, not by a copy
-of the stage, and TensorFlow optimizes each body with the session's graph. The
-functions are marked ``_noinline`` so that TensorFlow does not inline the
-calls back into the graph.
+of the stage, and TensorFlow optimizes each body once: when its calls are
+instantiated (tfpar's sessions then skip grappler on the step graph, which
+holds little but calls), or else with the session's graph. Bodies hold their
+own copies of the constants they read, and the functions are marked
+``_noinline`` so that TensorFlow does not inline the calls back into the graph.
 """
 import dataclasses
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
@@ -58,19 +60,38 @@ def define_task(graph: ops.Graph, task: Sequence[ops.Operation], name: str,
     inside: Set[ops.Operation] = set(task)
     arguments: Dict[tensor_lib.Tensor, None] = {}
     results: List[tensor_lib.Tensor] = []
+    constants = _outside_constants(task, inside)
     for op in task:
         for t in op.inputs:
-            if t.op not in inside:
+            if t.op not in inside and t.op not in constants:
                 arguments.setdefault(t)
         results.extend(t for t in op.outputs if exported(t) or not t.consumers()
                        or any(c not in inside for c in t.consumers()))
-    definition = _function_def(graph.unique_name(name, mark_as_used=True), task, inside,
+    definition = _function_def(graph.unique_name(name, mark_as_used=True),
+                               constants + list(task), inside | set(constants),
                                list(arguments), results)
     library_function = function._from_definition(definition)  # pylint: disable=protected-access
     library_function.add_to_graph(graph)
     if graph.building_function:  # a tf.function's callees run from the eager context's library
         context.context().add_function_def(definition)
     return TaskFunction(list(arguments), results, library_function)
+
+
+def _outside_constants(task: Sequence[ops.Operation], inside: Set[ops.Operation]
+                       ) -> List[ops.Operation]:
+    """The constants ``task`` reads from outside it: each body holds its own
+    copy of them instead of an argument (a call per micro-batch would
+    otherwise add an edge per constant)."""
+    found: Dict[ops.Operation, None] = {}
+    for op in task:
+        for t in op.inputs:
+            if t.op not in inside and _is_constant(t.op):
+                found.setdefault(t.op)
+    return list(found)
+
+
+def _is_constant(op: ops.Operation) -> bool:
+    return op.type == "Const" and not op.control_inputs
 
 
 def _function_def(name: str, task: Sequence[ops.Operation], inside: Set[ops.Operation],
@@ -111,16 +132,18 @@ def _function_def(name: str, task: Sequence[ops.Operation], inside: Set[ops.Oper
     return definition
 
 
-def _call_config() -> bytes:
-    """The ConfigProto of every call: TensorFlow's graph optimizer already
-    optimized the library functions with the session's graph, so instantiating
-    a call (once per call op) does not run it again."""
+def _call_config(optimize: bool) -> bytes:
+    """The ConfigProto of calls: with ``optimize``, TensorFlow's graph
+    optimizer runs on the body when a call is instantiated (once per function
+    and device: tfpar sessions then skip it on the step graph, see
+    ``runtime.engine.session_config``); otherwise not, the session's graph
+    optimizer having optimized the library with the step graph."""
     config = config_pb2.ConfigProto()
-    config.graph_options.rewrite_options.disable_meta_optimizer = True
+    config.graph_options.rewrite_options.disable_meta_optimizer = not optimize
     return config.SerializeToString()
 
 
-_CALL_CONFIG = _call_config()
+_CALL_CONFIGS = {optimize: _call_config(optimize) for optimize in (False, True)}
 
 
 def _output_refs(op: ops.Operation) -> List[str]:
@@ -135,11 +158,12 @@ def _output_refs(op: ops.Operation) -> List[str]:
 
 
 def call_task(graph: ops.Graph, fn: TaskFunction, arguments: Sequence[tensor_lib.Tensor],
-              controls: Sequence[ops.Operation], device: str, name: str
-              ) -> Dict[tensor_lib.Tensor, tensor_lib.Tensor]:
+              controls: Sequence[ops.Operation], device: str, name: str,
+              optimize: bool = False) -> Dict[tensor_lib.Tensor, tensor_lib.Tensor]:
     """One call of ``fn`` on ``device`` reading ``arguments`` (one per
-    ``fn.arguments``), after ``controls``; returns result tensor of version 0
-    -> the call's tensor, and the call op under the key None.
+    ``fn.arguments``), after ``controls``, optimizing the body when
+    instantiated if ``optimize`` (``_call_config``); returns result tensor of
+    version 0 -> the call's tensor, and the call op under the key None.
 
     TensorFlow infers a call's result shapes through its body, which takes
     milliseconds per call of a stage of a few layers; a call whose arguments
@@ -160,7 +184,7 @@ def call_task(graph: ops.Graph, fn: TaskFunction, arguments: Sequence[tensor_lib
                 "Tout": attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(
                     type=[t.dtype.as_datatype_enum for t in fn.results])),
                 "config": attr_value_pb2.AttrValue(s=b""),
-                "config_proto": attr_value_pb2.AttrValue(s=_CALL_CONFIG),
+                "config_proto": attr_value_pb2.AttrValue(s=_CALL_CONFIGS[optimize]),
                 "executor_type": attr_value_pb2.AttrValue(s=b""),
                 "_disable_call_shape_inference": attr_value_pb2.AttrValue(b=known is not None)})
     if known is None:
@@ -191,10 +215,12 @@ def task_order(rw, tasks: Dict[Key, List[ops.Operation]]) -> Optional[List[Key]]
 
 
 def call_tasks(graph: ops.Graph, rw, tasks: Dict[Key, List[ops.Operation]], order: List[Key],
-               seeds: Sequence[tensor_lib.Tensor], fetchable: Set[tensor_lib.Tensor]) -> None:
+               seeds: Sequence[tensor_lib.Tensor], fetchable: Set[tensor_lib.Tensor],
+               optimize: bool = False) -> None:
     """Every version of every task as a call of its function (module doc), in
-    ``order``. The originals are the template: their ``seeds`` are scaled by
-    version 0's batch share (a weight each call passes its own of), the rest
+    ``order``, each optimizing its body when instantiated if ``optimize``.
+    The originals are the template: their ``seeds`` are scaled by version 0's
+    batch share (a weight each call passes its own of), the rest
     of what they read maps to each version's counterpart; they no longer run.
     Besides what other ops read, a forward task returns its tensors that hold
     batch rows (a later fetch merges any tensor from them: concatenated, or
@@ -203,7 +229,7 @@ def call_tasks(graph: ops.Graph, rw, tasks: Dict[Key, List[ops.Operation]], orde
     ``tf.gradients`` did not make (a loss reading a gradient)."""
     step = rw.selection.step_ops_set
     layout = rw.layout
-    reads = rw.outside_tasks = _read_variables(graph, rw)
+    reads = rw.outside_tasks = _read_variables(graph, rw) | _constants(rw)
     for stage, kind in order:
         members = [op for op in tasks[(stage, kind)] if op not in reads]
         inside = set(members)
@@ -218,7 +244,7 @@ def call_tasks(graph: ops.Graph, rw, tasks: Dict[Key, List[ops.Operation]], orde
             values = call_task(
                 graph, fn, [_counterpart(rw, x, stage, v, j) for x in fn.arguments],
                 _call_controls(rw, members, inside, stage, v), rw.bridges.device(stage, v),
-                f"{rw.prefix(stage, j)}/micro_{m}/{kind}")
+                f"{rw.prefix(stage, j)}/micro_{m}/{kind}", optimize)
             call = values.pop(None)
             rw.version_values[stage][v].update(values)
             rw.version_maps[stage][v].update((op, call) for op in members if op in step)
@@ -248,6 +274,18 @@ def _read_variables(graph: ops.Graph, rw) -> Set[ops.Operation]:
             rw.version_maps[stage][v][read] = on_device[j]
             rw.version_values[stage][v][read.outputs[0]] = on_device[j].outputs[0]
     return reads
+
+
+def _constants(rw) -> Set[ops.Operation]:
+    """The step's constants leave the tasks: every version reads the one
+    constant, and a body that reads it holds a copy (``define_task``)."""
+    constants = {op for op in rw.selection.step_ops if _is_constant(op)}
+    for op in constants:
+        stage = rw.placement.stage(op)
+        for v in range(rw.layout.num_versions(stage)):
+            rw.version_maps[stage][v][op] = op
+            rw.version_values[stage][v][op.outputs[0]] = op.outputs[0]
+    return constants
 
 
 def _counterpart(rw, x: tensor_lib.Tensor, stage: int, version: int,

@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from tensorflow.python.framework import ops
 
-from tfpar.cluster.hardware import HOST_CPU, Hardware, device_hardware
+from tfpar.cluster.hardware import HOST_CPU, Hardware, device_hardware, slowest
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture, layer_of
 from tfpar.ir.plan import Plan
@@ -21,10 +21,12 @@ from tfpar.rewriters.model_view import model_view
 from tfpar.rewriters.select import GraphIndex
 from tfpar.runtime.context import Runtime
 
-__all__ = ["Automatic", "automatic_plan", "cluster_hardware", "estimate_of", "part_estimate",
-           "pinned_sharding", "sharded_plan", "warn_unbuilt_sharding"]
+__all__ = ["DEFAULT_BATCH", "Automatic", "automatic_plan", "cluster_hardware", "estimate_of",
+           "part_estimate", "pinned_sharding", "planning_batch", "sharded_plan",
+           "warn_unbuilt_sharding"]
 
 log = logging.getLogger("tfpar")
+DEFAULT_BATCH = 32  # neither auto.global_batch nor the model's inputs say
 
 
 def pinned_sharding(rt: Optional[Runtime]) -> Dict[str, Any]:
@@ -81,7 +83,7 @@ def automatic_plan(index: GraphIndex, capture: GraphCapture, rt: Runtime) -> Opt
     best = runnable = None
     if auto:
         hardware = cluster_hardware(rt)
-        candidates = search_all(view, len(rt.devices), hardware, cfg.get("auto.global_batch"),
+        candidates = search_all(view, len(rt.devices), hardware, planning_batch(rt, view),
                                 cfg.get("pipeline.num_micro_batch"), count, time_limit,
                                 lambda line: print(line, file=sys.stderr),
                                 cfg.get("auto.opt_level"))
@@ -97,6 +99,14 @@ def automatic_plan(index: GraphIndex, capture: GraphCapture, rt: Runtime) -> Opt
     return result
 
 
+def planning_batch(rt: Runtime, view) -> int:
+    """The global batch the cost model assumes: ``auto.global_batch``, else
+    the static batch of the model's inputs (``ModelView.batch``), else
+    ``DEFAULT_BATCH``. The graph is planned before its first run, which
+    often feeds nothing (the initializer), so fed batches are never seen."""
+    return rt.config.get("auto.global_batch") or view.batch or DEFAULT_BATCH
+
+
 def _unsharded(candidates, hardware: Hardware):
     """The best candidate that shards nothing, or None when none fits."""
     try:
@@ -109,11 +119,7 @@ def cluster_hardware(rt: Runtime) -> Hardware:
     """The slowest, smallest device of ``cluster.hardware`` (a generic host CPU
     when unset), with the devices per node of a TF_CONFIG cluster."""
     devices = device_hardware(rt.config.get("cluster.hardware"), len(rt.devices)) or [HOST_CPU]
-    return Hardware("cluster" if len(devices) > 1 else devices[0].name,
-                    min(d.tflops for d in devices), min(d.memory_gb for d in devices),
-                    min(d.intra_node_gbps for d in devices),
-                    min(d.inter_node_gbps for d in devices),
-                    rt.devices_per_worker if rt.cluster is not None else None)
+    return slowest(devices, rt.devices_per_worker if rt.cluster is not None else None)
 
 
 def sharded_plan(automatic: Automatic, rt: Runtime, index: GraphIndex,

@@ -1,5 +1,7 @@
 """Glue between the hooks and the rewriters: plan, rewrite once, translate fetches."""
+import contextlib
 import dataclasses
+import gc
 import logging
 import weakref
 from typing import Any, Callable, Dict, Optional, Sequence
@@ -29,7 +31,7 @@ from tfpar.rewriters.stages import Placement, assign_stages, canonical_device, s
 from tfpar.rewriters.fetch_translation import FetchTranslator
 from tfpar.rewriters.function_outputs import rewire_outputs
 from tfpar.runtime.automatic import (Automatic, automatic_plan, cluster_hardware, estimate_of,
-                                     part_estimate, pinned_sharding, sharded_plan,
+                                     part_estimate, pinned_sharding, planning_batch, sharded_plan,
                                      warn_unbuilt_sharding)
 from tfpar.runtime.context import Runtime, active
 
@@ -41,8 +43,12 @@ log = logging.getLogger("tfpar")
 _warned_unseen: "weakref.WeakSet[ops.Graph]" = weakref.WeakSet()
 
 
-def session_config(config: Optional[config_pb2.ConfigProto]) -> config_pb2.ConfigProto:
-    """The user's ConfigProto plus tfpar's devices (N logical CPUs on a CPU host)."""
+def session_config(config: Optional[config_pb2.ConfigProto],
+                   graph: Optional[ops.Graph] = None) -> config_pb2.ConfigProto:
+    """The user's ConfigProto plus tfpar's devices (N logical CPUs on a CPU
+    host). A session of a ``graph`` whose tasks will be function calls runs
+    grappler off (unless the user set its options): the step graph holds
+    little but calls, and each call optimizes its body when instantiated."""
     rt = active()
     merged = config_pb2.ConfigProto()
     # Like tf.compat.v1.Session: no ConfigProto means the settings made through tf.config.
@@ -56,12 +62,37 @@ def session_config(config: Optional[config_pb2.ConfigProto]) -> config_pb2.Confi
         merged.device_count["CPU"] = max(merged.device_count.get("CPU", 1), len(rt.devices))
     merged.allow_soft_placement = True
     rewriting = merged.graph_options.rewrite_options
-    if rt.config.get("pipeline.task_functions") and not rewriting.function_optimization:
+    if not rt.config.get("pipeline.task_functions"):
+        return merged
+    if _calls_optimize(graph if graph is not None else ops.get_default_graph(), rt,
+                       rewriting == rewriter_config_pb2.RewriterConfig()):
+        rewriting.disable_meta_optimizer = True
+    elif not rewriting.function_optimization:
         # Grappler's function optimizer reads the body of every call (one per
         # micro-batch and device) to see whether it may inline it, which task
         # functions forbid: start-up would grow with micro-batches for nothing.
         rewriting.function_optimization = rewriter_config_pb2.RewriterConfig.OFF
     return merged
+
+
+_REFERENCE_VARIABLES = ("VariableV2", "Variable")
+
+
+def _calls_optimize(graph: ops.Graph, rt: Runtime, allowed: bool) -> bool:
+    """Whether a new session of ``graph`` leaves graph optimization to its
+    task function calls: ``allowed`` (the script set no grappler option) and
+    ``capture.calls_optimized``, decided by the graph's first session if made
+    before the rewrite (the graph trains under tfpar and its tasks will be
+    functions: no split scope or automatic plan, which may shard; resource
+    variables only), else by the rewrite (true)."""
+    capture = existing_capture(graph)
+    if capture is None:
+        return False
+    if capture.calls_optimized is None:
+        capture.calls_optimized = allowed and bool(capture.gradient_calls) and not (
+            capture.split_contexts or rt.config.get("auto.auto_parallel")
+            or any(op.type in _REFERENCE_VARIABLES for op in graph.get_operations()))
+    return allowed and capture.calls_optimized
 
 
 def session_target(target: str) -> str:
@@ -257,7 +288,7 @@ def _group_size(index: GraphIndex, capture: GraphCapture, rt: Runtime, plan: Pla
     """Ada-Grouper's k for this pipeline, from the cost model (``planner.grouper``)."""
     count = len(plan.task_graphs)
     order, view = model_view(index, capture)
-    rows = rt.config.get("auto.global_batch") / plan.data_parallel_degree / plan.num_micro_batch
+    rows = planning_batch(rt, view) / plan.data_parallel_degree / plan.num_micro_batch
     hardware = cluster_hardware(rt)
     costs = stage_costs(view, [stage_of.get(op, 0) for op in order], count, rows, hardware)
     return tune_group_size(plan.num_micro_batch, costs.forward_s, costs.backward_s,
@@ -375,6 +406,21 @@ def function_gradients(graph: ops.Graph) -> None:
         "not one built into a graph; use tf.gradients or an optimizer's minimize there"))
 
 
+@contextlib.contextmanager
+def _collection_paused():
+    """Python's cyclic garbage collector off while the graph is rewritten: the
+    rewrite makes hundreds of thousands of objects that live on (ops, tensors,
+    maps), and the collector would scan them again and again (about a second
+    of a pipeline's start-up)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
     """Rewrite ``graph`` once (if it trains under tfpar); return its fetch translator."""
     rt = active()
@@ -418,7 +464,9 @@ def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
         # One micro-batch needs no schedule; otherwise the plan's was validated.
         schedule = [] if plan.num_micro_batch == 1 else build_schedule(
             plan.schedule, placement.num_stages, plan.num_micro_batch, plan.group_size)
-        with graph_edit.unfinalized(graph), recording_paused():
+        if capture.calls_optimized is None:  # no session yet: the sessions will skip grappler
+            capture.calls_optimized = True
+        with graph_edit.unfinalized(graph), recording_paused(), _collection_paused():
             rewrite = replicate(graph, capture, index, placement, plan.num_micro_batch,
                                 reducer_for, schedule,
                                 HorovodProcesses(cfg.get("io.shard_dataset")) if horovod else None,
