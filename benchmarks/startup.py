@@ -36,8 +36,7 @@ a configuration's losses differ from plain TF's. Progress goes to stderr.
 
     python benchmarks/startup.py [--quick] [--check] [--json]
 
-(2 cores, today: ``--quick`` about 2 minutes; the full run about 20 minutes plus
-pipe4_m32, which took more than 8 minutes alone, most of it start-up.)
+(2 cores, 2026-11-23: the full run about 2 minutes, ``--quick`` less.)
 """
 import contextlib
 import json

@@ -281,5 +281,5 @@ def test_estimator_session_config_is_honoured(tmp_path, monkeypatch):
     merged = [m for c, m in seen if c is not None and c.intra_op_parallelism_threads == 1]
     assert merged and merged[0].inter_op_parallelism_threads == 2
     assert merged[0].device_count["CPU"] == 2
-    # The Estimator's graph trains with task functions: grappler is left to the calls.
-    assert merged[0].graph_options.rewrite_options.disable_meta_optimizer
+    # Data parallelism without micro-batches: grappler optimizes the step graph.
+    assert not merged[0].graph_options.rewrite_options.disable_meta_optimizer

@@ -417,9 +417,11 @@ def _grappler_of(session_config, build, config):
 def test_task_function_calls_optimize_their_bodies_and_the_session_does_not():
     """Issue 18: grappler on a step graph of calls cost about 2 s of a 5 s
     pipeline start-up; a session of a graph that trains with task functions
-    runs it off, and each call optimizes its body when instantiated. A script
-    that sets grappler's options keeps them, its calls then optimizing nothing
-    twice; a graph that does not train keeps grappler."""
+    and micro-batches runs it off, and each call optimizes its body when
+    instantiated. A script that sets grappler's options keeps them, its calls
+    then optimizing nothing twice; so do data parallelism without
+    micro-batches (a call per function and device: grappler optimizes each
+    function once with the step graph) and a graph that does not train."""
     config = {"cluster.num_devices": 2, "pipeline.num_micro_batch": 4}
     session, calls = _grappler_of(None, deep_stages(1), config)
     assert session.disable_meta_optimizer
@@ -431,6 +433,10 @@ def test_task_function_calls_optimize_their_bodies_and_the_session_does_not():
     assert not session.disable_meta_optimizer
     assert session.constant_folding == rewriter_config_pb2.RewriterConfig.OFF
     assert calls and all(c.disable_meta_optimizer for c in calls)
+
+    session, calls = _grappler_of(None, deep_stages(1, False), {"cluster.num_devices": 2})
+    assert not session.disable_meta_optimizer
+    assert len(calls) == 2 * 2 and all(c.disable_meta_optimizer for c in calls)
 
     def forward_only(x, y):
         dense(x, 3, "logits", seed=1)

@@ -82,15 +82,19 @@ def _calls_optimize(graph: ops.Graph, rt: Runtime, allowed: bool) -> bool:
     """Whether a new session of ``graph`` leaves graph optimization to its
     task function calls: ``allowed`` (the script set no grappler option) and
     ``capture.calls_optimized``, decided by the graph's first session if made
-    before the rewrite (the graph trains under tfpar and its tasks will be
-    functions: no split scope or automatic plan, which may shard; resource
-    variables only), else by the rewrite (true)."""
+    before the rewrite (the graph trains under tfpar with micro-batches and
+    its tasks will be functions: no split scope or automatic plan, which may
+    shard; resource variables only), else by the rewrite (with
+    micro-batches). Without micro-batches each function has one call per
+    device: optimizing each call would cost more than grappler on the step
+    graph, which optimizes each function once."""
     capture = existing_capture(graph)
     if capture is None:
         return False
     if capture.calls_optimized is None:
         capture.calls_optimized = allowed and bool(capture.gradient_calls) and not (
-            capture.split_contexts or rt.config.get("auto.auto_parallel")
+            rt.config.get("pipeline.num_micro_batch") == 1
+            or capture.split_contexts or rt.config.get("auto.auto_parallel")
             or any(op.type in _REFERENCE_VARIABLES for op in graph.get_operations()))
     return allowed and capture.calls_optimized
 
@@ -464,8 +468,8 @@ def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
         # One micro-batch needs no schedule; otherwise the plan's was validated.
         schedule = [] if plan.num_micro_batch == 1 else build_schedule(
             plan.schedule, placement.num_stages, plan.num_micro_batch, plan.group_size)
-        if capture.calls_optimized is None:  # no session yet: the sessions will skip grappler
-            capture.calls_optimized = True
+        if capture.calls_optimized is None:  # no session yet (see _calls_optimize)
+            capture.calls_optimized = plan.num_micro_batch > 1
         with graph_edit.unfinalized(graph), recording_paused(), _collection_paused():
             rewrite = replicate(graph, capture, index, placement, plan.num_micro_batch,
                                 reducer_for, schedule,
