@@ -1,5 +1,7 @@
 """The planning pass of auto_parallel scripts: when it runs, and that a failed
 pass is an error. The pass itself: test_structure's example."""
+import os
+import subprocess
 import sys
 
 import pytest
@@ -41,3 +43,40 @@ def test_a_failed_pass_is_an_error(monkeypatch, tmp_path, capsys):
                                         r"auto.planning_pass\": false"):
         planning_pass.pinned_by_planning_pass(AUTO, SCRIPT)
     assert "planning pass:" in capsys.readouterr().err
+
+
+CURRENT_PLAN_SCRIPT = '''
+import numpy as np, tensorflow as tf
+import tfpar as wh
+v1 = tf.compat.v1
+v1.disable_eager_execution()
+wh.init({"cluster.num_devices": 4, "auto.auto_parallel": True})
+x = v1.placeholder(tf.float32, [None, 16])
+y = v1.placeholder(tf.int64, [None])
+logits = v1.layers.dense(v1.layers.dense(x, 32, tf.nn.relu), 20000, name="head")
+loss = v1.losses.sparse_softmax_cross_entropy(y, logits)
+train = v1.train.AdamOptimizer(1e-3).minimize(loss)
+print("before:", sorted(tg.strategy for tg in wh.current_plan().task_graphs))
+with v1.Session() as sess:
+    sess.run(v1.global_variables_initializer())
+    rng = np.random.RandomState(0)
+    sess.run(train, {x: rng.randn(8, 16), y: rng.randint(0, 20000, 8)})
+print("after:", sorted(tg.strategy for tg in wh.current_plan().task_graphs))
+'''
+
+
+@pytest.mark.slow
+def test_current_plan_in_an_auto_script_searches_once(tmp_path):
+    """Issue 14: ``wh.current_plan()`` before the first run of an
+    ``auto_parallel`` script said "the planning pass failed (exit 1)" and ran
+    the search a second time. Now the pass searches once (one progress line
+    per mesh), nothing fails, and both calls show the split plan it built."""
+    script = tmp_path / "train.py"
+    script.write_text(CURRENT_PLAN_SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "failed" not in done.stderr
+    assert done.stderr.count("tfpar auto [1/") == 1, done.stderr[-3000:]
+    assert "before: ['replicate', 'split']" in done.stdout
+    assert "after: ['replicate', 'split']" in done.stdout
