@@ -34,6 +34,7 @@ bench: $(STAMP) $(HOROVOD_STAMP)
 	$(PY) benchmarks/split.py --check
 	$(PY) benchmarks/multiworker.py --check
 	$(PY) benchmarks/planner.py --check
+	$(PY) benchmarks/plan_quality.py --check
 	$(PY) benchmarks/startup.py --check
 	$(PY) benchmarks/tf2.py --check
 

@@ -10,6 +10,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "benchmarks"))
 import bench_args  # noqa: E402
 import overhead  # noqa: E402
+import plan_quality  # noqa: E402
 import planner  # noqa: E402
 import split  # noqa: E402
 
@@ -65,15 +66,55 @@ def test_split_check_fails_when_a_ratio_misses_its_target(key):
     assert split.TARGETS == {"sp1_sp2_bytes": 1.0, "hybrid_dp_step": 1.0}
 
 
-def planner_rows(plan_96=1.0, o2_o3=1.0):
+def planner_rows(plan_96=1.0, o2_o3=1.0, auto_96=1.0):
     return [{"layers": n, "plan_build": plan / 10, "plan_s": plan, "view_s": 1.0,
-             "o2_o3_cost": o2_o3, "o3_optimal": True} for n, plan in ((24, 1.0), (96, plan_96))]
+             "auto_s": auto, "auto_build": auto / 10, "o2_o3_cost": o2_o3, "o3_optimal": True}
+            for n, plan, auto in ((24, 1.0, 1.0), (96, plan_96, auto_96))]
 
 
 @pytest.mark.parametrize("rows, code", [
     (planner_rows(), 0),
     (planner_rows(plan_96=3.0), 1),  # plan(96) / plan(24) = 3 > 2, plan / build 0.3 > 0.25
     (planner_rows(o2_o3=1.06), 1),  # O2 more than 5% behind an optimal O3
+    (planner_rows(auto_96=2.2), 1),  # the whole planning: 96 / 24 layers 2.2 > 2
 ])
 def test_planner_check_fails_when_a_target_is_missed(rows, code, capsys):
     assert planner.finish(rows, args()) == code
+
+
+def quality_row(est=2.0, plan=1.0, previous=None, paper=1.5):
+    setting = {"gpus": 8, "chosen": "split", "chosen_ms": 1.0, "paper_plan": "split",
+               "plan": plan}
+    return plan_quality.row("case", "Whale", setting, est, paper, plan=True, growth=previous)
+
+
+@pytest.mark.parametrize("row, code", [
+    (quality_row(), 0),
+    (quality_row(plan=1.09), 0),  # another strategy, estimated within 10%
+    (quality_row(plan=1.2), 1),  # another strategy, 20% apart
+    (quality_row(plan=float("inf")), 1),  # nothing fits
+    (quality_row(est=0.9), 1),  # the paper measured a speed-up, the estimate a slow-down
+    (quality_row(est=2.0, previous=2.5), 1),  # the paper's ratio grows, the estimate does not
+    (quality_row(est=0.5, paper=plan_quality.OOM), 1),  # the paper's baseline ran out of memory
+    (quality_row(est=0.5, paper=None), 0),  # no ratio stated: only the plan is judged
+])
+def test_plan_quality_check_fails_when_a_row_misses(row, code, capsys):
+    found = plan_quality.targets([row])
+    assert bench_args.report([row], found, args(), {}, None, checks_ok=True) == code
+    assert row["met"] == (code == 0)
+    assert ("FAIL  case, 8 GPUs" in capsys.readouterr().err) == bool(code)
+    assert plan_quality.TOLERANCE == 1.10
+
+
+def test_plan_quality_judges_growth_only_where_the_paper_ratio_grows():
+    settings = {g: {"gpus": g, "chosen": "split", "chosen_ms": 1.0, "paper_plan": "split",
+                    "plan": 1.0} for g in (8, 16, 32)}
+    estimate = {8: 1.1, 16: 2.0, 32: 1.9}
+    rows = plan_quality.series("case", "Whale", settings, {8: 1.13, 16: 1.66, 32: 2.43},
+                               lambda s: estimate[s["gpus"]], lambda s: ())
+    assert [sorted(r["checks"]) for r in rows] == [["rank"], ["growth", "rank"],
+                                                   ["growth", "rank"]]
+    assert [r["met"] for r in rows] == [True, True, False]  # 2.0 -> 1.9 where 1.66 -> 2.43
+    flat = plan_quality.series("case", "Whale", settings, {8: 2.0, 32: 2.0},
+                               lambda s: estimate[s["gpus"]], lambda s: ())
+    assert all(r["met"] and "growth" not in r["checks"] for r in flat)

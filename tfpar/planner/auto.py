@@ -28,7 +28,7 @@ reports each one as it is planned; ``time_limit_s`` bounds the whole search
 """
 import dataclasses
 import time
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from tfpar.cluster.hardware import Hardware
 from tfpar.errors import PlanError
@@ -133,6 +133,13 @@ def search_all(model: ModelView, num_devices: int, hardware: Hardware, global_ba
         meshes += [(t, p) for p in pipelines for t in range(2, num_devices // max(p, 1) + 1)
                    if p > 1 and num_devices % (t * p) == 0 and p <= len(model.flops)]
     layers = layer_graph(model) if any(t > 1 for t, _ in meshes) else None
+    cuts: Dict[int, List[int]] = {}  # pipeline degree -> stage of each op, cut once
+
+    def stages_of(p: int, time_limit_s: float) -> List[int]:
+        if p not in cuts:
+            cuts[p] = partition_stages(model.flops, model.edges, p, time_limit_s, model.labels) \
+                if p > 1 else [0] * len(model.flops)
+        return cuts[p]
     start = time.monotonic()
     deadline = start + time_limit_s
     candidates = []
@@ -144,16 +151,18 @@ def search_all(model: ModelView, num_devices: int, hardware: Hardware, global_ba
             break
         solve_limit = min(max(left, 1.0), SOLVE_LIMIT_S)
         if t > 1 and p > 1:
-            candidate = _pipelined_sharded(model, layers, (num_devices // (t * p), t, p),
-                                           hardware, global_batch, num_micro_batch, capacity,
+            candidate = _pipelined_sharded(model, layers, stages_of(p, solve_limit),
+                                           (num_devices // (t * p), t, p), hardware,
+                                           global_batch, num_micro_batch, capacity,
                                            opt_level, solve_limit)
         elif t > 1:
             candidate = _sharded(layers, Mesh(num_devices, t, global_batch, hardware,
                                               model.compute_dtype),
                                  capacity, opt_level, solve_limit)
         else:
-            candidate = _estimate(model, p, max(num_devices // p, 1), hardware, global_batch,
-                                  num_micro_batch if p > 1 else 1, solve_limit)
+            candidate = _estimate(model, stages_of(p, solve_limit), p,
+                                  max(num_devices // p, 1), hardware, global_batch,
+                                  num_micro_batch if p > 1 else 1)
         if candidate is None:
             progress(f"tfpar auto [{number}/{len(meshes)}] tensor {t} x pipeline {p}: no "
                      f"sharded plan fits or beats data parallelism "
@@ -209,16 +218,16 @@ def _sharded(layers, mesh: Mesh, capacity: float, opt_level: str,
                      parts=parts)
 
 
-def _pipelined_sharded(model: ModelView, layers, mesh: Tuple[int, int, int], hardware: Hardware,
-                       global_batch: int, micro: int, capacity: float, opt_level: str,
+def _pipelined_sharded(model: ModelView, layers, op_stages: Sequence[int],
+                       mesh: Tuple[int, int, int], hardware: Hardware, global_batch: int,
+                       micro: int, capacity: float, opt_level: str,
                        time_limit_s: float) -> Optional[Candidate]:
-    """A 3-D mesh (data d, tensor t, pipeline p): the stages of
-    ``partition_stages``, each on its own d x t devices with every layer split
+    """A 3-D mesh (data d, tensor t, pipeline p): the stages ``op_stages``
+    (of ``partition_stages``), each on its own d x t devices with every layer split
     over groups of t (``split_only`` sharding search per stage, on one
     micro-batch's rows, gradients apart); stage times replayed as a 1F1B
     pipeline; each stage's weights all-reduced over its d replicas per step."""
     d, t, p = mesh
-    op_stages = partition_stages(model.flops, model.edges, p, time_limit_s, model.labels)
     stage_of = [op_stages[layer.ops[0]] for layer in layers.layers]  # non-decreasing
     rows = global_batch / micro
     plans = []
@@ -297,10 +306,9 @@ def stage_costs(model: ModelView, stages: Sequence[int], num_stages: int, rows: 
     return StageCosts(tuple(forward), tuple(params), tuple(activations), transfer, cut)
 
 
-def _estimate(model: ModelView, p: int, d: int, hardware: Hardware, global_batch: int,
-              micro: int, time_limit_s: float) -> Candidate:
-    stages = partition_stages(model.flops, model.edges, p, time_limit_s, model.labels) \
-        if p > 1 else [0] * len(model.flops)
+def _estimate(model: ModelView, stages: Sequence[int], p: int, d: int, hardware: Hardware,
+              global_batch: int, micro: int) -> Candidate:
+    """The pipeline (or, with ``p`` 1, data parallel) candidate of ``stages``."""
     costs = stage_costs(model, stages, p, global_batch / d / micro, hardware)
     result = simulate(build_schedule("1f1b", p, micro), list(costs.forward_s),
                       list(costs.backward_s), costs.transfer_s)

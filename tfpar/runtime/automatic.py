@@ -20,6 +20,7 @@ from tfpar.planner.partition import partition_stages
 from tfpar.rewriters.model_view import model_view
 from tfpar.rewriters.select import GraphIndex
 from tfpar.runtime.context import Runtime
+from tfpar.runtime.gc_paused import gc_paused
 
 __all__ = ["DEFAULT_BATCH", "Automatic", "automatic_plan", "cluster_hardware", "estimate_of",
            "part_estimate", "pinned_sharding", "planning_batch", "sharded_plan",
@@ -78,6 +79,16 @@ def automatic_plan(index: GraphIndex, capture: GraphCapture, rt: Runtime) -> Opt
     cached = capture.automatic
     if cached is not None and cached[0] == key:
         return cached[1]
+    with gc_paused():
+        result = _plan(index, capture, rt, auto, count)
+    capture.automatic = (key, result)
+    return result
+
+
+def _plan(index: GraphIndex, capture: GraphCapture, rt: Runtime, auto: bool,
+          count: Optional[int]) -> Automatic:
+    """The model's view and the search's pick (``auto``), or ``count`` stages."""
+    cfg = rt.config
     order, view = model_view(index, capture)
     time_limit = cfg.get("auto.search_time_limit_s")
     best = runnable = None
@@ -93,10 +104,8 @@ def automatic_plan(index: GraphIndex, capture: GraphCapture, rt: Runtime) -> Opt
     else:
         stages = partition_stages(view.flops, view.edges, count, min(time_limit, 10.0),
                                   view.labels)
-    result = Automatic(tuple(order), tuple(view.param_bytes), tuple(stages), count, best,
-                        runnable)
-    capture.automatic = (key, result)
-    return result
+    return Automatic(tuple(order), tuple(view.param_bytes), tuple(stages), count, best,
+                     runnable)
 
 
 def planning_batch(rt: Runtime, view) -> int:

@@ -1,7 +1,5 @@
 """Glue between the hooks and the rewriters: plan, rewrite once, translate fetches."""
-import contextlib
 import dataclasses
-import gc
 import logging
 import weakref
 from typing import Any, Callable, Dict, Optional, Sequence
@@ -34,6 +32,7 @@ from tfpar.runtime.automatic import (Automatic, automatic_plan, cluster_hardware
                                      part_estimate, pinned_sharding, planning_batch, sharded_plan,
                                      warn_unbuilt_sharding)
 from tfpar.runtime.context import Runtime, active
+from tfpar.runtime.gc_paused import gc_paused
 
 __all__ = ["before_run", "make_iterator", "make_split_context", "plan_for", "ran_before_rewrite",
            "rewrites_next", "run_failed", "run_options", "session_config", "session_target", "setup_capture"]
@@ -410,21 +409,6 @@ def function_gradients(graph: ops.Graph) -> None:
         "not one built into a graph; use tf.gradients or an optimizer's minimize there"))
 
 
-@contextlib.contextmanager
-def _collection_paused():
-    """Python's cyclic garbage collector off while the graph is rewritten: the
-    rewrite makes hundreds of thousands of objects that live on (ops, tensors,
-    maps), and the collector would scan them again and again (about a second
-    of a pipeline's start-up)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
     """Rewrite ``graph`` once (if it trains under tfpar); return its fetch translator."""
     rt = active()
@@ -437,45 +421,51 @@ def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
     if rt is None or capture is None or not capture.gradient_calls:
         return None
     if capture.rewrite is None:
-        plan, index, stage_of = _planned(graph, capture, rt)
-        warn_unbuilt_sharding(capture)
-        _check_forced_units(capture, rt)
-        automatic = capture.automatic[1] if capture.automatic is not None else None
-        if automatic is not None and automatic.best is not automatic.runnable:
-            # What runs is unsharded; what current_plan() shows, to pin, is not.
-            capture.sharded_plan = sharded_plan(automatic, rt, index, capture)
-        cfg = rt.config
-        names = [tg.name for tg in plan.task_graphs]
-        split_groups = {s: [tuple(canonical_device(d) for d in g) for g in tg.replicas]
-                        for s, tg in enumerate(plan.task_graphs) if tg.strategy == "split"}
-        placement = Placement(
-            stage_devices=[[group[0] for group in tg.replicas] for tg in plan.task_graphs],
-            num_replicas=plan.data_parallel_degree, stage_of=stage_of, task_graph_names=names,
-            split_groups=split_groups,
-            op_devices=split_op_devices(index, stage_of, split_groups))
-        keys = CollectiveKeys()
-
-        horovod = cfg.get("communication.backend") == "horovod"
-
-        def reducer_for(devices):
-            if graph.building_function:  # variables live outside: no mirrors in it
-                return LocalReducer(list(devices))
-            local = make_reducer("auto" if horovod else cfg.get("communication.backend"),
-                                 devices, rt.device_type, keys,
-                                 fusion_bytes=cfg.get("communication.fusion_mb") * 2 ** 20,
-                                 timeout_s=cfg.get("communication.timeout_s"))
-            return HorovodReducer(local) if horovod else local
-        # One micro-batch needs no schedule; otherwise the plan's was validated.
-        schedule = [] if plan.num_micro_batch == 1 else build_schedule(
-            plan.schedule, placement.num_stages, plan.num_micro_batch, plan.group_size)
-        if capture.calls_optimized is None:  # no session yet (see _calls_optimize)
-            capture.calls_optimized = plan.num_micro_batch > 1
-        with graph_edit.unfinalized(graph), recording_paused(), _collection_paused():
-            rewrite = replicate(graph, capture, index, placement, plan.num_micro_batch,
-                                reducer_for, schedule,
-                                HorovodProcesses(cfg.get("io.shard_dataset")) if horovod else None,
-                                functions=cfg.get("pipeline.task_functions"))
-        capture.plan = plan
-        capture.rewrite = FetchTranslator(graph, rewrite)
-        log.info("tfpar rewrote the graph:\n%s", plan.summary())
+        with gc_paused():
+            _rewrite(graph, capture, rt)
     return capture.rewrite
+
+
+def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
+    """Plan ``graph`` and rewrite it (``capture.plan``, ``capture.rewrite``)."""
+    plan, index, stage_of = _planned(graph, capture, rt)
+    warn_unbuilt_sharding(capture)
+    _check_forced_units(capture, rt)
+    automatic = capture.automatic[1] if capture.automatic is not None else None
+    if automatic is not None and automatic.best is not automatic.runnable:
+        # What runs is unsharded; what current_plan() shows, to pin, is not.
+        capture.sharded_plan = sharded_plan(automatic, rt, index, capture)
+    cfg = rt.config
+    names = [tg.name for tg in plan.task_graphs]
+    split_groups = {s: [tuple(canonical_device(d) for d in g) for g in tg.replicas]
+                    for s, tg in enumerate(plan.task_graphs) if tg.strategy == "split"}
+    placement = Placement(
+        stage_devices=[[group[0] for group in tg.replicas] for tg in plan.task_graphs],
+        num_replicas=plan.data_parallel_degree, stage_of=stage_of, task_graph_names=names,
+        split_groups=split_groups,
+        op_devices=split_op_devices(index, stage_of, split_groups))
+    keys = CollectiveKeys()
+
+    horovod = cfg.get("communication.backend") == "horovod"
+
+    def reducer_for(devices):
+        if graph.building_function:  # variables live outside: no mirrors in it
+            return LocalReducer(list(devices))
+        local = make_reducer("auto" if horovod else cfg.get("communication.backend"),
+                             devices, rt.device_type, keys,
+                             fusion_bytes=cfg.get("communication.fusion_mb") * 2 ** 20,
+                             timeout_s=cfg.get("communication.timeout_s"))
+        return HorovodReducer(local) if horovod else local
+    # One micro-batch needs no schedule; otherwise the plan's was validated.
+    schedule = [] if plan.num_micro_batch == 1 else build_schedule(
+        plan.schedule, placement.num_stages, plan.num_micro_batch, plan.group_size)
+    if capture.calls_optimized is None:  # no session yet (see _calls_optimize)
+        capture.calls_optimized = plan.num_micro_batch > 1
+    with graph_edit.unfinalized(graph), recording_paused():
+        rewrite = replicate(graph, capture, index, placement, plan.num_micro_batch,
+                            reducer_for, schedule,
+                            HorovodProcesses(cfg.get("io.shard_dataset")) if horovod else None,
+                            functions=cfg.get("pipeline.task_functions"))
+    capture.plan = plan
+    capture.rewrite = FetchTranslator(graph, rewrite)
+    log.info("tfpar rewrote the graph:\n%s", plan.summary())
