@@ -9,8 +9,8 @@ from equivalence import assert_equivalent, make_data, mlp_classifier, plan_of, t
 from test_cost_model import deep_mlp_layers, hand_memory, planned_stages
 
 import tfpar as wh
-from tfpar.cluster.hardware import Hardware
-from tfpar.planner.auto import ModelView, search
+from tfpar.cluster.hardware import CATALOG, Hardware
+from tfpar.planner.auto import Candidate, ModelView, choose, search
 
 v1 = tf.compat.v1
 DATA = make_data(steps=3, batch=8)
@@ -125,3 +125,21 @@ def test_search_time_limit_stops_the_mesh_enumeration():
     assert best.pipeline == 1  # the first mesh planned
     assert lines[0].startswith("tfpar auto [1/3] data 4 x tensor 1 x pipeline 1")
     assert "search time limit reached after 1 of 3 meshes" in lines[-1]
+
+
+def test_choose_prefers_fewer_stages_within_10_percent_then_a_lower_tensor_degree_within_2():
+    """``auto.choose``: a pipeline must beat the fastest plan without one by
+    more than 10% (bubbles, balance), a split by more than 2% (before, 10%
+    too: Whale's 100K-class head, estimated 9% faster split on 8 V100s,
+    stayed data parallel)."""
+    def plan(step_ms, tensor=1, pipeline=1):
+        return Candidate(data=8 // (tensor * pipeline), pipeline=pipeline, stages=(),
+                         step_time_s=step_ms / 1e3, memory_bytes=0.0, comm_bytes=0.0,
+                         tensor=tensor)
+    hardware = CATALOG["V100-32GB"]
+    dp, split = plan(1.0), plan(0.91, tensor=8)
+    assert choose([dp, split], hardware) is split
+    assert choose([dp, split, plan(0.85, pipeline=2)], hardware) is split
+    assert choose([dp, plan(0.99, tensor=8)], hardware) is dp
+    assert choose([dp, plan(0.92, pipeline=2)], hardware) is dp
+    assert choose([dp, plan(0.80, pipeline=2)], hardware).pipeline == 2

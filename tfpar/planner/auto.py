@@ -42,7 +42,13 @@ from tfpar.planner.simulate import simulate
 __all__ = ["Candidate", "ModelView", "Part", "StageCosts", "choose", "search", "search_all",
            "stage_costs"]
 
+# Estimates are rough: within TOLERANCE of the fastest, fewer pipeline stages
+# win (bubbles and stage balance are where the model errs most); among those,
+# the lower tensor degree within TENSOR_TOLERANCE (a split's cost is computed
+# from its collectives: a gain of a few percent is noise, one of 9% - Whale's
+# 100K-class head on 8 GPUs - is not).
 TOLERANCE = 0.1
+TENSOR_TOLERANCE = 0.02
 SOLVE_LIMIT_S = 10.0  # per ILP solve, within the search's time limit
 
 
@@ -194,9 +200,12 @@ def choose(candidates: Sequence[Candidate], hardware: Hardware) -> Candidate:
                         f"{least.memory_bytes / 2 ** 30:.3g} GB (data {least.data} x tensor "
                         f"{least.tensor} x pipeline {least.pipeline})")
     fastest = min(c.step_time_s for c in fitting)
-    # Estimates are rough: within TOLERANCE of the fastest, fewer stages win.
-    return min((c for c in fitting if c.step_time_s <= fastest * (1 + TOLERANCE)),
-               key=lambda c: (c.pipeline, c.tensor, c.step_time_s))
+    near = [c for c in fitting if c.step_time_s <= fastest * (1 + TOLERANCE)]
+    stages = min(c.pipeline for c in near)
+    near = [c for c in near if c.pipeline == stages]
+    fastest = min(c.step_time_s for c in near)
+    return min((c for c in near if c.step_time_s <= fastest * (1 + TENSOR_TOLERANCE)),
+               key=lambda c: (c.tensor, c.step_time_s))
 
 
 def _sharded(layers, mesh: Mesh, capacity: float, opt_level: str,
