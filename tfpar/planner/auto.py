@@ -21,8 +21,9 @@ pipeline mesh as follows:
     (``comm.allreduce``: 2 (d-1)/d of the bytes, 2 ceil(log2 d) latencies);
   * memory per device: the stage's weights, gradients and two optimizer slots,
     plus the activations of the micro-batches in flight.
-The fastest candidate whose memory fits wins (within 10%, the one with fewer
-stages, then the lower tensor degree: the estimates are rough); ``progress``
+The fastest candidate whose memory fits wins (within ``TOLERANCE`` of it,
+the one with fewer stages; among those, within ``TENSOR_TOLERANCE``, the
+lower tensor degree: the estimates are rough); ``progress``
 reports each one as it is planned; ``time_limit_s`` bounds the whole search
 (each ILP solve at most ``SOLVE_LIMIT_S``).
 """

@@ -61,15 +61,15 @@ def define_task(graph: ops.Graph, task: Sequence[ops.Operation], name: str,
     arguments: Dict[tensor_lib.Tensor, None] = {}
     results: List[tensor_lib.Tensor] = []
     constants = _outside_constants(task, inside)
+    body = inside | set(constants)
     for op in task:
         for t in op.inputs:
-            if t.op not in inside and t.op not in constants:
+            if t.op not in body:
                 arguments.setdefault(t)
         results.extend(t for t in op.outputs if exported(t) or not t.consumers()
                        or any(c not in inside for c in t.consumers()))
     definition = _function_def(graph.unique_name(name, mark_as_used=True),
-                               constants + list(task), inside | set(constants),
-                               list(arguments), results)
+                               constants + list(task), body, list(arguments), results)
     library_function = function._from_definition(definition)  # pylint: disable=protected-access
     library_function.add_to_graph(graph)
     if graph.building_function:  # a tf.function's callees run from the eager context's library

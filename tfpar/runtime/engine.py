@@ -23,7 +23,7 @@ from tfpar.rewriters import graph_edit
 from tfpar.rewriters.allreduce import CollectiveKeys, LocalReducer, make_reducer
 from tfpar.rewriters.data_parallel import replicate
 from tfpar.rewriters.horovod_backend import HorovodProcesses, HorovodReducer
-from tfpar.rewriters.select import GraphIndex, is_input
+from tfpar.rewriters.select import GraphIndex, is_input, is_resource_variable, is_variable
 from tfpar.rewriters.model_view import model_view
 from tfpar.rewriters.stages import Placement, assign_stages, canonical_device, split_op_devices
 from tfpar.rewriters.fetch_translation import FetchTranslator
@@ -74,9 +74,6 @@ def session_config(config: Optional[config_pb2.ConfigProto],
     return merged
 
 
-_REFERENCE_VARIABLES = ("VariableV2", "Variable")
-
-
 def _calls_optimize(graph: ops.Graph, rt: Runtime, allowed: bool) -> bool:
     """Whether a new session of ``graph`` leaves graph optimization to its
     task function calls: ``allowed`` (the script set no grappler option) and
@@ -94,7 +91,8 @@ def _calls_optimize(graph: ops.Graph, rt: Runtime, allowed: bool) -> bool:
         capture.calls_optimized = allowed and bool(capture.gradient_calls) and not (
             rt.config.get("pipeline.num_micro_batch") == 1
             or capture.split_contexts or rt.config.get("auto.auto_parallel")
-            or any(op.type in _REFERENCE_VARIABLES for op in graph.get_operations()))
+            or any(is_variable(op) and not is_resource_variable(op)
+                   for op in graph.get_operations()))
     return allowed and capture.calls_optimized
 
 
