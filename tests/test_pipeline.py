@@ -397,6 +397,26 @@ def test_op_count_does_not_grow_with_micro_batches_times_ops():
     assert growth(3, False) > 3 * deep  # copies: one of every stage op per micro-batch
 
 
+def test_every_call_waits_on_a_reference_marker_on_its_device():
+    """Issue 18: XLA's scan for reference variables, run when a session builds
+    a step, instantiated every call's body twice (about 40% of the first step
+    at 32 micro-batches); a call that a reference-typed op precedes is not
+    looked into. Each call waits on its device's marker, which is in no
+    variable collection (savers and initializers never see it)."""
+    config = {"cluster.num_devices": 2, "pipeline.num_micro_batch": 4}
+    with initialized(deep_stages(1), config) as graph:
+        calls = [op for op in graph.get_operations() if op.type == "StatefulPartitionedCall"]
+        assert len(calls) == 2 * 2 * 4
+        markers = set()
+        for call in calls:
+            marker, = [op for op in call.control_inputs if op.type == "VariableV2"]
+            assert marker.device == call.device and marker.outputs[0].dtype._is_ref_dtype
+            markers.add(marker)
+        assert len(markers) == 2 and {c.device for c in calls} == {m.device for m in markers}
+        variables = v1.global_variables() + v1.local_variables()
+        assert not markers & {v.op for v in variables}
+
+
 def _grappler_of(session_config, build, config):
     """(the session's RewriterConfig, the RewriterConfigs of the task function
     calls) of ``build`` under ``config``, in a session made with

@@ -7,7 +7,8 @@ means backward-phase ops and every step op depending on one
 (``stages.backward_dependent``). Consecutive tasks on a stage device are chained
 through a NoOp barrier that waits for the earlier task's sinks and that the later
 task's sources wait for, so every op of a task runs after every op of the one
-before it. With one micro-batch there is nothing to order.
+before it (tasks that are one function call each: the later call waits on the
+earlier one). With one micro-batch there is nothing to order.
 """
 from typing import Dict, List, Sequence, Tuple
 
@@ -72,6 +73,11 @@ def task_ops(rw, capture: GraphCapture, index: GraphIndex) -> Dict[TaskKey, List
 
 def _chain(before: List[ops.Operation], after: List[ops.Operation], device: str,
            name: str) -> None:
+    """Make every op of ``after`` run after every op of ``before``: directly
+    when both are one op (a task function's call), else through a barrier."""
+    if len(before) == len(after) == 1:
+        graph_edit.add_control_input(after[0], before[0])
+        return
     inside = set(before)
     sinks = [op for op in before
              if not any(c in inside for t in op.outputs for c in t.consumers())]

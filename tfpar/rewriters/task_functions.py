@@ -13,6 +13,17 @@ instantiated (tfpar's sessions then skip grappler on the step graph, which
 holds little but calls), or else with the session's graph. Bodies hold their
 own copies of the constants they read, and the functions are marked
 ``_noinline`` so that TensorFlow does not inline the calls back into the graph.
+
+One more cost grows with calls: when a session builds its step, XLA's
+EncapsulateSubgraphsPass (in every TensorFlow build, JIT on or off) asks of
+each call node whether its body touches a reference variable, instantiating
+and discarding the body for every call, twice (a third of the first step at
+32 micro-batches). The pass takes any node that a reference-typed node
+precedes as touching one without looking inside, so each call waits on a
+never-read reference variable of shape [0] on its device
+(``tfpar_call_marker``, outside every variable collection): the scan stops at
+the calls. Its only effect is that XLA's auto-clustering leaves the calls
+alone.
 """
 import dataclasses
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
@@ -23,7 +34,7 @@ from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.eager import context
 from tensorflow.python.framework import dtypes, function, ops
 from tensorflow.python.framework import tensor as tensor_lib
-from tensorflow.python.ops import gen_resource_variable_ops
+from tensorflow.python.ops import gen_resource_variable_ops, gen_state_ops
 
 from tfpar.rewriters.gradients import scale_seed
 
@@ -229,6 +240,7 @@ def call_tasks(graph: ops.Graph, rw, tasks: Dict[Key, List[ops.Operation]], orde
     ``tf.gradients`` did not make (a loss reading a gradient)."""
     step = rw.selection.step_ops_set
     layout = rw.layout
+    markers: Dict[str, ops.Operation] = {}
     reads = rw.outside_tasks = _read_variables(graph, rw) | _constants(rw)
     for stage, kind in order:
         members = [op for op in tasks[(stage, kind)] if op not in reads]
@@ -239,15 +251,32 @@ def call_tasks(graph: ops.Graph, rw, tasks: Dict[Key, List[ops.Operation]], orde
         fn = define_task(graph, members, f"tfpar_stage_{stage}_{kind}",
                          rw.batch_axes.holds_rows if kind == "F" else
                          (lambda t: t in fetchable or t.op not in rw.selection.backward))
+        outside = _outside_controls(rw, members, inside)
         for v in range(layout.num_versions(stage)):
             j, m = layout.slot(stage, v)
+            device = rw.bridges.device(stage, v)
             values = call_task(
                 graph, fn, [_counterpart(rw, x, stage, v, j) for x in fn.arguments],
-                _call_controls(rw, members, inside, stage, v), rw.bridges.device(stage, v),
-                f"{rw.prefix(stage, j)}/micro_{m}/{kind}", optimize)
+                _call_controls(rw, outside, stage, v) + _marker(graph, device, markers),
+                device, f"{rw.prefix(stage, j)}/micro_{m}/{kind}", optimize)
             call = values.pop(None)
             rw.version_values[stage][v].update(values)
             rw.version_maps[stage][v].update((op, call) for op in members if op in step)
+
+
+def _marker(graph: ops.Graph, device: str, markers: Dict[str, ops.Operation]
+            ) -> List[ops.Operation]:
+    """The reference-variable marker the calls on ``device`` wait on (module
+    doc), made once per device in ``markers``; none in a tf.function, whose
+    bodies hold no reference variables."""
+    if graph.building_function:
+        return []
+    if device not in markers:
+        with graph.as_default(), ops.device(device), ops.control_dependencies(None), \
+                ops.name_scope(None):
+            markers[device] = gen_state_ops.variable_v2(
+                [0], dtypes.float32, name="tfpar_call_marker").op
+    return [markers[device]]
 
 
 def _read_variables(graph: ops.Graph, rw) -> Set[ops.Operation]:
@@ -302,21 +331,30 @@ def _counterpart(rw, x: tensor_lib.Tensor, stage: int, version: int,
     return rw.variable_copies(stage, device).get(x, x) if rw.mirrored else x
 
 
-def _call_controls(rw, members, inside, stage: int, version: int) -> List[ops.Operation]:
-    """What version ``version`` of a task waits on: its ops' control inputs
-    from outside the task, as the script built them, in that version."""
-    step = rw.selection.step_ops_set
-    deps: Dict[ops.Operation, None] = {}
+def _outside_controls(rw, members, inside) -> List[ops.Operation]:
+    """The control inputs of ``members`` from outside the task, as the script
+    built them."""
+    found: Dict[ops.Operation, None] = {}
     for op in members:
         for p in rw.built_controls(op):
-            if p in inside:
-                continue
-            if p not in step:
-                deps.setdefault(p)
-            elif rw.placement.stage(p) == stage:
-                deps.setdefault(rw.versions(p)[version])
-            else:
-                unit = rw.layout.unit(stage, version)
-                for source in rw.layout.unit_versions(rw.placement.stage(p), unit):
-                    deps.setdefault(rw.versions(p)[source])
+            if p not in inside:
+                found.setdefault(p)
+    return list(found)
+
+
+def _call_controls(rw, outside: Sequence[ops.Operation], stage: int, version: int
+                   ) -> List[ops.Operation]:
+    """What version ``version`` of a task of ``stage`` waits on: its
+    ``outside`` control inputs, in that version."""
+    step = rw.selection.step_ops_set
+    deps: Dict[ops.Operation, None] = {}
+    for p in outside:
+        if p not in step:
+            deps.setdefault(p)
+        elif rw.placement.stage(p) == stage:
+            deps.setdefault(rw.versions(p)[version])
+        else:
+            unit = rw.layout.unit(stage, version)
+            for source in rw.layout.unit_versions(rw.placement.stage(p), unit):
+                deps.setdefault(rw.versions(p)[source])
     return list(deps)
