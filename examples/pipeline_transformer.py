@@ -2,7 +2,7 @@
 and `num_micro_batch` micro-batches turn a transformer into a 2-stage pipeline.
 
     python examples/pipeline_transformer.py [--devices 4] [--micro-batches 4]
-        [--schedule 1f1b|gpipe|kfkb] [--group-size 2] [--steps 4] [--trace-dir DIR]
+        [--schedule 1f1b|gpipe|kfkb|zero_bubble] [--group-size 2] [--steps 4] [--trace-dir DIR]
 
 Trains a small BERT-like encoder twice on the same data: plainly on one device
 and as a pipeline (on 4 devices the pipeline is also replicated twice, nested
@@ -22,6 +22,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfpar as wh  # noqa: E402
+from tfpar.planner.schedule import SCHEDULES  # noqa: E402
 from loss_report import example_parser, report  # noqa: E402  (examples/loss_report.py)
 
 v1 = tf.compat.v1
@@ -102,7 +103,7 @@ def run(data, config=None, trace_dir=None):
 def main():
     parser = example_parser(__doc__, devices=4, batch=32, steps=4)
     parser.add_argument("--micro-batches", type=int, default=4)
-    parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "kfkb"])
+    parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
     parser.add_argument("--group-size", type=int, default=2, help="k of kFkB")
     parser.add_argument("--trace-dir", help="write plan_timeline.json and step_timeline.json")
     args = parser.parse_args()

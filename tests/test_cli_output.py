@@ -89,11 +89,10 @@ def test_config_listing_fits_100_columns(capsys):
         assert key in text and " ".join(option.help.split()) in words
 
 
-def test_zero_bubble_is_refused_as_not_built():
-    with pytest.raises(wh.ConfigError, match="'zero_bubble' is not built yet"):
-        Config({"pipeline.schedule": "zero_bubble"}, env={})
-    assert "'zero_bubble' is not built yet" in describe()
-    assert Config({"pipeline.schedule": "kfkb"}, env={}).pipeline.schedule == "kfkb"
+def test_every_built_schedule_is_a_valid_config_value():
+    for kind in ("gpipe", "1f1b", "kfkb", "zero_bubble"):
+        assert Config({"pipeline.schedule": kind}, env={}).pipeline.schedule == kind
+    assert "'zero_bubble'" in describe()
 
 
 # --- missing scripts --------------------------------------------------------------

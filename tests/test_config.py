@@ -361,7 +361,7 @@ def test_wrong_types(key, value, fragment):
     ("communication.timeout_s", -1.5, "must be > 0, got -1.5"),
     ("auto.search_time_limit_s", 0.0, "must be > 0, got 0.0"),
     ("pipeline.schedule", "pipedream",
-     "must be one of 'gpipe', '1f1b', 'kfkb' ('zero_bubble' is not built yet), got 'pipedream'"),
+     "must be one of 'gpipe', '1f1b', 'kfkb', 'zero_bubble', got 'pipedream'"),
     ("auto.opt_level", "O1", "must be one of 'O2', 'O3', got 'O1'"),
     ("communication.backend", "nccl",
      "must be one of 'auto', 'collective', 'horovod', got 'nccl'"),

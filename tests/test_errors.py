@@ -93,11 +93,11 @@ def test_unsupported_pipeline_settings_raise_plan_error():
                 tf.compat.v1.layers.dense(h, 4)
             return wh.current_plan()
 
-    with pytest.raises(wh.ConfigError, match="'zero_bubble' is not built yet"):
-        two_stage_plan({"pipeline.schedule": "zero_bubble"})
+    with pytest.raises(wh.ConfigError, match="must be one of .*got 'interleaved'"):
+        two_stage_plan({"pipeline.schedule": "interleaved"})
     plan = two_stage_plan({}).to_dict()
-    plan["pipeline"]["schedule"] = "zero_bubble"
-    with pytest.raises(wh.PlanError, match="zero_bubble' is not implemented"):
+    plan["pipeline"]["schedule"] = "interleaved"
+    with pytest.raises(wh.PlanError, match="interleaved' is not implemented"):
         two_stage_plan({"plan": plan})
 
 

@@ -54,7 +54,7 @@ def test_whale_example_1(two_stage_reference):
 
 
 @pytest.mark.parametrize("schedule,group_size", [("gpipe", 1), ("1f1b", 1), ("kfkb", 2),
-                                                 ("kfkb", 4)])
+                                                 ("kfkb", 4), ("zero_bubble", 1)])
 def test_every_schedule(schedule, group_size, two_stage_reference):
     config = {"pipeline.num_micro_batch": 4, "cluster.num_devices": 2,
               "pipeline.schedule": schedule, "pipeline.group_size": group_size}
@@ -176,14 +176,14 @@ def test_bert_like_transformer_in_two_stages():
                       train(transformer(2, True), data, config))
 
 
-def traced_step(config, path=None):
-    """wh.step_timeline of one traced step of the 2-stage MLP under ``config``."""
+def traced_step(config, path=None, num_stages=2):
+    """wh.step_timeline of one traced step of the ``num_stages``-stage MLP under ``config``."""
     graph = tf.Graph()
     with graph.as_default():
         wh.init(config)
         x = v1.placeholder(tf.float32, [None, 6])
         y = v1.placeholder(tf.int64, [None])
-        loss, train_op = mlp_stages(2, True)(x, y)
+        loss, train_op = mlp_stages(num_stages, True)(x, y)
         with v1.Session() as sess:
             sess.run(v1.global_variables_initializer())
             metadata = v1.RunMetadata()
@@ -215,6 +215,53 @@ def test_traced_step_follows_the_schedule(schedule, tmp_path):
     assert result.peak_in_flight[0] == (4 if schedule == "gpipe" else 2)
     trace = json.loads((tmp_path / "step.json").read_text())
     assert sum(e["ph"] == "X" for e in trace["traceEvents"]) == 2 * 2 * 4
+
+
+@pytest.mark.parametrize("functions", [True, False])
+@pytest.mark.parametrize("optimizer", [lambda: v1.train.GradientDescentOptimizer(0.5),
+                                       lambda: v1.train.AdamOptimizer(0.05)])
+def test_zero_bubble_in_four_stages_computes_the_single_device_numbers(optimizer, functions):
+    """Issue 15: ZB-H1 on 4 stages, 8 micro-batches, each stage's backward two
+    tasks (input gradients B, weight gradients W); as task functions or copies."""
+    config = {"pipeline.num_micro_batch": 8, "cluster.num_devices": 4,
+              "pipeline.schedule": "zero_bubble", "pipeline.task_functions": functions}
+    assert_equivalent(train(mlp_stages(4, False, optimizer), DATA),
+                      train(mlp_stages(4, True, optimizer), DATA, config))
+
+
+def test_zero_bubble_traced_step_runs_weight_gradients_late(tmp_path):
+    """A traced step follows ZB-H1: the first stage sends no gradient, so its
+    backward is all weight gradients (W only); the last stage runs its W
+    tasks after later micro-batches' F and B, as the schedule defers them."""
+    config = {"pipeline.num_micro_batch": 8, "cluster.num_devices": 4,
+              "pipeline.schedule": "zero_bubble"}
+    result, _ = traced_step(config, str(tmp_path / "step.json"), num_stages=4)
+    planned = build_schedule("zero_bubble", 4, 8)
+    planned[0] = [t for t in planned[0] if t.kind != "B"]
+    assert_follows(result, planned)
+    trace = json.loads((tmp_path / "step.json").read_text())
+    assert sum(e["ph"] == "X" for e in trace["traceEvents"]) == (2 + 3 * 3) * 8
+
+
+def test_zero_bubble_weight_tasks_hold_the_weight_gradients():
+    """B computes what the stage before waits for, W the weight gradients; a B
+    call never waits on a W call (tf.gradients' gates are dropped: they order
+    but compute nothing), so the stage before gets its gradient first."""
+    config = {"pipeline.num_micro_batch": 4, "cluster.num_devices": 2,
+              "pipeline.schedule": "zero_bubble"}
+    with initialized(mlp_stages(2, True), config) as graph:
+        bodies = {f.signature.name.split("tfpar_stage_")[1]: {node.name for node in f.node_def}
+                  for f in graph.as_graph_def().library.function}
+        assert set(bodies) == {"0_F", "0_W", "1_F", "1_B", "1_W"}  # stage 0 sends no gradient
+        x_grad = "gradients/stage1/MatMul_grad/MatMul"
+        w_grad = x_grad + "_1"
+        assert x_grad in bodies["1_B"] and w_grad not in bodies["1_B"]
+        assert w_grad in bodies["1_W"] and "gradients/stage1/add_grad/Sum" in bodies["1_W"]
+        calls = {op.name: op for op in graph.get_operations()
+                 if op.type == "StatefulPartitionedCall"}
+        for name, call in calls.items():
+            if name.endswith("/B"):
+                assert not any(p.name.endswith("/W") for p in call.control_inputs), name
 
 
 def test_plan_timeline_writes_the_planned_schedule(tmp_path):

@@ -44,6 +44,20 @@ def test_1f1b_p3_m4():
     ]
 
 
+def test_zero_bubble_h1_p4_m8():
+    """ZB-H1 (Qi et al. 2024, Fig. 3 top): 1F1B's F/B order; W m just before
+    F m+4; in the cool-down a W after each B; the last stage defers most."""
+    assert as_text(build_schedule("zero_bubble", 4, 8)) == [
+        "F0 F1 F2 F3 B0 W0 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 B5 W5 B6 W6 B7 W7",
+        "F0 F1 F2 B0 F3 B1 W0 F4 B2 W1 F5 B3 W2 F6 B4 W3 F7 B5 W4 B6 W5 B7 W6 W7",
+        "F0 F1 B0 F2 B1 F3 B2 W0 F4 B3 W1 F5 B4 W2 F6 B5 W3 F7 B6 W4 B7 W5 W6 W7",
+        "F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 W5 W6 W7",
+    ]
+    for zero_bubble, one_f_one_b in zip(build_schedule("zero_bubble", 4, 8),
+                                        build_schedule("1f1b", 4, 8)):
+        assert [t for t in zero_bubble if t.kind != "W"] == one_f_one_b
+
+
 def test_1f1b_fewer_micro_batches_than_stages():
     assert as_text(build_schedule("1f1b", 4, 2)) == [
         "F0 F1 B0 B1",
@@ -96,6 +110,8 @@ def test_1f1b_and_gpipe_ignore_group_size():
     ([tasks("F0 F1 B0 B1 B1")], "stage 0"),                 # B1 twice
     ([tasks("F0 F1 B0 B1 F2 B2")], "stage 0"),              # micro-batch 2 out of range
     ([tasks("F0 B1 F1 B0")], "B1 before F1"),
+    ([tasks("F0 F1 B0 W0 B1 W1"), tasks("F0 F1 B0 B1 W1")], "stage 1"),  # W0 missing
+    ([tasks("F0 F1 W0 B0 B1 W1")], "W0 before B0"),
 ])
 def test_validate_schedule_rejects(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -103,7 +119,7 @@ def test_validate_schedule_rejects(bad, match):
 
 
 def test_unknown_kind():
-    with pytest.raises(ValueError, match="'zb'.*gpipe, 1f1b, kfkb"):
+    with pytest.raises(ValueError, match="'zb'.*gpipe, 1f1b, kfkb, zero_bubble"):
         build_schedule("zb", 2, 4)
 
 
@@ -123,6 +139,40 @@ def test_bad_arguments(kwargs, name):
 
 
 # ---------------------------------------------------------------- simulation
+
+@pytest.mark.parametrize("p,m", GRID)
+def test_zero_bubble_has_a_third_of_1f1bs_idle_time_at_1f1bs_memory(p, m):
+    """Qi et al. §2.1 with T_F = T_B = T_W: ZB-H1 idles (p-1) T per stage where
+    1F1B idles (p-1)(T_F + T_B + T_W), bubble fraction (p-1)/(3m+p-1) vs
+    (p-1)/(m+p-1), once there are as many micro-batches as stages (fewer
+    leave fewer W to fill with); no stage holds more micro-batches than
+    1F1B's first."""
+    one_f_one_b = simulate(build_schedule("1f1b", p, m), 1.0, 2.0)
+    zero_bubble = simulate(build_schedule("zero_bubble", p, m), 1.0, 2.0)
+    if m >= p:
+        assert zero_bubble.length == pytest.approx(3 * m + p - 1)
+        assert zero_bubble.bubble_fraction == pytest.approx((p - 1) / (3 * m + p - 1))
+    assert zero_bubble.length <= one_f_one_b.length - (p > 1)
+    assert one_f_one_b.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+    assert len(zero_bubble.tasks) == 3 * p * m
+    assert max(zero_bubble.peak_in_flight) == max(one_f_one_b.peak_in_flight) == min(p, m)
+
+
+def test_zero_bubble_weight_share_and_dependencies():
+    """A W task takes ``weight_share`` of the backward and starts after its B;
+    only F and B tasks send tensors to other stages."""
+    result = simulate(build_schedule("zero_bubble", 2, 2), 1.0, 4.0, weight_share=0.25)
+    ends = {(t.stage, str(t.task)): t for t in result.tasks}
+    for (stage, name), t in ends.items():
+        if name[0] == "W":
+            assert t.end - t.start == pytest.approx(1.0)
+            assert t.start >= ends[(stage, "B" + name[1:])].end
+        elif name[0] == "B":
+            assert t.end - t.start == pytest.approx(3.0)
+    assert {x.kind for x in result.transfers} == {"F", "B"}
+    with pytest.raises(ValueError, match="weight_share"):
+        simulate(build_schedule("zero_bubble", 2, 2), 1.0, 4.0, weight_share=1.5)
+
 
 @pytest.mark.parametrize("kind", ["1f1b", "gpipe"])
 @pytest.mark.parametrize("p,m", GRID)

@@ -10,9 +10,11 @@
     tfpar launch --hosts H1,H2 [--port P] SCRIPT [ARGS...]
                                        print each host's command and TF_CONFIG
     tfpar simulate --stages P --micro-batches M [--schedule S] [--group-size K]
-                   [--forward F] [--backward B] [--transfer T] [--trace OUT.json]
+                   [--forward F] [--backward B] [--transfer T] [--weight-share S]
+                   [--trace OUT.json]
                                        replay a pipeline schedule: length, bubble,
-                                       micro-batches in flight; optional Chrome trace
+                                       micro-batches in flight, vs 1F1B; optional Chrome
+                                       trace
 """
 import argparse
 import os
@@ -95,12 +97,18 @@ def _simulate(args) -> int:
     try:
         tasks = schedule.build_schedule(args.schedule, args.stages, args.micro_batches,
                                         args.group_size)
-        result = simulate.simulate(tasks, args.forward, args.backward, args.transfer)
+        result = simulate.simulate(tasks, args.forward, args.backward, args.transfer,
+                                   args.weight_share)
+        baseline = simulate.simulate(schedule.build_schedule("1f1b", args.stages,
+                                                             args.micro_batches),
+                                     args.forward, args.backward, args.transfer)
     except ValueError as exc:
         print(f"tfpar simulate: {exc}", file=sys.stderr)
         return 2
     print(f"{args.schedule} schedule, {args.stages} stages x {args.micro_batches} micro-batches: "
           f"{result}")
+    print(f"  vs 1f1b: length {baseline.length:g}, bubble {baseline.bubble_fraction:.1%} "
+          f"(step {result.length / baseline.length:.3f}x 1f1b's)")
     for stage, stage_tasks in enumerate(tasks):
         print(f"  stage {stage}: " + " ".join(map(str, stage_tasks)))
     if args.trace:
@@ -110,6 +118,7 @@ def _simulate(args) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    from tfpar.planner.schedule import SCHEDULES  # pylint: disable=import-outside-toplevel
     parser = argparse.ArgumentParser(prog="tfpar", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("config", help="list config keys")
@@ -130,11 +139,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     simulate = sub.add_parser("simulate", help="replay a pipeline schedule (no TensorFlow)")
     simulate.add_argument("--stages", type=int, required=True)
     simulate.add_argument("--micro-batches", type=int, required=True)
-    simulate.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "kfkb"])
+    simulate.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
     simulate.add_argument("--group-size", type=int, default=1, help="k of kfkb")
     simulate.add_argument("--forward", type=float, default=1.0, help="forward time per stage")
     simulate.add_argument("--backward", type=float, default=2.0, help="backward time per stage")
     simulate.add_argument("--transfer", type=float, default=0.0, help="cross-stage delay")
+    simulate.add_argument("--weight-share", type=float, default=0.5,
+                          help="part of the backward its weight gradients take (zero_bubble)")
     simulate.add_argument("--trace", help="write a Chrome trace of the schedule here")
     args = parser.parse_args(argv)
     if args.command == "simulate":

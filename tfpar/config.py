@@ -73,7 +73,7 @@ SCHEMA = {
                                                    "let TaskGraphs share devices"),
     "pipeline.num_micro_batch": Option("int", 1, _at_least(1), "micro-batches per step"),
     "pipeline.schedule": Option(
-        "str", "1f1b", _one_of("gpipe", "1f1b", "kfkb", note=" ('zero_bubble' is not built yet)"),
+        "str", "1f1b", _one_of("gpipe", "1f1b", "kfkb", "zero_bubble"),
         "pipeline schedule"),
     "pipeline.task_functions": Option(
         "bool", True, (), "run each micro-batch's stage tasks as calls of one graph function "

@@ -1,20 +1,26 @@
-"""Per-stage task orders of a pipeline step (GPipe, 1F1B, kFkB); no TensorFlow.
+"""Per-stage task orders of a pipeline step (GPipe, 1F1B, kFkB, zero-bubble);
+no TensorFlow.
 
 A pipeline of ``p`` stages runs ``M`` micro-batches per step. Stage ``s`` runs,
 for every micro-batch ``m``, a forward task ``F m`` and a backward task ``B m``,
-one task at a time in the order of its task list.
+one task at a time in the order of its task list. The zero-bubble schedule
+splits each backward in two: ``B m`` computes the gradients of the stage's
+inputs (what the stage before it waits for), ``W m`` those of its weights.
 """
+import collections
 import dataclasses
 from typing import List, Sequence
 
 __all__ = ["Task", "SCHEDULES", "build_schedule", "validate_schedule"]
 
-SCHEDULES = ("gpipe", "1f1b", "kfkb")
+SCHEDULES = ("gpipe", "1f1b", "kfkb", "zero_bubble")
 
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-    """One forward ("F") or backward ("B") task of a micro-batch on a stage."""
+    """One task of a micro-batch on a stage: forward ("F"), backward ("B"; with
+    the zero-bubble schedule only its input gradients) or weight gradients
+    ("W", zero-bubble only)."""
     kind: str
     micro_batch: int
 
@@ -29,7 +35,8 @@ def build_schedule(kind: str, num_stages: int, num_micro_batch: int,
     Args:
       kind: "gpipe" (all forwards, then all backwards), "1f1b" (PipeDream-flush:
         ``min(p - s - 1, M)`` warm-up forwards, then one forward / one backward)
-        or "kfkb" (1F1B over groups of ``group_size`` consecutive micro-batches).
+        "kfkb" (1F1B over groups of ``group_size`` consecutive micro-batches)
+        or "zero_bubble" (ZB-H1, ``_zero_bubble``).
       num_stages: number of pipeline stages ``p``.
       num_micro_batch: micro-batches per step ``M``.
       group_size: micro-batches per group ``k`` (only for "kfkb").
@@ -43,6 +50,10 @@ def build_schedule(kind: str, num_stages: int, num_micro_batch: int,
     _check_positive_int("num_micro_batch", num_micro_batch)
     if kind == "gpipe":
         return [_gpipe(num_micro_batch) for _ in range(num_stages)]
+    if kind == "zero_bubble":
+        return [_zero_bubble(_grouped_one_f_one_b(_groups(num_micro_batch, 1),
+                                                  num_stages - stage - 1), num_stages)
+                for stage in range(num_stages)]
     if kind == "kfkb":
         _check_positive_int("group_size", group_size)
     else:
@@ -52,20 +63,25 @@ def build_schedule(kind: str, num_stages: int, num_micro_batch: int,
 
 
 def validate_schedule(schedule: List[List[Task]], num_micro_batch: int) -> None:
-    """Raise ValueError unless every stage runs each ``F m`` and ``B m`` once, ``F m`` first."""
+    """Raise ValueError unless every stage runs each ``F m`` and ``B m`` once,
+    ``F m`` first, and, if any stage runs weight-gradient tasks, each ``W m``
+    once after ``B m``."""
     if not schedule:
         raise ValueError("schedule has no stages")
-    expected = sorted((kind, m) for kind in "FB" for m in range(num_micro_batch))
+    kinds = "FBW" if any(t.kind == "W" for tasks in schedule for t in tasks) else "FB"
+    expected = sorted((kind, m) for kind in kinds for m in range(num_micro_batch))
     for stage, tasks in enumerate(schedule):
         got = sorted((t.kind, t.micro_batch) for t in tasks)
         if got != expected:
-            raise ValueError(f"stage {stage} must run F0..F{num_micro_batch - 1} and "
-                             f"B0..B{num_micro_batch - 1} exactly once each, got "
-                             f"[{' '.join(map(str, tasks))}]")
+            last = num_micro_batch - 1
+            raise ValueError(f"stage {stage} must run "
+                             + " and ".join(f"{k}0..{k}{last}" for k in kinds)
+                             + f" exactly once each, got [{' '.join(map(str, tasks))}]")
         position = {(t.kind, t.micro_batch): i for i, t in enumerate(tasks)}
         for m in range(num_micro_batch):
-            if position[("B", m)] < position[("F", m)]:
-                raise ValueError(f"stage {stage} runs B{m} before F{m}")
+            for before, after in zip(kinds, kinds[1:]):
+                if position[(after, m)] < position[(before, m)]:
+                    raise ValueError(f"stage {stage} runs {after}{m} before {before}{m}")
 
 
 def _check_positive_int(name: str, value) -> None:
@@ -92,3 +108,29 @@ def _grouped_one_f_one_b(groups: Sequence[range], stages_after: int) -> List[Tas
         order += [("F", warmup + i), ("B", i)]
     order += [("B", g) for g in range(len(groups) - warmup, len(groups))]
     return [Task(kind, m) for kind, g in order for m in groups[g]]
+
+
+def _zero_bubble(one_f_one_b: Sequence[Task], num_stages: int) -> List[Task]:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, §2.1)
+    from a stage's 1F1B order: its forwards and backwards (now input gradients
+    only) keep 1F1B's order, so gradients reach the stage before sooner, and
+    each weight-gradient task ``W m`` is put off as long as 1F1B's memory bound
+    allows: it runs just before ``F m+p``, so no stage holds more than ``p``
+    micro-batches whose backward is unfinished (the first stage's 1F1B peak).
+    Once the forwards are done, a ``W`` follows each ``B`` (filling the waits
+    of the cool-down), and the ``W``\ s left run last."""
+    pending = collections.deque()
+    forwards_left = sum(t.kind == "F" for t in one_f_one_b)
+    order: List[Task] = []
+    for task in one_f_one_b:
+        if task.kind == "F":
+            while pending and pending[0] + num_stages <= task.micro_batch:
+                order.append(Task("W", pending.popleft()))
+            forwards_left -= 1
+            order.append(task)
+            continue
+        order.append(task)
+        pending.append(task.micro_batch)
+        if not forwards_left:
+            order.append(Task("W", pending.popleft()))
+    return order + [Task("W", m) for m in pending]

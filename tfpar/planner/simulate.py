@@ -1,8 +1,9 @@
 """List-scheduling simulation of a pipeline schedule (timing, bubbles, memory); no TensorFlow.
 
 ``F(s, m)`` waits for ``F(s-1, m)`` plus a transfer; ``B(s, m)`` waits for ``F(s, m)``
-and for ``B(s+1, m)`` plus a transfer. Each stage runs its tasks in list order,
-one at a time, each starting as soon as its stage and its inputs are ready.
+and for ``B(s+1, m)`` plus a transfer; ``W(s, m)`` (zero-bubble) waits for
+``B(s, m)``. Each stage runs its tasks in list order, one at a time, each
+starting as soon as its stage and its inputs are ready.
 """
 import dataclasses
 import numbers
@@ -45,7 +46,8 @@ class SimulationResult:
       transfers: every cross-stage transfer, by start time.
       length: time when the last task ends.
       bubble_fraction: ``1 - busy time / (num_stages * length)``.
-      peak_in_flight: per stage, the most forwards finished whose backward has not.
+      peak_in_flight: per stage, the most forwards finished whose backward
+        (with weight-gradient tasks: its ``W``) has not.
     """
     tasks: List[TimedTask]
     transfers: List[Transfer]
@@ -60,13 +62,16 @@ class SimulationResult:
 
 
 def simulate(schedule: List[List[Task]], forward_time: Times, backward_time: Times,
-             transfer_time: float = 0.0) -> SimulationResult:
+             transfer_time: float = 0.0, weight_share: float = 0.5) -> SimulationResult:
     """Simulate one step of ``schedule``.
 
     Args:
       schedule: ordered task list per stage (see ``build_schedule``).
-      forward_time / backward_time: task duration, one number or one per stage.
+      forward_time / backward_time: task duration, one number or one per stage;
+        a backward split into ``B`` and ``W`` tasks takes ``backward_time`` in all.
       transfer_time: delay of every cross-stage transfer.
+      weight_share: the part of a split backward its ``W`` takes (a dense
+        layer's weight and input gradients cost one matmul each: 0.5).
 
     Raises:
       ValueError: malformed schedule or times, or a deadlocked schedule.
@@ -74,8 +79,14 @@ def simulate(schedule: List[List[Task]], forward_time: Times, backward_time: Tim
     num_micro_batch = sum(t.kind == "F" for t in schedule[0]) if schedule else 0
     validate_schedule(schedule, num_micro_batch)
     num_stages = len(schedule)
-    durations = {"F": _per_stage("forward_time", forward_time, num_stages),
-                 "B": _per_stage("backward_time", backward_time, num_stages)}
+    backward = _per_stage("backward_time", backward_time, num_stages)
+    durations = {"F": _per_stage("forward_time", forward_time, num_stages), "B": backward}
+    if any(t.kind == "W" for t in schedule[0]):
+        share = _non_negative("weight_share", weight_share)
+        if share > 1:
+            raise ValueError(f"weight_share must be at most 1, got {weight_share!r}")
+        durations["B"] = [(1 - share) * b for b in backward]
+        durations["W"] = [share * b for b in backward]
     delay = _non_negative("transfer_time", transfer_time)
 
     ends: Dict[_Key, float] = {}
@@ -129,6 +140,8 @@ def _dependencies(stage: int, task: Task, num_stages: int) -> List[Tuple[_Key, b
     m = task.micro_batch
     if task.kind == "F":
         return [((stage - 1, "F", m), True)] if stage > 0 else []
+    if task.kind == "W":
+        return [((stage, "B", m), False)]
     deps = [((stage, "F", m), False)]
     if stage < num_stages - 1:
         deps.append(((stage + 1, "B", m), True))
@@ -170,6 +183,8 @@ def _deadlock_message(schedule, placed, ends) -> str:
 def _transfers(tasks: List[TimedTask], num_stages: int, delay: float) -> List[Transfer]:
     transfers = []
     for t in tasks:
+        if t.task.kind == "W":
+            continue
         dst = t.stage + 1 if t.task.kind == "F" else t.stage - 1
         if 0 <= dst < num_stages:
             transfers.append(Transfer(t.stage, dst, t.task.micro_batch, t.task.kind,
@@ -179,8 +194,9 @@ def _transfers(tasks: List[TimedTask], num_stages: int, delay: float) -> List[Tr
 
 def _peak_in_flight(stage_tasks: Sequence[Task]) -> int:
     """Tasks of a stage end in list order, so the count changes in that order."""
+    last = "W" if any(task.kind == "W" for task in stage_tasks) else "B"
     count = peak = 0
     for task in stage_tasks:
-        count += 1 if task.kind == "F" else -1
+        count += (task.kind == "F") - (task.kind == last)
         peak = max(peak, count)
     return peak

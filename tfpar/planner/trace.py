@@ -8,6 +8,7 @@ __all__ = ["chrome_trace", "write_chrome_trace"]
 
 PROCESS_NAME = "tfpar pipeline schedule"
 _PID = 0
+_CATEGORIES = {"F": "forward", "B": "backward", "W": "weight gradients"}
 
 
 def chrome_trace(result: SimulationResult, stage_names: Optional[Sequence[str]] = None,
@@ -15,7 +16,7 @@ def chrome_trace(result: SimulationResult, stage_names: Optional[Sequence[str]] 
     """Chrome-trace JSON object of a simulated schedule.
 
     One row (tid) per stage, named by ``stage_names`` (default "stage s"), with a
-    complete ("X") event per task named like "F3"/"B3"; one row per transfer
+    complete ("X") event per task named like "F3"/"B3"/"W3"; one row per transfer
     direction ("transfer s->d"); "M" events name the process and every row.
     ``ts``/``dur`` are in microseconds: simulated time * ``time_unit_us``.
     """
@@ -31,7 +32,7 @@ def chrome_trace(result: SimulationResult, stage_names: Optional[Sequence[str]] 
     events += [_metadata("thread_name", s, name) for s, name in enumerate(stage_names)]
     events += [_metadata("thread_name", tid, f"transfer {src}->{dst}")
                for (src, dst), tid in link_tid.items()]
-    events += [_complete(str(t.task), "forward" if t.task.kind == "F" else "backward", t.stage,
+    events += [_complete(str(t.task), _CATEGORIES[t.task.kind], t.stage,
                          t.start, t.end, time_unit_us,
                          {"stage": t.stage, "micro_batch": t.task.micro_batch, "kind": t.task.kind})
                for t in result.tasks]

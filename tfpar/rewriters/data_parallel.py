@@ -92,8 +92,12 @@ class DataParallelRewrite:
       original_controls: step op -> its control inputs as the script built them.
       batch_axes: which axis of each step tensor holds the batch rows
         (``analysis.batch_axes.BatchAxes``).
-      task_ops: (stage device j, stage, "F"/"B", micro-batch) -> the ops of that
-        pipeline task (``pipeline.task_ops``).
+      weight_tasks: each stage's backward is two tasks, input gradients ("B")
+        and weight gradients ("W"): the schedule runs W tasks (zero-bubble).
+      stage_tasks: (stage, kind) -> the original ops of that task
+        (``pipeline.stage_tasks``).
+      task_ops: (stage device j, stage, "F"/"B"/"W", micro-batch) -> the ops of
+        that pipeline task (``pipeline.task_ops``).
       processes: the Horovod job this process is part of
         (``horovod_backend.HorovodProcesses``), or None.
       edits: number of in-place edits of original ops.
@@ -120,6 +124,8 @@ class DataParallelRewrite:
     original_controls: Dict[ops.Operation, List[ops.Operation]] = dataclasses.field(
         default_factory=dict)
     batch_axes: Any = None
+    weight_tasks: bool = False
+    stage_tasks: Dict[tuple, List[ops.Operation]] = dataclasses.field(default_factory=dict)
     task_ops: Dict[tuple, List[ops.Operation]] = dataclasses.field(default_factory=dict)
     processes: Any = None
     edits: int = 0
@@ -231,7 +237,8 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
         version_maps=[[{} for _ in range(layout.num_versions(s))] for s in stages],
         device_maps=[[{} for _ in placement.stage_devices[s]] for s in stages],
         mirrored=(reducer_for(placement.stage_devices[0]).mirrors_variables
-                  and max(map(len, placement.stage_devices)) > 1), processes=processes)
+                  and max(map(len, placement.stage_devices)) > 1), processes=processes,
+        weight_tasks=any(task.kind == "W" for tasks in schedule for task in tasks))
     for op in sel.step_ops + sel.update_ops + sel.variables:
         if op.type != "Placeholder":  # a tf.function's variable stays where it was made
             graph_edit.set_device(op, placement.device(op))

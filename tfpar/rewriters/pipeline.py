@@ -4,7 +4,9 @@ The schedule (``planner.schedule.build_schedule``) is data: per stage, the
 ordered forward / backward tasks of the micro-batches. A task is the ops of the
 version a stage device runs for one micro-batch, in one direction; backward
 means backward-phase ops and every step op depending on one
-(``stages.backward_dependent``). Consecutive tasks on a stage device are chained
+(``stages.backward_dependent``); with the zero-bubble schedule a stage's backward
+is two tasks, its input gradients (B) and the rest, its weight gradients (W)
+(``_split_weight_gradients``). Consecutive tasks on a stage device are chained
 through a NoOp barrier that waits for the earlier task's sinks and that the later
 task's sources wait for, so every op of a task runs after every op of the one
 before it (tasks that are one function call each: the later call waits on the
@@ -22,7 +24,7 @@ from tfpar.rewriters.stages import backward_dependent
 
 __all__ = ["lower_schedule", "stage_tasks", "task_ops"]
 
-TaskKey = Tuple[int, int, str, int]  # (stage device j, stage, "F" or "B", micro-batch)
+TaskKey = Tuple[int, int, str, int]  # (stage device j, stage, "F", "B" or "W", micro-batch)
 
 
 def lower_schedule(rw, capture: GraphCapture, index: GraphIndex,
@@ -50,13 +52,53 @@ def lower_schedule(rw, capture: GraphCapture, index: GraphIndex,
 
 def stage_tasks(rw, capture: GraphCapture, index: GraphIndex
                 ) -> Dict[Tuple[int, str], List[ops.Operation]]:
-    """The original ops of every stage's forward ("F") and backward ("B") task,
-    keyed (stage, kind), in graph order."""
+    """The original ops of every stage's forward ("F"), backward ("B") and,
+    with ``rw.weight_tasks``, weight-gradient ("W") task, keyed (stage, kind),
+    in graph order; computed once per rewrite (``rw.stage_tasks``)."""
+    if rw.stage_tasks:
+        return rw.stage_tasks
     backward = backward_dependent(rw.selection.step_ops, capture, index)
     groups: Dict[Tuple[int, str], List[ops.Operation]] = {}
     for op in rw.selection.step_ops:
         groups.setdefault((rw.placement.stage(op), "B" if op in backward else "F"), []).append(op)
+    if rw.weight_tasks:
+        _split_weight_gradients(rw, groups)
+    rw.stage_tasks = groups
     return groups
+
+
+def _split_weight_gradients(rw, groups: Dict[Tuple[int, str], List[ops.Operation]]) -> None:
+    """Split each stage's backward task (zero-bubble schedules, Qi et al. 2024
+    §2): B keeps what the stages before it wait for, the ops that what they
+    read from it is computed from; W the rest, the weight gradients. Only data
+    inputs link a B op to W: ``tf.gradients``' gates (a NoOp every gradient of
+    an op waits on, GATE_OP) order but compute nothing, and B ops stop waiting
+    on a gate left in W. Any other control input from W moves into B, with
+    what it reads."""
+    step = rw.selection.step_ops_set
+    stage = rw.placement.stage
+    read_across = {src for c in rw.selection.step_ops
+                   for src in [t.op for t in rw.built_inputs(c)] + rw.built_controls(c)
+                   if src in step and stage(src) != stage(c)}
+    for s in range(rw.placement.num_stages):
+        backward = groups.pop((s, "B"), [])
+        members = set(backward)
+        needed: set = set()
+        stack = [op for op in backward if op in read_across]
+        while stack:
+            op = stack.pop()
+            if op not in needed:
+                needed.add(op)
+                stack += [t.op for t in rw.built_inputs(op) if t.op in members]
+                stack += [p for p in rw.built_controls(op) if p in members and p.type != "NoOp"]
+        for op in needed:
+            for gate in [p for p in rw.built_controls(op) if p in members and p not in needed]:
+                graph_edit.remove_control_input(op, gate)
+                rw.original_controls[op] = [p for p in rw.built_controls(op) if p is not gate]
+        for kind, ops_of_kind in (("B", [op for op in backward if op in needed]),
+                                  ("W", [op for op in backward if op not in needed])):
+            if ops_of_kind:
+                groups[(s, kind)] = ops_of_kind
 
 
 def task_ops(rw, capture: GraphCapture, index: GraphIndex) -> Dict[TaskKey, List[ops.Operation]]:

@@ -40,7 +40,7 @@ from tfpar.rewriters.gradients import scale_seed
 
 __all__ = ["TaskFunction", "call_task", "call_tasks", "define_task", "task_order"]
 
-Key = Tuple[int, str]  # (stage, "F" or "B")
+Key = Tuple[int, str]  # (stage, "F", "B" or "W")
 
 
 @dataclasses.dataclass
