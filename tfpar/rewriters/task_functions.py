@@ -17,7 +17,7 @@ own copies of the constants they read, and the functions are marked
 One more cost grows with calls: when a session builds its step, XLA's
 EncapsulateSubgraphsPass (in every TensorFlow build, JIT on or off) asks of
 each call node whether its body touches a reference variable, instantiating
-and discarding the body for every call, twice (a third of the first step at
+and discarding the body for every call, twice (about 40% of the first step at
 32 micro-batches). The pass takes any node that a reference-typed node
 precedes as touching one without looking inside, so each call waits on a
 never-read reference variable of shape [0] on its device
