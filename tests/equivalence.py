@@ -196,6 +196,17 @@ def rewritten_op_types(build, tfpar_config, features=6):
     return [op.type for op in graph.get_operations()]
 
 
+def traced_first_step(train_op, feed):
+    """The RunMetadata of one fully traced run of ``train_op`` fed ``feed``,
+    in a new session of the default graph, after the variables' initializer."""
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        metadata = tf.compat.v1.RunMetadata()
+        sess.run(train_op, feed, run_metadata=metadata, options=tf.compat.v1.RunOptions(
+            trace_level=tf.compat.v1.RunOptions.FULL_TRACE))
+    return metadata
+
+
 def assert_same_variables(reference, candidate, rtol=1e-5, atol=1e-6):
     """``reference`` and ``candidate`` are {variable name: value}; every graph
     tfpar rewrote since the last check must have run its plan."""

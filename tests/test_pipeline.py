@@ -8,7 +8,7 @@ import tensorflow as tf
 from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 
 from equivalence import (assert_equivalent, deep_mlp, dense, fed_graph, initialized, make_data,
-                         plan_of, train)
+                         plan_of, traced_first_step, train)
 
 import tfpar as wh
 from tfpar.hooks.capture import existing_capture
@@ -184,12 +184,7 @@ def traced_step(config, path=None, num_stages=2):
         x = v1.placeholder(tf.float32, [None, 6])
         y = v1.placeholder(tf.int64, [None])
         loss, train_op = mlp_stages(num_stages, True)(x, y)
-        with v1.Session() as sess:
-            sess.run(v1.global_variables_initializer())
-            metadata = v1.RunMetadata()
-            sess.run(train_op, {x: DATA[0][0], y: DATA[1][0]},
-                     options=v1.RunOptions(trace_level=v1.RunOptions.FULL_TRACE),
-                     run_metadata=metadata)
+        metadata = traced_first_step(train_op, {x: DATA[0][0], y: DATA[1][0]})
         result = wh.step_timeline(metadata, path)
     wh.reset()
     return result, metadata

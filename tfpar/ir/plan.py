@@ -57,6 +57,9 @@ class Plan:
       sharding: what the sharding search chose (``auto.auto_parallel``):
         ``tensor_degree`` and ``layers``, name scope -> sharding candidate
         (``planner.sharding``); pinned, those layers are built split.
+      batch_shares: per replica of the model, its integer weight in the global
+        batch (rows in proportion, ``balance.hardware_aware`` on mixed
+        devices: Whale §3.3.1); empty: even rows.
     """
 
     task_graphs: Tuple[TaskGraphPlan, ...]
@@ -66,6 +69,7 @@ class Plan:
     group_size: Any = 1
     estimate: Dict[str, Any] = dataclasses.field(default_factory=dict)
     sharding: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    batch_shares: Tuple[int, ...] = ()
 
     def to_dict(self) -> Dict[str, Any]:
         """The plan as the JSON-ready dict of DESIGN.md."""
@@ -93,6 +97,7 @@ class Plan:
             ],
             "estimate": dict(self.estimate),
             "sharding": dict(self.sharding),
+            "batch_shares": list(self.batch_shares),
         }
 
     def to_json(self, indent: Optional[int] = 2) -> str:
@@ -123,7 +128,8 @@ class Plan:
                    schedule=pipeline.get("schedule", "1f1b"),
                    group_size=pipeline.get("group_size", 1),
                    estimate=dict(data.get("estimate", {})),
-                   sharding=dict(data.get("sharding", {})))
+                   sharding=dict(data.get("sharding", {})),
+                   batch_shares=tuple(data.get("batch_shares", ())))
 
     def simulate(self, forward_time=None, backward_time=None, transfer_time: float = 0.0):
         """Simulate one step of the plan's pipeline schedule (one replica).
@@ -181,6 +187,10 @@ class Plan:
             lines.append(f"sharded layers (tensor degree {self.sharding['tensor_degree']}): "
                          + ", ".join(f"{scope} -> {how}"
                                      for scope, how in self.sharding["layers"].items()))
+        if self.batch_shares:
+            total = sum(self.batch_shares)
+            lines.append("batch rows per replica (hardware-aware, Whale §3.3.1): " + " ".join(
+                f"{share / total:.1%}" for share in self.batch_shares))
         est = self.estimate
         if est:
             step = est.get("step_time_s")

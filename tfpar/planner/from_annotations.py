@@ -61,7 +61,8 @@ def plan_from_annotations(specs: Sequence[TaskGraphSpec], devices: Sequence[str]
         estimate = dict(pinned.estimate)  # the search's estimate of the pinned plan
     return Plan(task_graphs=tuple(tgs), data_parallel_degree=r, num_micro_batch=num_micro_batch,
                 schedule=schedule, group_size=group_size, estimate=estimate,
-                sharding=dict(pinned.sharding) if pinned is not None else {})
+                sharding=dict(pinned.sharding) if pinned is not None else {},
+                batch_shares=pinned.batch_shares if pinned is not None else ())
 
 
 def _annotated_task_graphs(specs, devices, config, split) -> List[TaskGraphPlan]:

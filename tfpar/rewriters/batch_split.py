@@ -3,7 +3,10 @@
 Unit u of U gets rows ``[N*u//U, N*(u+1)//U)`` of every batch input (uneven N
 allowed; a batch of fewer than U rows leaves some units none, as a dataset's
 last partial batch may) and weight ``n_u / N``, so weighted sums of per-unit
-batch means equal the global batch mean; a unit without rows weighs 0.
+batch means equal the global batch mean; a unit without rows weighs 0. Units
+given integer shares s_u instead get rows ``[N*S_u//S, N*S_(u+1)//S)``, S_u
+the shares before u and S their sum (replicas on faster devices take more
+rows: Whale §3.3.1), with the same weights.
 
 A SparseTensor input (indices, values, dense shape) holds its rows in
 dimension 0 of its dense shape: a slice is ``tf.sparse.slice`` of those rows,
@@ -63,9 +66,10 @@ def sparse_rows(group: Sparse, start: tensor_lib.Tensor, size: tensor_lib.Tensor
 def split_batch(inputs: Sequence[tensor_lib.Tensor], num_units: int,
                 share: Tuple[int, int] = (0, 1),
                 global_rows: Optional[Callable[[tensor_lib.Tensor], tensor_lib.Tensor]] = None,
-                sparse: Sequence[Sparse] = ()) -> BatchSplit:
-    """Slice every tensor of ``inputs`` along dimension 0 into ``num_units`` parts;
-    those that are components of a SparseTensor of ``sparse`` by its rows.
+                sparse: Sequence[Sparse] = (), shares: Sequence[int] = ()) -> BatchSplit:
+    """Slice every tensor of ``inputs`` along dimension 0 into ``num_units`` parts
+    (in proportion to ``shares``, one int per unit, if given: one process
+    only); those that are components of a SparseTensor of ``sparse`` by its rows.
 
     With ``share`` = (process p, processes P) (a Horovod job, where every
     process is fed the global batch), the batch is cut into P * ``num_units``
@@ -84,7 +88,8 @@ def split_batch(inputs: Sequence[tensor_lib.Tensor], num_units: int,
         dense = [t for t in inputs if t not in owner]
         n = _rows(dense, [group[2] for group in sparse], 1)
         first = process * num_units
-        bounds = [(n * u) // total for u in range(first, first + num_units + 1)]
+        bounds = ([(n * u) // total for u in range(first, first + num_units + 1)] if not shares
+                  else _share_bounds(n, shares))
         sizes = [bounds[u + 1] - bounds[u] for u in range(num_units)]
         rows = math_ops.cast(n, dtypes.float32)
         if global_rows is not None:
@@ -99,6 +104,13 @@ def split_batch(inputs: Sequence[tensor_lib.Tensor], num_units: int,
         cut.starts = bounds[:-1]
         cut.sparse = {i: owner[t] for i, t in enumerate(inputs) if t in owner}
         return cut
+
+
+def _share_bounds(n: tensor_lib.Tensor, shares: Sequence[int]) -> List[tensor_lib.Tensor]:
+    """Row bounds ``N*S_u//S`` of units with integer ``shares`` (int64 products)."""
+    rows = math_ops.cast(n, dtypes.int64)
+    before = [sum(shares[:u]) for u in range(len(shares) + 1)]
+    return [math_ops.cast(rows * b // before[-1], dtypes.int32) for b in before]
 
 
 def split_sources(sources: Sequence[Sequence[tensor_lib.Tensor]], num_units: int) -> BatchSplit:

@@ -212,7 +212,7 @@ class DataParallelRewrite:
 
 def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placement: Placement,
               num_micro_batch: int, reducer_for, schedule,
-              processes=None, functions: bool = True) -> DataParallelRewrite:
+              processes=None, functions: bool = True, shares=()) -> DataParallelRewrite:
     """Rewrite ``graph`` (see module docstring).
 
     Args:
@@ -224,6 +224,8 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
         device (``planner.schedule.build_schedule``).
       processes: the Horovod job (``horovod_backend.HorovodProcesses``) or None.
       functions: make versions function calls where tasks can be functions.
+      shares: per pipeline replica, its integer weight in the batch's rows
+        (``Plan.batch_shares``; empty: even; one process only).
     """
     global_steps = {v.op for v in graph.get_collection(ops.GraphKeys.GLOBAL_STEP)}
     global_steps |= {c.global_step.op for c in capture.apply_calls if c.global_step is not None}
@@ -270,10 +272,11 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
         if sources is not None:
             split = split_sources(sources, layout.num_pieces)
         else:
+            per_replica = layout.num_pieces // layout.num_replicas  # replica-major pieces
             split = split_batch(sel.batch_inputs, layout.num_pieces,
                                 processes.share if processes is not None else (0, 1),
                                 processes.global_rows() if processes is not None else None,
-                                sel.sparse_inputs)
+                                sel.sparse_inputs, [w for w in shares for _ in range(per_replica)])
         rw.batch_axes = BatchAxes(sel.batch_dependent, sel.batch_inputs, rw.built_inputs,
                                   lambda op: capture.differentiates.get(op.name),
                                   not_rows={t for group in sel.sparse_inputs for t in group})

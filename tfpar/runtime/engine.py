@@ -31,6 +31,7 @@ from tfpar.rewriters.function_outputs import rewire_outputs
 from tfpar.runtime.automatic import (Automatic, automatic_plan, cluster_hardware, estimate_of,
                                      part_estimate, pinned_sharding, planning_batch, sharded_plan,
                                      warn_unbuilt_sharding)
+from tfpar.runtime.balanced import batch_shares
 from tfpar.runtime.context import Runtime, active
 from tfpar.runtime.gc_paused import gc_paused
 
@@ -269,6 +270,9 @@ def _planned(graph: ops.Graph, capture: GraphCapture, rt: Runtime):
             for tg, part in zip(plan.task_graphs, runnable.parts)))
     if plan.schedule == "kfkb" and plan.group_size == "auto":
         plan = dataclasses.replace(plan, group_size=_group_size(index, capture, rt, plan, stage_of))
+    shares = batch_shares(index, capture, rt, plan)
+    if shares:
+        plan = dataclasses.replace(plan, batch_shares=shares)
     return plan, index, stage_of
 
 
@@ -463,7 +467,8 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
         rewrite = replicate(graph, capture, index, placement, plan.num_micro_batch,
                             reducer_for, schedule,
                             HorovodProcesses(cfg.get("io.shard_dataset")) if horovod else None,
-                            functions=cfg.get("pipeline.task_functions"))
+                            functions=cfg.get("pipeline.task_functions"),
+                            shares=plan.batch_shares)
     capture.plan = plan
     capture.rewrite = FetchTranslator(graph, rewrite)
     log.info("tfpar rewrote the graph:\n%s", plan.summary())

@@ -1,0 +1,132 @@
+"""Whale's hardware-aware balance inside a TaskGraph (§3.3.1, Algorithm 1): the
+load ratios, and replicas on mixed devices taking rows in proportion."""
+import pytest
+import tensorflow as tf
+
+from equivalence import (assert_equivalent, fed_graph, make_data, mlp_classifier,
+                         traced_first_step, train)
+from test_pipeline import mlp_stages
+import tfpar as wh
+from tfpar.cluster.hardware import CATALOG
+from tfpar.ir.plan import Plan
+from tfpar.planner.balance import balance_load, integer_shares, step_time
+
+v1 = tf.compat.v1
+V100, P100 = CATALOG["V100-32GB"], CATALOG["P100-16GB"]
+GIB = 2 ** 30
+DATA = make_data(steps=3, batch=16)
+
+
+# ---------------------------------------------------------------- Algorithm 1
+
+def test_load_ratios_follow_single_precision_speed_when_memory_allows():
+    speeds = [V100.flops_per_s("fp32"), P100.flops_per_s("fp32")]
+    balance = balance_load(speeds, [32 * GIB, 16 * GIB], batch_bytes=4 * GIB, fixed_bytes=GIB)
+    assert balance.fits
+    assert balance.ratios == pytest.approx([15.7 / 25.0, 9.3 / 25.0])
+
+
+def test_mixed_gpus_step_as_much_faster_as_whale_reports():
+    """Whale §3.3.1 (Fig. 4): even batches on a V100 and a P100 leave the V100
+    idle at the barrier; balanced, the step is 1.3-1.4x faster (here 25 /
+    (2 x 9.3) = 1.34x, compute only)."""
+    speeds = [V100.flops_per_s("fp32"), P100.flops_per_s("fp32")]
+    balanced = balance_load(speeds, [32 * GIB, 16 * GIB], batch_bytes=GIB).ratios
+    ratio = step_time([0.5, 0.5], speeds, 1e12) / step_time(balanced, speeds, 1e12)
+    assert ratio == pytest.approx(25.0 / 18.6)
+    assert 1.3 <= ratio <= 1.4
+
+
+def test_load_shifts_from_a_device_out_of_memory_to_the_least_loaded_with_room():
+    """Lines 11-18: the fast device's 3/4 of the activations does not fit;
+    the excess moves to the device with room and the lowest FLOP utilization,
+    as much as it can take; a valley without room leaves the free devices."""
+    balance = balance_load([3.0, 1.0], [4.0, 100.0], batch_bytes=6.0, fixed_bytes=1.0)
+    assert balance.fits and balance.ratios == pytest.approx([0.5, 0.5])
+    # Two fast devices over; the first excess goes to the device with the most
+    # room (FLOP utilizations tie at first), the second to the less loaded one
+    # until it is full, then the rest back to the first valley.
+    balance = balance_load([2.0, 2.0, 1.0, 1.0], [1.0, 1.0, 1.5, 100.0], batch_bytes=6.0)
+    assert balance.fits
+    assert balance.ratios == pytest.approx([1 / 6, 1 / 6, 1 / 4, 5 / 12])
+
+
+def test_a_batch_that_fits_nowhere_is_reported_not_hidden():
+    balance = balance_load([2.0, 1.0], [1.0, 1.0], batch_bytes=10.0)
+    assert not balance.fits and sum(balance.ratios) == pytest.approx(1.0)
+
+
+def test_integer_shares():
+    assert integer_shares([0.5, 0.5]) == ()
+    assert integer_shares([0.628, 0.372]) == (1000, 592)
+    assert integer_shares([0.999, 0.001]) == (1000, 1)
+
+
+# ---------------------------------------------------------------- rewritten graphs
+
+def rows_per_device(config, build=None):
+    """(plan, {device: rows of the first layer's MatMul}) of one traced step of
+    ``build`` (the 2-layer MLP) on a batch of 16 under ``config``."""
+    with fed_graph(config) as (graph, x, y):
+        _, train_op = (build or mlp_classifier())(x, y)
+        plan = wh.current_plan()
+        metadata = traced_first_step(train_op, {x: DATA[0][0], y: DATA[1][0]})
+    rows = {}
+    for device in metadata.step_stats.dev_stats:
+        for node in device.node_stats:
+            if node.node_name.endswith("/MatMul") and "grad" not in node.node_name \
+                    and node.output and node.node_name.split("/")[-2] in ("hidden", "stage0"):
+                rows[device.device.split("device:")[-1]] = int(
+                    node.output[0].tensor_description.shape.dim[0].size)
+    return plan, rows
+
+
+@pytest.mark.parametrize("optimizer", [lambda: v1.train.GradientDescentOptimizer(0.5),
+                                       lambda: v1.train.AdamOptimizer(0.05)])
+def test_replicas_on_mixed_devices_take_rows_by_speed_and_compute_the_same_numbers(optimizer):
+    """A V100 and a P100: rows 10 and 6 of 16 (62.8% / 37.2%), gradients
+    weighted by rows, so the numbers are the single-device ones."""
+    config = {"cluster.num_devices": 2, "cluster.hardware": ["V100-32GB", "P100-16GB"]}
+    assert_equivalent(train(mlp_classifier(optimizer), DATA),
+                      train(mlp_classifier(optimizer), DATA, config))
+    plan, rows = rows_per_device(config)
+    assert plan.batch_shares == (1000, 592)
+    assert "62.8% 37.2%" in plan.summary()
+    assert rows == {"CPU:0": 10, "CPU:1": 6}
+
+
+def test_balance_off_or_like_devices_cut_even_rows():
+    mixed = {"cluster.num_devices": 2, "cluster.hardware": ["V100-32GB", "P100-16GB"]}
+    for config in ({**mixed, "balance.hardware_aware": False},
+                   {"cluster.num_devices": 2, "cluster.hardware": ["P100-16GB"] * 2}):
+        plan, rows = rows_per_device(config)
+        assert plan.batch_shares == () and rows == {"CPU:0": 8, "CPU:1": 8}
+
+
+def test_four_mixed_devices_and_a_pipeline_of_two_replicas():
+    """Four devices, two of each: data parallelism gives each its speed's
+    rows; a 2-stage pipeline replicated twice (micro-batches of it included)
+    gives each replica its slowest stage's."""
+    hardware = ["V100-32GB", "P100-16GB", "V100-32GB", "P100-16GB"]
+    config = {"cluster.num_devices": 4, "cluster.hardware": hardware}
+    assert_equivalent(train(mlp_classifier(), DATA), train(mlp_classifier(), DATA, config))
+    plan, rows = rows_per_device(config)
+    assert rows == {"CPU:0": 5, "CPU:1": 3, "CPU:2": 5, "CPU:3": 3}
+
+    # Stage 0 takes the V100s (more memory, Whale §3.3.2): replicas run at
+    # their P100's and their T4's speeds.
+    pipeline = {**config, "pipeline.num_micro_batch": 2,
+                "cluster.hardware": ["V100-32GB", "P100-16GB", "V100-32GB", "T4"]}
+    assert_equivalent(train(mlp_stages(2, False), DATA),
+                      train(mlp_stages(2, True), DATA, pipeline))
+    plan, _ = rows_per_device(pipeline, mlp_stages(2, True))
+    assert plan.data_parallel_degree == 2
+    assert sorted(plan.batch_shares) == [round(1000 * 8.1 / 9.3), 1000]
+
+
+def test_pinned_plans_keep_their_shares():
+    plan = Plan.from_dict({**rows_per_device({"cluster.num_devices": 2, "cluster.hardware": [
+        "V100-32GB", "P100-16GB"]})[0].to_dict(), "batch_shares": [3, 1]})
+    assert plan.batch_shares == (3, 1)
+    pinned, rows = rows_per_device({"cluster.num_devices": 2, "plan": plan.to_dict()})
+    assert pinned.batch_shares == (3, 1) and rows == {"CPU:0": 12, "CPU:1": 4}

@@ -1,0 +1,61 @@
+"""A plan's batch shares on mixed devices (``balance.hardware_aware``; Whale
+§3.3.1 intra-TaskGraph balance, ``planner.balance``)."""
+from typing import List, Sequence, Tuple
+
+from tfpar.cluster.hardware import Hardware, device_hardware, slowest
+from tfpar.hooks.capture import GraphCapture
+from tfpar.ir.plan import Plan
+from tfpar.planner.auto import stage_costs
+from tfpar.planner.balance import balance_load, integer_shares
+from tfpar.rewriters.model_view import model_view
+from tfpar.rewriters.select import GraphIndex
+from tfpar.runtime.automatic import planning_batch
+from tfpar.runtime.context import Runtime
+
+__all__ = ["batch_shares"]
+
+
+def batch_shares(index: GraphIndex, capture: GraphCapture, rt: Runtime, plan: Plan
+                 ) -> Tuple[int, ...]:
+    """Each replica of the model's weight in the global batch: its rows in
+    proportion to its single-precision FLOP rate (a replica runs as fast as
+    its slowest stage; a stage of w devices per replica, as w of its slowest),
+    within its memory when the plan is one TaskGraph (its weights, gradients
+    and slots whatever its rows, plus its rows' activations: Algorithm 1).
+    Empty (even rows) on like devices, with one replica, with the balance off,
+    and in multi-process jobs (every process cuts its own batch)."""
+    hardware = device_hardware(rt.config.get("cluster.hardware"), len(rt.devices))
+    if (hardware is None or plan.data_parallel_degree == 1 or plan.batch_shares
+            or not rt.config.get("balance.hardware_aware") or rt.cluster is not None
+            or rt.config.get("communication.backend") == "horovod"):
+        return ()
+    by_device = dict(zip(rt.devices, hardware))
+    replicas = [_replica_devices(plan, r, by_device) for r in range(plan.data_parallel_degree)]
+    speeds = [_replica_speed(stages) for stages in replicas]
+    memory = [min(hw.memory_gb for stage in stages for group in stage for hw in group) * 2 ** 30
+              for stages in replicas]
+    if len(set(speeds)) == 1 and len(set(memory)) == 1:
+        return ()
+    batch_bytes = fixed_bytes = 0.0
+    if len(plan.task_graphs) == 1:
+        order, view = model_view(index, capture)
+        rows = planning_batch(rt, view) / plan.num_micro_batch
+        costs = stage_costs(view, [0] * len(order), 1, rows, slowest(hardware))
+        batch_bytes, fixed_bytes = costs.activation_bytes[0], costs.fixed_bytes[0]
+    return integer_shares(balance_load(speeds, memory, batch_bytes, fixed_bytes).ratios)
+
+
+def _replica_devices(plan: Plan, replica: int, by_device) -> List[List[List[Hardware]]]:
+    """Per stage, the hardware of each device group replica ``replica`` runs on."""
+    stages = []
+    for tg in plan.task_graphs:
+        per_replica = len(tg.replicas) // plan.data_parallel_degree
+        groups = tg.replicas[replica * per_replica:(replica + 1) * per_replica]
+        stages.append([[by_device[d] for d in group] for group in groups])
+    return stages
+
+
+def _replica_speed(stages: Sequence[Sequence[Sequence[Hardware]]]) -> float:
+    return min(len(stage) * min(len(group) * min(hw.flops_per_s("fp32") for hw in group)
+                                for group in stage)
+               for stage in stages)
