@@ -130,3 +130,7 @@ def test_pinned_plans_keep_their_shares():
     assert plan.batch_shares == (3, 1)
     pinned, rows = rows_per_device({"cluster.num_devices": 2, "plan": plan.to_dict()})
     assert pinned.batch_shares == (3, 1) and rows == {"CPU:0": 12, "CPU:1": 4}
+    with pytest.raises(wh.PlanError, match=r"batch_shares \[3, 1, 1\] must be one int >= 1 per "
+                                           r"replica of the model \(2\)"):
+        rows_per_device({"cluster.num_devices": 2,
+                         "plan": {**plan.to_dict(), "batch_shares": [3, 1, 1]}})

@@ -48,6 +48,10 @@ def plan_from_annotations(specs: Sequence[TaskGraphSpec], devices: Sequence[str]
     # Copies of the whole model; a TaskGraph with more replicas than that splits
     # each copy's rows further (bridge layers between it and its neighbours).
     r = math.gcd(*(len(tg.replicas) for tg in tgs))
+    shares = pinned.batch_shares if pinned is not None else ()
+    if shares and (len(shares) != r or not all(isinstance(w, int) and w >= 1 for w in shares)):
+        raise PlanError(f"tfpar: the plan's batch_shares {list(shares)} must be one int >= 1 per "
+                        f"replica of the model ({r})")
     # Per device: its stage's weights + gradients (a split TaskGraph's shard).
     memory = {d: 2 * tg.param_bytes // (tg.device_count if tg.strategy == "split" else 1)
               for tg in tgs for d in tg.devices}
@@ -62,7 +66,7 @@ def plan_from_annotations(specs: Sequence[TaskGraphSpec], devices: Sequence[str]
     return Plan(task_graphs=tuple(tgs), data_parallel_degree=r, num_micro_batch=num_micro_batch,
                 schedule=schedule, group_size=group_size, estimate=estimate,
                 sharding=dict(pinned.sharding) if pinned is not None else {},
-                batch_shares=pinned.batch_shares if pinned is not None else ())
+                batch_shares=shares)
 
 
 def _annotated_task_graphs(specs, devices, config, split) -> List[TaskGraphPlan]:
