@@ -26,11 +26,13 @@ RNG = np.random.RandomState(0)
 X, Y = RNG.randn(40, 4).astype(np.float32), RNG.randn(40, 2).astype(np.float32)
 
 
-def run_script(scenario: str, devices: int, late_init: bool = False, directory=None):
+def run_script(scenario: str, devices: int, late_init: bool = False, directory=None,
+               restore=None):
     """(results, stderr) of ``tf2_script.py`` in a fresh process."""
     done = subprocess.run([sys.executable, SCRIPT, scenario, str(devices)]
                           + (["--late-init"] if late_init else [])
-                          + (["--dir", str(directory)] if directory else []),
+                          + (["--dir", str(directory)] if directory else [])
+                          + (["--restore", str(restore)] if restore else []),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
@@ -51,16 +53,21 @@ def assert_same_training(expected, got):
 
 @pytest.mark.parametrize("scenario,devices", [
     ("tape_adam", 2), ("tape_adam", 4), ("tape_legacy_adam", 2), ("gradients_adam", 4),
-    ("pipeline", 2), ("fit", 2), ("fit", 4)])
+    ("pipeline", 2), ("fit", 2), ("fit", 4),
+    ("split", 2), ("split", 4), ("split_gradients", 2), ("split_fit", 2), ("split_fit", 4)])
 def test_a_tf2_step_trains_in_parallel_with_the_single_device_numbers(scenario, devices):
     """Before: wh.init() switched TensorFlow to graph mode, every step(x, y)
-    returned a symbolic tensor and nothing trained, without a word."""
+    returned a symbolic tensor and nothing trained, without a word. A split
+    head in a TF2 step was refused."""
     got, _ = run_script(scenario, devices)
     assert_same_training(plain(scenario), got)
-    planned = {f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(devices)}
-    assert planned <= set(got["devices"]), (
+    planned = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(devices)]
+    assert set(planned) <= set(got["devices"]), (
         f"the step was never parallelised: work ran only on {got['devices']}")
-    assert set(got["planned"]) == planned, "wh.current_plan() is not the plan that ran"
+    assert set(got["planned"]) == set(planned), "wh.current_plan() is not the plan that ran"
+    if scenario.startswith("split"):
+        assert ["split", devices] in got["strategies"], got["strategies"]
+        assert got["shard_devices"] == [planned], "the head's kernel is not one shard per device"
 
 
 def test_current_plan_before_the_first_step_of_an_eager_script_says_what_to_do():
@@ -88,20 +95,58 @@ def test_a_checkpoint_of_a_parallel_tf2_run_restores_into_a_plain_model(tmp_path
     assert len(restored) == len(got["weights"])
 
 
-def test_a_split_scope_in_a_tf2_step_is_refused_by_name():
+def test_a_split_head_checkpoint_is_interchangeable_with_a_plain_one(tmp_path):
+    """A split weight saves as one value under its single-device key and full
+    shape: the split run's checkpoint restores into a plain model, and a plain
+    run's into the split model's shards."""
+    plain_dir, split_dir = tmp_path / "plain", tmp_path / "split"
+    expected, _ = run_script("split", 0, directory=plain_dir)
+    got, _ = run_script("split", 2, directory=split_dir, restore=plain_dir)
+    for a, b in zip(expected["weights"], got["restored"]):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+    with context.eager_mode():
+        net = tf.keras.Sequential([tf.keras.layers.Dense(8, activation="relu", input_shape=(4,)),
+                                   tf.keras.layers.Dense(8)])
+        status = tf.train.Checkpoint(model=net).restore(tf.train.latest_checkpoint(str(split_dir)))
+        status.assert_existing_objects_matched().expect_partial()
+        restored = [w.numpy() for w in net.weights]
+    for a, b in zip(expected["weights"], restored):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+
+
+def _split_step(make_head):
+    """A TF2 step calling ``make_head()``'s layer on X in ``wh.split(2)``."""
+    head = make_head()
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            with wh.split(2):
+                loss = tf.reduce_sum(head(x))
+        return tape.gradient(loss, head.trainable_variables)
+    return step
+
+
+def test_a_split_head_narrower_than_its_devices_is_refused_by_name():
     with context.eager_mode():
         wh.init({"cluster.num_devices": 2})
-        dense = tf.keras.layers.Dense(3)
-
-        @tf.function
-        def step(x):
-            with tf.GradientTape() as tape:
-                with wh.split(2):
-                    loss = tf.reduce_sum(dense(x))
-            return tape.gradient(loss, dense.trainable_variables)
-
-        with pytest.raises(wh.PlanError, match="'step' has wh.split scopes"):
+        step = _split_step(lambda: tf.keras.layers.Dense(1, name="narrow"))
+        with pytest.raises(wh.ShardingError, match=r"cannot cut 'kernel' \(shape \[4, 1\]\) "
+                                                   r"into 2 slices along axis 1"):
             step(tf.constant(X))
+
+
+def test_get_variable_in_a_split_scope_of_a_tf2_step_is_refused_by_name():
+    class GetVariable(tf.Module):
+        def __call__(self, x):
+            w = tf.compat.v1.get_variable("w", [4, 2])
+            return tf.matmul(x, w)
+
+    with context.eager_mode():
+        wh.init({"cluster.num_devices": 2})
+        with pytest.raises(wh.ShardingError, match="variable 'w' is made with "
+                                                   "tf.compat.v1.get_variable inside wh.split"):
+            _split_step(GetVariable)(tf.constant(X))
 
 
 def test_wh_init_after_the_first_op_trains_on_one_device_and_says_why():

@@ -2,7 +2,7 @@
 TensorFlow makes logical CPU devices only before it first runs an op, and the
 test suite itself runs in graph mode.
 
-    python tf2_script.py SCENARIO DEVICES [--late-init] [--dir DIR]
+    python tf2_script.py SCENARIO DEVICES [--late-init] [--dir DIR] [--restore DIR]
 
 DEVICES 0 runs the script plainly; otherwise ``wh.init({"cluster.num_devices":
 DEVICES, ...})`` comes first (``--late-init``: after the script ran its first
@@ -18,8 +18,15 @@ optimizer, over a dataset iterated in Python, two steps per batch, the last
 batch smaller), ``pipeline`` (``tape_adam`` with its two layers in two
 ``wh.replicate(1)`` scopes and 4 micro-batches), ``fit`` (compile, fit with
 validation data and the ModelCheckpoint, EarlyStopping and TensorBoard
-callbacks, evaluate, predict).
+callbacks, evaluate, predict); ``split`` / ``split_gradients`` (a custom loop
+with tf.GradientTape / tf.gradients whose 8-class head and cross-entropy are
+called in ``wh.split()``), ``split_fit`` (``fit`` on a subclassed model calling
+its head in ``wh.split()``).
+
+``--restore DIR``: after training, the model of DIR's latest checkpoint is
+restored and its weights printed too.
 """
+import contextlib
 import json
 import logging
 import os
@@ -38,16 +45,29 @@ _PLUMBING = {"_Arg", "_Retval", "_Send", "_Recv", "_HostSend", "_HostRecv", "Con
              "Identity"}
 
 
-def model():
+def model(outputs: int = 3):
     return tf.keras.Sequential([tf.keras.layers.Dense(8, activation="relu", input_shape=(4,)),
-                                tf.keras.layers.Dense(3)])
+                                tf.keras.layers.Dense(outputs)])
 
 
-def custom_loop(tape: bool, optimizer, directory: str, stages: bool = False):
+CLASSES = 8  # of the split heads: a shard per device has some
+
+
+_TFPAR = []  # [True] once wh.init() ran
+
+
+def split_scope():
+    """``wh.split()`` under tfpar; nothing in the plain run."""
+    return wh.split() if _TFPAR else contextlib.nullcontext()
+
+
+def custom_loop(tape: bool, optimizer, directory: str, stages: bool = False,
+                split: bool = False):
     rng = np.random.RandomState(0)
     x_all = rng.randn(40, 4).astype(np.float32)
-    y_all = rng.randn(40, 3).astype(np.float32)
-    net, opt = model(), optimizer(0.01)
+    y_all = ((rng.rand(40) * CLASSES).astype(np.int64) if split
+             else rng.randn(40, 3).astype(np.float32))
+    net, opt = model(CLASSES if split else 3), optimizer(0.01)
 
     def forward(x):
         if not stages:
@@ -57,14 +77,22 @@ def custom_loop(tape: bool, optimizer, directory: str, stages: bool = False):
         with wh.replicate(1):
             return net.layers[1](h)
 
+    def loss_of(x, y):
+        if not split:
+            return tf.reduce_mean(tf.square(forward(x) - y))
+        h = net.layers[0](x)
+        with split_scope():  # class-split logits and cross-entropy
+            logits = net.layers[1](h)
+            return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+
     @tf.function
     def step(x, y):
         if tape:
             with tf.GradientTape() as t:
-                loss = tf.reduce_mean(tf.square(forward(x) - y))
+                loss = loss_of(x, y)
             grads = t.gradient(loss, net.trainable_variables)
         else:
-            loss = tf.reduce_mean(tf.square(forward(x) - y))
+            loss = loss_of(x, y)
             grads = tf.gradients(loss, net.trainable_variables)
         opt.apply_gradients(zip(grads, net.trainable_variables))
         return loss
@@ -76,11 +104,25 @@ def custom_loop(tape: bool, optimizer, directory: str, stages: bool = False):
     return losses, net
 
 
-def keras_fit(directory: str):
+class SplitHead(tf.keras.Model):
+    """A subclassed model whose head is called in a split scope."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = tf.keras.layers.Dense(8, activation="relu")
+        self.head = tf.keras.layers.Dense(CLASSES)
+
+    def call(self, x):
+        h = self.body(x)
+        with split_scope():
+            return self.head(h)
+
+
+def keras_fit(directory: str, split: bool = False):
     rng = np.random.RandomState(0)
     x_all = rng.randn(40, 4).astype(np.float32)
-    y_all = (rng.rand(40) * 3).astype(np.int64)
-    net = model()
+    y_all = (rng.rand(40) * (CLASSES if split else 3)).astype(np.int64)
+    net = SplitHead() if split else model()
     net.compile(tf.keras.optimizers.Adam(0.01),
                 tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                 metrics=["accuracy"])
@@ -103,6 +145,9 @@ SCENARIOS = {
     "gradients_adam": lambda d: custom_loop(False, tf.keras.optimizers.Adam, d),
     "pipeline": lambda d: custom_loop(True, tf.keras.optimizers.Adam, d, stages=True),
     "fit": keras_fit,
+    "split": lambda d: custom_loop(True, tf.keras.optimizers.Adam, d, split=True),
+    "split_gradients": lambda d: custom_loop(False, tf.keras.optimizers.Adam, d, split=True),
+    "split_fit": lambda d: keras_fit(d, split=True),
 }
 # tfpar settings besides the device count.
 CONFIGS = {"pipeline": {"pipeline.num_micro_batch": 4}}
@@ -114,19 +159,43 @@ def working_devices(metadata) -> list:
                    if node.op not in _PLUMBING})
 
 
-def main(scenario: str, devices: int, late_init: bool, directory: str) -> dict:
+def main(scenario: str, devices: int, late_init: bool, directory: str,
+         restore_from: str = "") -> dict:
     logging.getLogger("tfpar").addHandler(logging.StreamHandler(sys.stderr))
     if late_init:
         tf.constant(0.0) + 1.0  # TensorFlow makes its devices here
     if devices:
         wh.init({"cluster.num_devices": devices, **CONFIGS.get(scenario, {})})
+        _TFPAR.append(True)
     tf.keras.utils.set_random_seed(3)
     context.context().enable_run_metadata()
     context.context().enable_graph_collection()
     losses, net = SCENARIOS[scenario](directory)
-    return {"losses": losses, "weights": [w.numpy().tolist() for w in net.weights],
+    restored = restore(net, restore_from) if restore_from else []
+    return {"losses": losses, "weights": whole_weights(net), "restored": restored,
+            "shard_devices": [[shard.device for shard in layer.kernel] for layer in net.layers
+                              if not isinstance(layer.kernel, tf.Variable)],
             "devices": working_devices(context.context().export_run_metadata()),
-            "planned": planned_devices() if devices and not late_init else []}
+            "planned": planned_devices() if devices and not late_init else [],
+            "strategies": strategies() if devices and not late_init else []}
+
+
+def whole_weights(net) -> list:
+    """Each dense layer's kernel and bias, whole (a split one's shards joined)."""
+    return [np.asarray(getattr(layer, name).numpy()).tolist()
+            for layer in net.layers for name in ("kernel", "bias")]
+
+
+def restore(net, directory: str) -> list:
+    """``net``'s weights after restoring the model of the checkpoint in ``directory``."""
+    status = tf.train.Checkpoint(model=net).restore(tf.train.latest_checkpoint(directory))
+    status.assert_existing_objects_matched().expect_partial()
+    return whole_weights(net)
+
+
+def strategies() -> list:
+    """(strategy, device count) of each TaskGraph of ``wh.current_plan()``."""
+    return [[tg.strategy, len(tg.devices)] for tg in wh.current_plan().task_graphs]
 
 
 def planned_devices() -> list:
@@ -141,4 +210,5 @@ def planned_devices() -> list:
 if __name__ == "__main__":
     args = sys.argv[1:]
     out = args[args.index("--dir") + 1] if "--dir" in args else tempfile.mkdtemp()
-    print(json.dumps(main(args[0], int(args[1]), "--late-init" in args, out)))
+    source = args[args.index("--restore") + 1] if "--restore" in args else ""
+    print(json.dumps(main(args[0], int(args[1]), "--late-init" in args, out, source)))

@@ -7,6 +7,10 @@ __all__ = ["TfparError", "ConfigError", "AnnotationError", "PlanError", "Shardin
 class TfparError(ValueError):
     """Base class of the errors tfpar raises deliberately."""
 
+    # Exception's own: AutoGraph re-raises an error from a traced tf.function
+    # as its own type only for such types (else a StagingError hides it).
+    __init__ = Exception.__init__
+
 
 class ConfigError(TfparError):
     """Invalid configuration: unknown key, wrong type or value, unreadable source."""

@@ -31,12 +31,14 @@ import inspect
 
 from keras.src import backend as keras_backend
 from keras.src.layers.core import dense as keras_dense
+from keras.src.optimizers import optimizer as keras_optimizer
 from keras.src.legacy_tf_layers import base as legacy_layers
 from tensorflow.python.framework import ops, tensor_util
 from tensorflow.python.ops import gen_array_ops, gen_linalg_ops, gen_math_ops, gen_nn_ops
 from tensorflow.python.ops import math_ops, special_math_ops, variable_scope
 
 from tfpar.hooks import capture as cap_lib
+from tfpar.errors import ShardingError
 from tfpar.hooks.patching import PatchSet
 from tfpar.ir.sharding import ShardingUnit
 from tfpar.patterns.argmax import sharded_argmax
@@ -47,6 +49,8 @@ from tfpar.patterns.embedding import vocab_lookup
 from tfpar.patterns.dense import choose_dense
 from tfpar.patterns.matcher import choose
 from tfpar.patterns.sharded import ShardedVariable, shard_being_created, sharded_variable
+from tfpar.patterns.split_weights import split_weight
+from tfpar.hooks.step_graphs import is_step_function
 from tfpar.patterns.weights import regularization_loss
 from tfpar.patterns.softmax_xent import GATHER, XENT_PATTERNS, softmax_xent
 
@@ -67,6 +71,8 @@ def add_split_patches(patches: PatchSet) -> None:
     patches.add(gen_array_ops, "gather_v2", _wrap_gather)
     patches.add(gen_math_ops, "mat_mul", _wrap_mat_mul)
     patches.add(gen_linalg_ops, "einsum", _wrap_einsum)
+    patches.add(keras_optimizer._BaseOptimizer,  # pylint: disable=protected-access
+                "add_variable_from_reference", _wrap_optimizer_slot)
     for module, name in ((gen_nn_ops, "relu"), (gen_math_ops, "tanh"),
                          (gen_math_ops, "sigmoid")):
         patches.add(module, name, _wrap_elementwise)
@@ -74,7 +80,7 @@ def add_split_patches(patches: PatchSet) -> None:
 
 def _split_context():
     graph = ops.get_default_graph()
-    if graph.building_function:
+    if graph.building_function and not is_step_function(graph):
         return None
     capture = cap_lib.existing_capture(graph)
     ctx = capture.current_split(graph.get_name_scope()) if capture is not None else None
@@ -91,15 +97,20 @@ def _wrap_dense_build(original):
 
 def _wrap_dense_call(original):
     """A layer built in a split scope stays split: calling it again (a keras
-    model applied to a new input) reuses its pattern and sharded weights."""
+    model applied to a new input; a TF2 step traced again, in its own split
+    scope) reuses its pattern and sharded weights."""
     def call(self, inputs):
         ctx = _split_context()
         if not hasattr(self, "_tfpar_split"):
             if ctx is None:
                 return original(self, inputs)
             pattern = choose_dense(ctx, self, inputs)
-            self._tfpar_split = (ctx, pattern, {})
-        ctx, pattern, made = self._tfpar_split
+            self._tfpar_split = (ctx, pattern, {}, next(reversed(ctx.decisions)))
+        first, pattern, made, unit = self._tfpar_split
+        if ctx is not None and ctx is not first and ctx.devices == first.devices:
+            ctx.decisions.setdefault(unit, pattern.name)
+        else:
+            ctx = first
         with ctx.building():
             return pattern.build(ctx, self, inputs, _layer_getter(ctx, self, made))
     return call
@@ -116,6 +127,10 @@ def _layer_getter(ctx, layer, made):
     session (which initializes it in ``model.fit``)."""
     def getter(name, shape, dtype, initializer, axis, regularizer=None, constraint=None):
         if name in made:
+            return made[name]
+        if ops.get_default_graph().building_function:  # a TF2 step: eager weights
+            made[name] = _eager_weight(ctx, layer, name, shape, dtype, initializer, axis,
+                                       regularizer, constraint)
             return made[name]
         legacy = isinstance(layer, legacy_layers.Layer)
         scope = contextlib.nullcontext() if legacy else variable_scope.variable_scope(layer.name)
@@ -145,6 +160,43 @@ def _layer_getter(ctx, layer, made):
                                              axis, name if legacy else f"{layer.name}/{name}"))
         return variable
     return getter
+
+
+def _eager_weight(ctx, layer, name, shape, dtype, initializer, axis, regularizer, constraint):
+    """A layer's weight in a TF2 step (``patterns.split_weights``): whole (axis
+    None) as keras makes it, else split from the whole weight's value (the
+    layer's own, when it was built whole before), replacing it."""
+    existing = getattr(layer, name, None)
+    if axis is None:
+        if existing is None:
+            with ops.init_scope():
+                existing = layer.add_weight(name, shape, dtype, initializer, regularizer,
+                                            trainable=layer.trainable, constraint=constraint)
+        return existing
+    with ops.init_scope():
+        initial = (existing if existing is not None else initializer(shape, dtype=dtype)).numpy()
+    weight = split_weight(ctx, name, initial, axis, dtype, layer.trainable, constraint)
+    attribute = "_trainable_weights" if layer.trainable else "_non_trainable_weights"
+    weights = getattr(layer, attribute)
+    position = next((i for i, w in enumerate(weights) if w is existing), len(weights))
+    setattr(layer, name, weight)  # drops the whole one, if any, from the layer's weights
+    weights = getattr(layer, attribute)
+    weights[position:position] = list(weight)  # where it was: keras' order of weights
+    if regularizer is not None:
+        layer.add_loss(functools.partial(_layer_regularization, ctx, regularizer, weight, axis,
+                                         f"{layer.name}/{name}"))
+    return weight
+
+
+def _wrap_optimizer_slot(original):
+    """A keras optimizer's slot of a TF2 split weight's shard lives on the
+    shard's device."""
+    def add_variable_from_reference(self, model_variable, *args, **kwargs):
+        if getattr(model_variable, "_tfpar_weight", None) is None:
+            return original(self, model_variable, *args, **kwargs)
+        with ops.device(model_variable.device):
+            return original(self, model_variable, *args, **kwargs)
+    return add_variable_from_reference
 
 
 def _layer_regularization(ctx, regularizer, variable, axis, name):
@@ -198,6 +250,11 @@ def _wrap_get_variable(original):
         for key in ("self", "var_store", "name", "shape", "dtype", "initializer"):
             given.pop(key)
         full_name = f"{self.name}/{name}" if self.name else name
+        if ops.get_default_graph().building_function:
+            raise ShardingError(
+                f"tfpar: variable '{full_name}' is made with tf.compat.v1.get_variable inside "
+                "wh.split in a TF2 tf.function; tfpar splits keras Dense layers there. Use "
+                "tf.keras.layers.Dense, or build the model in graph mode")
         with ctx.building():
             partitioned = sharded_variable(
                 ctx, name, initializer.shape if shape is None else shape, 0, dtype, initializer,

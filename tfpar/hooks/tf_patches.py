@@ -47,6 +47,7 @@ from tfpar.hooks import capture as cap_lib
 from tfpar.hooks.patching import PatchSet
 from tfpar.hooks.keras_patches import add_keras_patches
 from tfpar.hooks.split_patches import add_split_patches
+from tfpar.hooks.step_graphs import is_step_function
 from tfpar.ir.taskgraph import Phase
 
 __all__ = ["install", "installed", "uninstall"]
@@ -200,7 +201,7 @@ def _wrap_tape_gradient(original):
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=backprop.UnconnectedGradients.NONE):
         graph = ops.get_default_graph()
-        if _runtime is None or not _step_function(graph):
+        if _runtime is None or not is_step_function(graph):
             if _runtime is not None:
                 _runtime.function_gradients(graph)
             return original(self, target, sources, output_gradients, unconnected_gradients)
@@ -255,7 +256,7 @@ def _wrap_func_graph_from_py_func(original):
 def _wrap_func_graph_transforms(original):
     def apply_func_graph_transforms(graph):
         original(graph)
-        if _runtime is not None and _step_function(graph):
+        if _runtime is not None and is_step_function(graph):
             with _tensors_by_identity():
                 _runtime.rewrite_function(graph)
     return apply_func_graph_transforms
@@ -274,17 +275,10 @@ def _tensors_by_identity():
         tensor_lib.Tensor._USE_EQUALITY = used  # pylint: disable=protected-access
 
 
-def _step_function(graph) -> bool:
-    """Whether ``graph`` is a tf.function traced from eager code (a TF2
-    training step is one), not a graph-mode function or a branch / loop body."""
-    return (type(graph) is func_graph.FuncGraph and ops.executing_eagerly_outside_functions()
-            and not getattr(graph.outer_graph, "building_function", False))
-
-
 def _recorded(graph) -> bool:
     """Whether tfpar records what is built in ``graph``: a graph, or a tf.function
     traced from eager code."""
-    return not graph.building_function or _step_function(graph)
+    return not graph.building_function or is_step_function(graph)
 
 
 def _wrap_default_grad_ys(original):

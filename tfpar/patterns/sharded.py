@@ -21,11 +21,12 @@ from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import array_ops, init_ops, variable_scope
 from tensorflow.python.ops import variables as variables_lib
 
+from tfpar.errors import ShardingError
 from tfpar.ir.sharding import ShardingInfo
 from tfpar.patterns.weights import NO_REGULARIZER, check_constraint, regularization_loss
 
 __all__ = ["ShardCreation", "ShardedTensor", "ShardedVariable", "SplitContext",
-           "shard_being_created", "sharded_variable", "slice_offsets"]
+           "check_shardable", "shard_being_created", "sharded_variable", "slice_offsets"]
 
 
 @dataclasses.dataclass
@@ -55,7 +56,7 @@ class SplitContext:
 
     def __init__(self, name: str, devices: Sequence[str], forced: Optional[Dict[str, str]],
                  registry: Optional[Dict] = None):
-        """``registry``: full view -> (devices, ShardedTensor), shared by the split
+        """``registry``: full view (its ``ref()``) -> (devices, ShardedTensor), shared by the split
         TaskGraphs of a graph, so one on the same devices reads another's shards
         directly (Whale: a gather followed by a partition along the same
         dimension is fused away)."""
@@ -97,7 +98,7 @@ class SplitContext:
         last (split) dimension."""
         if not isinstance(t, tensor_lib.Tensor):
             return None
-        devices, sharded = self._sharded.get(t, (None, None))
+        devices, sharded = self._sharded.get(t.ref(), (None, None))
         if sharded is not None and devices == self.devices:
             return sharded
         # TensorFlow's cross-entropies flatten logits to [-1, classes]; for a
@@ -119,7 +120,7 @@ class SplitContext:
         returns the full view the user sees."""
         with ops.device(self.devices[0]):
             full = array_ops.concat(shards, axis, name="gather_shards")
-        self._sharded[full] = (self.devices, ShardedTensor(list(shards), axis % full.shape.rank,
+        self._sharded[full.ref()] = (self.devices, ShardedTensor(list(shards), axis % full.shape.rank,
                                                            full))
         return full
 
@@ -137,17 +138,27 @@ class SplitContext:
 
     @staticmethod
     def record_shard(variable, index: int) -> None:
-        """``variable`` was made as shard ``index`` of a split TaskGraph."""
-        _shard_of.setdefault(variable.graph, {})[variable.op.name] = index
+        """``variable`` was made as shard ``index`` of a split TaskGraph (an
+        eager variable, a TF2 step's, carries it)."""
+        if _eager(variable):
+            variable._tfpar_shard = index  # pylint: disable=protected-access
+        else:
+            _shard_of.setdefault(variable.graph, {})[variable.op.name] = index
 
     @staticmethod
     def shard_index(variable) -> int:
         """Which shard ``variable`` (a slice of a sharded variable) is."""
+        if _eager(variable):
+            return variable._tfpar_shard  # pylint: disable=protected-access
         return _shard_of[variable.graph][variable.op.name]
 
     def device_of(self, variable) -> str:
         """The device of shard ``variable`` among this TaskGraph's devices."""
         return self.devices[self.shard_index(variable)]
+
+
+def _eager(variable) -> bool:
+    return not getattr(variable, "_in_graph_mode", True)
 
 
 # The side table, per graph: slice variable (its handle op's name, a key as in
@@ -193,6 +204,15 @@ def shard_being_created(partition_info):
         if index is not None:
             return creation, index
     return None
+
+
+def check_shardable(name: str, shape: Sequence[int], axis: int, count: int) -> None:
+    """A ShardingError naming the weight when its ``axis`` is too small for one
+    slice per device."""
+    if int(shape[axis]) < count:
+        raise ShardingError(
+            f"tfpar: wh.split cannot cut '{name}' (shape {list(shape)}) into {count} slices "
+            f"along axis {axis}: it has {shape[axis]}; split over at most {shape[axis]} devices")
 
 
 def slice_offsets(size: int, count: int) -> List[int]:
@@ -259,6 +279,7 @@ def sharded_variable(ctx: SplitContext, name: str, shape: Sequence[int], axis: i
     if dtype is None and isinstance(initializer, tensor_lib.Tensor):
         dtype = initializer.dtype.base_dtype
     check_constraint(owner or f"variable '{name}'", constraint, shape, axis, dtype)
+    check_shardable(name, shape, axis, ctx.size)
     with ctx.creating_shards(shape, axis) as creation:
         partitioned = getter(name, shape=list(shape), dtype=dtype,
                              initializer=slicing_initializer(initializer),

@@ -88,10 +88,10 @@ def check_constraint(owner: str, constraint, shape: Sequence[int], axis: int, dt
 
 def regularization_loss(ctx, regularizer, variable, axis: int) -> Optional[tensor_lib.Tensor]:
     """``regularizer``'s value on the whole of ``variable``: a partitioned
-    variable split along ``axis`` (slices on their devices, ``ctx.device_of``)
-    or a whole one."""
+    variable or a TF2 ``SplitWeight`` split along ``axis`` (slices on their
+    devices, ``ctx.device_of``) or a whole one."""
     with ctx.building():
-        if not isinstance(variable, variables_lib.PartitionedVariable):
+        if isinstance(variable, variables_lib.Variable):
             with ops.device(variable.device):
                 return regularizer(variable)
         parts = list(variable)

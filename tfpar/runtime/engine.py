@@ -309,11 +309,21 @@ def _stats(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, stage_of,
     for op in index.ops:
         num_ops[stage_of.get(op, 0)] += 1
     param_bytes = [0] * num_task_graphs
-    for v in graph.get_collection(ops.GraphKeys.TRAINABLE_VARIABLES):
+    for op, v in _trainable_variables(graph):
         if v.shape.is_fully_defined():
-            param_bytes[stage_of.get(v.op, 0)] += v.shape.num_elements() * v.dtype.size
+            param_bytes[stage_of.get(op, 0)] += v.shape.num_elements() * v.dtype.size
     split = {i: (ctx.devices, ctx.decisions) for i, ctx in capture.split_contexts.items()}
     return {"num_ops": num_ops, "param_bytes": param_bytes, "split": split}
+
+
+def _trainable_variables(graph: ops.Graph) -> list:
+    """(op, variable) per trainable variable of ``graph``: its collection's, or
+    for a TF2 step, the variables it reads (their op: the handle it captured)."""
+    if not graph.building_function:
+        return [(v.op, v) for v in graph.get_collection(ops.GraphKeys.TRAINABLE_VARIABLES)]
+    inner = {id(outer): placeholder for outer, placeholder in graph.captures}
+    return [(inner[id(v.handle)].op, v) for v in graph.variables
+            if v.trainable and id(v.handle) in inner]
 
 
 def unseen_training(graph: ops.Graph) -> Optional[str]:
@@ -346,12 +356,6 @@ def rewrite_function(graph: ops.Graph) -> None:
     capture = existing_capture(graph)
     if rt is None or capture is None or not capture.gradient_calls:
         return
-    split = [tg.name for tg in capture.task_graphs if tg.strategy == Strategy.SPLIT]
-    if split:
-        raise PlanError(
-            f"tfpar: the tf.function {graph.name!r} has wh.split scopes ({', '.join(split)}), "
-            "which tfpar does not build inside a tf.function called from eager code yet; "
-            "use wh.replicate scopes there, or build the model in graph mode")
     static = _static_batch_inputs(graph)
     if static and not capture.relaxed:
         capture.retrace = True  # traced again, batch relaxed; that trace is rewritten
