@@ -40,8 +40,9 @@ def run_script(scenario: str, devices: int, late_init: bool = False, directory=N
 
 @functools.lru_cache(maxsize=None)
 def plain(scenario: str):
-    """The scenario without tfpar (a pipeline's: the same loop without scopes)."""
-    return run_script("tape_adam" if scenario == "pipeline" else scenario, 0)[0]
+    """The scenario without tfpar (a pipeline's or an automatic plan's: the same
+    loop without scopes or config)."""
+    return run_script("tape_adam" if scenario in ("pipeline", "auto") else scenario, 0)[0]
 
 
 def assert_same_training(expected, got):
@@ -68,6 +69,17 @@ def test_a_tf2_step_trains_in_parallel_with_the_single_device_numbers(scenario, 
     if scenario.startswith("split"):
         assert ["split", devices] in got["strategies"], got["strategies"]
         assert got["shard_devices"] == [planned], "the head's kernel is not one shard per device"
+
+
+def test_auto_parallel_plans_a_tf2_step_once_and_trains_with_the_single_device_numbers():
+    """The step is traced three times (static batch, relaxed, the last smaller
+    batch); the search runs once in the planning pass and once in the script."""
+    got, log = run_script("auto", 4)
+    assert_same_training(plain("auto"), got)
+    assert got["strategies"] == [["replicate", 4]], "a small MLP is data parallel"
+    assert len(set(got["devices"])) == 4
+    assert "tfpar auto: planning pass" in log
+    assert log.count("tfpar auto [1/") == 2, log
 
 
 def test_current_plan_before_the_first_step_of_an_eager_script_says_what_to_do():

@@ -21,7 +21,7 @@ validation data and the ModelCheckpoint, EarlyStopping and TensorBoard
 callbacks, evaluate, predict); ``split`` / ``split_gradients`` (a custom loop
 with tf.GradientTape / tf.gradients whose 8-class head and cross-entropy are
 called in ``wh.split()``), ``split_fit`` (``fit`` on a subclassed model calling
-its head in ``wh.split()``).
+its head in ``wh.split()``), ``auto`` (``tape_adam`` with ``auto.auto_parallel``).
 
 ``--restore DIR``: after training, the model of DIR's latest checkpoint is
 restored and its weights printed too.
@@ -148,9 +148,10 @@ SCENARIOS = {
     "split": lambda d: custom_loop(True, tf.keras.optimizers.Adam, d, split=True),
     "split_gradients": lambda d: custom_loop(False, tf.keras.optimizers.Adam, d, split=True),
     "split_fit": lambda d: keras_fit(d, split=True),
+    "auto": lambda d: custom_loop(True, tf.keras.optimizers.Adam, d),
 }
 # tfpar settings besides the device count.
-CONFIGS = {"pipeline": {"pipeline.num_micro_batch": 4}}
+CONFIGS = {"pipeline": {"pipeline.num_micro_batch": 4}, "auto": {"auto.auto_parallel": True}}
 
 
 def working_devices(metadata) -> list:

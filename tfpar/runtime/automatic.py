@@ -94,12 +94,18 @@ def _plan(index: GraphIndex, capture: GraphCapture, rt: Runtime, auto: bool,
     best = runnable = None
     if auto:
         hardware = cluster_hardware(rt)
-        candidates = search_all(view, len(rt.devices), hardware, planning_batch(rt, view),
-                                cfg.get("pipeline.num_micro_batch"), count, time_limit,
-                                lambda line: print(line, file=sys.stderr),
-                                cfg.get("auto.opt_level"))
-        best = choose(candidates, hardware)
-        runnable = best if best.tensor == 1 else _unsharded(candidates, hardware)
+        # A TF2 step's traces (static batch, relaxed, each new batch shape) are
+        # one model: the first one's search plans them all.
+        same_model = tuple(op.name for op in order)
+        if same_model not in rt.searches:
+            candidates = search_all(view, len(rt.devices), hardware, planning_batch(rt, view),
+                                    cfg.get("pipeline.num_micro_batch"), count, time_limit,
+                                    lambda line: print(line, file=sys.stderr),
+                                    cfg.get("auto.opt_level"))
+            pick = choose(candidates, hardware)
+            rt.searches[same_model] = (
+                pick, pick if pick.tensor == 1 else _unsharded(candidates, hardware))
+        best, runnable = rt.searches[same_model]
         stages, count = (runnable.stages, runnable.pipeline) if runnable else ((0,) * len(order), 1)
     else:
         stages = partition_stages(view.flops, view.edges, count, min(time_limit, 10.0),

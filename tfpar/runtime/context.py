@@ -1,6 +1,6 @@
 """The process-wide tfpar runtime set up by ``wh.init``."""
 import dataclasses
-from typing import Any, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from tfpar.config import Config
 from tfpar.ir.taskgraph import Strategy
@@ -24,6 +24,9 @@ class Runtime:
       warned_one_device: functions said to train on one device (None: eager code).
       function_plan: the plan of the last tf.function step tfpar rewrote (eager
         scripts: what ``wh.current_plan()`` returns).
+      searches: forward op names -> (best, runnable) of the ``auto_parallel``
+        search of that model (a TF2 step is traced more than once, an
+        Estimator builds a graph per call; the search runs once).
     """
 
     config: Config
@@ -34,6 +37,7 @@ class Runtime:
     devices_per_worker: int = 0
     warned_one_device: Set[Optional[str]] = dataclasses.field(default_factory=set)
     function_plan: Any = None
+    searches: Dict[Any, Any] = dataclasses.field(default_factory=dict)
 
 
 _active: Optional[Runtime] = None
