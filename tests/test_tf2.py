@@ -148,6 +148,19 @@ def test_a_split_head_narrower_than_its_devices_is_refused_by_name():
             step(tf.constant(X))
 
 
+@pytest.mark.parametrize("scope", [wh.split, wh.replicate])
+def test_a_scope_in_eager_code_is_refused_where_it_would_do_nothing(scope):
+    """Before: a Keras functional model built in eager code inside wh.split(2)
+    trained with its head whole, without a word."""
+    with context.eager_mode():
+        wh.init({"cluster.num_devices": 2})
+        inputs = tf.keras.Input((4,))
+        with pytest.raises(wh.AnnotationError, match=r"\(2\) is entered in eager code.*inside "
+                                                     "the tf.function step"):
+            with scope(2):
+                tf.keras.layers.Dense(6)(inputs)
+
+
 def test_get_variable_in_a_split_scope_of_a_tf2_step_is_refused_by_name():
     class GetVariable(tf.Module):
         def __call__(self, x):

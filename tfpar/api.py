@@ -147,6 +147,12 @@ class _Scope:
             raise AnnotationError(
                 f"tfpar: {self._describe()} asks for {self.device_count} devices but only "
                 f"{len(rt.devices)} exist; set cluster.num_devices or lower device_count")
+        if tf.executing_eagerly():
+            raise AnnotationError(
+                f"tfpar: {self._describe()} is entered in eager code, where no graph records "
+                "it (a Keras model built here would run without it): in a TF2 script, put the "
+                "scope around the layer calls inside the tf.function step, or inside the "
+                "model's call (model.fit traces it)")
         self._capture = capture_for(tf.compat.v1.get_default_graph())
         if self._capture.in_scope:
             raise AnnotationError(f"tfpar: {self._describe()} is nested inside another scope; "
