@@ -54,8 +54,9 @@ def assert_same_training(expected, got):
 
 @pytest.mark.parametrize("scenario,devices", [
     ("tape_adam", 2), ("tape_adam", 4), ("tape_legacy_adam", 2), ("gradients_adam", 4),
-    ("pipeline", 2), ("fit", 2), ("fit", 4),
-    ("split", 2), ("split", 4), ("split_gradients", 2), ("split_fit", 2), ("split_fit", 4)])
+    ("pipeline", 2), ("pipeline", 4), ("pipeline_fit", 2), ("pipeline_fit", 4),
+    ("fit", 2), ("fit", 4),
+    ("next_in_step", 2), ("split", 2), ("split", 4), ("split_gradients", 2), ("split_fit", 2), ("split_fit", 4)])
 def test_a_tf2_step_trains_in_parallel_with_the_single_device_numbers(scenario, devices):
     """Before: wh.init() switched TensorFlow to graph mode, every step(x, y)
     returned a symbolic tensor and nothing trained, without a word. A split
@@ -66,6 +67,8 @@ def test_a_tf2_step_trains_in_parallel_with_the_single_device_numbers(scenario, 
     assert set(planned) <= set(got["devices"]), (
         f"the step was never parallelised: work ran only on {got['devices']}")
     assert set(got["planned"]) == set(planned), "wh.current_plan() is not the plan that ran"
+    if scenario.startswith("pipeline"):  # two stages, each data parallel over the rest
+        assert got["strategies"] == [["replicate", devices // 2]] * 2, got["strategies"]
     if scenario.startswith("split"):
         assert ["split", devices] in got["strategies"], got["strategies"]
         assert got["shard_devices"] == [planned], "the head's kernel is not one shard per device"
@@ -91,10 +94,12 @@ def test_current_plan_before_the_first_step_of_an_eager_script_says_what_to_do()
             wh.current_plan()
 
 
-def test_a_checkpoint_of_a_parallel_tf2_run_restores_into_a_plain_model(tmp_path):
+@pytest.mark.parametrize("scenario,devices", [("tape_adam", 2), ("pipeline", 4)])
+def test_a_checkpoint_of_a_parallel_tf2_run_restores_into_a_plain_model(tmp_path, scenario,
+                                                                         devices):
     """The variables are the script's own: tf.train.Checkpoint saves and
     restores them as without tfpar."""
-    got, _ = run_script("tape_adam", 2, directory=tmp_path)
+    got, _ = run_script(scenario, devices, directory=tmp_path)
     with context.eager_mode():
         net = tf.keras.Sequential([tf.keras.layers.Dense(8, activation="relu", input_shape=(4,)),
                                    tf.keras.layers.Dense(3)])
@@ -102,7 +107,7 @@ def test_a_checkpoint_of_a_parallel_tf2_run_restores_into_a_plain_model(tmp_path
         status = checkpoint.restore(tf.train.latest_checkpoint(str(tmp_path)))
         status.assert_existing_objects_matched().expect_partial()  # slots come at a first step
         restored = [w.numpy() for w in net.weights]
-    for a, b in zip(plain("tape_adam")["weights"], restored):
+    for a, b in zip(plain(scenario)["weights"], restored):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
     assert len(restored) == len(got["weights"])
 
@@ -196,6 +201,32 @@ def test_eager_gradients_outside_functions_train_as_without_tfpar_and_say_so(tfp
             return w.numpy()
     np.testing.assert_array_equal(train(None), train({"cluster.num_devices": 2}))
     assert "eager code trains on one device" in tfpar_log.getvalue()
+
+
+def test_a_dataset_loop_inside_a_step_trains_as_without_tfpar_and_says_so(tfpar_log):
+    """Gradients inside the step's own loop (a While body) are not at its top
+    level: the step runs on one device, and tfpar says why and what to do."""
+    def train(config):
+        with context.eager_mode():
+            if config is not None:
+                wh.init(config)
+            w = tf.Variable(tf.ones([4, 2]))
+            opt = tf.keras.optimizers.SGD(0.1)
+            ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(10)
+
+            @tf.function
+            def epoch():
+                for x, y in ds:
+                    with tf.GradientTape() as tape:
+                        loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - y))
+                    opt.apply_gradients([(tape.gradient(loss, w), w)])
+
+            epoch()
+            wh.reset()
+            return w.numpy()
+    np.testing.assert_array_equal(train(None), train({"cluster.num_devices": 2}))
+    assert "the tf.function 'epoch" in tfpar_log.getvalue()
+    assert "inside a loop, branch or tf.function within the step" in tfpar_log.getvalue()
 
 
 def test_a_tf_function_called_in_a_graph_mode_script_says_it_runs_on_one_device(tfpar_log):

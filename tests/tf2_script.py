@@ -21,7 +21,10 @@ validation data and the ModelCheckpoint, EarlyStopping and TensorBoard
 callbacks, evaluate, predict); ``split`` / ``split_gradients`` (a custom loop
 with tf.GradientTape / tf.gradients whose 8-class head and cross-entropy are
 called in ``wh.split()``), ``split_fit`` (``fit`` on a subclassed model calling
-its head in ``wh.split()``), ``auto`` (``tape_adam`` with ``auto.auto_parallel``).
+its head in ``wh.split()``), ``pipeline_fit`` (``fit`` on a subclassed model
+calling its two layers in two ``wh.replicate(1)`` stages, 4 micro-batches),
+``auto`` (``tape_adam`` with ``auto.auto_parallel``), ``next_in_step``
+(``tape_adam`` reading each batch with ``next(iterator)`` inside the step).
 
 ``--restore DIR``: after training, the model of DIR's latest checkpoint is
 restored and its weights printed too.
@@ -62,7 +65,7 @@ def split_scope():
 
 
 def custom_loop(tape: bool, optimizer, directory: str, stages: bool = False,
-                split: bool = False):
+                split: bool = False, in_function: bool = False):
     rng = np.random.RandomState(0)
     x_all = rng.randn(40, 4).astype(np.float32)
     y_all = ((rng.rand(40) * CLASSES).astype(np.int64) if split
@@ -85,8 +88,7 @@ def custom_loop(tape: bool, optimizer, directory: str, stages: bool = False,
             logits = net.layers[1](h)
             return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
 
-    @tf.function
-    def step(x, y):
+    def train(x, y):
         if tape:
             with tf.GradientTape() as t:
                 loss = loss_of(x, y)
@@ -97,32 +99,47 @@ def custom_loop(tape: bool, optimizer, directory: str, stages: bool = False,
         opt.apply_gradients(zip(grads, net.trainable_variables))
         return loss
 
+    step = tf.function(train)
+    step_reading = tf.function(lambda iterator: train(*next(iterator)))
+
     ds = tf.data.Dataset.from_tensor_slices((x_all, y_all)).batch(16)
-    losses = [float(step(x, y)) for x, y in ds for _ in range(2)]
+    if in_function:
+        iterator = iter(ds)
+        losses = [float(step_reading(iterator)) for _ in range(3)]
+    else:
+        losses = [float(step(x, y)) for x, y in ds for _ in range(2)]
     tf.train.CheckpointManager(tf.train.Checkpoint(model=net, optimizer=opt), directory,
                                max_to_keep=1).save()
     return losses, net
 
 
-class SplitHead(tf.keras.Model):
-    """A subclassed model whose head is called in a split scope."""
+def stage_scope():
+    """``wh.replicate(1)`` (a pipeline stage) under tfpar; nothing in the plain run."""
+    return wh.replicate(1) if _TFPAR else contextlib.nullcontext()
 
-    def __init__(self):
+
+class Scoped(tf.keras.Model):
+    """A subclassed model calling its head in a split scope (``split``), or
+    its two layers in two pipeline stages."""
+
+    def __init__(self, split: bool):
         super().__init__()
+        self.split = split
         self.body = tf.keras.layers.Dense(8, activation="relu")
-        self.head = tf.keras.layers.Dense(CLASSES)
+        self.head = tf.keras.layers.Dense(CLASSES if split else 3)
 
     def call(self, x):
-        h = self.body(x)
-        with split_scope():
+        with contextlib.nullcontext() if self.split else stage_scope():
+            h = self.body(x)
+        with split_scope() if self.split else stage_scope():
             return self.head(h)
 
 
-def keras_fit(directory: str, split: bool = False):
+def keras_fit(directory: str, split: bool = False, stages: bool = False):
     rng = np.random.RandomState(0)
     x_all = rng.randn(40, 4).astype(np.float32)
     y_all = (rng.rand(40) * (CLASSES if split else 3)).astype(np.int64)
-    net = SplitHead() if split else model()
+    net = Scoped(split) if split or stages else model()
     net.compile(tf.keras.optimizers.Adam(0.01),
                 tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                 metrics=["accuracy"])
@@ -148,10 +165,13 @@ SCENARIOS = {
     "split": lambda d: custom_loop(True, tf.keras.optimizers.Adam, d, split=True),
     "split_gradients": lambda d: custom_loop(False, tf.keras.optimizers.Adam, d, split=True),
     "split_fit": lambda d: keras_fit(d, split=True),
+    "pipeline_fit": lambda d: keras_fit(d, stages=True),
     "auto": lambda d: custom_loop(True, tf.keras.optimizers.Adam, d),
+    "next_in_step": lambda d: custom_loop(True, tf.keras.optimizers.Adam, d, in_function=True),
 }
 # tfpar settings besides the device count.
-CONFIGS = {"pipeline": {"pipeline.num_micro_batch": 4}, "auto": {"auto.auto_parallel": True}}
+CONFIGS = {"pipeline": {"pipeline.num_micro_batch": 4},
+           "pipeline_fit": {"pipeline.num_micro_batch": 4}, "auto": {"auto.auto_parallel": True}}
 
 
 def working_devices(metadata) -> list:

@@ -409,10 +409,21 @@ def function_gradients(graph: ops.Graph) -> None:
     if rt is None:
         return
     eager = context.executing_eagerly()
-    _warn_one_device(rt, None if eager else graph.name, (
-        "tfpar parallelises graphs and tf.functions called from eager code, not eager "
-        "gradients" if eager else "tfpar parallelises a tf.function called from eager code, "
-        "not one built into a graph; use tf.gradients or an optimizer's minimize there"))
+    step = graph
+    while getattr(getattr(step, "outer_graph", None), "building_function", False):
+        step = step.outer_graph  # the loop body's (or inner function's) step
+    if eager:
+        why = ("tfpar parallelises graphs and tf.functions called from eager code, not eager "
+               "gradients")
+    elif ops.executing_eagerly_outside_functions():  # within a TF2 step
+        why = ("its gradients are taken inside a loop, branch or tf.function within the step "
+               "(a `for` over a dataset inside the tf.function is a loop); tfpar parallelises "
+               "a step's top level: iterate the dataset in Python or call next(iterator) in "
+               "the step, and leave the functions it calls undecorated")
+    else:
+        why = ("tfpar parallelises a tf.function called from eager code, not one built into "
+               "a graph; use tf.gradients or an optimizer's minimize there")
+    _warn_one_device(rt, None if eager else step.name, why)
 
 
 def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
