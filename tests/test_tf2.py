@@ -186,45 +186,47 @@ def test_wh_init_after_the_first_op_trains_on_one_device_and_says_why():
     assert "call wh.init() before the script runs its first TensorFlow op" in log
 
 
+def _trained_w(train_w, config):
+    """``w`` (4 x 2, ones) after ``train_w(w, SGD)`` in eager code, under
+    tfpar with ``config`` (None: without)."""
+    with context.eager_mode():
+        if config is not None:
+            wh.init(config)
+        w = tf.Variable(tf.ones([4, 2]))
+        train_w(w, tf.keras.optimizers.SGD(0.1))
+        wh.reset()
+        return w.numpy()
+
+
+def _assert_trains_as_without_tfpar(train_w):
+    np.testing.assert_array_equal(_trained_w(train_w, None),
+                                  _trained_w(train_w, {"cluster.num_devices": 2}))
+
+
 def test_eager_gradients_outside_functions_train_as_without_tfpar_and_say_so(tfpar_log):
-    def train(config):
-        with context.eager_mode():
-            if config is not None:
-                wh.init(config)
-            w = tf.Variable(tf.ones([4, 2]))
-            opt = tf.keras.optimizers.SGD(0.1)
-            for _ in range(3):
-                with tf.GradientTape() as tape:
-                    loss = tf.reduce_mean(tf.square(tf.matmul(X, w) - Y))
-                opt.apply_gradients([(tape.gradient(loss, w), w)])
-            wh.reset()
-            return w.numpy()
-    np.testing.assert_array_equal(train(None), train({"cluster.num_devices": 2}))
+    def train_w(w, opt):
+        for _ in range(3):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(tf.matmul(X, w) - Y))
+            opt.apply_gradients([(tape.gradient(loss, w), w)])
+    _assert_trains_as_without_tfpar(train_w)
     assert "eager code trains on one device" in tfpar_log.getvalue()
 
 
 def test_a_dataset_loop_inside_a_step_trains_as_without_tfpar_and_says_so(tfpar_log):
     """Gradients inside the step's own loop (a While body) are not at its top
     level: the step runs on one device, and tfpar says why and what to do."""
-    def train(config):
-        with context.eager_mode():
-            if config is not None:
-                wh.init(config)
-            w = tf.Variable(tf.ones([4, 2]))
-            opt = tf.keras.optimizers.SGD(0.1)
-            ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(10)
+    def train_w(w, opt):
+        ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(10)
 
-            @tf.function
-            def epoch():
-                for x, y in ds:
-                    with tf.GradientTape() as tape:
-                        loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - y))
-                    opt.apply_gradients([(tape.gradient(loss, w), w)])
-
-            epoch()
-            wh.reset()
-            return w.numpy()
-    np.testing.assert_array_equal(train(None), train({"cluster.num_devices": 2}))
+        @tf.function
+        def epoch():
+            for x, y in ds:
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - y))
+                opt.apply_gradients([(tape.gradient(loss, w), w)])
+        epoch()
+    _assert_trains_as_without_tfpar(train_w)
     assert "the tf.function 'epoch" in tfpar_log.getvalue()
     assert "inside a loop, branch or tf.function within the step" in tfpar_log.getvalue()
 
