@@ -215,8 +215,13 @@ def restore(net, directory: str) -> list:
 
 
 def strategies() -> list:
-    """(strategy, device count) of each TaskGraph of ``wh.current_plan()``."""
-    return [[tg.strategy, len(tg.devices)] for tg in wh.current_plan().task_graphs]
+    """(strategy, device count) of each TaskGraph of ``wh.current_plan()`` (none
+    when no step was rewritten)."""
+    try:
+        plan = wh.current_plan()
+    except wh.PlanError:
+        return []
+    return [[tg.strategy, len(tg.devices)] for tg in plan.task_graphs]
 
 
 def planned_devices() -> list:
