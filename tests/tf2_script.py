@@ -88,7 +88,7 @@ def custom_loop(tape: bool, optimizer, directory: str, stages: bool = False,
             logits = net.layers[1](h)
             return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
 
-    def train(x, y):
+    def step(x, y):  # its tf.function is called 'step' too
         if tape:
             with tf.GradientTape() as t:
                 loss = loss_of(x, y)
@@ -99,15 +99,15 @@ def custom_loop(tape: bool, optimizer, directory: str, stages: bool = False,
         opt.apply_gradients(zip(grads, net.trainable_variables))
         return loss
 
-    step = tf.function(train)
-    step_reading = tf.function(lambda iterator: train(*next(iterator)))
+    step_function = tf.function(step)
+    step_reading = tf.function(lambda iterator: step(*next(iterator)))
 
     ds = tf.data.Dataset.from_tensor_slices((x_all, y_all)).batch(16)
     if in_function:
         iterator = iter(ds)
         losses = [float(step_reading(iterator)) for _ in range(3)]
     else:
-        losses = [float(step(x, y)) for x, y in ds for _ in range(2)]
+        losses = [float(step_function(x, y)) for x, y in ds for _ in range(2)]
     tf.train.CheckpointManager(tf.train.Checkpoint(model=net, optimizer=opt), directory,
                                max_to_keep=1).save()
     return losses, net
