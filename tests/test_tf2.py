@@ -72,6 +72,7 @@ def test_a_tf2_step_trains_in_parallel_with_the_single_device_numbers(scenario, 
     if scenario.startswith("split"):
         assert ["split", devices] in got["strategies"], got["strategies"]
         assert got["shard_devices"] == [planned], "the head's kernel is not one shard per device"
+        assert got["slot_devices"] == [[d] for d in planned], "a shard's slots are off its device"
 
 
 def test_auto_parallel_plans_a_tf2_step_once_and_trains_with_the_single_device_numbers():

@@ -57,6 +57,7 @@ CLASSES = 8  # of the split heads: a shard per device has some
 
 
 _TFPAR = []  # [True] once wh.init() ran
+_OPTIMIZERS = []  # the custom loop's
 
 
 def split_scope():
@@ -71,6 +72,7 @@ def custom_loop(tape: bool, optimizer, directory: str, stages: bool = False,
     y_all = ((rng.rand(40) * CLASSES).astype(np.int64) if split
              else rng.randn(40, 3).astype(np.float32))
     net, opt = model(CLASSES if split else 3), optimizer(0.01)
+    _OPTIMIZERS.append(opt)
 
     def forward(x):
         if not stages:
@@ -194,6 +196,7 @@ def main(scenario: str, devices: int, late_init: bool, directory: str,
     losses, net = SCENARIOS[scenario](directory)
     restored = restore(net, restore_from) if restore_from else []
     return {"losses": losses, "weights": whole_weights(net), "restored": restored,
+            "slot_devices": slot_devices(_OPTIMIZERS[0] if _OPTIMIZERS else net.optimizer),
             "shard_devices": [[shard.device for shard in layer.kernel] for layer in net.layers
                               if not isinstance(layer.kernel, tf.Variable)],
             "devices": working_devices(context.context().export_run_metadata()),
@@ -205,6 +208,16 @@ def whole_weights(net) -> list:
     """Each dense layer's kernel and bias, whole (a split one's shards joined)."""
     return [np.asarray(getattr(layer, name).numpy()).tolist()
             for layer in net.layers for name in ("kernel", "bias")]
+
+
+def slot_devices(optimizer) -> list:
+    """Per shard variable (``.../part_i``) the optimizer has slots of, the
+    devices of those slots."""
+    by_part = {}
+    for v in optimizer.variables():  # a method of legacy optimizers; callable in new ones
+        if "/part_" in v.name:
+            by_part.setdefault(v.name.rsplit("/part_", 1)[1], set()).add(v.device)
+    return [sorted(devices) for _, devices in sorted(by_part.items())]
 
 
 def restore(net, directory: str) -> list:

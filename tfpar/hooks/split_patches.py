@@ -31,7 +31,6 @@ import inspect
 
 from keras.src import backend as keras_backend
 from keras.src.layers.core import dense as keras_dense
-from keras.src.optimizers import optimizer as keras_optimizer
 from keras.src.legacy_tf_layers import base as legacy_layers
 from tensorflow.python.framework import ops, tensor_util
 from tensorflow.python.ops import gen_array_ops, gen_linalg_ops, gen_math_ops, gen_nn_ops
@@ -71,8 +70,6 @@ def add_split_patches(patches: PatchSet) -> None:
     patches.add(gen_array_ops, "gather_v2", _wrap_gather)
     patches.add(gen_math_ops, "mat_mul", _wrap_mat_mul)
     patches.add(gen_linalg_ops, "einsum", _wrap_einsum)
-    patches.add(keras_optimizer._BaseOptimizer,  # pylint: disable=protected-access
-                "add_variable_from_reference", _wrap_optimizer_slot)
     for module, name in ((gen_nn_ops, "relu"), (gen_math_ops, "tanh"),
                          (gen_math_ops, "sigmoid")):
         patches.add(module, name, _wrap_elementwise)
@@ -186,17 +183,6 @@ def _eager_weight(ctx, layer, name, shape, dtype, initializer, axis, regularizer
         layer.add_loss(functools.partial(_layer_regularization, ctx, regularizer, weight, axis,
                                          f"{layer.name}/{name}"))
     return weight
-
-
-def _wrap_optimizer_slot(original):
-    """A keras optimizer's slot of a TF2 split weight's shard lives on the
-    shard's device."""
-    def add_variable_from_reference(self, model_variable, *args, **kwargs):
-        if getattr(model_variable, "_tfpar_weight", None) is None:
-            return original(self, model_variable, *args, **kwargs)
-        with ops.device(model_variable.device):
-            return original(self, model_variable, *args, **kwargs)
-    return add_variable_from_reference
 
 
 def _layer_regularization(ctx, regularizer, variable, axis, name):

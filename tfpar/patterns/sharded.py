@@ -26,7 +26,8 @@ from tfpar.ir.sharding import ShardingInfo
 from tfpar.patterns.weights import NO_REGULARIZER, check_constraint, regularization_loss
 
 __all__ = ["ShardCreation", "ShardedTensor", "ShardedVariable", "SplitContext",
-           "check_shardable", "shard_being_created", "sharded_variable", "slice_offsets"]
+           "check_shardable", "shard_being_created", "sharded_variable",
+           "slice_offsets"]
 
 
 @dataclasses.dataclass
@@ -56,8 +57,8 @@ class SplitContext:
 
     def __init__(self, name: str, devices: Sequence[str], forced: Optional[Dict[str, str]],
                  registry: Optional[Dict] = None):
-        """``registry``: full view (its ``ref()``) -> (devices, ShardedTensor), shared by the split
-        TaskGraphs of a graph, so one on the same devices reads another's shards
+        """``registry``: full view (its ``ref()``) -> (devices, ShardedTensor),
+        shared by the split TaskGraphs of a graph, so one on the same devices reads another's shards
         directly (Whale: a gather followed by a partition along the same
         dimension is fused away)."""
         self.name = name
@@ -120,8 +121,8 @@ class SplitContext:
         returns the full view the user sees."""
         with ops.device(self.devices[0]):
             full = array_ops.concat(shards, axis, name="gather_shards")
-        self._sharded[full.ref()] = (self.devices, ShardedTensor(list(shards), axis % full.shape.rank,
-                                                           full))
+        self._sharded[full.ref()] = (
+            self.devices, ShardedTensor(list(shards), axis % full.shape.rank, full))
         return full
 
     @contextlib.contextmanager

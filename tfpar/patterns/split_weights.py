@@ -7,6 +7,8 @@ step through captured handles. A shard's initial value is its slice of the
 whole weight's: the weight's current value when the layer was built whole
 before (``input_shape``, an earlier call), else its initializer drawn for the
 full shape, as one device draws it; so the numbers are the single-device ones.
+Keras optimizers make each shard's slots on its device (they colocate slots
+with their variable).
 
 A ``SplitWeight`` saves as one value under the weight's single-device
 checkpoint key and full shape (its shards are slices of it, TensorFlow's
@@ -88,8 +90,4 @@ def split_weight(ctx, name: str, initial: np.ndarray, axis: int, dtype, trainabl
                                                constraint=constraint)
             ctx.record_shard(shard, index)
             shards.append(shard)
-    weight = SplitWeight(name, shards, axis, initial.shape)
-    for shard in shards:
-        shard._tfpar_weight = weight  # pylint: disable=protected-access
-    return weight
-
+    return SplitWeight(name, shards, axis, initial.shape)
