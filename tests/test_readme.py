@@ -106,6 +106,21 @@ FIXTURES: Dict[str, Dict[str, str]] = {
                  "['device:CPU:0', 'device:CPU:1', 'device:CPU:2', 'device:CPU:3'], ran\n"
                  "assert np.isfinite(float(loss))\nprint('ran:', ran)\n",
     },
+    "tf2_fit": {
+        "before": "import numpy as np\nrng = np.random.RandomState(0)\n"
+                  "images = rng.randn(128, 784).astype('float32')\n"
+                  "labels = rng.randint(0, 10_000, 128)\n",
+        "after_init": "from tensorflow.python.eager import context\n"
+                      "context.context().enable_run_metadata()\n",
+        "after": "import sys\nsys.path.insert(0, {tests})\n"
+                 "from tf2_script import working_devices\n"
+                 "ran = working_devices(context.context().export_run_metadata())\n"
+                 "assert len(ran) == 4, ran\n"
+                 "kinds = [(tg.strategy, len(tg.devices)) for tg in wh.current_plan().task_graphs]\n"
+                 "assert kinds == [('replicate', 4), ('split', 4)], kinds\n"
+                 "assert [w.device[-5:] for w in model.layers[-1].kernel] == "
+                 "['CPU:0', 'CPU:1', 'CPU:2', 'CPU:3']\nprint('ran:', ran)\n",
+    },
     "graph_mlp": {
         "before": "import numpy as np\nrng = np.random.RandomState(0)\n"
                   "batch_x = rng.randn(64, 32).astype('float32'); batch_y = rng.randint(0, 10, 64)\n",

@@ -55,21 +55,24 @@ def assert_same_training(expected, got):
 @pytest.mark.parametrize("scenario,devices", [
     ("tape_adam", 2), ("tape_adam", 4), ("tape_legacy_adam", 2), ("gradients_adam", 4),
     ("pipeline", 2), ("pipeline", 4), ("pipeline_fit", 2), ("pipeline_fit", 4),
-    ("fit", 2), ("fit", 4),
-    ("next_in_step", 2), ("split", 2), ("split", 4), ("split_gradients", 2), ("split_fit", 2), ("split_fit", 4)])
+    ("fit", 2), ("fit", 4), ("next_in_step", 2), ("split", 2), ("split", 4),
+    ("split_gradients", 2), ("split_fit", 2), ("split_fit", 4),
+    ("functional_pipeline_fit", 2), ("functional_pipeline_fit", 4), ("functional_split_fit", 2),
+    ("made_in_stages", 4)])
 def test_a_tf2_step_trains_in_parallel_with_the_single_device_numbers(scenario, devices):
     """Before: wh.init() switched TensorFlow to graph mode, every step(x, y)
     returned a symbolic tensor and nothing trained, without a word. A split
-    head in a TF2 step was refused."""
+    head in a TF2 step was refused, and so was a scope around building a
+    model in eager code."""
     got, _ = run_script(scenario, devices)
     assert_same_training(plain(scenario), got)
     planned = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(devices)]
     assert set(planned) <= set(got["devices"]), (
         f"the step was never parallelised: work ran only on {got['devices']}")
     assert set(got["planned"]) == set(planned), "wh.current_plan() is not the plan that ran"
-    if scenario.startswith("pipeline"):  # two stages, each data parallel over the rest
+    if "pipeline" in scenario or scenario == "made_in_stages":  # two stages, each data parallel
         assert got["strategies"] == [["replicate", devices // 2]] * 2, got["strategies"]
-    if scenario.startswith("split"):
+    if "split" in scenario:
         assert ["split", devices] in got["strategies"], got["strategies"]
         assert got["shard_devices"] == [planned], "the head's kernel is not one shard per device"
         assert got["slot_devices"] == [[d] for d in planned], "a shard's slots are off its device"
@@ -155,16 +158,36 @@ def test_a_split_head_narrower_than_its_devices_is_refused_by_name():
 
 
 @pytest.mark.parametrize("scope", [wh.split, wh.replicate])
-def test_a_scope_in_eager_code_is_refused_where_it_would_do_nothing(scope):
-    """Before: a Keras functional model built in eager code inside wh.split(2)
-    trained with its head whole, without a word."""
+def test_a_scope_in_eager_code_without_keras_layers_says_it_changes_nothing(scope, tfpar_log):
     with context.eager_mode():
         wh.init({"cluster.num_devices": 2})
-        inputs = tf.keras.Input((4,))
-        with pytest.raises(wh.AnnotationError, match=r"\(2\) is entered in eager code.*inside "
-                                                     "the tf.function step"):
-            with scope(2):
-                tf.keras.layers.Dense(6)(inputs)
+        with scope(2):
+            tf.constant(1.0) + 1.0
+    assert f"{scope.__name__}(2) was entered in eager code and no Keras layer was made or " \
+        "called in it, so it changes nothing" in tfpar_log.getvalue()
+
+
+def test_a_layer_called_in_two_eager_scopes_is_refused_by_name():
+    """A functional model's layer belongs to one TaskGraph of each step."""
+    with context.eager_mode():
+        wh.init({"cluster.num_devices": 2})
+        inputs, shared = tf.keras.Input((4,)), tf.keras.layers.Dense(4, name="shared")
+        with wh.replicate(1):
+            hidden = shared(inputs)
+        with pytest.raises(wh.AnnotationError, match=r"layer 'shared' is called in replicate\(1\) "
+                                                     r"and again in replicate\(1\)"):
+            with wh.replicate(1):
+                shared(hidden)
+
+
+def test_a_layer_of_an_eager_scope_called_inside_a_step_scope_is_refused_by_name():
+    with context.eager_mode():
+        wh.init({"cluster.num_devices": 2})
+        with wh.split(2):
+            head = tf.keras.layers.Dense(4, name="head")
+        with pytest.raises(wh.AnnotationError, match="layer 'head' was made or called in "
+                                                     r"split\(2\) and is now called inside"):
+            _split_step(lambda: head)(tf.constant(X))
 
 
 def test_get_variable_in_a_split_scope_of_a_tf2_step_is_refused_by_name():

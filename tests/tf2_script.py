@@ -25,6 +25,11 @@ its head in ``wh.split()``), ``pipeline_fit`` (``fit`` on a subclassed model
 calling its two layers in two ``wh.replicate(1)`` stages, 4 micro-batches),
 ``auto`` (``tape_adam`` with ``auto.auto_parallel``), ``next_in_step``
 (``tape_adam`` reading each batch with ``next(iterator)`` inside the step).
+Models built in eager code inside scopes: ``functional_pipeline_fit`` /
+``functional_split_fit`` (``fit`` on a functional model calling its layers in
+two ``wh.replicate(1)`` scopes, 4 micro-batches / its head in ``wh.split()``),
+``made_in_stages`` (``tape_adam`` on a Sequential model of layers made in two
+``wh.replicate(1)`` scopes, 4 micro-batches).
 
 ``--restore DIR``: after training, the model of DIR's latest checkpoint is
 restored and its weights printed too.
@@ -66,12 +71,12 @@ def split_scope():
 
 
 def custom_loop(tape: bool, optimizer, directory: str, stages: bool = False,
-                split: bool = False, in_function: bool = False):
+                split: bool = False, in_function: bool = False, build=model):
     rng = np.random.RandomState(0)
     x_all = rng.randn(40, 4).astype(np.float32)
     y_all = ((rng.rand(40) * CLASSES).astype(np.int64) if split
              else rng.randn(40, 3).astype(np.float32))
-    net, opt = model(CLASSES if split else 3), optimizer(0.01)
+    net, opt = build(CLASSES if split else 3), optimizer(0.01)
     _OPTIMIZERS.append(opt)
 
     def forward(x):
@@ -137,11 +142,31 @@ class Scoped(tf.keras.Model):
             return self.head(h)
 
 
-def keras_fit(directory: str, split: bool = False, stages: bool = False):
+def made_in_stages(outputs: int):
+    """A Sequential model of two layers made in two ``wh.replicate(1)`` scopes
+    in eager code."""
+    with stage_scope():
+        body = tf.keras.layers.Dense(8, activation="relu")
+    with stage_scope():
+        head = tf.keras.layers.Dense(outputs)
+    return tf.keras.Sequential([tf.keras.Input((4,)), body, head])
+
+
+def functional(split: bool):
+    """A functional model built in eager code calling its head in
+    ``wh.split()`` (``split``), or its two layers in two pipeline stages."""
+    inputs = tf.keras.Input((4,))
+    with contextlib.nullcontext() if split else stage_scope():
+        hidden = tf.keras.layers.Dense(8, activation="relu")(inputs)
+    with split_scope() if split else stage_scope():
+        return tf.keras.Model(inputs, tf.keras.layers.Dense(CLASSES if split else 3)(hidden))
+
+
+def keras_fit(directory: str, split: bool = False, stages: bool = False, build=None):
     rng = np.random.RandomState(0)
     x_all = rng.randn(40, 4).astype(np.float32)
     y_all = (rng.rand(40) * (CLASSES if split else 3)).astype(np.int64)
-    net = Scoped(split) if split or stages else model()
+    net = build(split) if build else Scoped(split) if split or stages else model()
     net.compile(tf.keras.optimizers.Adam(0.01),
                 tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                 metrics=["accuracy"])
@@ -168,12 +193,18 @@ SCENARIOS = {
     "split_gradients": lambda d: custom_loop(False, tf.keras.optimizers.Adam, d, split=True),
     "split_fit": lambda d: keras_fit(d, split=True),
     "pipeline_fit": lambda d: keras_fit(d, stages=True),
+    "functional_pipeline_fit": lambda d: keras_fit(d, build=functional),
+    "functional_split_fit": lambda d: keras_fit(d, split=True, build=functional),
+    "made_in_stages": lambda d: custom_loop(True, tf.keras.optimizers.Adam, d,
+                                            build=made_in_stages),
     "auto": lambda d: custom_loop(True, tf.keras.optimizers.Adam, d),
     "next_in_step": lambda d: custom_loop(True, tf.keras.optimizers.Adam, d, in_function=True),
 }
 # tfpar settings besides the device count.
 CONFIGS = {"pipeline": {"pipeline.num_micro_batch": 4},
-           "pipeline_fit": {"pipeline.num_micro_batch": 4}, "auto": {"auto.auto_parallel": True}}
+           "pipeline_fit": {"pipeline.num_micro_batch": 4},
+           "functional_pipeline_fit": {"pipeline.num_micro_batch": 4},
+           "made_in_stages": {"pipeline.num_micro_batch": 4}, "auto": {"auto.auto_parallel": True}}
 
 
 def working_devices(metadata) -> list:
@@ -197,7 +228,7 @@ def main(scenario: str, devices: int, late_init: bool, directory: str,
     restored = restore(net, restore_from) if restore_from else []
     return {"losses": losses, "weights": whole_weights(net), "restored": restored,
             "slot_devices": slot_devices(_OPTIMIZERS[0] if _OPTIMIZERS else net.optimizer),
-            "shard_devices": [[shard.device for shard in layer.kernel] for layer in net.layers
+            "shard_devices": [[shard.device for shard in layer.kernel] for layer in dense(net)
                               if not isinstance(layer.kernel, tf.Variable)],
             "devices": working_devices(context.context().export_run_metadata()),
             "planned": planned_devices() if devices and not late_init else [],
@@ -207,7 +238,11 @@ def main(scenario: str, devices: int, late_init: bool, directory: str,
 def whole_weights(net) -> list:
     """Each dense layer's kernel and bias, whole (a split one's shards joined)."""
     return [np.asarray(getattr(layer, name).numpy()).tolist()
-            for layer in net.layers for name in ("kernel", "bias")]
+            for layer in dense(net) for name in ("kernel", "bias")]
+
+
+def dense(net) -> list:
+    return [layer for layer in net.layers if hasattr(layer, "kernel")]
 
 
 def slot_devices(optimizer) -> list:

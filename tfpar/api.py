@@ -1,4 +1,5 @@
 """Public API: init, replicate, split, set_default_strategy, current_plan."""
+import contextlib
 import logging
 import sys
 from typing import Any, Optional
@@ -139,8 +140,7 @@ class _Scope:
 
     def __enter__(self):
         import tensorflow as tf  # pylint: disable=import-outside-toplevel
-        from tfpar.hooks.capture import capture_for  # pylint: disable=import-outside-toplevel
-        from tfpar.runtime.engine import make_split_context  # pylint: disable=import-outside-toplevel
+        from tfpar.hooks import keras_scopes  # pylint: disable=import-outside-toplevel
 
         rt = _runtime(self._describe())
         if self.device_count is not None and self.device_count > len(rt.devices):
@@ -148,22 +148,59 @@ class _Scope:
                 f"tfpar: {self._describe()} asks for {self.device_count} devices but only "
                 f"{len(rt.devices)} exist; set cluster.num_devices or lower device_count")
         if tf.executing_eagerly():
-            raise AnnotationError(
-                f"tfpar: {self._describe()} is entered in eager code, where no graph records "
-                "it (a Keras model built here would run without it): in a TF2 script, put the "
-                "scope around the layer calls inside the tf.function step, or inside the "
-                "model's call (model.fit traces it)")
-        self._capture = capture_for(tf.compat.v1.get_default_graph())
-        if self._capture.in_scope:
-            raise AnnotationError(f"tfpar: {self._describe()} is nested inside another scope; "
-                                  "replicate/split scopes cannot be nested")
-        spec = self._capture.open_scope(self.strategy, self.device_count, self.name)
-        if self.strategy == Strategy.SPLIT:
-            self._capture.split_contexts[spec.index] = make_split_context(self._capture, spec, rt)
+            keras_scopes.enter_eagerly(self)
+            self._capture = None
+            return self
+        self._capture = self._open(tf.compat.v1.get_default_graph(), rt, key=None)
         return self
 
     def __exit__(self, *exc) -> None:
-        self._capture.close_scope()
+        from tfpar.hooks import keras_scopes  # pylint: disable=import-outside-toplevel
+
+        if self._capture is None:
+            if not keras_scopes.exit_eagerly(self) and exc[0] is None:
+                log.warning("tfpar: %s was entered in eager code and no Keras layer was made "
+                            "or called in it, so it changes nothing; eager ops run in it as "
+                            "without tfpar (put the scope around building or calling the "
+                            "model's layers, or inside the tf.function step)", self._describe())
+        else:
+            self._capture.close_scope()
+
+    def _open(self, graph, rt, key):
+        from tfpar.hooks.capture import capture_for  # pylint: disable=import-outside-toplevel
+        from tfpar.runtime import engine  # pylint: disable=import-outside-toplevel
+
+        capture = capture_for(graph)
+        if capture.in_scope:
+            raise AnnotationError(f"tfpar: {self._describe()} is nested inside another scope; "
+                                  "replicate/split scopes cannot be nested")
+        created = len(capture.task_graphs)
+        spec = capture.open_scope(self.strategy, self.device_count, self.name, key)
+        if self.strategy == Strategy.SPLIT and spec.index >= created:
+            capture.split_contexts[spec.index] = engine.make_split_context(capture, spec, rt)
+        return capture
+
+    @contextlib.contextmanager
+    def reopened(self, graph, layer: str):
+        """Around a call of Keras layer ``layer`` in a TF2 step ``graph``, this
+        scope (entered in eager code where the layer was made or called) as
+        one TaskGraph per step graph; nothing more inside a layer of the same
+        scope."""
+        from tfpar.hooks.capture import capture_for  # pylint: disable=import-outside-toplevel
+
+        capture = capture_for(graph)
+        if capture.in_scope and capture.innermost_key() is self:
+            yield
+            return
+        if capture.in_scope:
+            raise AnnotationError(
+                f"tfpar: Keras layer '{layer}' was made or called in {self._describe()} and "
+                "is now called inside another scope; replicate/split scopes cannot be nested")
+        self._open(graph, _runtime(self._describe()), key=self)
+        try:
+            yield
+        finally:
+            capture.close_scope()
 
 
 def _runtime(what: str):

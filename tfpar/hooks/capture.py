@@ -61,6 +61,8 @@ class GraphCapture:
         # unsharded plan): what current_plan() shows, to be pinned.
         self.sharded_plan: Any = None
         self._scopes: List[int] = []
+        # Key of a reopened scope -> its TaskGraph index (``open_scope``).
+        self._keyed: Dict[Any, int] = {}
         # TaskGraph index -> patterns.sharded.SplitContext of each split scope,
         # and the sharded tensors they share.
         self.split_contexts: Dict[int, Any] = {}
@@ -173,14 +175,20 @@ class GraphCapture:
         return self._open_planned
 
     def open_scope(self, strategy: Strategy, device_count: Optional[int],
-                   name: Optional[str]) -> TaskGraphSpec:
-        index = len(self.task_graphs)
-        spec = TaskGraphSpec(index=index, name=name or f"{strategy.value}_{index}",
-                             strategy=strategy, device_count=device_count)
-        self.task_graphs.append(spec)
+                   name: Optional[str], key: Any = None) -> TaskGraphSpec:
+        """Open a new TaskGraph, or reopen the one opened before with ``key``
+        (a scope entered in eager code, reopened around each of its layers)."""
+        index = self._keyed.get(key) if key is not None else None
+        if index is None:
+            index = len(self.task_graphs)
+            self.task_graphs.append(TaskGraphSpec(
+                index=index, name=name or f"{strategy.value}_{index}", strategy=strategy,
+                device_count=device_count))
+            if key is not None:
+                self._keyed[key] = index
         self._scopes.append(index)
         self._implicit = None
-        return spec
+        return self.task_graphs[index]
 
     def close_scope(self) -> None:
         self._scopes.pop()
@@ -196,6 +204,11 @@ class GraphCapture:
     @property
     def in_scope(self) -> bool:
         return bool(self._scopes)
+
+    def innermost_key(self) -> Any:
+        """The key the innermost open scope was opened with (None: a new scope)."""
+        index = self._scopes[-1] if self._scopes else None
+        return next((key for key, i in self._keyed.items() if i == index), None)
 
     def current_split(self, name_scope: str = "") -> Any:
         """The SplitContext of the open split scope, or of the planned split

@@ -20,6 +20,8 @@
   first runs or freezes; fetches are translated to their parallel versions.
 * keras ``fit`` / ``train_on_batch`` / ``set_weights`` / ``load_weights``:
   the training function is built before they run the session (``keras_patches``).
+* keras ``Layer.__init__`` / ``__call__``: a layer made or called in a scope
+  entered in TF2 eager code is called in that scope in each step (``keras_scopes``).
 """
 import contextlib
 import threading
@@ -46,6 +48,7 @@ from tfpar.hooks import batch_shapes
 from tfpar.hooks import capture as cap_lib
 from tfpar.hooks.patching import PatchSet
 from tfpar.hooks.keras_patches import add_keras_patches
+from tfpar.hooks.keras_scopes import add_keras_scope_patches
 from tfpar.hooks.split_patches import add_split_patches
 from tfpar.hooks.step_graphs import is_step_function
 from tfpar.ir.taskgraph import Phase
@@ -117,6 +120,7 @@ def install(runtime: Any) -> None:
         _patches.add(dataset_ops.DatasetV1, name, _wrap_make_iterator)
     add_split_patches(_patches)
     add_keras_patches(_patches, lambda: _runtime is not None)
+    add_keras_scope_patches(_patches)
 
 
 def uninstall() -> None:

@@ -1,0 +1,92 @@
+"""Scopes around building a Keras model in TF2 eager code.
+
+A ``wh.replicate`` / ``wh.split`` scope entered in eager code has no graph to
+record its ops in: a functional model's layers run there on symbolic inputs,
+and the ops that train run later, in the step's ``tf.function``. So each Keras
+layer made in the scope, or called in it (a functional or Sequential model
+calls its layers while it is built; ``x + 1`` on a symbolic input is a layer
+too), remembers the scope; a layer called in a scope takes that one over the
+one it was made in (a functional model made in a scope does not remember it:
+its layers do). Whenever a TF2 step is traced, each such layer's call is
+wrapped in its scope (``_Scope.reopened``): all layers of one scope form one
+TaskGraph of that step, as the same code inside the step would.
+"""
+import threading
+
+from keras.src.engine import base_layer, functional
+from tensorflow.python.eager import context
+from tensorflow.python.framework import ops
+
+from tfpar.errors import AnnotationError
+from tfpar.hooks.step_graphs import is_step_function
+
+__all__ = ["add_keras_scope_patches", "enter_eagerly", "exit_eagerly"]
+
+_state = threading.local()
+
+
+def _open():
+    """[scope, layers recorded] of the scope entered in eager code, or None."""
+    return getattr(_state, "open", None)
+
+
+def _describe(scope) -> str:
+    return scope._describe()  # pylint: disable=protected-access
+
+
+def enter_eagerly(scope) -> None:
+    if _open() is not None:
+        raise AnnotationError(f"tfpar: {_describe(scope)} is nested inside another scope; "
+                              "replicate/split scopes cannot be nested")
+    _state.open = [scope, 0]
+
+
+def exit_eagerly(scope) -> int:
+    """How many Keras layers remembered ``scope``, which closes."""
+    entry = _open()
+    _state.open = None
+    return entry[1] if entry is not None and entry[0] is scope else 0
+
+
+def add_keras_scope_patches(patches) -> None:
+    patches.add(base_layer.Layer, "__init__", _remembering_made)
+    patches.add(base_layer.Layer, "__call__", _reopening)
+
+
+def _remember(layer, called: bool) -> None:
+    entry = _open()
+    scope, by_call = layer.__dict__.get("_tfpar_scope", (None, False))
+    if by_call and called and scope is not entry[0]:
+        raise AnnotationError(
+            f"tfpar: Keras layer '{layer.name}' is called in {_describe(scope)} and again in "
+            f"{_describe(entry[0])}; a layer of a model built in eager code belongs to one "
+            "scope (make one layer per scope, or put the scopes inside the tf.function step)")
+    if not by_call:
+        object.__setattr__(layer, "_tfpar_scope", (entry[0], called))  # untracked by keras
+    entry[1] += 1
+
+
+def _remembering_made(original):
+    """A functional model (Sequential too) made in a scope does not remember
+    it: its layers remember the scopes they were made or called in."""
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if (_open() is not None and context.executing_eagerly()
+                and not isinstance(self, functional.Functional)):
+            _remember(self, called=False)
+    return __init__
+
+
+def _reopening(original):
+    def __call__(self, *args, **kwargs):
+        if _open() is not None and context.executing_eagerly():
+            _remember(self, called=True)
+            return original(self, *args, **kwargs)
+        scope = self.__dict__.get("_tfpar_scope", (None,))[0]
+        graph = ops.get_default_graph()
+        if scope is None or not is_step_function(graph):
+            return original(self, *args, **kwargs)
+        with scope.reopened(graph, self.name):
+            return original(self, *args, **kwargs)
+    return __call__
+
