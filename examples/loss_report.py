@@ -50,6 +50,19 @@ class TracedStepHook(tf.compat.v1.train.SessionRunHook):
         self.devices = wh.step_devices(run_values.run_metadata, run_context.session.graph)
 
 
+def devices_that_worked() -> list:
+    """Devices of the ops the tf.functions run so far were placed on, in an
+    eager script with run metadata and graph collection on (TensorFlow's
+    partition graphs; data transfers left out)."""
+    from tensorflow.python.eager import context  # pylint: disable=import-outside-toplevel
+
+    metadata = context.context().export_run_metadata()
+    return sorted({node.device.split("device:")[-1] for fn in metadata.function_graphs
+                   for graph in fn.partition_graphs for node in graph.node
+                   if node.op not in ("_Arg", "_Retval", "_Send", "_Recv", "_HostSend",
+                                      "_HostRecv", "Const", "NoOp", "Identity")})
+
+
 def print_devices(counts) -> None:
     """The ops a traced step ran per TaskGraph and device (``tfpar.step_devices``)."""
     print("traced step ran:")

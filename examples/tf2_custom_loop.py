@@ -21,7 +21,7 @@ import tensorflow as tf  # noqa: E402
 from tensorflow.python.eager import context  # noqa: E402
 
 import tfpar as wh  # noqa: E402
-from loss_report import example_parser, report  # noqa: E402  (examples/loss_report.py)
+from loss_report import devices_that_worked, example_parser, report  # noqa: E402  (examples/loss_report.py)
 
 
 def make_model():
@@ -52,16 +52,6 @@ def keras_fit(batches):
                   tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return [model.fit(x, y, batch_size=len(x), verbose=0).history["loss"][0]
             for x, y in batches]
-
-
-def devices_that_worked() -> list:
-    """Devices of the ops the functions run so far were placed on
-    (TensorFlow's partition graphs; data transfers left out)."""
-    metadata = context.context().export_run_metadata()
-    return sorted({node.device.split("device:")[-1] for fn in metadata.function_graphs
-                   for graph in fn.partition_graphs for node in graph.node
-                   if node.op not in ("_Arg", "_Retval", "_Send", "_Recv", "_HostSend",
-                                      "_HostRecv", "Const", "NoOp", "Identity")})
 
 
 def main():

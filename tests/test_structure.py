@@ -113,9 +113,13 @@ def test_pipeline_example_runs_and_is_equivalent(tmp_path):
     assert (tmp_path / "plan_timeline.json").exists() and (tmp_path / "step_timeline.json").exists()
 
 
-@pytest.mark.parametrize("flags", [[], ["--fit"]], ids=["custom_loop", "fit"])
-def test_tf2_example_runs_and_is_equivalent(flags):
-    out = _run("examples/tf2_custom_loop.py", "--devices", "2", "--steps", "3", *flags)
+@pytest.mark.parametrize("script,flags", [
+    ("examples/tf2_custom_loop.py", ["--steps", "3"]),
+    ("examples/tf2_custom_loop.py", ["--steps", "3", "--fit"]),
+    ("examples/keras_fit.py", ["--mode", "pipeline"]), ("examples/keras_fit.py", ["--mode", "split"])],
+    ids=["custom_loop", "fit", "keras_fit_pipeline", "keras_fit_split"])
+def test_tf2_example_runs_and_is_equivalent(script, flags):
+    out = _run(script, "--devices", "2", *flags)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "(equivalent)" in out.stdout
     assert "the training step ran on: CPU:0, CPU:1\n" in out.stdout, out.stdout
@@ -134,7 +138,8 @@ def assert_ran(stdout, task_graphs):
     ("examples/estimator_classifier.py", "pipeline", {"replicate_0": ["CPU:0"],
                                                       "replicate_1": ["CPU:1"]})])
 def test_entry_point_examples_run_and_are_equivalent(script, mode, task_graphs, tmp_path):
-    args = ["--mode", mode] + (["--model-dir", str(tmp_path)] if "estimator" in script else [])
+    args = ["--mode", mode] + (["--model-dir", str(tmp_path)] if "estimator" in script
+                               else ["--graph"])
     out = _run(script, *args)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "equivalent" in out.stdout and "NOT" not in out.stdout

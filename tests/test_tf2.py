@@ -27,12 +27,13 @@ X, Y = RNG.randn(40, 4).astype(np.float32), RNG.randn(40, 2).astype(np.float32)
 
 
 def run_script(scenario: str, devices: int, late_init: bool = False, directory=None,
-               restore=None):
+               restore=None, resume=None):
     """(results, stderr) of ``tf2_script.py`` in a fresh process."""
     done = subprocess.run([sys.executable, SCRIPT, scenario, str(devices)]
                           + (["--late-init"] if late_init else [])
                           + (["--dir", str(directory)] if directory else [])
-                          + (["--restore", str(restore)] if restore else []),
+                          + (["--restore", str(restore)] if restore else [])
+                          + (["--resume", str(resume)] if resume else []),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
@@ -135,6 +136,57 @@ def test_a_split_head_checkpoint_is_interchangeable_with_a_plain_one(tmp_path):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
 
 
+def test_optimizer_state_of_a_split_head_resumes_across_plans(tmp_path):
+    """Keras numbers an optimizer's slots; a split weight's shards each have
+    theirs, so a checkpoint regroups them as the whole weight's. Training
+    resumed from a checkpoint (restored before the first step) continues as
+    the plain run resumed from a plain checkpoint, whichever plans wrote and
+    read it; with the slots restored to zero, Adam's steps would differ.
+    Before: plain -> split failed on shapes, and the slots' numbers shifted."""
+    plain_dir, split_dir = tmp_path / "plain", tmp_path / "split"
+    run_script("split", 0, directory=plain_dir)
+    run_script("split", 2, directory=split_dir)
+    expected, _ = run_script("split", 0, directory=tmp_path / "a", resume=plain_dir)
+    fresh = plain("split")
+    assert not np.allclose(expected["losses"], fresh["losses"]), "the resume changed nothing"
+    for devices, source in ((2, plain_dir), (0, split_dir), (4, split_dir)):
+        got, _ = run_script("split", devices, directory=tmp_path / str(devices), resume=source)
+        np.testing.assert_allclose(got["losses"], expected["losses"], rtol=1e-5, atol=1e-6,
+                                   err_msg=f"{devices} devices resumed from {source.name}")
+        for a, b in zip(expected["weights"], got["weights"]):
+            np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+
+
+def test_an_optimizer_built_before_its_layer_is_split_is_refused_by_name():
+    with context.eager_mode():
+        wh.init({"cluster.num_devices": 2})
+        head = tf.keras.layers.Dense(4, name="head")
+        head.build((None, 4))
+        optimizer = tf.keras.optimizers.Adam()
+        optimizer.build(head.trainable_variables)
+        with pytest.raises(wh.ShardingError, match="optimizer 'Adam' made its slots for "
+                                                   "'kernel:0' whole before layer 'head'"):
+            _split_step(lambda: head)(tf.constant(X))
+
+
+def test_a_legacy_optimizer_says_it_does_not_save_the_slots_of_split_weights(tfpar_log):
+    with context.eager_mode():
+        wh.init({"cluster.num_devices": 2})
+        head = tf.keras.layers.Dense(4, name="head")
+        optimizer = tf.keras.optimizers.legacy.Adam()
+
+        @tf.function
+        def step(x):
+            with tf.GradientTape() as tape:
+                with wh.split(2):
+                    loss = tf.reduce_sum(head(x))
+            grads = tape.gradient(loss, head.trainable_variables)
+            optimizer.apply_gradients(zip(grads, head.trainable_variables))
+        step(tf.constant(X))
+    assert "legacy optimizer 'Adam' keeps its slots ('m') of split weight 'kernel' by shard, " \
+        "and checkpoints do not save them" in tfpar_log.getvalue()
+
+
 def _split_step(make_head):
     """A TF2 step calling ``make_head()``'s layer on X in ``wh.split(2)``."""
     head = make_head()
@@ -180,13 +232,19 @@ def test_a_layer_called_in_two_eager_scopes_is_refused_by_name():
                 shared(hidden)
 
 
-def test_a_layer_of_an_eager_scope_called_inside_a_step_scope_is_refused_by_name():
+def test_a_layer_of_an_eager_scope_called_inside_another_step_scope_is_refused_by_name():
+    """Inside a scope of the same kind it joins that scope (a model's call
+    opens the scope in the step as it did when the model was called eagerly)."""
     with context.eager_mode():
         wh.init({"cluster.num_devices": 2})
         with wh.split(2):
+            same = tf.keras.layers.Dense(4, name="same")
+        with wh.replicate(1):
             head = tf.keras.layers.Dense(4, name="head")
+        _split_step(lambda: same)(tf.constant(X))
+        assert [shard.device[-5:] for shard in same.kernel] == ["CPU:0", "CPU:1"]
         with pytest.raises(wh.AnnotationError, match="layer 'head' was made or called in "
-                                                     r"split\(2\) and is now called inside"):
+                                                     r"replicate\(1\) and is now called inside"):
             _split_step(lambda: head)(tf.constant(X))
 
 

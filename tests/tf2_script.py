@@ -3,6 +3,7 @@ TensorFlow makes logical CPU devices only before it first runs an op, and the
 test suite itself runs in graph mode.
 
     python tf2_script.py SCENARIO DEVICES [--late-init] [--dir DIR] [--restore DIR]
+                         [--resume DIR]
 
 DEVICES 0 runs the script plainly; otherwise ``wh.init({"cluster.num_devices":
 DEVICES, ...})`` comes first (``--late-init``: after the script ran its first
@@ -32,7 +33,10 @@ two ``wh.replicate(1)`` scopes, 4 micro-batches / its head in ``wh.split()``),
 ``wh.replicate(1)`` scopes, 4 micro-batches).
 
 ``--restore DIR``: after training, the model of DIR's latest checkpoint is
-restored and its weights printed too.
+restored and its weights printed too. ``--resume DIR``: a custom loop first
+restores the model and optimizer of DIR's latest checkpoint (before its first
+step, so the optimizer's slots are restored when it makes them), and checks at
+the end that every value of the checkpoint was restored.
 """
 import contextlib
 import json
@@ -63,6 +67,7 @@ CLASSES = 8  # of the split heads: a shard per device has some
 
 _TFPAR = []  # [True] once wh.init() ran
 _OPTIMIZERS = []  # the custom loop's
+_RESUME = []  # [directory] of --resume
 
 
 def split_scope():
@@ -110,13 +115,16 @@ def custom_loop(tape: bool, optimizer, directory: str, stages: bool = False,
     step_reading = tf.function(lambda iterator: step(*next(iterator)))
 
     ds = tf.data.Dataset.from_tensor_slices((x_all, y_all)).batch(16)
+    checkpoint = tf.train.Checkpoint(model=net, optimizer=opt)
+    resumed = [checkpoint.restore(tf.train.latest_checkpoint(d)) for d in _RESUME]
     if in_function:
         iterator = iter(ds)
         losses = [float(step_reading(iterator)) for _ in range(3)]
     else:
         losses = [float(step_function(x, y)) for x, y in ds for _ in range(2)]
-    tf.train.CheckpointManager(tf.train.Checkpoint(model=net, optimizer=opt), directory,
-                               max_to_keep=1).save()
+    for status in resumed:
+        status.assert_consumed()
+    tf.train.CheckpointManager(checkpoint, directory, max_to_keep=1).save()
     return losses, net
 
 
@@ -285,4 +293,5 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     out = args[args.index("--dir") + 1] if "--dir" in args else tempfile.mkdtemp()
     source = args[args.index("--restore") + 1] if "--restore" in args else ""
+    _RESUME.extend(args[args.index("--resume") + 1:][:1] if "--resume" in args else [])
     print(json.dumps(main(args[0], int(args[1]), "--late-init" in args, out, source)))

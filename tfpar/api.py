@@ -166,6 +166,10 @@ class _Scope:
         else:
             self._capture.close_scope()
 
+    def _same_kind(self, spec) -> bool:
+        return (spec.strategy == self.strategy and spec.device_count == self.device_count
+                and self.name in (None, spec.name))
+
     def _open(self, graph, rt, key):
         from tfpar.hooks.capture import capture_for  # pylint: disable=import-outside-toplevel
         from tfpar.runtime import engine  # pylint: disable=import-outside-toplevel
@@ -185,14 +189,16 @@ class _Scope:
         """Around a call of Keras layer ``layer`` in a TF2 step ``graph``, this
         scope (entered in eager code where the layer was made or called) as
         one TaskGraph per step graph; nothing more inside a layer of the same
-        scope."""
+        scope, or inside a scope of the same kind the step opened (a model's
+        ``call`` opens its scope in the step as it did when called eagerly)."""
         from tfpar.hooks.capture import capture_for  # pylint: disable=import-outside-toplevel
 
         capture = capture_for(graph)
-        if capture.in_scope and capture.innermost_key() is self:
+        spec, key = capture.innermost()
+        if key is self or (spec is not None and key is None and self._same_kind(spec)):
             yield
             return
-        if capture.in_scope:
+        if spec is not None:
             raise AnnotationError(
                 f"tfpar: Keras layer '{layer}' was made or called in {self._describe()} and "
                 "is now called inside another scope; replicate/split scopes cannot be nested")

@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 import threading
 import weakref
-from typing import Any, Callable, Container, Dict, List, Optional
+from typing import Any, Callable, Container, Dict, List, Optional, Tuple
 
 from tfpar.ir.taskgraph import Phase, Strategy, TaskGraphSpec
 
@@ -205,10 +205,14 @@ class GraphCapture:
     def in_scope(self) -> bool:
         return bool(self._scopes)
 
-    def innermost_key(self) -> Any:
-        """The key the innermost open scope was opened with (None: a new scope)."""
-        index = self._scopes[-1] if self._scopes else None
-        return next((key for key, i in self._keyed.items() if i == index), None)
+    def innermost(self) -> Tuple[Optional[TaskGraphSpec], Any]:
+        """The innermost open scope's TaskGraph and the key it was opened with
+        (None: a new scope); (None, None) outside scopes."""
+        if not self._scopes:
+            return None, None
+        index = self._scopes[-1]
+        return (self.task_graphs[index],
+                next((key for key, i in self._keyed.items() if i == index), None))
 
     def current_split(self, name_scope: str = "") -> Any:
         """The SplitContext of the open split scope, or of the planned split

@@ -4,6 +4,8 @@ from typing import Any, Callable, List, Tuple
 
 __all__ = ["PatchSet"]
 
+_INHERITED = object()  # a class's attribute that only its bases define
+
 
 class PatchSet:
     """Replaces attributes with wrappers and restores the originals on removal.
@@ -21,8 +23,12 @@ class PatchSet:
         return bool(self._saved)
 
     def add(self, owner: Any, name: str, make_wrapper: Callable[[Any], Any]) -> None:
-        original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-        func = original.__func__ if isinstance(original, (staticmethod, classmethod)) else original
+        """A class's method it inherits is wrapped on the class itself (removal
+        deletes the wrapper)."""
+        original = (owner.__dict__.get(name, _INHERITED) if isinstance(owner, type)
+                    else getattr(owner, name))
+        func = getattr(owner, name) if original is _INHERITED else original
+        func = func.__func__ if isinstance(func, (staticmethod, classmethod)) else func
         wrapper = make_wrapper(func)
         if callable(func) and callable(wrapper):
             functools.update_wrapper(wrapper, func)
@@ -39,4 +45,7 @@ class PatchSet:
     def remove(self) -> None:
         while self._saved:
             owner, name, original = self._saved.pop()
-            setattr(owner, name, original)
+            if original is _INHERITED:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)

@@ -38,6 +38,8 @@ from tensorflow.python.ops import math_ops, special_math_ops, variable_scope
 
 from tfpar.hooks import capture as cap_lib
 from tfpar.errors import ShardingError
+from tfpar.hooks.checkpoint_bindings import rebind
+from tfpar.hooks.optimizer_slots import optimizer_built_with
 from tfpar.hooks.patching import PatchSet
 from tfpar.ir.sharding import ShardingUnit
 from tfpar.patterns.argmax import sharded_argmax
@@ -170,6 +172,13 @@ def _eager_weight(ctx, layer, name, shape, dtype, initializer, axis, regularizer
                 existing = layer.add_weight(name, shape, dtype, initializer, regularizer,
                                             trainable=layer.trainable, constraint=constraint)
         return existing
+    built = optimizer_built_with(existing) if existing is not None else None
+    if built is not None:
+        raise ShardingError(
+            f"tfpar: optimizer '{built.name}' made its slots for '{existing.name}' whole before "
+            f"layer '{layer.name}' was split in a TF2 step (its weights are split when the step "
+            "is first traced): let the first step build the optimizer; to resume from a "
+            "checkpoint, restore it before the first step (the restore waits for the slots)")
     with ops.init_scope():
         initial = (existing if existing is not None else initializer(shape, dtype=dtype)).numpy()
     weight = split_weight(ctx, name, initial, axis, dtype, layer.trainable, constraint)
@@ -177,6 +186,8 @@ def _eager_weight(ctx, layer, name, shape, dtype, initializer, axis, regularizer
     weights = getattr(layer, attribute)
     position = next((i for i, w in enumerate(weights) if w is existing), len(weights))
     setattr(layer, name, weight)  # drops the whole one, if any, from the layer's weights
+    if existing is not None:
+        rebind(existing, weight)
     weights = getattr(layer, attribute)
     weights[position:position] = list(weight)  # where it was: keras' order of weights
     if regularizer is not None:

@@ -22,6 +22,10 @@
   the training function is built before they run the session (``keras_patches``).
 * keras ``Layer.__init__`` / ``__call__``: a layer made or called in a scope
   entered in TF2 eager code is called in that scope in each step (``keras_scopes``).
+* keras optimizers' slot variables and checkpoint children: slots of split
+  weights are numbered as for the whole weight (``optimizer_slots``);
+  checkpoint restores, which learn that a whole weight became split
+  (``checkpoint_bindings``).
 """
 import contextlib
 import threading
@@ -49,6 +53,8 @@ from tfpar.hooks import capture as cap_lib
 from tfpar.hooks.patching import PatchSet
 from tfpar.hooks.keras_patches import add_keras_patches
 from tfpar.hooks.keras_scopes import add_keras_scope_patches
+from tfpar.hooks.optimizer_slots import add_optimizer_slot_patches
+from tfpar.hooks.checkpoint_bindings import add_checkpoint_binding_patches
 from tfpar.hooks.split_patches import add_split_patches
 from tfpar.hooks.step_graphs import is_step_function
 from tfpar.ir.taskgraph import Phase
@@ -121,6 +127,8 @@ def install(runtime: Any) -> None:
     add_split_patches(_patches)
     add_keras_patches(_patches, lambda: _runtime is not None)
     add_keras_scope_patches(_patches)
+    add_optimizer_slot_patches(_patches)
+    add_checkpoint_binding_patches(_patches)
 
 
 def uninstall() -> None:

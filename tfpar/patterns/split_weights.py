@@ -26,7 +26,7 @@ from tensorflow.python.training.saving import saveable_object_util
 
 from tfpar.patterns.sharded import check_shardable, slice_offsets
 
-__all__ = ["SplitWeight", "split_weight"]
+__all__ = ["SplitWeight", "split_weight", "split_weight_of"]
 
 
 class SplitWeight(trackable.Trackable):
@@ -41,6 +41,9 @@ class SplitWeight(trackable.Trackable):
 
     def __iter__(self):
         return iter(self._shards)
+
+    def __repr__(self) -> str:
+        return f"<SplitWeight '{self.name}' shape={self.shape} in {len(self)} shards>"
 
     def __len__(self) -> int:
         return len(self._shards)
@@ -90,4 +93,12 @@ def split_weight(ctx, name: str, initial: np.ndarray, axis: int, dtype, trainabl
                                                constraint=constraint)
             ctx.record_shard(shard, index)
             shards.append(shard)
-    return SplitWeight(name, shards, axis, initial.shape)
+    weight = SplitWeight(name, shards, axis, initial.shape)
+    for shard in shards:
+        shard._tfpar_split_weight = weight  # pylint: disable=protected-access
+    return weight
+
+
+def split_weight_of(variable):
+    """The SplitWeight ``variable`` is a shard of, or None."""
+    return getattr(variable, "_tfpar_split_weight", None)
