@@ -10,7 +10,7 @@ from test_cost_model import deep_mlp_layers, hand_memory, planned_stages
 
 import tfpar as wh
 from tfpar.cluster.hardware import CATALOG, Hardware
-from tfpar.planner.auto import Candidate, ModelView, choose, search
+from tfpar.planner.auto import Candidate, ModelView, choose, search, search_all, stage_units
 
 v1 = tf.compat.v1
 DATA = make_data(steps=3, batch=8)
@@ -114,6 +114,42 @@ def test_a_pinned_search_plan_is_rebuilt_without_searching(capsys):
     assert "tfpar auto" not in capsys.readouterr().err
     assert again.to_dict() == plan.to_dict()
     assert_equivalent(train(deep_mlp, DATA), train(deep_mlp, DATA, pinned))
+
+
+def _chain(ops: int, labels=None) -> ModelView:
+    return ModelView(flops=[1e6] * ops, activation_bytes=[64.0] * ops, param_bytes=[1e3] * ops,
+                     edges=[(i, i + 1, 64.0) for i in range(ops - 1)], labels=labels)
+
+
+def test_only_meshes_that_give_every_replica_and_micro_batch_a_row_are_planned():
+    """8 devices, a batch of 4, 2 micro-batches per pipeline: data 8 (8 rows
+    needed) and data 4 x pipeline 2 (8) are left out; data 2 x pipeline 4 (4)
+    stays; 8 stages outnumber the 4 ops. Before: data 8 was planned with half
+    a row per replica."""
+    lines = []
+    found = search_all(_chain(4), 8, Hardware("big", 1.0, 16.0), global_batch=4,
+                       num_micro_batch=2, progress=lines.append)
+    assert [(c.data, c.pipeline) for c in found] == [(2, 4)]
+    assert lines[0] == ("tfpar auto: 3 of 4 meshes left out: 2 would leave a replica x "
+                        "micro-batch without a row of the batch of 4; 1 would have more stages "
+                        "than the model's 4 layers")
+    assumed = search_all(_chain(4), 8, Hardware("big", 1.0, 16.0), global_batch=4,
+                         num_micro_batch=2, batch_known=False)
+    assert [(c.data, c.pipeline) for c in assumed] == [(8, 1), (4, 2), (2, 4)]
+
+
+def test_no_feasible_mesh_is_a_plan_error_that_says_why():
+    with pytest.raises(wh.PlanError, match="no feasible mesh of 8 devices: 4 would leave a "
+                                           "replica x micro-batch without a row of the batch "
+                                           "of 1; 1 would have more stages"):
+        search(_chain(4), 8, Hardware("big", 1.0, 16.0), global_batch=1, num_micro_batch=2)
+
+
+def test_stages_are_cut_between_repeated_blocks_at_most():
+    """A 2-layer transformer's ops: embedding, 3 ops per layer, head: 4 units."""
+    labels = [None, "layer_0", "layer_0", "layer_0", "layer_1", "layer_1", "layer_1", None]
+    assert stage_units(_chain(8, labels)) == 4
+    assert stage_units(_chain(8)) == 8
 
 
 def test_search_time_limit_stops_the_mesh_enumeration():

@@ -4,7 +4,10 @@
 Meshes: for every pipeline degree p dividing the device count K (or the given
 ``num_task_graph``), data parallelism d = K / p on top; without a pipeline,
 every tensor degree t > 1 dividing K, with d = K / t; and tensor x pipeline
-meshes with t, p > 1 and d = K / (t p). A tensor mesh is planned by the
+meshes with t, p > 1 and d = K / (t p). Only feasible ones: each of the d
+replicas gets at least one row of each micro-batch (d x micro-batches <= the
+global batch), and p is at most the model's stage units (its runs of repeated
+blocks and of ops outside them). A tensor mesh is planned by the
 sharding search (``sharding.plan_sharding``: Rhino §4 on the layer graph,
 ``auto.opt_level`` O2 or O3); a tensor x pipeline mesh by cutting stages as
 below and searching each stage's sharding (``_pipelined_sharded``); a
@@ -41,7 +44,7 @@ from tfpar.planner.sharding import STATE_BYTES as BYTES_PER_PARAM_STATE, Mesh, p
 from tfpar.planner.simulate import simulate
 
 __all__ = ["Candidate", "ModelView", "Part", "StageCosts", "choose", "search", "search_all",
-           "stage_costs"]
+           "stage_costs", "stage_units"]
 
 # Estimates are rough: within TOLERANCE of the fastest, fewer pipeline stages
 # win (bubbles and stage balance are where the model errs most); among those,
@@ -119,26 +122,30 @@ class Candidate:
 def search(model: ModelView, num_devices: int, hardware: Hardware, global_batch: int,
            num_micro_batch: int, pipeline: Optional[int] = None, time_limit_s: float = 10.0,
            progress: Callable[[str], None] = lambda line: None,
-           opt_level: str = "O2") -> Candidate:
+           opt_level: str = "O2", batch_known: bool = True) -> Candidate:
     """The fastest candidate that fits ``hardware``'s memory (``search_all``
     then ``choose``)."""
     return choose(search_all(model, num_devices, hardware, global_batch, num_micro_batch,
-                             pipeline, time_limit_s, progress, opt_level), hardware)
+                             pipeline, time_limit_s, progress, opt_level, batch_known), hardware)
 
 
 def search_all(model: ModelView, num_devices: int, hardware: Hardware, global_batch: int,
                num_micro_batch: int, pipeline: Optional[int] = None, time_limit_s: float = 10.0,
                progress: Callable[[str], None] = lambda line: None,
-               opt_level: str = "O2") -> List[Candidate]:
-    """A candidate per mesh, planned within ``time_limit_s`` in all."""
+               opt_level: str = "O2", batch_known: bool = True) -> List[Candidate]:
+    """A candidate per mesh, planned within ``time_limit_s`` in all
+    (``batch_known``: ``global_batch`` is the real one, not an assumed size,
+    so meshes that leave a replica without rows are left out)."""
     capacity = hardware.memory_gb * 2 ** 30
     pipelines = [pipeline] if pipeline else range(1, num_devices + 1)
-    meshes = [(1, p) for p in pipelines if num_devices % p == 0 and p <= len(model.flops)]
+    meshes = [(1, p) for p in pipelines if num_devices % p == 0]
     if model.names is not None:
         meshes += [(t, 1) for t in range(2, num_devices + 1)
                    if num_devices % t == 0 and (pipeline or 1) == 1]
         meshes += [(t, p) for p in pipelines for t in range(2, num_devices // max(p, 1) + 1)
-                   if p > 1 and num_devices % (t * p) == 0 and p <= len(model.flops)]
+                   if p > 1 and num_devices % (t * p) == 0]
+    meshes = _feasible(meshes, model, num_devices, global_batch if batch_known else None,
+                       num_micro_batch, progress)
     layers = layer_graph(model) if any(t > 1 for t, _ in meshes) else None
     cuts: Dict[int, List[int]] = {}  # pipeline degree -> stage of each op, cut once
 
@@ -181,6 +188,46 @@ def search_all(model: ModelView, num_devices: int, hardware: Hardware, global_ba
                  f"memory/device {candidate.memory_bytes / 2 ** 20:.1f} MiB "
                  f"({time.monotonic() - start:.1f} s)")
     return candidates
+
+
+def stage_units(model: ModelView) -> int:
+    """How many stages the model can be cut into: its runs of ops of one
+    repeated block (a transformer layer) and of ops outside blocks, each op
+    its own unit when there are no blocks."""
+    if not model.labels:
+        return len(model.flops)
+    runs = [label for i, label in enumerate(model.labels)
+            if i == 0 or label is None or label != model.labels[i - 1]]
+    return len(runs)
+
+
+def _feasible(meshes: List[Tuple[int, int]], model: ModelView, num_devices: int,
+              global_batch: Optional[int], num_micro_batch: int,
+              progress: Callable[[str], None]) -> List[Tuple[int, int]]:
+    """The (tensor, pipeline) meshes whose every replica gets a row of each
+    micro-batch (d x micro-batches <= the global batch, when known) and whose
+    stages do not outnumber the model's ``stage_units``.
+
+    Raises:
+      PlanError: no mesh is feasible, saying why.
+    """
+    units = stage_units(model)
+    short = {(t, p) for t, p in meshes if global_batch is not None
+             and num_devices // (t * p) * (num_micro_batch if p > 1 else 1) > global_batch}
+    deep = {(t, p) for t, p in meshes if p > units}
+    reasons = ([f"{len(short)} would leave a replica x micro-batch without a row of the "
+                f"batch of {global_batch}"] if short else []) + (
+        [f"{len(deep)} would have more stages than the model's {units} layers"] if deep else [])
+    kept = [mesh for mesh in meshes if mesh not in short and mesh not in deep]
+    if reasons:
+        progress(f"tfpar auto: {len(meshes) - len(kept)} of {len(meshes)} meshes left out: "
+                 + "; ".join(reasons))
+    if not kept:
+        raise PlanError(f"tfpar: auto.auto_parallel has no feasible mesh of {num_devices} "
+                        f"devices: {'; '.join(reasons)}. Use fewer devices "
+                        "(cluster.num_devices), a larger batch, or fewer micro-batches "
+                        "(pipeline.num_micro_batch)")
+    return kept
 
 
 def choose(candidates: Sequence[Candidate], hardware: Hardware) -> Candidate:

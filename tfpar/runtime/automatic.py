@@ -101,7 +101,8 @@ def _plan(index: GraphIndex, capture: GraphCapture, rt: Runtime, auto: bool,
             candidates = search_all(view, len(rt.devices), hardware, planning_batch(rt, view),
                                     cfg.get("pipeline.num_micro_batch"), count, time_limit,
                                     lambda line: print(line, file=sys.stderr),
-                                    cfg.get("auto.opt_level"))
+                                    cfg.get("auto.opt_level"),
+                                    batch_known=bool(cfg.get("auto.global_batch") or view.batch))
             pick = choose(candidates, hardware)
             rt.searches[same_model] = (
                 pick, pick if pick.tensor == 1 else _unsharded(candidates, hardware))
