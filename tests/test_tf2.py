@@ -369,3 +369,30 @@ def test_a_seed_set_before_wh_init_still_decides_the_initial_weights(eager):
             return initial_weights(with_tfpar)
     for a, b in zip(in_mode(False), in_mode(True)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_on_one_device_the_step_runs_as_traced():
+    """One device, whole batches: every plan is the step itself, so tfpar
+    neither traces it again with the batch relaxed nor rewrites it (the
+    benchmark's tfpar1_loop started in 2.0 s instead of plain TF2's 1.1 s),
+    and wh.current_plan() still describes it."""
+    traces, plans = [], []
+
+    def train_w(w, opt):
+        @tf.function
+        def step(x, y):
+            traces.append(x.shape[0])
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - y))
+            opt.apply_gradients([(tape.gradient(loss, w), w)])
+        for _ in range(2):
+            step(tf.constant(X), tf.constant(Y))
+        if plans == ["tfpar"]:
+            plans[0] = wh.current_plan()
+    plain = _trained_w(train_w, None)
+    plain_traces = list(traces)
+    traces.clear()
+    plans.append("tfpar")
+    np.testing.assert_array_equal(_trained_w(train_w, {"cluster.num_devices": 1}), plain)
+    assert traces == plain_traces and None not in traces, "traced again with the batch relaxed"
+    assert [(tg.strategy, len(tg.devices)) for tg in plans[0].task_graphs] == [("replicate", 1)]

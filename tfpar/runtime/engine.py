@@ -356,6 +356,10 @@ def rewrite_function(graph: ops.Graph) -> None:
     capture = existing_capture(graph)
     if rt is None or capture is None or not capture.gradient_calls:
         return
+    if _plan_changes_nothing(rt):  # the step as traced is the plan: not retraced nor rewritten
+        with graph.as_default():
+            rt.function_plan = plan_for(graph, capture, rt)
+        return
     static = _static_batch_inputs(graph)
     if static and not capture.relaxed:
         capture.retrace = True  # traced again, batch relaxed; that trace is rewritten
@@ -377,6 +381,13 @@ def rewrite_function(graph: ops.Graph) -> None:
         if translate is not None:
             rewire_outputs(graph, translate)
             rt.function_plan = capture.plan
+
+
+def _plan_changes_nothing(rt: Runtime) -> bool:
+    """One device in one process, whole batches: any plan runs the step as it is."""
+    return (len(rt.devices) == 1 and rt.cluster is None
+            and rt.config.get("communication.backend") != "horovod"
+            and rt.config.get("pipeline.num_micro_batch") == 1)
 
 
 def retraces_relaxed(graph: ops.Graph) -> bool:
