@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from tfpar.cluster.hardware import device_hardware
 from tfpar.config import ALIASES, SCHEMA, Config, describe
 from tfpar.errors import (AnnotationError, ConfigError, PlanError, ShardingError,
                           TfparError)
@@ -220,6 +221,20 @@ def test_group_size_auto_and_hardware():
     assert cfg.pipeline.group_size == "auto" and cfg.cluster.hardware == hardware
 
 
+def test_compact_hardware_is_written_out_per_device(monkeypatch):
+    """'N x name': N devices of a catalog name, in a list or alone (also from
+    the environment); each resolves to the catalog entry."""
+    mixed = Config({"cluster.hardware": ["2 x V100-32GB", "2x P100-16GB"]}).cluster.hardware
+    assert [h.name for h in device_hardware(mixed, 4)] == ["V100-32GB"] * 2 + ["P100-16GB"] * 2
+    monkeypatch.setenv("TFPAR_CLUSTER_HARDWARE", "1024 x A100-80GB")
+    alike = device_hardware(Config().cluster.hardware, 1024)
+    assert len(alike) == 1024 and {h.name for h in alike} == {"A100-80GB"}
+    with pytest.raises(ConfigError, match="lists 4 devices but there are 8"):
+        device_hardware(mixed, 8)
+    with pytest.raises(ConfigError, match="unknown device 'A101'"):
+        device_hardware("8 x A101", 8)
+
+
 @pytest.mark.parametrize("aware, stage_devices", [(True, ["/cpu:1", "/cpu:0"]),
                                                    (False, ["/cpu:0", "/cpu:1"])])
 def test_hardware_aware_puts_the_first_stage_on_more_memory(aware, stage_devices):
@@ -343,7 +358,7 @@ def test_unknown_key_without_close_match():
     ("auto.auto_parallel", 1, "expects bool, got 1 (int)"),
     ("auto.auto_parallel", "true", "expects bool, got 'true' (str)"),
     ("pipeline.schedule", None, "expects str, got None (NoneType)"),
-    ("cluster.hardware", "T4", "expects list|None, got 'T4' (str)"),
+    ("cluster.hardware", 4, "expects list|str|None, got 4 (int)"),
     ("plan", [1], "expects dict|None, got [1] (list)"),
 ])
 def test_wrong_types(key, value, fragment):
@@ -365,10 +380,10 @@ def test_wrong_types(key, value, fragment):
     ("auto.opt_level", "O1", "must be one of 'O2', 'O3', got 'O1'"),
     ("communication.backend", "nccl",
      "must be one of 'auto', 'collective', 'horovod', got 'nccl'"),
-    ("cluster.hardware", [], "must be a non-empty list"),
-    ("cluster.hardware", [""], "must be a non-empty list"),
-    ("cluster.hardware", [3], "must be a non-empty list"),
-    ("cluster.hardware", [{"name": "x", "tflops": 1}], "must be a non-empty list"),
+    ("cluster.hardware", [], "must be a catalog name, or a non-empty list"),
+    ("cluster.hardware", [""], "must be a catalog name, or a non-empty list"),
+    ("cluster.hardware", [3], "must be a catalog name, or a non-empty list"),
+    ("cluster.hardware", [{"name": "x", "tflops": 1}], "must be a catalog name, or a non-empty"),
     ("cluster.hardware", [{"name": "x", "tflops": 1, "memory_gb": 0}], "must be"),
     ("cluster.hardware", [{"name": "x", "tflops": True, "memory_gb": 1}], "must be"),
     ("cluster.hardware", [{"name": "x", "tflops": 1, "memory_gb": 1, "nvlink": 9}], "must be"),

@@ -59,16 +59,18 @@ def _is_device(d):
 
 
 _POSITIVE = ("> 0", lambda v: v > 0)
-_HARDWARE = ("a non-empty list of catalog names or {name, tflops, memory_gb[, intra_node_gbps, "
-             "inter_node_gbps, tflops_fp64, tflops_fp32, tflops_tf32, tflops_fp16, "
-             "tflops_bf16, efficiency <= 1]} dicts",
-             lambda v: bool(v) and all(_is_device(d) for d in v))
+_HARDWARE = ("a catalog name, or a non-empty list of catalog names ('N x name' for N alike) "
+             "or {name, tflops, memory_gb[, intra_node_gbps, inter_node_gbps, tflops_fp64, "
+             "tflops_fp32, tflops_tf32, tflops_fp16, tflops_bf16, efficiency <= 1]} dicts",
+             lambda v: _is_device(v) if isinstance(v, str)
+             else bool(v) and all(_is_device(d) for d in v))
 _GROUP_SIZE = (">= 1 or 'auto'", lambda v: v == "auto" or isinstance(v, int) and v >= 1)
 
 SCHEMA = {
     "cluster.num_devices": Option("int|None", None, _at_least(1),
                                   "devices on this host; None: all GPUs, else 1"),
-    "cluster.hardware": Option("list|None", None, _HARDWARE, "per-device specs; None: detected"),
+    "cluster.hardware": Option("list|str|None", None, _HARDWARE,
+                               "per-device specs; None: detected"),
     "cluster.colocate_split_and_replicate": Option("bool", False, (),
                                                    "let TaskGraphs share devices"),
     "pipeline.num_micro_batch": Option("int", 1, _at_least(1), "micro-batches per step"),
@@ -207,7 +209,7 @@ def _parse_env_value(text, kinds, var):
             return float(text)
         except ValueError:
             pass
-    if "list" in kinds:
+    if "list" in kinds and (text.startswith("[") or "str" not in kinds):
         return _loads(text, f"environment variable {var}")
     return text  # str values; dict values are parsed by _check
 

@@ -24,12 +24,13 @@ and the inter-node network of the machines these usually come in (100 Gb/s
 for V100 / P100 / T4 nodes, 200 Gb/s A100, 400 Gb/s H100).
 """
 import dataclasses
-from typing import Any, List, Mapping, Optional, Sequence, Tuple
+import re
+from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
 
 from tfpar.errors import ConfigError
 
 __all__ = ["CATALOG", "DTYPES", "EFFICIENCY", "HOST_CPU", "LINK_KEYS", "OPTIONAL_KEYS", "PEAK_KEYS",
-           "Hardware", "device_hardware", "slowest"]
+           "Hardware", "device_hardware", "expand", "slowest"]
 
 DTYPES = ("fp64", "fp32", "tf32", "fp16", "bf16")
 EFFICIENCY = 0.5
@@ -103,11 +104,26 @@ def _resolve(spec: Any) -> Hardware:
     return CATALOG[spec]
 
 
-def device_hardware(specs: Optional[Sequence[Any]], num_devices: int) -> Optional[List[Hardware]]:
+_COUNTED = re.compile(r"\s*(\d+)\s*[xX*]\s*(\S.*?)\s*$")
+
+
+def expand(specs: Union[str, Sequence[Any]]) -> List[Any]:
+    """``cluster.hardware`` with its compact entries ("1024 x A100-80GB": that
+    many of a catalog device) written out; a string is one entry."""
+    expanded: List[Any] = []
+    for spec in [specs] if isinstance(specs, str) else specs:
+        counted = _COUNTED.fullmatch(spec) if isinstance(spec, str) else None
+        expanded += [counted.group(2)] * int(counted.group(1)) if counted else [spec]
+    return expanded
+
+
+def device_hardware(specs: Union[None, str, Sequence[Any]],
+                    num_devices: int) -> Optional[List[Hardware]]:
     """``cluster.hardware`` resolved per device: None when unset, one entry for
-    every device alike, else one entry per device."""
+    every device alike, else one entry per device (compact entries expanded)."""
     if specs is None:
         return None
+    specs = expand(specs)
     if len(specs) not in (1, num_devices):
         raise ConfigError(f"cluster.hardware lists {len(specs)} devices but there are "
                           f"{num_devices}; give one entry per device or a single one for all")
