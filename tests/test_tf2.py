@@ -169,22 +169,42 @@ def test_an_optimizer_built_before_its_layer_is_split_is_refused_by_name():
             _split_step(lambda: head)(tf.constant(X))
 
 
-def test_a_legacy_optimizer_says_it_does_not_save_the_slots_of_split_weights(tfpar_log):
-    with context.eager_mode():
-        wh.init({"cluster.num_devices": 2})
-        head = tf.keras.layers.Dense(4, name="head")
-        optimizer = tf.keras.optimizers.legacy.Adam()
+def run_eager(code: str) -> str:
+    """The stdout and stderr of ``code`` run in a fresh process after a TF2
+    prelude (numpy, tensorflow, tfpar, X; tfpar's log to stderr): this
+    suite's eager context has one device, made before any test ran."""
+    prelude = ("import logging, sys\nimport numpy as np\nimport tensorflow as tf\n"
+               "import tfpar as wh\n"
+               "logging.getLogger('tfpar').addHandler(logging.StreamHandler(sys.stderr))\n"
+               "X = np.random.RandomState(0).randn(40, 4).astype(np.float32)\n")
+    done = subprocess.run([sys.executable, "-c", prelude + code], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout + done.stderr
 
-        @tf.function
-        def step(x):
-            with tf.GradientTape() as tape:
-                with wh.split(2):
-                    loss = tf.reduce_sum(head(x))
-            grads = tape.gradient(loss, head.trainable_variables)
+
+SPLIT_STEP = """
+def split_step(head, optimizer=None):
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            with wh.split(2):
+                loss = tf.reduce_sum(head(x))
+        grads = tape.gradient(loss, head.trainable_variables)
+        if optimizer is not None:
             optimizer.apply_gradients(zip(grads, head.trainable_variables))
-        step(tf.constant(X))
+    return step
+"""
+
+
+def test_a_legacy_optimizer_says_it_does_not_save_the_slots_of_split_weights():
+    out = run_eager(SPLIT_STEP + """
+wh.init({"cluster.num_devices": 2})
+head = tf.keras.layers.Dense(4, name="head")
+split_step(head, tf.keras.optimizers.legacy.Adam())(tf.constant(X))
+""")
     assert "legacy optimizer 'Adam' keeps its slots ('m') of split weight 'kernel' by shard, " \
-        "and checkpoints do not save them" in tfpar_log.getvalue()
+        "and checkpoints do not save them" in out
 
 
 def _split_step(make_head):
@@ -235,17 +255,22 @@ def test_a_layer_called_in_two_eager_scopes_is_refused_by_name():
 def test_a_layer_of_an_eager_scope_called_inside_another_step_scope_is_refused_by_name():
     """Inside a scope of the same kind it joins that scope (a model's call
     opens the scope in the step as it did when the model was called eagerly)."""
-    with context.eager_mode():
-        wh.init({"cluster.num_devices": 2})
-        with wh.split(2):
-            same = tf.keras.layers.Dense(4, name="same")
-        with wh.replicate(1):
-            head = tf.keras.layers.Dense(4, name="head")
-        _split_step(lambda: same)(tf.constant(X))
-        assert [shard.device[-5:] for shard in same.kernel] == ["CPU:0", "CPU:1"]
-        with pytest.raises(wh.AnnotationError, match="layer 'head' was made or called in "
-                                                     r"replicate\(1\) and is now called inside"):
-            _split_step(lambda: head)(tf.constant(X))
+    out = run_eager(SPLIT_STEP + """
+wh.init({"cluster.num_devices": 2})
+with wh.split(2):
+    same = tf.keras.layers.Dense(4, name="same")
+with wh.replicate(1):
+    head = tf.keras.layers.Dense(4, name="head")
+split_step(same)(tf.constant(X))
+print("shards:", [shard.device[-5:] for shard in same.kernel])
+try:
+    split_step(head)(tf.constant(X))
+except wh.AnnotationError as error:
+    print("refused:", error)
+""")
+    assert "shards: ['CPU:0', 'CPU:1']" in out
+    assert "refused: tfpar: Keras layer 'head' was made or called in replicate(1) and is now " \
+        "called inside another scope" in out
 
 
 def test_get_variable_in_a_split_scope_of_a_tf2_step_is_refused_by_name():
