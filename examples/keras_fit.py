@@ -17,11 +17,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from tensorflow.python.eager import context  # noqa: E402
 
 import tfpar as wh  # noqa: E402
 from loss_report import (devices_that_worked, example_parser, print_devices, report,  # noqa: E402
-                         traced_step_options)  # (examples/loss_report.py)
+                         traced_functions, traced_step_options)  # (examples/loss_report.py)
 
 CLASSES = 10
 
@@ -78,15 +77,12 @@ def run_eager(x, y, args, mode=None):
     """TF2: Keras' own tf.function steps; the devices they ran on."""
     if mode is not None:
         wh.init(config(args, mode))
-        context.context().enable_run_metadata()
-        context.context().enable_graph_collection()
-    model = build_model(mode, args.devices, tf.keras.optimizers.Adam(1e-3))
-    losses, evaluation = fit(model, x, y, args)
-    plan, devices = None, []
+    with traced_functions() if mode is not None else contextlib.nullcontext():
+        model = build_model(mode, args.devices, tf.keras.optimizers.Adam(1e-3))
+        losses, evaluation = fit(model, x, y, args)
+        plan, devices = ((wh.current_plan(), devices_that_worked()) if mode is not None
+                         else (None, []))
     if mode is not None:
-        plan, devices = wh.current_plan(), devices_that_worked()
-        context.context().disable_graph_collection()
-        context.context().disable_run_metadata()
         wh.reset()
     return losses, evaluation, plan, devices
 

@@ -1,8 +1,10 @@
 """Shared by the examples: their common flags, and the per-step losses of the
 single-device and tfpar runs side by side."""
 import argparse
+import contextlib
 
 import tensorflow as tf
+from tensorflow.python.eager import context
 
 import tfpar as wh
 
@@ -50,12 +52,24 @@ class TracedStepHook(tf.compat.v1.train.SessionRunHook):
         self.devices = wh.step_devices(run_values.run_metadata, run_context.session.graph)
 
 
-def devices_that_worked() -> list:
-    """Devices of the ops the tf.functions run so far were placed on, in an
-    eager script with run metadata and graph collection on (TensorFlow's
-    partition graphs; data transfers left out)."""
-    from tensorflow.python.eager import context  # pylint: disable=import-outside-toplevel
+@contextlib.contextmanager
+def traced_functions():
+    """Inside, TensorFlow keeps the placed graphs of the tf.functions an eager
+    script runs (run metadata and graph collection on), which
+    ``devices_that_worked`` reads."""
+    eager = context.context()
+    eager.enable_run_metadata()
+    eager.enable_graph_collection()
+    try:
+        yield
+    finally:
+        eager.disable_graph_collection()
+        eager.disable_run_metadata()
 
+
+def devices_that_worked() -> list:
+    """Devices of the ops the tf.functions run so far (in ``traced_functions``)
+    were placed on (TensorFlow's partition graphs; data transfers left out)."""
     metadata = context.context().export_run_metadata()
     return sorted({node.device.split("device:")[-1] for fn in metadata.function_graphs
                    for graph in fn.partition_graphs for node in graph.node

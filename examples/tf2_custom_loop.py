@@ -18,10 +18,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from tensorflow.python.eager import context  # noqa: E402
 
 import tfpar as wh  # noqa: E402
-from loss_report import devices_that_worked, example_parser, report  # noqa: E402  (examples/loss_report.py)
+from loss_report import (devices_that_worked, example_parser, report,  # noqa: E402
+                         traced_functions)  # (examples/loss_report.py)
 
 
 def make_model():
@@ -68,13 +68,10 @@ def main():
                         labels))
     train = keras_fit if args.fit else custom_loop
 
-    context.context().enable_run_metadata()
-    context.context().enable_graph_collection()
-    tf.keras.utils.set_random_seed(0)
-    parallel = train(batches)
-    print("the training step ran on:", ", ".join(devices_that_worked()))
-    context.context().disable_graph_collection()
-    context.context().disable_run_metadata()
+    with traced_functions():
+        tf.keras.utils.set_random_seed(0)
+        parallel = train(batches)
+        print("the training step ran on:", ", ".join(devices_that_worked()))
     wh.reset()
 
     tf.keras.utils.set_random_seed(0)

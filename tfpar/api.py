@@ -178,9 +178,8 @@ class _Scope:
         if capture.in_scope:
             raise AnnotationError(f"tfpar: {self._describe()} is nested inside another scope; "
                                   "replicate/split scopes cannot be nested")
-        created = len(capture.task_graphs)
         spec = capture.open_scope(self.strategy, self.device_count, self.name, key)
-        if self.strategy == Strategy.SPLIT and spec.index >= created:
+        if self.strategy == Strategy.SPLIT and spec.index not in capture.split_contexts:
             capture.split_contexts[spec.index] = engine.make_split_context(capture, spec, rt)
         return capture
 

@@ -83,8 +83,8 @@ def _reopening(original):
             _remember(self, called=True)
             return original(self, *args, **kwargs)
         scope = self.__dict__.get("_tfpar_scope", (None,))[0]
-        graph = ops.get_default_graph()
-        if scope is None or not is_step_function(graph):
+        graph = ops.get_default_graph() if scope is not None else None
+        if graph is None or not is_step_function(graph):
             return original(self, *args, **kwargs)
         with scope.reopened(graph, self.name):
             return original(self, *args, **kwargs)

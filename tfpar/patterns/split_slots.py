@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from tensorflow.python.trackable import base as trackable
 
+from tfpar.patterns.sharded import SplitContext
 from tfpar.patterns.split_weights import SplitWeight, split_weight_of
 
 __all__ = ["SlotList", "has_split_slots", "record_slot"]
@@ -55,7 +56,7 @@ def record_slot(optimizer, model_variable, kind: str, slot) -> None:
     key = (id(weight), kind)
     groups = _groups.setdefault(optimizer, {})
     group = groups.setdefault(key, _Group(weight, kind, [None] * len(weight)))
-    group.slots[next(i for i, shard in enumerate(weight) if shard is model_variable)] = slot
+    group.slots[SplitContext.shard_index(model_variable)] = slot
     slot._tfpar_slot_key = key  # pylint: disable=protected-access
 
 
@@ -90,6 +91,8 @@ class SlotList(trackable.Trackable):
     def restore_pending(self) -> None:
         """Restore what a checkpoint read before its elements existed (deferred)
         into the elements there now."""
+        if not self._deferred_dependencies:
+            return
         elements = self.elements()
         for name in list(self._deferred_dependencies):
             if name.isdigit() and int(name) < len(elements):
