@@ -61,6 +61,7 @@ from tfpar.rewriters.select import GraphIndex
 v1 = tf.compat.v1
 FLOAT = 4
 ALPHA = 10e-6  # comm.py's latency per message
+LAUNCHES = 3 * 5e-6  # step_model: per op that computes or allocates, 3 kernels of 5 us each
 LOSS = "sparse_softmax_cross_entropy_loss"
 # v1.losses.sparse_softmax_cross_entropy, per row: the per-example loss, loss x
 # weights, ones_like(weights) and the broadcast weights (one float each), and the
@@ -81,11 +82,13 @@ TENSORDOT_ROW_BYTES = 5 * 4
 
 def deep_mlp_layers(layers):
     """``equivalence.deep_mlp(layers)``: 6 features, ``layers`` x (dense to 8:
-    MatMul and add outputs; tanh outside the scope), dense to 3 classes."""
+    MatMul with the kernel, add with the bias, 8 floats out each; tanh outside
+    the scope), dense to 3 classes."""
     table, width = [], 6
     for i in range(layers):
         tanh = "Tanh" if i == 0 else f"Tanh_{i}"
-        table.append((f"layer{i}", f"layer{i}/MatMul", (width * 8 + 8) * FLOAT, 2 * 8 * FLOAT))
+        table.append((f"layer{i}", f"layer{i}/MatMul", width * 8 * FLOAT, 8 * FLOAT))
+        table.append((f"layer{i}", f"layer{i}/add", 8 * FLOAT, 8 * FLOAT))
         table.append((tanh, tanh, 0, 8 * FLOAT))
         width = 8
     table.append(("logits", "logits/MatMul", (8 * 3 + 3) * FLOAT, 2 * 3 * FLOAT))
@@ -286,9 +289,10 @@ def test_data_parallel_estimate_by_hand():
     """4 replicas, global batch 32 (8 rows each), HOST_CPU (0.05 TFLOPS, 10 GB/s):
       memory = 4 x 1740 + 8 x 412 = 10256 bytes per device;
       comm = ring all-reduce of the 1740 gradient bytes: 2 x 3/4 x 1740 = 2610;
-      time = 3 x forward FLOPs x 8 rows / 0.05e12 + 4 alpha (2 log2 4) + 2610 / 10e9, with
-      forward FLOPs per row l0 2x6x16+16+16, l1 2x16x16+16+16, logits
-      2x16x3+3, loss 1, mean 1 = 869."""
+      time = 3 x forward FLOPs x 8 rows / 0.05e12 + 4 alpha (2 log2 4) + 2610 / 10e9
+      + 3 kernel launches of each of the 10 ops that compute, with forward
+      FLOPs per row l0 2x6x16+16+16, l1 2x16x16+16+16, logits 2x16x3+3,
+      loss 1, mean 1 = 869."""
     plan = plan_of(adam_mlp, {"auto.auto_parallel": True, "cluster.num_devices": 4,
                               "auto.num_task_graph": 1})
     assert plan.data_parallel_degree == 4 and not plan.sharding
@@ -302,7 +306,7 @@ def test_data_parallel_estimate_by_hand():
     flops = (2 * 6 * 16 + 32) + (2 * 16 * 16 + 32) + (2 * 16 * 3 + 3) + 1 + 1
     assert flops == 869
     assert plan.estimate["step_time_s"] == pytest.approx(
-        3 * 869 * 8 / 0.05e12 + 4 * ALPHA + 2610 / 10e9)
+        3 * 869 * 8 / 0.05e12 + 4 * ALPHA + 2610 / 10e9 + 10 * LAUNCHES)
 
 
 def test_pipeline_estimate_by_hand():
@@ -441,18 +445,20 @@ def test_one_micro_batch_pipeline_runs_its_stages_one_after_the_other():
     """2 stages, 1 micro-batch, 8 rows on 2 devices (no replicas: no
     all-reduce), 1 TFLOPS at efficiency 1, 10 GB/s: F0, send, F1, B1, send
     back, B0 in sequence, forward + backward = 3 x forward:
-      3 x (1e9 + 3e9) x 8 / 1e12 + 2 x (10 us + 4096 x 8 / 10e9) = 96.027 ms,
-    the sum of the stages, never less than data parallelism's 3 x 4e9 x 4
-    rows / 1e12 = 48 ms on the same devices (the weights all-reduced too)."""
+      3 x (1e9 + 3e9) x 8 / 1e12 + 2 x (10 us + 4096 x 8 / 10e9) = 96.027 ms
+    (and each op's 3 kernel launches), the sum of the stages, never less than
+    data parallelism's 3 x 4e9 x 4 rows / 1e12 = 48 ms on the same devices
+    (the weights all-reduced too)."""
     view = ModelView(flops=[1e9, 3e9], activation_bytes=[4096.0, 4.0], param_bytes=[4e3, 4e3],
                      edges=[(0, 1, 4096.0)])
     hardware = Hardware("h", 1.0, 16.0, intra_node_gbps=10, efficiency=1.0)
     pipeline = search(view, 2, hardware, global_batch=8, num_micro_batch=1, pipeline=2)
     assert (pipeline.pipeline, pipeline.stages) == (2, (0, 1))
-    assert pipeline.step_time_s == pytest.approx(3 * 4e9 * 8 / 1e12 + 2 * (10e-6 + 4096 * 8 / 10e9))
+    assert pipeline.step_time_s == pytest.approx(
+        3 * 4e9 * 8 / 1e12 + 2 * (10e-6 + 4096 * 8 / 10e9) + 2 * LAUNCHES)
     data_parallel = search(view, 2, hardware, global_batch=8, num_micro_batch=1, pipeline=1)
     assert data_parallel.step_time_s == pytest.approx(
-        3 * 4e9 * 4 / 1e12 + 2 * ALPHA + 8e3 / 10e9)
+        3 * 4e9 * 4 / 1e12 + 2 * ALPHA + 8e3 / 10e9 + 2 * LAUNCHES)
     assert search(view, 2, hardware, global_batch=8, num_micro_batch=1).pipeline == 1
 
 

@@ -73,7 +73,9 @@ SCHEMA = {
                                "per-device specs; None: detected"),
     "cluster.colocate_split_and_replicate": Option("bool", False, (),
                                                    "let TaskGraphs share devices"),
-    "pipeline.num_micro_batch": Option("int", 1, _at_least(1), "micro-batches per step"),
+    "pipeline.num_micro_batch": Option("int", 1, _at_least(1),
+                                       "micro-batches per step (1 with auto.auto_parallel and "
+                                       "a known batch: the planner chooses)"),
     "pipeline.schedule": Option(
         "str", "1f1b", _one_of("gpipe", "1f1b", "kfkb", "zero_bubble"),
         "pipeline schedule"),
@@ -92,6 +94,11 @@ SCHEMA = {
                                 "global batch the planner's cost model assumes; None: the "
                                 "static batch of the model's inputs, else 32"),
     "auto.search_time_limit_s": Option("float", 60.0, _POSITIVE, "planner search time limit"),
+    "auto.memory_techniques": Option(
+        "list", [], ("a list of 'recompute', 'zero', 'mixed_precision'",
+                     lambda v: set(v) <= {"recompute", "zero", "mixed_precision"}),
+        "memory techniques the planner may choose (for plans only: tfpar cannot apply "
+        "them to a graph yet)"),
     "auto.planning_pass": Option("bool", True, (),
                                  "a script with auto_parallel plans in a child run first, "
                                  "so sharded layers are built split"),

@@ -198,7 +198,9 @@ class Plan:
             lines.append(
                 "estimate: step_time=" + ("none" if step is None else f"{step * 1e3:.2f} ms")
                 + f"  peak memory/device={_human_bytes(max(mem))}"
-                + f"  comm/step={_human_bytes(est.get('comm_bytes', 0))}")
+                + f"  comm/step={_human_bytes(est.get('comm_bytes', 0))}"
+                + ("  needs: " + ", ".join(est["memory_techniques"])
+                   if est.get("memory_techniques") else ""))
             if step is None:
                 lines.append("  (only auto.auto_parallel plans are costed; "
                              "plans from scopes or config are not)")

@@ -36,12 +36,15 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from tfpar.cluster.hardware import Hardware
 from tfpar.errors import PlanError
-from tfpar.planner.comm import LATENCY_S, allreduce
+from tfpar.planner.comm import LATENCY_S, Cost, allreduce
 from tfpar.planner.layers import layer_graph, subgraph
+from tfpar.planner.memory import RECOMPUTE, Techniques, recomputation
 from tfpar.planner.partition import partition_stages
-from tfpar.planner.schedule import build_schedule
-from tfpar.planner.sharding import STATE_BYTES as BYTES_PER_PARAM_STATE, Mesh, plan_sharding
-from tfpar.planner.simulate import simulate
+from tfpar.planner.sharding import (STATE_BYTES as BYTES_PER_PARAM_STATE, Mesh, Problem,
+                                    plan_sharding)
+from tfpar.planner.step_model import (KERNELS_PER_OP, LAUNCH_S, LOW_PRECISION, Setting,
+                                      StageModel, best_setting, micro_batch_counts,
+                                      technique_space)
 
 __all__ = ["Candidate", "ModelView", "Part", "StageCosts", "choose", "search", "search_all",
            "stage_costs", "stage_units"]
@@ -104,8 +107,10 @@ class Candidate:
     """One (data, tensor, pipeline) mesh with its estimates, the stage of every
     op, the sharded layers: (name scope, sharding candidate) for every layer
     that runs in a split TaskGraph (with tensor and pipeline both > 1: every
-    layer, and ``split_stages`` its pipeline stage), and the estimates of its
-    parts (stages, or layers of a sharded plan)."""
+    layer, and ``split_stages`` its pipeline stage), the estimates of its
+    parts (stages, or layers of a sharded plan); its micro-batches per step
+    and memory techniques, and the bytes of weights, gradients and optimizer
+    slots on its fullest device (``state_bytes``)."""
 
     data: int
     pipeline: int
@@ -117,43 +122,46 @@ class Candidate:
     split_scopes: Tuple[Tuple[str, str], ...] = ()
     parts: Tuple[Part, ...] = ()
     split_stages: Tuple[int, ...] = ()
+    micro_batches: int = 1
+    techniques: Techniques = Techniques()
+    state_bytes: float = 0.0
+
+    def describe(self) -> str:
+        """'data 4 x tensor 2 x pipeline 2, 8 micro-batches, recompute full'."""
+        micro = f", {self.micro_batches} micro-batches" if self.micro_batches > 1 else ""
+        used = self.techniques.describe()
+        return (f"data {self.data} x tensor {self.tensor} x pipeline {self.pipeline}{micro}"
+                + (f", {used}" if used != "none" else ""))
 
 
 def search(model: ModelView, num_devices: int, hardware: Hardware, global_batch: int,
-           num_micro_batch: int, pipeline: Optional[int] = None, time_limit_s: float = 10.0,
-           progress: Callable[[str], None] = lambda line: None,
-           opt_level: str = "O2", batch_known: bool = True) -> Candidate:
+           num_micro_batch: Optional[int], pipeline: Optional[int] = None,
+           time_limit_s: float = 10.0, progress: Callable[[str], None] = lambda line: None,
+           opt_level: str = "O2", batch_known: bool = True,
+           techniques: Sequence[str] = ()) -> Candidate:
     """The fastest candidate that fits ``hardware``'s memory (``search_all``
     then ``choose``)."""
     return choose(search_all(model, num_devices, hardware, global_batch, num_micro_batch,
-                             pipeline, time_limit_s, progress, opt_level, batch_known), hardware)
+                             pipeline, time_limit_s, progress, opt_level, batch_known,
+                             techniques), hardware)
 
 
 def search_all(model: ModelView, num_devices: int, hardware: Hardware, global_batch: int,
-               num_micro_batch: int, pipeline: Optional[int] = None, time_limit_s: float = 10.0,
-               progress: Callable[[str], None] = lambda line: None,
-               opt_level: str = "O2", batch_known: bool = True) -> List[Candidate]:
-    """A candidate per mesh, planned within ``time_limit_s`` in all
-    (``batch_known``: ``global_batch`` is the real one, not an assumed size,
-    so meshes that leave a replica without rows are left out)."""
-    capacity = hardware.memory_gb * 2 ** 30
-    pipelines = [pipeline] if pipeline else range(1, num_devices + 1)
-    meshes = [(1, p) for p in pipelines if num_devices % p == 0]
-    if model.names is not None:
-        meshes += [(t, 1) for t in range(2, num_devices + 1)
-                   if num_devices % t == 0 and (pipeline or 1) == 1]
-        meshes += [(t, p) for p in pipelines for t in range(2, num_devices // max(p, 1) + 1)
-                   if p > 1 and num_devices % (t * p) == 0]
+               num_micro_batch: Optional[int], pipeline: Optional[int] = None,
+               time_limit_s: float = 10.0, progress: Callable[[str], None] = lambda line: None,
+               opt_level: str = "O2", batch_known: bool = True,
+               techniques: Sequence[str] = ()) -> List[Candidate]:
+    """A candidate per mesh, planned within ``time_limit_s`` in all, each
+    with its best micro-batch count (``num_micro_batch``, or searched when
+    None) and memory techniques (of ``techniques``: "recompute", "zero",
+    "mixed_precision"). ``batch_known``: ``global_batch`` is the real one,
+    not an assumed size, so meshes that leave a replica without rows are
+    left out."""
+    meshes = _meshes(model, num_devices, pipeline, hardware)
     meshes = _feasible(meshes, model, num_devices, global_batch if batch_known else None,
-                       num_micro_batch, progress)
-    layers = layer_graph(model) if any(t > 1 for t, _ in meshes) else None
-    cuts: Dict[int, List[int]] = {}  # pipeline degree -> stage of each op, cut once
-
-    def stages_of(p: int, time_limit_s: float) -> List[int]:
-        if p not in cuts:
-            cuts[p] = partition_stages(model.flops, model.edges, p, time_limit_s, model.labels) \
-                if p > 1 else [0] * len(model.flops)
-        return cuts[p]
+                       num_micro_batch or 1, progress)
+    search = _Search(model, num_devices, hardware, global_batch, num_micro_batch, opt_level,
+                     techniques, any(t > 1 for t, _ in meshes))
     start = time.monotonic()
     deadline = start + time_limit_s
     candidates = []
@@ -163,31 +171,35 @@ def search_all(model: ModelView, num_devices: int, hardware: Hardware, global_ba
             progress(f"tfpar auto: search time limit reached after {number - 1} of "
                      f"{len(meshes)} meshes")
             break
-        solve_limit = min(max(left, 1.0), SOLVE_LIMIT_S)
-        if t > 1 and p > 1:
-            candidate = _pipelined_sharded(model, layers, stages_of(p, solve_limit),
-                                           (num_devices // (t * p), t, p), hardware,
-                                           global_batch, num_micro_batch, capacity,
-                                           opt_level, solve_limit)
-        elif t > 1:
-            candidate = _sharded(layers, Mesh(num_devices, t, global_batch, hardware,
-                                              model.compute_dtype),
-                                 capacity, opt_level, solve_limit)
-        else:
-            candidate = _estimate(model, stages_of(p, solve_limit), p,
-                                  max(num_devices // p, 1), hardware, global_batch,
-                                  num_micro_batch if p > 1 else 1)
+        candidate = search.mesh(t, p, min(max(left, 1.0), SOLVE_LIMIT_S))
         if candidate is None:
             progress(f"tfpar auto [{number}/{len(meshes)}] tensor {t} x pipeline {p}: no "
                      f"sharded plan fits or beats data parallelism "
                      f"({time.monotonic() - start:.1f} s)")
             continue
         candidates.append(candidate)
-        progress(f"tfpar auto [{number}/{len(meshes)}] data {candidate.data} x tensor "
-                 f"{candidate.tensor} x pipeline {p}: step {candidate.step_time_s * 1e3:.3f} ms, "
-                 f"memory/device {candidate.memory_bytes / 2 ** 20:.1f} MiB "
-                 f"({time.monotonic() - start:.1f} s)")
+        progress(f"tfpar auto [{number}/{len(meshes)}] {candidate.describe()}: step "
+                 f"{candidate.step_time_s * 1e3:.3f} ms, memory/device "
+                 f"{candidate.memory_bytes / 2 ** 20:.1f} MiB ({time.monotonic() - start:.1f} s)")
     return candidates
+
+
+def _meshes(model: ModelView, num_devices: int, pipeline: Optional[int],
+            hardware: Hardware) -> List[Tuple[int, int]]:
+    """(tensor, pipeline) degrees dividing the devices, tensor degrees only for
+    a model whose ops are named; with a pipeline, tensor groups within a node
+    (``devices_per_node``: Narayanan et al., SC'21, §3.2, takeaway 1)."""
+    pipelines = [pipeline] if pipeline else [p for p in range(1, num_devices + 1)
+                                             if num_devices % p == 0]
+    meshes = [(1, p) for p in pipelines if num_devices % p == 0]
+    if model.names is None:
+        return meshes
+    node = hardware.devices_per_node or num_devices
+    tensors = [t for t in range(2, num_devices + 1) if num_devices % t == 0]
+    meshes += [(t, 1) for t in tensors if (pipeline or 1) == 1]
+    meshes += [(t, p) for p in pipelines if p > 1 for t in tensors
+               if t <= node and num_devices % (t * p) == 0]
+    return meshes
 
 
 def stage_units(model: ModelView) -> int:
@@ -245,8 +257,7 @@ def choose(candidates: Sequence[Candidate], hardware: Hardware) -> Candidate:
         least = min(candidates, key=lambda c: c.memory_bytes)
         raise PlanError(f"tfpar: auto.auto_parallel found no plan that fits {hardware.name}'s "
                         f"{hardware.memory_gb:g} GB per device; the smallest needs "
-                        f"{least.memory_bytes / 2 ** 30:.3g} GB (data {least.data} x tensor "
-                        f"{least.tensor} x pipeline {least.pipeline})")
+                        f"{least.memory_bytes / 2 ** 30:.3g} GB ({least.describe()})")
     fastest = min(c.step_time_s for c in fitting)
     near = [c for c in fitting if c.step_time_s <= fastest * (1 + TOLERANCE)]
     stages = min(c.pipeline for c in near)
@@ -256,73 +267,177 @@ def choose(candidates: Sequence[Candidate], hardware: Hardware) -> Candidate:
                key=lambda c: (c.tensor, c.step_time_s))
 
 
-def _sharded(layers, mesh: Mesh, capacity: float, opt_level: str,
-             time_limit_s: float) -> Optional[Candidate]:
-    """The sharding search's plan on ``mesh`` as a candidate (None when it
-    fits nowhere or shards nothing: then it is plain data parallelism)."""
-    plan = plan_sharding(layers, mesh, capacity, opt_level, time_limit_s)
-    if plan is None or all(c == "dp" for c in plan.candidates):
-        return None
-    split = tuple((scope, c) for layer, c in zip(layers.layers, plan.candidates) if c != "dp"
-                  for scope in layer.scopes)
-    parts = tuple(Part(cost.seconds, memory, cost.bytes, layer.ops)
-                  for layer, cost, memory in zip(layers.layers, plan.layer_costs,
-                                                 plan.layer_memory))
-    count = sum(len(layer.ops) for layer in layers.layers)
-    return Candidate(data=mesh.data, pipeline=1, stages=(0,) * count,
-                     step_time_s=plan.step_time_s, memory_bytes=plan.memory_bytes,
-                     comm_bytes=plan.comm_bytes, tensor=mesh.tensor, split_scopes=split,
-                     parts=parts)
+class _Search:
+    """What one search shares across meshes: the model's layer graph (when
+    some mesh splits tensors), its recomputation terms, its stage cuts per
+    pipeline degree (cut once)."""
+
+    def __init__(self, model: ModelView, num_devices: int, hardware: Hardware,
+                 global_batch: int, num_micro_batch: Optional[int], opt_level: str,
+                 techniques: Sequence[str], tensors: bool):
+        self.model, self.num_devices, self.hardware = model, num_devices, hardware
+        self.global_batch, self.num_micro_batch = global_batch, num_micro_batch
+        self.opt_level, self.techniques = opt_level, tuple(techniques)
+        self.layers = layer_graph(model) if tensors else None
+        self.recompute = recomputation(model)
+        self.capacity = hardware.memory_gb * 2 ** 30
+        self.speed_up = hardware.peak(LOW_PRECISION) / hardware.peak(model.compute_dtype)
+        self.cuts: Dict[int, List[int]] = {}
+        self.solved: Dict = {}  # sharding segments, across stages and meshes
+
+    def stages_of(self, p: int, time_limit_s: float) -> List[int]:
+        if p not in self.cuts:
+            model = self.model
+            self.cuts[p] = partition_stages(model.flops, model.edges, p, time_limit_s,
+                                            model.labels) if p > 1 else [0] * len(model.flops)
+        return self.cuts[p]
+
+    def mesh(self, t: int, p: int, time_limit_s: float) -> Optional[Candidate]:
+        """The candidate of data x ``t`` x ``p`` with its best setting (None:
+        a tensor mesh whose sharding fits nowhere or shards nothing)."""
+        d = self.num_devices // (t * p)
+        rows = self.global_batch / d
+        counts = micro_batch_counts(max(int(rows), 1), self.num_micro_batch)
+        if t == 1:
+            return self._unsplit(p, d, rows, counts, self.stages_of(p, time_limit_s))
+        return self._split(t, p, d, rows, counts, time_limit_s)
+
+    def _setting(self, stages: Sequence[StageModel], d: int, rows: float, counts: Sequence[int],
+                 cut: float, bandwidth: float) -> Setting:
+        space = technique_space(self.techniques, d, self.speed_up > 1)
+        return best_setting(stages, d, rows, counts, space, cut, bandwidth, self.speed_up,
+                            self.capacity)
+
+    def _terms(self, ops: Sequence[int], act_scale: float) -> Dict[str, tuple]:
+        """``StageModel``'s recomputation fields for ``ops``, activations x ``act_scale``."""
+        terms = self.recompute
+        flops = sum(self.model.flops[i] for i in ops) or 1.0
+        return {"kept": tuple(act_scale * sum(terms.kept[mode][i] for i in ops)
+                              for mode in RECOMPUTE),
+                "transient": tuple(act_scale * terms.transient_bytes(mode, ops)
+                                   for mode in RECOMPUTE),
+                "recomputed": tuple(sum(terms.flops[mode][i] for i in ops) / flops
+                                    for mode in RECOMPUTE)}
+
+    def _launches(self, ops: Sequence[int]) -> float:
+        """Seconds of kernel launches of one micro-batch through ``ops``."""
+        model = self.model
+        kernels = sum(1 for i in ops if model.flops[i] or model.activation_bytes[i])
+        return KERNELS_PER_OP * LAUNCH_S * kernels
+
+    def _unsplit(self, p: int, d: int, rows: float, counts: Sequence[int],
+                 stages: Sequence[int]) -> Candidate:
+        """A pipeline (or, with ``p`` 1, data parallel) candidate of ``stages``."""
+        model, hardware = self.model, self.hardware
+        speed = hardware.flops_per_s(model.compute_dtype)
+        members: List[List[int]] = [[] for _ in range(p)]
+        for i, stage in enumerate(stages):
+            members[stage].append(i)
+        models = []
+        for ops in members:
+            params = sum(model.param_bytes[i] for i in ops)
+            models.append(StageModel(
+                3 * sum(model.flops[i] for i in ops) / speed, 0.0, 0.0, self._launches(ops), params,
+                allreduce(d, params, hardware.bandwidth(p * d)), **self._terms(ops, 1.0)))
+        cut = sum(size for i, j, size in model.edges if stages[i] != stages[j])
+        best = self._setting(models, d, rows, counts, cut, hardware.bandwidth(p))
+        parts = tuple(Part(seconds, memory, stage.grads.bytes) for seconds, memory, stage
+                      in zip(best.stage_seconds, best.memory_bytes, models))
+        return _candidate(best, d, 1, p, tuple(stages), parts)
+
+    def _split(self, t: int, p: int, d: int, rows: float, counts: Sequence[int],
+               time_limit_s: float) -> Optional[Candidate]:
+        """Data x ``t`` x ``p``: without a pipeline, the sharding search on the
+        whole layer graph (layers may stay data parallel); with one, the stages
+        of ``partition_stages``, each on its own d x t devices with every layer
+        split over groups of t (``split_only``, gradients apart: all-reduced
+        over the stage's d replicas once per step). Sharded at the rows of one
+        micro-batch (the given count, else the whole batch) of a replica of
+        the tensor-only mesh to fit the device (when nothing fits so, with
+        its weights, gradients and optimizer slots alone: micro-batches and
+        recomputation shrink activations), then evaluated at every setting."""
+        layers, hardware, model = self.layers, self.hardware, self.model
+        op_stages = self.stages_of(p, time_limit_s)
+        stage_of = [op_stages[layer.ops[0]] for layer in layers.layers]  # non-decreasing
+        groups = [[i for i, stage in enumerate(stage_of) if stage == s] for s in range(p)]
+        if not all(groups):
+            return None
+        graphs = [subgraph(layers, members) for members in groups] if p > 1 else [layers]
+        # Split stages cost the same per replica whatever d: sharded as on one
+        # replica of a tensor-only mesh, so that every pipeline degree reuses
+        # the same solved segments.
+        replicas = 1 if p > 1 else d
+        sizing = self.global_batch * t / self.num_devices / (self.num_micro_batch or 1)
+        mesh = Mesh(replicas * t, t, sizing * replicas, hardware, model.compute_dtype)
+        chosen = []
+        for graph in graphs:
+            plan = None
+            for activations in (True, False):
+                plan = plan_sharding(graph, mesh, self.capacity, self.opt_level, time_limit_s,
+                                     split_only=p > 1, gradients=p == 1, solved=self.solved,
+                                     activations=activations)
+                if plan is not None:
+                    break
+            if plan is None or all(c == "dp" for c in plan.candidates):
+                return None
+            chosen.append(plan.candidates)
+        models = [self._split_stage(graph, c, t, p, d) for graph, c in zip(graphs, chosen)]
+        cut = sum(size for i, j, size in layers.edges if stage_of[i] != stage_of[j])
+        best = self._setting(models, d, rows, counts, cut, hardware.bandwidth(t * p))
+        final = rows / best.micro_batches
+        parts, split, stages = [], [], []
+        for s, (graph, candidates) in enumerate(zip(graphs, chosen)):
+            plan = self._problem(graph, t, p, d, final, p == 1).plan(candidates, False)
+            for layer, c, cost, memory in zip(graph.layers, candidates, plan.layer_costs,
+                                              plan.layer_memory):
+                parts.append(Part(cost.seconds * best.micro_batches, memory,
+                                  cost.bytes * best.micro_batches, layer.ops))
+                if p > 1 or c != "dp":
+                    split += [(scope, c) for scope in layer.scopes]
+                    stages += [s] * len(layer.scopes) if p > 1 else []
+        op_stage = [0] * len(model.flops)
+        for i, layer in enumerate(layers.layers):
+            for op in layer.ops:
+                op_stage[op] = stage_of[i]
+        return _candidate(best, d, t, p, tuple(op_stage), tuple(parts), tuple(split),
+                          tuple(stages))
+
+    def _problem(self, graph, t: int, p: int, d: int, rows: float,
+                 gradients: bool = False) -> Problem:
+        return Problem(graph, Mesh(d * t, t, rows * d, self.hardware, self.model.compute_dtype),
+                       split_only=p > 1, gradients=gradients)
+
+    def _split_stage(self, graph, candidates: Sequence[str], t: int, p: int,
+                     d: int) -> StageModel:
+        """``graph`` sharded as ``candidates``, as a ``StageModel`` (affine in
+        the rows: evaluated at one and two rows per replica)."""
+        one = self._problem(graph, t, p, d, 1.0).plan(candidates, False)
+        two = self._problem(graph, t, p, d, 2.0).plan(candidates, False)
+        compute = self._problem(graph, t, p, d, 1.0).compute_seconds(candidates)
+        per_row = two.step_time_s - one.step_time_s
+        params = one.weight_memory / BYTES_PER_PARAM_STATE
+        if p == 1:
+            with_grads = self._problem(graph, t, p, d, 1.0, gradients=True).plan(candidates, False)
+            grads = Cost(with_grads.step_time_s - one.step_time_s,
+                         with_grads.comm_bytes - one.comm_bytes)
+        else:
+            grads = allreduce(d, params, self.hardware.bandwidth(d * t * p))
+        ops = [op for layer in graph.layers for op in layer.ops]
+        unsplit = sum(self.recompute.kept["none"][i] for i in ops) or 1.0
+        activations = one.memory_bytes - one.weight_memory
+        return StageModel(compute, per_row - compute, two.comm_bytes - one.comm_bytes,
+                          one.step_time_s - per_row + self._launches(ops), params, grads,
+                          **self._terms(ops, activations / unsplit))
 
 
-def _pipelined_sharded(model: ModelView, layers, op_stages: Sequence[int],
-                       mesh: Tuple[int, int, int], hardware: Hardware, global_batch: int,
-                       micro: int, capacity: float, opt_level: str,
-                       time_limit_s: float) -> Optional[Candidate]:
-    """A 3-D mesh (data d, tensor t, pipeline p): the stages ``op_stages``
-    (of ``partition_stages``), each on its own d x t devices with every layer split
-    over groups of t (``split_only`` sharding search per stage, on one
-    micro-batch's rows, gradients apart); stage times replayed as a 1F1B
-    pipeline; each stage's weights all-reduced over its d replicas per step."""
-    d, t, p = mesh
-    stage_of = [op_stages[layer.ops[0]] for layer in layers.layers]  # non-decreasing
-    rows = global_batch / micro
-    plans = []
-    for s in range(p):
-        members = [i for i, stage in enumerate(stage_of) if stage == s]
-        if not members:
-            return None
-        plan = plan_sharding(subgraph(layers, members),
-                             Mesh(d * t, t, rows, hardware, model.compute_dtype),
-                             capacity, opt_level, time_limit_s, split_only=True, gradients=False)
-        if plan is None:
-            return None
-        plans.append((members, plan))
-    cut = sum(size for i, j, size in layers.edges if stage_of[i] != stage_of[j]) * rows / d
-    transfer = LATENCY_S + cut / (p - 1) / hardware.bandwidth(t * p)
-    result = simulate(build_schedule("1f1b", p, micro), [plan.step_time_s / 3 for _, plan in plans],
-                      [2 * plan.step_time_s / 3 for _, plan in plans], transfer)
-    grads = [allreduce(d, plan.weight_memory / BYTES_PER_PARAM_STATE,
-                       hardware.bandwidth(d * t * p)) for _, plan in plans]
-    memory = [plan.weight_memory + (plan.memory_bytes - plan.weight_memory) * peak
-              for (_, plan), peak in zip(plans, result.peak_in_flight)]
-    parts, split, stages = [], [], []
-    for s, (members, plan) in enumerate(plans):
-        for i, c, cost, mem in zip(members, plan.candidates, plan.layer_costs, plan.layer_memory):
-            layer = layers.layers[i]
-            parts.append(Part(cost.seconds * micro, mem, cost.bytes * micro, layer.ops))
-            split += [(scope, c) for scope in layer.scopes]
-            stages += [s] * len(layer.scopes)
-    op_stage = [0] * len(model.flops)
-    for i, layer in enumerate(layers.layers):
-        for op in layer.ops:
-            op_stage[op] = stage_of[i]
-    return Candidate(data=d, pipeline=p, stages=tuple(op_stage),
-                     step_time_s=result.length + max(g.seconds for g in grads),
-                     memory_bytes=max(memory),
-                     comm_bytes=sum(part.comm_bytes for part in parts) + cut * micro * 2
-                     + sum(g.bytes for g in grads), tensor=t, split_scopes=tuple(split),
-                     parts=tuple(parts), split_stages=tuple(stages))
+def _candidate(best: Setting, d: int, t: int, p: int, stages: Tuple[int, ...],
+               parts: Tuple[Part, ...], split: Tuple[Tuple[str, str], ...] = (),
+               split_stages: Tuple[int, ...] = ()) -> Candidate:
+    return Candidate(data=d, pipeline=p, stages=stages, step_time_s=best.step_time_s,
+                     memory_bytes=best.peak_memory, comm_bytes=best.comm_bytes, tensor=t,
+                     split_scopes=split, parts=parts, split_stages=split_stages,
+                     micro_batches=best.micro_batches, techniques=best.techniques,
+                     state_bytes=max(best.state_bytes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,23 +476,3 @@ def stage_costs(model: ModelView, stages: Sequence[int], num_stages: int, rows: 
     cut = sum(size for i, j, size in model.edges if stages[i] != stages[j]) * rows
     transfer = LATENCY_S + cut / max(num_stages - 1, 1) / bandwidth if num_stages > 1 else 0.0
     return StageCosts(tuple(forward), tuple(params), tuple(activations), transfer, cut)
-
-
-def _estimate(model: ModelView, stages: Sequence[int], p: int, d: int, hardware: Hardware,
-              global_batch: int, micro: int) -> Candidate:
-    """The pipeline (or, with ``p`` 1, data parallel) candidate of ``stages``."""
-    costs = stage_costs(model, stages, p, global_batch / d / micro, hardware)
-    result = simulate(build_schedule("1f1b", p, micro), list(costs.forward_s),
-                      list(costs.backward_s), costs.transfer_s)
-    bandwidth = hardware.bandwidth(p * d)  # a stage's replicas are strided over all devices
-    grads = [allreduce(d, b, bandwidth) for b in costs.param_bytes]
-    memory = [costs.fixed_bytes[s] + costs.activation_bytes[s] * result.peak_in_flight[s]
-              for s in range(p)]
-    parts = tuple(Part(micro * (costs.forward_s[s] + costs.backward_s[s]) + grads[s].seconds,
-                       memory[s], grads[s].bytes) for s in range(p))
-    return Candidate(data=d, pipeline=p, stages=tuple(stages),
-                     step_time_s=result.length + max(g.seconds for g in grads),
-                     memory_bytes=max(memory),
-                     comm_bytes=sum(g.bytes for g in grads) + costs.cut_bytes * micro * 2,
-                     parts=parts)
-

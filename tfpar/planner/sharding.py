@@ -106,15 +106,21 @@ class ShardingPlan:
 
 def plan_sharding(graph: LayerGraph, mesh: Mesh, memory_limit: float, opt_level: str = "O2",
                   time_limit_s: float = 10.0, split_only: bool = False,
-                  gradients: bool = True) -> Optional[ShardingPlan]:
-    """The cheapest candidates for ``graph`` on ``mesh`` (None: nothing fits).
-    O3 starts from the O2 plan (a solver hint) and tries to prove or beat it.
-    ``split_only`` and ``gradients``: see ``Problem``."""
+                  gradients: bool = True, solved: Optional[Dict] = None,
+                  activations: bool = True) -> Optional[ShardingPlan]:
+    """The cheapest candidates for ``graph`` on ``mesh`` (None: nothing fits
+    ``memory_limit``: with ``activations`` False, the weights, gradients and
+    optimizer slots alone). O3 starts from the O2 plan (a solver hint) and
+    tries to prove or beat it. ``split_only`` and ``gradients``: see
+    ``Problem``; ``solved``: segments already solved (by an earlier call,
+    e.g. another pipeline stage of the same mesh), updated with this call's."""
     problem = Problem(graph, mesh, split_only, gradients)
+    problem.limit_activations = activations
     allowed = problem.allowed()
     forced = False
+    solved = {} if solved is None else solved
     while True:
-        chosen, optimal = _segments_dp(problem, allowed)
+        chosen, optimal = _segments_dp(problem, allowed, solved)
         if problem.memory(chosen) <= memory_limit:
             break
         allowed = _force_largest_sharded(problem, allowed, chosen)
@@ -123,8 +129,8 @@ def plan_sharding(graph: LayerGraph, mesh: Mesh, memory_limit: float, opt_level:
             break
         forced = True
     if opt_level == "O3":
-        found = _ilp(problem, problem.allowed(), {}, memory_limit, time_limit_s, hint=chosen,
-                     workers=WHOLE_GRAPH_WORKERS)
+        found, = _ilp(problem, problem.allowed(), [{}], memory_limit, time_limit_s, hint=chosen,
+                      workers=WHOLE_GRAPH_WORKERS)
         if found is None:
             return None
         chosen, optimal = found
@@ -163,6 +169,7 @@ class Problem:
                  gradients: bool = True):
         self.graph, self.mesh = graph, mesh
         self.split_only, self.gradients = split_only, gradients
+        self.limit_activations = True  # whether the memory limit counts activations
         self.rows_device = mesh.batch / mesh.devices
         self.rows_group = mesh.batch / mesh.data
         self.preds: List[List[Tuple[int, float]]] = [[] for _ in graph.layers]
@@ -208,6 +215,12 @@ class Problem:
             extra += allreduce(t, 8 * self.rows_group, bandwidth) * 2
         return compute + grads + extra
 
+    def compute_seconds(self, chosen: Sequence[str]) -> float:
+        """Forward and backward compute of the layers as ``chosen`` (no collectives)."""
+        speed = self.mesh.hardware.flops_per_s(self.mesh.dtype)
+        return sum(3 * layer.flops * self.rows(c) for layer, c in zip(self.graph.layers, chosen)
+                   ) / speed
+
     def edge(self, size: float, out_layout: str, in_layout: str) -> Cost:
         """Resharding ``size`` bytes per row, forward and backward."""
         if out_layout == in_layout or not size:
@@ -227,7 +240,8 @@ class Problem:
         return STATE_BYTES * weights + layer.activation_bytes * self.rows(candidate, kept=True)
 
     def memory(self, chosen: Sequence[str]) -> float:
-        return sum(self.memory_of(i, c) for i, c in enumerate(chosen))
+        """Bytes per device the memory limit applies to."""
+        return sum(self.memory_of(i, c, self.limit_activations) for i, c in enumerate(chosen))
 
     def reshard(self, size: float, producer: str, consumer: str) -> Cost:
         """The edge between a layer with candidate ``producer`` and one with ``consumer``."""
@@ -266,17 +280,18 @@ class Problem:
                             tuple(costs), tuple(memory), weights)
 
 
-def _ilp(problem: Problem, allowed: Sequence[Tuple[str, ...]], fixed: Dict[int, str],
+def _ilp(problem: Problem, allowed: Sequence[Tuple[str, ...]], fixings: Sequence[Dict[int, str]],
          memory_limit: Optional[float], time_limit_s: float,
          nodes: Optional[Sequence[int]] = None, hint: Optional[Sequence[str]] = None,
-         workers: int = 1) -> Optional[Tuple[List[str], bool]]:
-    """Rhino §4.2 over ``nodes`` (all layers when None; edges among them):
-    candidates of the ``fixed`` layers are given; ``hint`` (a candidate per
-    layer) is where the solver starts; ``workers`` CP-SAT search workers.
-    Returns (candidate per layer of ``nodes``, proved optimal) or None."""
+         workers: int = 1) -> List[Optional[Tuple[List[str], bool]]]:
+    """Rhino §4.2 over ``nodes`` (all layers when None; edges among them),
+    built once and solved once per fixing (the candidates of some layers,
+    given as solver assumptions); ``hint`` (a candidate per layer) is where
+    the solver starts; ``workers`` CP-SAT search workers. Returns per fixing
+    (candidate per layer of ``nodes``, proved optimal), or None."""
     nodes = list(range(len(allowed))) if nodes is None else list(nodes)
     inside = set(nodes)
-    options = {i: ((fixed[i],) if i in fixed else allowed[i]) for i in nodes}
+    options = {i: allowed[i] for i in nodes}
     edges = [(i, j, size) for j in nodes for i, size in problem.preds[j] if i in inside]
     node_cost = {(i, c): problem.node(i, c).seconds for i in nodes for c in options[i]}
     edge_cost = {(e, a, b): problem.reshard(size, a, b).seconds
@@ -295,7 +310,7 @@ def _ilp(problem: Problem, allowed: Sequence[Tuple[str, ...]], fixed: Dict[int, 
             model.Add(sum(pair[a, b] for a in options[i]) == pick[j, b])
         objective += [round(edge_cost[e, a, b] / unit) * var for (a, b), var in pair.items()]
     if memory_limit is not None:
-        memory = {key: problem.memory_of(*key) for key in pick}
+        memory = {key: problem.memory_of(*key, problem.limit_activations) for key in pick}
         scale = max(max(memory.values(), default=0.0), memory_limit, 1.0) / _RESOLUTION
         model.Add(sum(int(memory[key] / scale) * var for key, var in pick.items())
                   <= int(memory_limit / scale))
@@ -306,11 +321,17 @@ def _ilp(problem: Problem, allowed: Sequence[Tuple[str, ...]], fixed: Dict[int, 
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_search_workers = workers
-    status = solver.Solve(model)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return None
-    chosen = [next(c for c in options[i] if solver.Value(pick[i, c])) for i in nodes]
-    return chosen, status == cp_model.OPTIMAL
+    found = []
+    for fixing in fixings:
+        model.ClearAssumptions()
+        model.AddAssumptions([pick[i, c] for i, c in fixing.items()])
+        status = solver.Solve(model)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            found.append(None)
+            continue
+        chosen = [next(c for c in options[i] if solver.Value(pick[i, c])) for i in nodes]
+        found.append((chosen, status == cp_model.OPTIMAL))
+    return found
 
 
 def critical_layers(graph: LayerGraph) -> List[int]:
@@ -318,24 +339,26 @@ def critical_layers(graph: LayerGraph) -> List[int]:
     return critical_positions(len(graph.layers), graph.edges)
 
 
-def _segments_dp(problem: Problem, allowed: Sequence[Tuple[str, ...]]) -> Tuple[List[str], bool]:
+def _segments_dp(problem: Problem, allowed: Sequence[Tuple[str, ...]],
+                 cache: Dict) -> Tuple[List[str], bool]:
     """Rhino §4.3.2: DP over critical layers, segments between them solved once
-    per signature (TAP's plan reuse). Returns the candidates and whether every
-    segment was solved to optimality."""
+    per signature (TAP's plan reuse) and kept in ``cache``. Returns the
+    candidates and whether every segment was solved to optimality."""
     graph = problem.graph
     critical = critical_layers(graph)
     first = critical[0]
     best = {c: (problem.node(first, c).seconds, [c]) for c in allowed[first]}
-    cache: Dict[Tuple, Dict[Tuple[str, str], Tuple[float, List[str], bool]]] = {}
+    used = []
     for start, end in zip(critical, critical[1:]):
         key = _segment_key(problem, allowed, start, end)
         if key not in cache:
             cache[key] = _solve_segment(problem, allowed, start, end)
         table = cache[key]
+        used.append(table)
         best = {b: min(((cost + table[a, b][0], path + table[a, b][1])
                         for a, (cost, path) in best.items()), key=lambda x: x[0])
                 for b in allowed[end]}
-    optimal = all(entry[2] for table in cache.values() for entry in table.values())
+    optimal = all(entry[2] for table in used for entry in table.values())
     return min(best.values(), key=lambda x: x[0])[1], optimal
 
 
@@ -343,7 +366,8 @@ def _segment_key(problem: Problem, allowed, start: int, end: int) -> Tuple:
     layers = problem.graph.layers[start:end + 1]
     edges = tuple((i - start, j - start, size) for j in range(start + 1, end + 1)
                   for i, size in problem.preds[j])
-    return tuple(layer.signature for layer in layers), edges, tuple(allowed[start:end + 1])
+    return (tuple(layer.signature for layer in layers), edges, tuple(allowed[start:end + 1]),
+            problem.mesh, problem.split_only, problem.gradients)
 
 
 def _solve_segment(problem: Problem, allowed, start: int, end: int):
@@ -352,21 +376,20 @@ def _solve_segment(problem: Problem, allowed, start: int, end: int):
     inner = list(range(start + 1, end))
     chain = all(problem.preds[j] and [i for i, _ in problem.preds[j]] == [j - 1]
                 for j in range(start + 1, end + 1))
+    pairs = [(a, b) for a in allowed[start] for b in allowed[end]]
+    if chain:
+        solved = [(_chain_dp(problem, allowed, start, end, a, b), True) for a, b in pairs]
+    else:
+        found = _ilp(problem, allowed, [{start: a, end: b} for a, b in pairs], None,
+                     SEGMENT_LIMIT_S, [start] + inner + [end])
+        solved = [(result[0][1:], result[1]) if result else
+                  ([allowed[k][0] for k in inner] + [b], False)
+                  for result, (_, b) in zip(found, pairs)]
     table = {}
-    for a in allowed[start]:
-        for b in allowed[end]:
-            optimal = True
-            if chain:
-                chosen = _chain_dp(problem, allowed, start, end, a, b)
-            else:
-                found = _ilp(problem, allowed, {start: a, end: b}, None, SEGMENT_LIMIT_S,
-                             [start] + inner + [end])
-                optimal = found is not None and found[1]
-                chosen = found[0][1:] if found else [allowed[k][0] for k in inner] + [b]
-            candidate_of = dict(zip(range(start, end + 1), [a] + chosen))
-            cost = sum(problem.layer_cost(j, candidate_of).seconds
-                       for j in range(start + 1, end + 1))
-            table[a, b] = (cost, chosen, optimal)
+    for (a, b), (chosen, optimal) in zip(pairs, solved):
+        candidate_of = dict(zip(range(start, end + 1), [a] + chosen))
+        cost = sum(problem.layer_cost(j, candidate_of).seconds for j in range(start + 1, end + 1))
+        table[a, b] = (cost, chosen, optimal)
     return table
 
 

@@ -23,8 +23,8 @@ from tfpar.runtime.context import Runtime
 from tfpar.runtime.gc_paused import gc_paused
 
 __all__ = ["DEFAULT_BATCH", "Automatic", "automatic_plan", "cluster_hardware", "estimate_of",
-           "part_estimate", "pinned_sharding", "planning_batch", "sharded_plan",
-           "warn_unbuilt_sharding"]
+           "part_estimate", "pinned_sharding", "planned_config", "planning_batch",
+           "refuse_memory_techniques", "sharded_plan", "warn_unbuilt_sharding"]
 
 log = logging.getLogger("tfpar")
 DEFAULT_BATCH = 32  # neither auto.global_batch nor the model's inputs say
@@ -98,11 +98,13 @@ def _plan(index: GraphIndex, capture: GraphCapture, rt: Runtime, auto: bool,
         # one model: the first one's search plans them all.
         same_model = tuple(op.name for op in order)
         if same_model not in rt.searches:
+            known = bool(cfg.get("auto.global_batch") or view.batch)
+            micro = cfg.get("pipeline.num_micro_batch")
             candidates = search_all(view, len(rt.devices), hardware, planning_batch(rt, view),
-                                    cfg.get("pipeline.num_micro_batch"), count, time_limit,
+                                    None if micro == 1 and known else micro, count, time_limit,
                                     lambda line: print(line, file=sys.stderr),
-                                    cfg.get("auto.opt_level"),
-                                    batch_known=bool(cfg.get("auto.global_batch") or view.batch))
+                                    cfg.get("auto.opt_level"), batch_known=known,
+                                    techniques=cfg.get("auto.memory_techniques"))
             pick = choose(candidates, hardware)
             rt.searches[same_model] = (
                 pick, pick if pick.tensor == 1 else _unsharded(candidates, hardware))
@@ -170,7 +172,8 @@ def sharded_plan(automatic: Automatic, rt: Runtime, index: GraphIndex,
              "param_bytes": [int(sum(automatic.param_bytes[position[op]] for op in members
                                      if op in position)) for _, members in runs]}
     config = rt.config.replace({"plan": None, "cluster.colocate_split_and_replicate":
-                                not best.split_stages})
+                                not best.split_stages,
+                                "pipeline.num_micro_batch": best.micro_batches})
     plan = plan_from_annotations(specs, rt.devices, config, stats)
     part_of = {automatic.order[i]: part for part in best.parts for i in part.ops}
     task_graphs = tuple(
@@ -200,7 +203,29 @@ def estimate_of(candidate, rt: Runtime) -> Dict[str, Any]:
     """A plan's ``estimate`` from a search candidate."""
     return {"step_time_s": candidate.step_time_s,
             "memory_bytes_per_device": [candidate.memory_bytes] * len(rt.devices),
-            "comm_bytes": candidate.comm_bytes}
+            "comm_bytes": candidate.comm_bytes,
+            "memory_techniques": candidate.techniques.names}
+
+
+def planned_config(rt: Runtime, automatic: Optional[Automatic]):
+    """The config a plan is built with: the micro-batch count the search
+    chose for the plan that runs."""
+    if automatic is None or automatic.runnable is None:
+        return rt.config
+    return rt.config.replace({"pipeline.num_micro_batch": automatic.runnable.micro_batches})
+
+
+def refuse_memory_techniques(automatic: Optional[Automatic]) -> None:
+    """A plan that needs memory techniques (``auto.memory_techniques``) cannot
+    train here: raise, naming them."""
+    chosen = [c for c in (automatic.best, automatic.runnable) if c is not None] \
+        if automatic is not None else []
+    needs = next((c for c in chosen if c.techniques.names), None)
+    if needs is not None:
+        raise PlanError(f"tfpar: the planner's plan ({needs.describe()}) needs "
+                        f"{needs.techniques.describe()}, which tfpar cannot apply to a graph "
+                        "yet: auto.memory_techniques is for planning (tfpar plan); remove "
+                        "them from it to train")
 
 
 def warn_unbuilt_sharding(capture: GraphCapture) -> None:

@@ -29,7 +29,8 @@ from tfpar.rewriters.stages import Placement, assign_stages, canonical_device, s
 from tfpar.rewriters.fetch_translation import FetchTranslator
 from tfpar.rewriters.function_outputs import rewire_outputs
 from tfpar.runtime.automatic import (Automatic, automatic_plan, cluster_hardware, estimate_of,
-                                     part_estimate, pinned_sharding, planning_batch, sharded_plan,
+                                     part_estimate, pinned_sharding, planned_config, planning_batch,
+                                     refuse_memory_techniques, sharded_plan,
                                      warn_unbuilt_sharding)
 from tfpar.runtime.balanced import batch_shares
 from tfpar.runtime.context import Runtime, active
@@ -261,7 +262,7 @@ def _planned(graph: ops.Graph, capture: GraphCapture, rt: Runtime):
     specs = task_graph_specs(capture, rt, automatic)
     stage_of = assign_stages(index, capture, len(specs), [s.name for s in specs],
                              automatic.tags if automatic is not None else None)
-    plan = plan_from_annotations(specs, rt.devices, rt.config,
+    plan = plan_from_annotations(specs, rt.devices, planned_config(rt, automatic),
                                  _stats(graph, capture, index, stage_of, len(specs)))
     if automatic is not None and automatic.runnable is not None:
         runnable = automatic.runnable
@@ -457,6 +458,7 @@ def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
 def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
     """Plan ``graph`` and rewrite it (``capture.plan``, ``capture.rewrite``)."""
     plan, index, stage_of = _planned(graph, capture, rt)
+    refuse_memory_techniques(capture.automatic[1] if capture.automatic is not None else None)
     warn_unbuilt_sharding(capture)
     _check_forced_units(capture, rt)
     automatic = capture.automatic[1] if capture.automatic is not None else None

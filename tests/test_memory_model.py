@@ -1,0 +1,197 @@
+"""The planner's memory techniques and micro-batches (issues 14, 15 and 17):
+activation recomputation on a GPT layer by hand (Korthikanti et al. 2022),
+ZeRO's state bytes, 1F1B's step against the simulator, memory pressure
+choosing micro-batches, recomputation and ZeRO in that order, and per-device
+weights and optimizer state that never grow with the tensor or pipeline degree.
+"""
+import dataclasses
+
+import pytest
+import tensorflow as tf
+
+from test_cost_model import graph_view
+from test_expert_plans import gpt_loss
+
+from equivalence import make_data, plan_of, train
+
+import tfpar as wh
+from tfpar.cluster.hardware import Hardware
+from tfpar.planner.auto import search, search_all
+from tfpar.planner.comm import Cost
+from tfpar.planner.memory import Techniques, recomputation, state_bytes
+from tfpar.planner.schedule import build_schedule
+from tfpar.planner.simulate import simulate
+from tfpar.planner.step_model import StageModel, best_setting
+
+v1 = tf.compat.v1
+FLOAT = 4
+# A GPT of 2 layers, hidden h 64, a 4 heads, sequences s of 32, vocabulary 100.
+LAYERS, HIDDEN, HEADS, SEQ, VOCAB = 2, 64, 4, 32, 100
+SBH = SEQ * HIDDEN  # floats per row (one sequence) of a [s, h] tensor
+AS2 = HEADS * SEQ * SEQ  # of an attention score tensor
+
+
+@pytest.fixture(scope="module")
+def gpt_view():
+    _, view = graph_view(lambda: gpt_loss(LAYERS, HIDDEN, HEADS, vocab=VOCAB)(
+        v1.placeholder(tf.int32, [8, SEQ])))
+    return view
+
+
+def block_ops(view, block):
+    return [i for i, label in enumerate(view.labels) if label == block]
+
+
+def test_recomputation_of_a_gpt_layer_by_hand(gpt_view):
+    """Korthikanti et al. count a layer's activations as s b h (34 + 5 a s / h)
+    bytes (16 bits, dropout, fused kernels): 34 s b h + 5 a s^2 b. This graph
+    (float32, no dropout, TensorFlow's unfused ops) keeps, per sequence:
+      * ``none``: 56 s h floats - layer norms 2 x 5 (squared difference, sub,
+        mul, gain, bias), QKV 3 + 3 (MatMul, BiasAdd), split 1, 3 head
+        transposes, attention output 1 + transpose 1, projection 1 + 1,
+        residuals 2, MLP 4 + 4 (MatMul, BiasAdd), GELU 5 x 4, projection 1 + 1
+        - plus 5 a s^2 (the scores, scaled, masked twice, softmax: the paper's
+        five bytes per score are also five tensors here), plus 2 x 5 s (the
+        norms' means, variances, rsqrt) and 4 tensordots' 5 shape integers;
+      * ``selective`` drops exactly the 5 a s^2 floats, as the paper's
+        selective recomputation drops its 5 a s^2 b bytes, and recomputes
+        their FLOPs (QK^T, scaling, mask, softmax);
+      * ``full`` keeps the layer's input alone: s h floats (the paper's 2 s b h
+        bytes in 16 bits), and holds the whole layer again while it recomputes
+        it, running its forward FLOPs twice."""
+    terms = recomputation(gpt_view)
+    ops = block_ops(gpt_view, "h1")
+    kept = {mode: sum(terms.kept[mode][i] for i in ops) for mode in terms.kept}
+    small = (2 * 5 * SEQ + 4 * 5) * FLOAT
+    assert kept["none"] == (56 * SBH + 5 * AS2) * FLOAT + small
+    assert kept["selective"] == 56 * SBH * FLOAT + small
+    assert kept["full"] == SBH * FLOAT
+    assert terms.transient_bytes("full", ops) == kept["none"]
+    assert terms.transient_bytes("selective", ops) == 5 * AS2 * FLOAT
+    layer_flops = sum(gpt_view.flops[i] for i in ops)
+    assert sum(terms.flops["full"][i] for i in ops) == layer_flops
+    core = [i for i in ops if terms.flops["selective"][i]]
+    assert sorted(gpt_view.types[i] for i in core) == ["BatchMatMulV2", "Mul", "Mul", "Softmax",
+                                                      "Sub"]
+    qk = 2 * HEADS * SEQ * SEQ * (HIDDEN // HEADS)  # Q K^T per sequence
+    assert sum(terms.flops["selective"][i] for i in ops) == pytest.approx(qk + 4 * AS2, rel=0.01)
+    outside = [i for i, label in enumerate(gpt_view.labels) if label is None]
+    for mode in ("selective", "full"):  # embedding, logits and loss keep theirs
+        assert [terms.kept[mode][i] for i in outside] == [gpt_view.activation_bytes[i]
+                                                          for i in outside]
+
+
+def test_state_bytes_by_zero_stage():
+    """16 bytes per float32 parameter (weights 4, gradients 4, Adam's two slots
+    8): 4 x the weights' bytes; ZeRO-1 (Rajbhandari et al. §5.1) shards the
+    slots over d replicas, ZeRO-2 the gradients too."""
+    weights, d = 4e9, 8  # 1B parameters
+    assert state_bytes(weights, d, 0) == 16e9
+    assert state_bytes(weights, d, 1) == 4e9 + 4e9 + 8e9 / 8
+    assert state_bytes(weights, d, 2) == 4e9 + 4e9 / 8 + 8e9 / 8
+    assert state_bytes(weights, 1, 2) == 16e9
+
+
+def stage(compute, params=0.0):
+    """A stage of ``compute`` seconds per row, keeping 1 byte per row (1/2
+    with selective recomputation, 1/8 with full, which holds 1/8 more while
+    it recomputes), recomputing 10% (selective) or all of its forward."""
+    return StageModel(compute, 0.0, 0.0, 0.0, params, Cost(), (1.0, 0.5, 0.125),
+                      (0.0, 0.0, 0.125), (0.0, 0.1, 1.0))
+
+
+@pytest.mark.parametrize("stages, micro", [(4, 8), (2, 1), (8, 32), (3, 5)])
+def test_1f1b_step_is_the_simulated_step_for_equal_stages(stages, micro):
+    """(m + p - 1) T (Narayanan et al. Eq. 1), as ``simulate`` replays 1F1B."""
+    models = [stage(3.0)] * stages
+    setting = best_setting(models, 1, micro, [micro], [Techniques()], 0.0, 1e9, 1.0, 1e30)
+    replay = simulate(build_schedule("1f1b", stages, micro), 1.0, 2.0, 10e-6)
+    assert setting.step_time_s == pytest.approx(replay.length, rel=1e-4)  # transfers: 10 us
+    assert setting.memory_bytes == tuple(min(stages - s, micro) for s in range(stages))
+
+
+def test_memory_pressure_chooses_micro_batches_then_recomputation_then_zero():
+    """One stage, 4 rows per replica on 4 replicas, 1 GB of weights (4 GB with
+    gradients and slots): the fastest setting that fits. A row: 1 s of
+    compute, 1 byte kept; micro-batches cost a 10 ms launch latency each."""
+    model = [dataclasses.replace(stage(1.0, params=1e9), latency_s=0.01)]
+    ladder = [Techniques(mode) for mode in ("none", "selective", "full")]
+
+    def pick(capacity, counts=(1,), space=tuple(ladder)):
+        return best_setting(model, 4, 4.0, counts, space, 0.0, 1e9, 1.0, capacity)
+    assert pick(4e9 + 4).techniques == Techniques()  # 4 rows fit: nothing needed
+    fits = pick(4e9 + 1, counts=(1, 2, 4))  # a row at a time: 4 x 10 ms more
+    assert (fits.micro_batches, fits.techniques) == (4, Techniques())
+    assert fits.step_time_s == pytest.approx(4 * (0.01 + 1))
+    selective = pick(4e9 + 2)  # 4 x 1/2 byte
+    assert selective.techniques == Techniques("selective")
+    assert selective.step_time_s == pytest.approx(0.01 + 4 * (1 + 0.1 / 3))
+    full = pick(4e9 + 1)  # 4 x 1/8 kept + 4 x 1/8 held
+    assert full.techniques == Techniques("full")
+    assert full.step_time_s == pytest.approx(0.01 + 4 * (1 + 1 / 3))
+    with_zero = [Techniques(t.recompute, zero) for t in ladder for zero in (0, 1)]
+    assert pick(3e9, space=with_zero).techniques == Techniques("none", 1)  # 1 + 1 + 2 / 4 GB
+    least = pick(1e9, space=with_zero)  # nothing fits: the least memory, for the error
+    assert least.techniques == Techniques("full", 1) and least.peak_memory > 1e9
+
+
+def test_weights_and_optimizer_state_never_grow_with_tensor_or_pipeline(gpt_view):
+    """Per device, at a fixed micro-batch count: more tensor or pipeline ways
+    never hold more weights, gradients or optimizer slots."""
+    hardware = Hardware("gpu", 100.0, 80.0, 300, 25, devices_per_node=8)
+    candidates = search_all(gpt_view, 16, hardware, 64, 4)
+    state = {(c.tensor, c.pipeline): c.state_bytes for c in candidates}
+    assert len(state) > 8
+    for (t, p), held in state.items():
+        for (t2, p2), other in state.items():
+            if t2 >= t and p2 >= p:
+                assert other <= held * (1 + 1e-9), ((t, p), (t2, p2))
+
+
+def test_search_chooses_recomputation_only_under_memory_pressure(gpt_view):
+    """The GPT on 2 devices, data parallel, one micro-batch: with room, no
+    technique; with a device too small for its activations, full
+    recomputation, estimated slower by a second forward of its layers."""
+    view = dataclasses.replace(gpt_view, names=None)  # no tensor meshes
+    roomy = Hardware("roomy", 1.0, 16.0)
+    plain = search(view, 2, roomy, 8, 1, pipeline=1, techniques=("recompute",))
+    assert plain.techniques == Techniques()
+    kept = sum(view.activation_bytes) * 4  # 4 rows a replica
+    # Selective recomputation saves 14% of that, full 44% (test above).
+    small = dataclasses.replace(roomy, memory_gb=(plain.memory_bytes - 0.3 * kept) / 2 ** 30)
+    with pytest.raises(wh.PlanError, match="no plan that fits"):
+        search(view, 2, small, 8, 1, pipeline=1)
+    full = search(view, 2, small, 8, 1, pipeline=1, techniques=("recompute",))
+    assert full.techniques.recompute == "full"
+    blocks = sum(f for f, label in zip(gpt_view.flops, gpt_view.labels) if label)
+    assert full.step_time_s - plain.step_time_s == pytest.approx(
+        4 * blocks / roomy.flops_per_s("fp32"), rel=1e-6)
+
+
+def test_mixed_precision_runs_at_the_low_precision_peak(gpt_view):
+    """Allowed, mixed precision is chosen for its speed: compute at the fp16
+    peak (8x the fp32 one here), activations in half the bytes."""
+    device = Hardware("gpu", 10.0, 16.0, peaks=(("fp16", 80.0),), efficiency=1.0)
+    fp32 = search(gpt_view, 1, device, 8, 1, techniques=())
+    mixed = search(gpt_view, 1, device, 8, 1, techniques=("mixed_precision",))
+    assert mixed.techniques == Techniques(mixed_precision=True)
+    compute = 3 * sum(gpt_view.flops) * 8 / 10e12
+    assert fp32.step_time_s - mixed.step_time_s == pytest.approx(compute * 7 / 8, rel=1e-6)
+    weights = 4 * sum(gpt_view.param_bytes)
+    assert mixed.memory_bytes - weights == pytest.approx((fp32.memory_bytes - weights) / 2)
+
+
+def test_a_live_run_refuses_a_plan_that_needs_a_memory_technique():
+    """tfpar cannot recompute, shard optimizer state or cast a graph yet: a
+    plan that needs it is for ``tfpar plan`` only, and training says so."""
+    def build(x, y):
+        h = v1.layers.dense(x, 64, tf.nn.relu, name="l0")
+        loss = v1.losses.sparse_softmax_cross_entropy(y, v1.layers.dense(h, 10, name="out"))
+        return loss, v1.train.AdamOptimizer(1e-3).minimize(loss)
+    device = {"name": "gpu", "tflops": 10, "memory_gb": 16, "tflops_fp16": 80}
+    config = {"auto.auto_parallel": True, "cluster.num_devices": 2, "cluster.hardware": [device],
+              "auto.memory_techniques": ["mixed_precision"]}
+    plan = plan_of(build, config, shape=(64, 32))
+    assert "needs: mixed_precision" in plan.summary()
+    with pytest.raises(wh.PlanError, match="needs mixed precision, which tfpar cannot apply"):
+        train(build, make_data(steps=1, batch=64, features=32), config, static_batch=True)

@@ -1,0 +1,169 @@
+"""Memory techniques as terms of the planner's memory and time model (no
+TensorFlow): what a device keeps, and what it costs, with each.
+
+Per op of a ``ModelView`` (so that a pipeline stage sums its ops' terms):
+
+  * activation recomputation (Korthikanti et al., "Reducing Activation
+    Recomputation in Large Transformer Models", 2022, §4-§5):
+      - ``none`` keeps every op's output for the backward pass;
+      - ``selective`` drops attention's ``a s^2`` tensors - the ops from a
+        weightless contraction (``Q K^T``) through element-wise ops and the
+        softmax up to the next weightless contraction (attention over ``V``),
+        their §5 - and recomputes them (their forward FLOPs again);
+      - ``full`` keeps only what enters each repeated block (a transformer
+        layer's input) and recomputes the block's forward in its backward pass;
+    while one block's (or attention core's) dropped outputs are rebuilt, they
+    are held once more (``transient_bytes``).
+  * ZeRO (Rajbhandari et al., SC'20, §5.1-§5.2): stage 1 shards the
+    optimizer slots (and mixed precision's float32 master weights) over the
+    ``d`` data-parallel replicas, stage 2 the gradients as well; the
+    reduce-scatter and all-gather send what the all-reduce did.
+  * mixed precision (Micikevicius et al., ICLR'18): compute and activations
+    in 16 bits, float32 master weights. Per parameter 2 (fp16 weights) + 2
+    (gradients) + 4 (master) + 8 (Adam's two slots) = 16 bytes, as float32's
+    4 + 4 + 8: ``state_bytes`` counts both from the graph's float32 weights.
+"""
+import collections
+import dataclasses
+from typing import Dict, List, Sequence
+
+__all__ = ["RECOMPUTE", "Recomputation", "Techniques", "recomputation", "state_bytes"]
+
+RECOMPUTE = ("none", "selective", "full")
+SLOTS = 2  # optimizer slots per weight (Adam's m and v)
+# Ops that act on an attention core's tensors element by element (or per row).
+_CORE_OPS = frozenset({"Mul", "AddV2", "Add", "Sub", "RealDiv", "Softmax", "Select", "SelectV2",
+                       "Maximum", "Minimum", "Cast", "Identity", "Neg", "Exp", "Greater",
+                       "GreaterEqual", "RandomUniform", "Floor"})
+_CONTRACTIONS = frozenset({"BatchMatMulV2", "BatchMatMul", "Einsum", "MatMul"})
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Techniques:
+    """One point of the memory-technique space: activation recomputation
+    (``RECOMPUTE``), ZeRO stage (0, 1, 2), 16-bit mixed precision."""
+
+    recompute: str = "none"
+    zero: int = 0
+    mixed_precision: bool = False
+
+    def describe(self) -> str:
+        """'recompute full, ZeRO-1, mixed precision', or 'none'."""
+        parts = ([f"recompute {self.recompute}"] if self.recompute != "none" else []) + (
+            [f"ZeRO-{self.zero}"] if self.zero else []) + (
+            ["mixed precision"] if self.mixed_precision else [])
+        return ", ".join(parts) or "none"
+
+    @property
+    def names(self) -> List[str]:
+        """The techniques used, as ``auto.memory_techniques`` names them."""
+        return (["recompute"] if self.recompute != "none" else []) + (
+            ["zero"] if self.zero else []) + (["mixed_precision"] if self.mixed_precision else [])
+
+
+def state_bytes(param_bytes: float, data: int, zero: int) -> float:
+    """Bytes per device of weights, gradients and optimizer slots for weights
+    of ``param_bytes`` (float32) on ``d`` = ``data`` replicas: 16 bytes per
+    parameter (4 x ``param_bytes``), of which ZeRO-1 shards the slots (8) and
+    ZeRO-2 the gradients (4) too. Mixed precision's split (2 + 2 + 4 + 8) is
+    the same: its master weights shard with the slots."""
+    weights, grads, slots = param_bytes, param_bytes, SLOTS * param_bytes
+    if zero >= 1:
+        slots /= data
+    if zero >= 2:
+        grads /= data
+    return weights + grads + slots
+
+
+@dataclasses.dataclass(frozen=True)
+class Recomputation:
+    """Per op of a model view and per ``RECOMPUTE`` mode: bytes per row kept
+    for the backward pass (``kept``), forward FLOPs per row run again
+    (``flops``), and per op the recomputed unit (a block or attention core)
+    it belongs to, with each unit's dropped bytes per row (held while it is
+    rebuilt)."""
+
+    kept: Dict[str, List[float]]
+    flops: Dict[str, List[float]]
+    unit: Dict[str, List[int]]
+    unit_bytes: Dict[str, List[float]]
+
+    def transient_bytes(self, mode: str, ops: Sequence[int]) -> float:
+        """Bytes per row rebuilt at once among ``ops``: the largest unit's."""
+        units = {self.unit[mode][i] for i in ops if self.unit[mode][i] >= 0}
+        return max((self.unit_bytes[mode][u] for u in units), default=0.0)
+
+
+def recomputation(view) -> Recomputation:
+    """The recomputation terms of ``view`` (a ``ModelView``)."""
+    count = len(view.flops)
+    kept = {"none": list(view.activation_bytes)}
+    flops = {"none": [0.0] * count}
+    unit = {"none": [-1] * count}
+    unit_bytes: Dict[str, List[float]] = {"none": []}
+    cores = _attention_cores(view)
+    kept["selective"] = list(view.activation_bytes)
+    flops["selective"] = [0.0] * count
+    unit["selective"] = [-1] * count
+    unit_bytes["selective"] = []
+    for number, core in enumerate(cores):
+        for i in core:
+            kept["selective"][i] = 0.0
+            flops["selective"][i] = view.flops[i]
+            unit["selective"][i] = number
+        unit_bytes["selective"].append(sum(view.activation_bytes[i] for i in core))
+    kept["full"], flops["full"], unit["full"], unit_bytes["full"] = _full(view)
+    return Recomputation(kept, flops, unit, unit_bytes)
+
+
+def _attention_cores(view) -> List[List[int]]:
+    """Each run of ops from a weightless contraction through element-wise ops
+    and softmaxes that reaches another weightless contraction (Q K^T to the
+    attention over V), the first contraction included."""
+    consumers = collections.defaultdict(list)
+    for i, j, size in view.edges:
+        if size:
+            consumers[i].append(j)
+    types = view.types or [""] * len(view.flops)
+
+    def weightless(i):
+        return types[i] in _CONTRACTIONS and not view.param_bytes[i]
+    cores = []
+    for start in (i for i in range(len(view.flops)) if weightless(i)):
+        seen, frontier, closed = {start}, [start], False
+        while frontier:
+            i = frontier.pop()
+            for j in consumers[i]:
+                if weightless(j):
+                    closed = True
+                elif types[j] in _CORE_OPS and j not in seen:
+                    seen.add(j)
+                    frontier.append(j)
+        if closed:
+            cores.append(sorted(seen))
+    return cores
+
+
+def _full(view):
+    """Full recomputation: an op of a repeated block keeps nothing but the
+    block's inputs (each producer outside it once, at its largest edge in),
+    kept by the block's first op; ops outside blocks keep their outputs."""
+    labels = view.labels or [None] * len(view.flops)
+    blocks: Dict[str, List[int]] = collections.defaultdict(list)
+    for i, label in enumerate(labels):
+        if label is not None:
+            blocks[label].append(i)
+    inputs: Dict[str, Dict[int, float]] = collections.defaultdict(dict)
+    for i, j, size in view.edges:
+        label = labels[j]
+        if label is not None and labels[i] != label:
+            inputs[label][i] = max(inputs[label].get(i, 0.0), size)
+    kept = [b if label is None else 0.0 for b, label in zip(view.activation_bytes, labels)]
+    flops = [0.0 if label is None else f for f, label in zip(view.flops, labels)]
+    unit, unit_bytes = [-1] * len(view.flops), []
+    for number, (label, members) in enumerate(blocks.items()):
+        kept[members[0]] = sum(inputs[label].values())
+        for i in members:
+            unit[i] = number
+        unit_bytes.append(sum(view.activation_bytes[i] for i in members))
+    return kept, flops, unit, unit_bytes
