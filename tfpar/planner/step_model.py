@@ -31,7 +31,8 @@ from tfpar.cluster.hardware import Hardware
 from tfpar.planner.comm import LATENCY_S, Cost
 from tfpar.planner.memory import RECOMPUTE, Techniques, state_bytes
 
-__all__ = ["KERNELS_PER_OP", "LAUNCH_S", "Setting", "StageModel", "best_setting", "micro_batch_counts", "technique_space"]
+__all__ = ["KERNELS_PER_OP", "LAUNCH_S", "Setting", "StageModel", "best_setting",
+           "micro_batch_counts", "technique_space"]
 
 LOW_PRECISION = "fp16"
 # Seconds per kernel: TensorFlow's executor dispatches an op in a few
