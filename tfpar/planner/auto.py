@@ -4,31 +4,30 @@
 Meshes: for every pipeline degree p dividing the device count K (or the given
 ``num_task_graph``), data parallelism d = K / p on top; without a pipeline,
 every tensor degree t > 1 dividing K, with d = K / t; and tensor x pipeline
-meshes with t, p > 1 and d = K / (t p). Only feasible ones: each of the d
-replicas gets at least one row of each micro-batch (d x micro-batches <= the
-global batch), and p is at most the model's stage units (its runs of repeated
-blocks and of ops outside them). A tensor mesh is planned by the
-sharding search (``sharding.plan_sharding``: Rhino §4 on the layer graph,
-``auto.opt_level`` O2 or O3); a tensor x pipeline mesh by cutting stages as
-below and searching each stage's sharding (``_pipelined_sharded``); a
-pipeline mesh as follows:
+meshes with t, p > 1, t within a node, and d = K / (t p). Only feasible ones:
+each of the d replicas gets at least one row of each micro-batch (d x
+micro-batches <= the global batch), and p is at most the model's stage units
+(its runs of repeated blocks and of ops outside them). A tensor mesh is
+planned by the sharding search (``sharding.plan_sharding``: Rhino §4 on the
+layer graph, ``auto.opt_level`` O2 or O3); a tensor x pipeline mesh by
+cutting stages as below and searching each stage's sharding; a pipeline
+mesh as follows:
   * stages come from ``partition.partition_stages`` (Rhino's stage ILP);
   * compute: a stage's forward time is its FLOPs per row x the rows of a
     micro-batch / the device's throughput for the model's compute dtype
     (``Hardware.flops_per_s``: peak x efficiency), backward twice that;
-  * the schedule (1F1B) is replayed by ``simulate`` with the activation bytes
-    crossing each cut as transfer time (alpha-beta model): with fewer
-    micro-batches than stages the stages mostly wait for each other (one
-    micro-batch: one after the other, the sum of their times);
   * each stage then all-reduces its gradients over its d replicas
     (``comm.allreduce``: 2 (d-1)/d of the bytes, 2 ceil(log2 d) latencies);
-  * memory per device: the stage's weights, gradients and two optimizer slots,
+  * memory per device: the stage's weights, gradients and optimizer slots,
     plus the activations of the micro-batches in flight.
-The fastest candidate whose memory fits wins (within ``TOLERANCE`` of it,
-the one with fewer stages; among those, within ``TENSOR_TOLERANCE``, the
-lower tensor degree: the estimates are rough); ``progress``
-reports each one as it is planned; ``time_limit_s`` bounds the whole search
-(each ILP solve at most ``SOLVE_LIMIT_S``).
+Every mesh's stages become ``step_model.StageModel``s, and its step (1F1B:
+with one micro-batch the stages run one after the other) and memory are
+estimated for each micro-batch count and memory technique
+(``step_model.best_setting``). The fastest candidate whose memory fits wins
+(within ``TOLERANCE`` of it, the one with fewer stages; among those, within
+``TENSOR_TOLERANCE``, the lower tensor degree: the estimates are rough);
+``progress`` reports each one as it is planned; ``time_limit_s`` bounds the
+whole search (each ILP solve at most ``SOLVE_LIMIT_S``).
 """
 import dataclasses
 import time
