@@ -327,19 +327,16 @@ class _Search:
     def _unsplit(self, p: int, d: int, rows: float, counts: Sequence[int],
                  stages: Sequence[int]) -> Candidate:
         """A pipeline (or, with ``p`` 1, data parallel) candidate of ``stages``."""
-        model, hardware = self.model, self.hardware
-        speed = hardware.flops_per_s(model.compute_dtype)
+        hardware = self.hardware
+        per_row = stage_costs(self.model, stages, p, 1.0, hardware)
         members: List[List[int]] = [[] for _ in range(p)]
         for i, stage in enumerate(stages):
             members[stage].append(i)
-        models = []
-        for ops in members:
-            params = sum(model.param_bytes[i] for i in ops)
-            models.append(StageModel(
-                3 * sum(model.flops[i] for i in ops) / speed, 0.0, 0.0, self._launches(ops), params,
-                allreduce(d, params, hardware.bandwidth(p * d)), **self._terms(ops, 1.0)))
-        cut = sum(size for i, j, size in model.edges if stages[i] != stages[j])
-        best = self._setting(models, d, rows, counts, cut, hardware.bandwidth(p))
+        models = [StageModel(3 * forward, 0.0, 0.0, self._launches(ops), params,
+                             allreduce(d, params, hardware.bandwidth(p * d)),
+                             **self._terms(ops, 1.0))
+                  for ops, forward, params in zip(members, per_row.forward_s, per_row.param_bytes)]
+        best = self._setting(models, d, rows, counts, per_row.cut_bytes, hardware.bandwidth(p))
         parts = tuple(Part(seconds, memory, stage.grads.bytes) for seconds, memory, stage
                       in zip(best.stage_seconds, best.memory_bytes, models))
         return _candidate(best, d, 1, p, tuple(stages), parts)
@@ -410,9 +407,10 @@ class _Search:
                      d: int) -> StageModel:
         """``graph`` sharded as ``candidates``, as a ``StageModel`` (affine in
         the rows: evaluated at one and two rows per replica)."""
-        one = self._problem(graph, t, p, d, 1.0).plan(candidates, False)
+        at_one_row = self._problem(graph, t, p, d, 1.0)
+        one = at_one_row.plan(candidates, False)
         two = self._problem(graph, t, p, d, 2.0).plan(candidates, False)
-        compute = self._problem(graph, t, p, d, 1.0).compute_seconds(candidates)
+        compute = at_one_row.compute_seconds(candidates)
         per_row = two.step_time_s - one.step_time_s
         params = one.weight_memory / BYTES_PER_PARAM_STATE
         if p == 1:

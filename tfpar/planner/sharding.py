@@ -114,8 +114,7 @@ def plan_sharding(graph: LayerGraph, mesh: Mesh, memory_limit: float, opt_level:
     tries to prove or beat it. ``split_only`` and ``gradients``: see
     ``Problem``; ``solved``: segments already solved (by an earlier call,
     e.g. another pipeline stage of the same mesh), updated with this call's."""
-    problem = Problem(graph, mesh, split_only, gradients)
-    problem.limit_activations = activations
+    problem = Problem(graph, mesh, split_only, gradients, activations)
     allowed = problem.allowed()
     forced = False
     solved = {} if solved is None else solved
@@ -163,13 +162,14 @@ class Problem:
     """Costs of one layer graph on one mesh; ``split_only``: every layer runs in
     a split TaskGraph (a pipeline stage of a 3-D mesh), so no ``dp``;
     ``gradients``: count the gradient all-reduces (a pipeline stage's, once
-    per step, are counted by its caller)."""
+    per step, are counted by its caller); ``limit_activations``: whether the
+    memory limit counts activations (else weights, gradients and slots)."""
 
     def __init__(self, graph: LayerGraph, mesh: Mesh, split_only: bool = False,
-                 gradients: bool = True):
+                 gradients: bool = True, limit_activations: bool = True):
         self.graph, self.mesh = graph, mesh
         self.split_only, self.gradients = split_only, gradients
-        self.limit_activations = True  # whether the memory limit counts activations
+        self.limit_activations = limit_activations
         self.rows_device = mesh.batch / mesh.devices
         self.rows_group = mesh.batch / mesh.data
         self.preds: List[List[Tuple[int, float]]] = [[] for _ in graph.layers]
