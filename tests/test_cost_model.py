@@ -495,18 +495,21 @@ def mlp_block_ops(depth, seq=None, kept=2):
 
 def test_sequence_layers_pipeline_memory_by_hand():
     """[16, 32, 64] inputs, 2 stages x 2 replicas, 2 micro-batches: 4 rows
-    per micro-batch and replica. The stage ILP cuts after fc1's MatMul
-    (equal FLOPs on both sides): stage 0 holds its kernel and 2 micro-batches
-    of its output, 4 x 65536 + 4 rows x 2 x (32768 + 20); stage 1 the rest,
-    one micro-batch: 4 x (1024 + 65536 + 256) + 4 x (2 x 32768 + 8212 + 3 x 8192)."""
+    per micro-batch and replica. The stage ILP cuts after fc1's BiasAdd
+    (the most balanced cut: fc1's MatMul and BiasAdd, 2 x 64 x 256 x 32 +
+    256 x 32 FLOPs per row, against the 2 x 256 x 64 x 32 + 3 x 64 x 32 +
+    256 x 32 of the rest): stage 0 holds fc1's kernel and bias and 2
+    micro-batches of their outputs, 4 x (65536 + 1024) + 4 rows x 2 x
+    (32768 + 20 + 2 x 32768); stage 1 the rest, one micro-batch:
+    4 x (65536 + 256) + 4 x (8212 + 3 x 8192)."""
     config = {"auto.auto_parallel": True, "cluster.num_devices": 4, "auto.num_task_graph": 2,
               "pipeline.num_micro_batch": 2}
     plan, stages = planned_stages(mlp_block(), config, shape=(16, 32, 64))
     table = mlp_block_ops(64, seq=32)
-    assert [stages[op] for _, op, _, _ in table] == [0, 1, 1, 1, 1, 1]
+    assert [stages[op] for _, op, _, _ in table] == [0, 0, 1, 1, 1, 1]
     by_hand = hand_memory(table, 16, 4, stages, 2, micro=2)
-    assert by_hand == [4 * 65536 + 4 * 2 * (32768 + 20),
-                       4 * (1024 + 65536 + 256) + 4 * (2 * 32768 + 8212 + 3 * 8192)]
+    assert by_hand == [4 * (65536 + 1024) + 4 * 2 * (32768 + 20 + 2 * 32768),
+                       4 * (65536 + 256) + 4 * (8212 + 3 * 8192)]
     assert [tg.estimate["memory_bytes"] for tg in plan.task_graphs] == by_hand
 
 

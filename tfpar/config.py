@@ -99,6 +99,9 @@ SCHEMA = {
                      lambda v: set(v) <= {"recompute", "zero", "mixed_precision"}),
         "memory techniques the planner may choose (for plans only: tfpar cannot apply "
         "them to a graph yet)"),
+    "auto.split_heads": Option("bool", False, (),
+                               "tensor groups may split attention cores by heads (Megatron's "
+                               "attention; for plans only: tfpar cannot build it yet)"),
     "auto.planning_pass": Option("bool", True, (),
                                  "a script with auto_parallel plans in a child run first, "
                                  "so sharded layers are built split"),

@@ -137,30 +137,31 @@ def search(model: ModelView, num_devices: int, hardware: Hardware, global_batch:
            num_micro_batch: Optional[int], pipeline: Optional[int] = None,
            time_limit_s: float = 10.0, progress: Callable[[str], None] = lambda line: None,
            opt_level: str = "O2", batch_known: bool = True,
-           techniques: Sequence[str] = ()) -> Candidate:
+           techniques: Sequence[str] = (), split_heads: bool = False) -> Candidate:
     """The fastest candidate that fits ``hardware``'s memory (``search_all``
     then ``choose``)."""
     return choose(search_all(model, num_devices, hardware, global_batch, num_micro_batch,
                              pipeline, time_limit_s, progress, opt_level, batch_known,
-                             techniques), hardware)
+                             techniques, split_heads), hardware)
 
 
 def search_all(model: ModelView, num_devices: int, hardware: Hardware, global_batch: int,
                num_micro_batch: Optional[int], pipeline: Optional[int] = None,
                time_limit_s: float = 10.0, progress: Callable[[str], None] = lambda line: None,
                opt_level: str = "O2", batch_known: bool = True,
-               techniques: Sequence[str] = ()) -> List[Candidate]:
+               techniques: Sequence[str] = (), split_heads: bool = False) -> List[Candidate]:
     """A candidate per mesh, planned within ``time_limit_s`` in all, each
     with its best micro-batch count (``num_micro_batch``, or searched when
     None) and memory techniques (of ``techniques``: "recompute", "zero",
     "mixed_precision"). ``batch_known``: ``global_batch`` is the real one,
     not an assumed size, so meshes that leave a replica without rows are
-    left out."""
+    left out. ``split_heads``: tensor groups may split attention cores by
+    heads (``sharding``'s ``heads``)."""
     meshes = _meshes(model, num_devices, pipeline, hardware)
     meshes = _feasible(meshes, model, num_devices, global_batch if batch_known else None,
                        num_micro_batch or 1, progress)
     search = _Search(model, num_devices, hardware, global_batch, num_micro_batch, opt_level,
-                     techniques, any(t > 1 for t, _ in meshes))
+                     techniques, any(t > 1 for t, _ in meshes), split_heads)
     start = time.monotonic()
     deadline = start + time_limit_s
     candidates = []
@@ -273,10 +274,11 @@ class _Search:
 
     def __init__(self, model: ModelView, num_devices: int, hardware: Hardware,
                  global_batch: int, num_micro_batch: Optional[int], opt_level: str,
-                 techniques: Sequence[str], tensors: bool):
+                 techniques: Sequence[str], tensors: bool, split_heads: bool):
         self.model, self.num_devices, self.hardware = model, num_devices, hardware
         self.global_batch, self.num_micro_batch = global_batch, num_micro_batch
         self.opt_level, self.techniques = opt_level, tuple(techniques)
+        self.split_heads = split_heads
         self.layers = layer_graph(model) if tensors else None
         self.recompute = recomputation(model)
         self.capacity = hardware.memory_gb * 2 ** 30
@@ -371,7 +373,7 @@ class _Search:
             for activations in (True, False):
                 plan = plan_sharding(graph, mesh, self.capacity, self.opt_level, time_limit_s,
                                      split_only=p > 1, gradients=p == 1, solved=self.solved,
-                                     activations=activations)
+                                     activations=activations, split_heads=self.split_heads)
                 if plan is not None:
                     break
             if plan is None or all(c == "dp" for c in plan.candidates):

@@ -12,6 +12,10 @@ Each layer has a kind, from its op types:
   * ``xent``: softmax cross-entropy (distributed over split classes);
   * ``embedding``: a lookup in a weight (vocabulary-shardable);
   * ``elementwise``: only per-element ops (acts on shards as they are);
+  * ``attention``: an attention core's op (a split into Q, K, V, the
+    reshapes and transposes to and from heads, a weightless contraction, the
+    softmax) between weighted contractions (``attention_layers``): may run on
+    a group's heads (Megatron's head-parallel attention);
   * ``other``: everything else (needs whole rows).
 """
 import collections
@@ -20,7 +24,8 @@ from typing import Dict, List, Sequence, Tuple
 
 import networkx as nx
 
-__all__ = ["Layer", "LayerGraph", "critical_positions", "layer_graph", "subgraph"]
+__all__ = ["HEAD_OPS", "Layer", "LayerGraph", "attention_layers", "critical_positions",
+           "layer_graph", "subgraph"]
 
 CONTRACTIONS = frozenset({"MatMul", "BatchMatMulV2", "BatchMatMul", "Einsum"})
 XENT = frozenset({"SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits"})
@@ -29,6 +34,11 @@ ELEMENTWISE = frozenset({"Relu", "Relu6", "Elu", "Selu", "Gelu", "Tanh", "Sigmoi
                          "Identity", "Cast", "Neg", "Square", "Sqrt", "Rsqrt", "Exp", "Erf",
                          "Mul", "AddV2", "Add", "Sub", "RealDiv", "BiasAdd", "Const"})
 READS = frozenset({"ReadVariableOp", "Identity"})
+# What an attention core is made of, between its Q K V projection and its output
+# projection (dropout and masks included).
+HEAD_OPS = CONTRACTIONS | ELEMENTWISE | READS | frozenset({
+    "Split", "SplitV", "Reshape", "Transpose", "Softmax", "Select", "SelectV2", "Maximum",
+    "Minimum", "Greater", "GreaterEqual", "RandomUniform", "Floor"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +50,8 @@ class Layer:
       scopes: every name scope among its ops (more than ``scope`` when scopes
         that feed each other both ways were merged): what a plan names to
         build the layer split.
-      kind: ``matmul``, ``xent``, ``elementwise`` or ``other``.
+      kind: ``matmul``, ``xent``, ``embedding``, ``elementwise``, ``attention``
+        or ``other``.
       flops: forward FLOPs per batch row.
       out_bytes: bytes per row it hands to later layers (its largest output edge).
       activation_bytes: bytes per row its ops output (kept for the backward pass).
@@ -101,7 +112,42 @@ def layer_graph(view) -> LayerGraph:
         outgoing[a] = max(outgoing[a], size)
     layers = tuple(_layer(tuple(dict.fromkeys(key[i] for i in members[g])), members[g], view,
                           outgoing[position[g]]) for g in order)
-    return LayerGraph(layers, tuple((a, b, s) for (a, b), s in sorted(volume.items())))
+    edges = tuple((a, b, s) for (a, b), s in sorted(volume.items()))
+    core = attention_layers(layers, edges, view.types)
+    layers = tuple(dataclasses.replace(layer, kind="attention",
+                                       signature=("attention",) + layer.signature[1:])
+                   if k in core and layer.kind == "other" else layer
+                   for k, layer in enumerate(layers))
+    return LayerGraph(layers, edges)
+
+
+def attention_layers(layers: Sequence[Layer], edges: Sequence[Tuple[int, int, float]],
+                     types: Sequence[str]) -> List[int]:
+    """The layers of attention cores: weightless layers of ``HEAD_OPS``
+    connected (by edges that carry rows) into a group that holds a weightless
+    contraction (``Q K^T``), is fed only by weighted contractions (the Q K V
+    projection: not by the model's inputs) and feeds only weighted
+    contractions (the output projection).
+    Split by heads, such a group needs no collective: Megatron's attention
+    (Shoeybi et al. 2019, §3), the projections split by columns and rows."""
+    fits = {k for k, layer in enumerate(layers) if not layer.param_bytes
+            and layer.kind in ("other", "elementwise")
+            and all(types[i] in HEAD_OPS for i in layer.ops)}
+    carrying = [(i, j) for i, j, size in edges if size]
+    groups = nx.Graph()
+    groups.add_nodes_from(fits)
+    groups.add_edges_from((i, j) for i, j in carrying if i in fits and j in fits)
+    core = []
+    for group in nx.connected_components(groups):
+        contracts = any(types[i] in CONTRACTIONS for k in group for i in layers[k].ops)
+        feeders = [layers[i].kind for i, j in carrying if j in group and i not in group]
+        fed = feeders and set(feeders) == {"matmul"} and not any(
+            layers[k].input_bytes for k in group)
+        feeds = all(layers[j].kind == "matmul" for i, j in carrying
+                    if i in group and j not in group)
+        if contracts and fed and feeds:
+            core += sorted(group)
+    return core
 
 
 def subgraph(graph: LayerGraph, members: Sequence[int]) -> LayerGraph:

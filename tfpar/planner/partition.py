@@ -7,7 +7,9 @@ TAP Algorithm 1) when given, so stages break between blocks, else runs ending
 at Rhino's critical nodes (§4.3.1), at most ``MAX_NODES``, else equal runs;
 the first whose chunks each cost no more than a stage may — and Rhino's stage
 ILP (``pipeline_ilp``, Rhino §5) assigns chunks to stages, minimising the bytes
-crossing stages within a balance tolerance. If it finds nothing in time,
+crossing stages within a balance tolerance (``SLACK`` above the most balanced
+contiguous cut's, so the slowest stage is never slower than it must be). If
+it finds nothing in time,
 ``balanced_partition`` cuts the chunks (or, with fewer chunks than stages, the
 items) into contiguous stages whose most expensive one is as cheap as possible
 (the linear partition problem, solved exactly: binary search on the bottleneck
@@ -25,7 +27,8 @@ from tfpar.planner.pipeline_ilp import stage_ilp
 __all__ = ["balanced_partition", "partition_stages"]
 
 MAX_NODES = 128
-EPSILON = 0.25  # stage imbalance tolerance of the ILP
+EPSILON = 0.25  # stage imbalance tolerance of the ILP, at most
+SLACK = 0.02  # ... above the most balanced contiguous cut's
 
 
 def partition_stages(costs: Sequence[float], edges: Sequence[Tuple[int, int, float]],
@@ -45,13 +48,28 @@ def partition_stages(costs: Sequence[float], edges: Sequence[Tuple[int, int, flo
         if a != b:
             previous = dag.edges[a, b]["bytes"] if dag.has_edge(a, b) else 0.0
             dag.add_edge(a, b, bytes=previous + volume)
-    stages = stage_ilp(dag, min(num_stages, dag.number_of_nodes()), EPSILON, time_limit_s)
+    chunk_costs = [dag.nodes[c]["comp"] for c in sorted(dag)]
+    by_chunk = balanced_partition(chunk_costs, num_stages)
+    stages = stage_ilp(dag, min(num_stages, dag.number_of_nodes()),
+                       _tolerance(chunk_costs, by_chunk, num_stages), time_limit_s)
     if stages is not None:
         return [stages[c] for c in chunk]
     if dag.number_of_nodes() < num_stages:
         return balanced_partition(costs, num_stages)
-    by_chunk = balanced_partition([dag.nodes[c]["comp"] for c in sorted(dag)], num_stages)
     return [by_chunk[c] for c in chunk]
+
+
+def _tolerance(costs: Sequence[float], stages: Sequence[int], num_stages: int) -> float:
+    """The ILP's imbalance tolerance: ``SLACK`` above the most balanced
+    contiguous cut's (``stages``), at most ``EPSILON``. Rhino's objective
+    (fewest bytes crossing stages) then never buys a slower stage than
+    needed: in a chain of equal blocks every cut sends the same bytes, and
+    the slowest stage sets a pipeline's pace."""
+    loads = [0.0] * (max(stages) + 1)
+    for stage, cost in zip(stages, costs):
+        loads[stage] += cost
+    even = sum(costs) / num_stages
+    return min(EPSILON, max(loads) / even - 1 + SLACK) if even > 0 else EPSILON
 
 
 def _chunks(costs: Sequence[float], labels: Optional[Sequence[Optional[str]]],

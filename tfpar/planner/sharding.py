@@ -16,7 +16,14 @@ group. Candidates by kind:
   shards        F       F       elementwise on the shards
   xent          F       W       per-row max and sum all-reduced over t
   vocab         W       W       table rows / t; looked-up rows all-reduced
+  heads         F       F       an attention core's op on the group's heads
   ============  ======  ======  ===========================================
+
+``heads`` (``layers.attention_layers``; only with ``split_heads``) reads
+``F`` as Megatron does: a column-split Q K V projection gives each device
+the Q, K and V columns of its heads (their order in the weight is the
+runtime's concern), so the core runs on a group's heads with no collective
+and hands the row-split output projection its heads' features.
 
 Resharding an edge costs an all-gather (``B``->``W``, ``F``->``W``) forward and
 its transpose backward (Megatron's f / g operators for ``W``->``F``). Step time
@@ -49,10 +56,10 @@ from tfpar.planner.layers import LayerGraph, critical_positions
 __all__ = ["CANDIDATES", "Mesh", "Problem", "ShardingPlan", "critical_layers", "plan_sharding"]
 
 LAYOUTS = {"dp": ("B", "B"), "column": ("W", "F"), "row": ("F", "W"), "whole": ("W", "W"),
-           "shards": ("F", "F"), "xent": ("F", "W"), "vocab": ("W", "W")}
+           "shards": ("F", "F"), "xent": ("F", "W"), "vocab": ("W", "W"), "heads": ("F", "F")}
 CANDIDATES = {"matmul": ("dp", "column", "row"), "xent": ("dp", "whole", "xent"),
               "elementwise": ("dp", "whole", "shards"), "other": ("dp", "whole"),
-              "embedding": ("dp", "whole", "vocab")}
+              "embedding": ("dp", "whole", "vocab"), "attention": ("dp", "whole", "heads")}
 SHARDED = frozenset({"column", "row", "vocab"})  # weights split over the tensor group
 STATE_BYTES = 4  # weights, gradients and two optimizer slots per parameter byte
 _RESOLUTION = 1e6  # CP-SAT integer steps per largest cost
@@ -107,14 +114,15 @@ class ShardingPlan:
 def plan_sharding(graph: LayerGraph, mesh: Mesh, memory_limit: float, opt_level: str = "O2",
                   time_limit_s: float = 10.0, split_only: bool = False,
                   gradients: bool = True, solved: Optional[Dict] = None,
-                  activations: bool = True) -> Optional[ShardingPlan]:
+                  activations: bool = True, split_heads: bool = False) -> Optional[ShardingPlan]:
     """The cheapest candidates for ``graph`` on ``mesh`` (None: nothing fits
     ``memory_limit``: with ``activations`` False, the weights, gradients and
     optimizer slots alone). O3 starts from the O2 plan (a solver hint) and
-    tries to prove or beat it. ``split_only`` and ``gradients``: see
-    ``Problem``; ``solved``: segments already solved (by an earlier call,
-    e.g. another pipeline stage of the same mesh), updated with this call's."""
-    problem = Problem(graph, mesh, split_only, gradients, activations)
+    tries to prove or beat it. ``split_only``, ``gradients`` and
+    ``split_heads``: see ``Problem``; ``solved``: segments already solved (by
+    an earlier call, e.g. another pipeline stage of the same mesh), updated
+    with this call's."""
+    problem = Problem(graph, mesh, split_only, gradients, activations, split_heads)
     allowed = problem.allowed()
     forced = False
     solved = {} if solved is None else solved
@@ -163,13 +171,15 @@ class Problem:
     a split TaskGraph (a pipeline stage of a 3-D mesh), so no ``dp``;
     ``gradients``: count the gradient all-reduces (a pipeline stage's, once
     per step, are counted by its caller); ``limit_activations``: whether the
-    memory limit counts activations (else weights, gradients and slots)."""
+    memory limit counts activations (else weights, gradients and slots);
+    ``split_heads``: attention cores may run on a group's heads (``heads``)."""
 
     def __init__(self, graph: LayerGraph, mesh: Mesh, split_only: bool = False,
-                 gradients: bool = True, limit_activations: bool = True):
+                 gradients: bool = True, limit_activations: bool = True,
+                 split_heads: bool = False):
         self.graph, self.mesh = graph, mesh
         self.split_only, self.gradients = split_only, gradients
-        self.limit_activations = limit_activations
+        self.limit_activations, self.split_heads = limit_activations, split_heads
         self.rows_device = mesh.batch / mesh.devices
         self.rows_group = mesh.batch / mesh.data
         self.preds: List[List[Tuple[int, float]]] = [[] for _ in graph.layers]
@@ -181,6 +191,8 @@ class Problem:
             return [("dp",)] * len(self.graph.layers)
         allowed = [CANDIDATES[layer.kind] if layer.kind != "elementwise" or not layer.param_bytes
                    else ("dp", "whole") for layer in self.graph.layers]
+        if not self.split_heads:
+            allowed = [tuple(c for c in options if c != "heads") for options in allowed]
         return [options[1:] for options in allowed] if self.split_only else allowed
 
     def rows(self, candidate: str, kept: bool = False) -> float:

@@ -24,7 +24,7 @@ from tfpar.runtime.gc_paused import gc_paused
 
 __all__ = ["DEFAULT_BATCH", "Automatic", "automatic_plan", "cluster_hardware", "estimate_of",
            "part_estimate", "pinned_sharding", "planned_config", "planning_batch",
-           "refuse_memory_techniques", "sharded_plan", "warn_unbuilt_sharding"]
+           "refuse_planning_only", "sharded_plan", "warn_unbuilt_sharding"]
 
 log = logging.getLogger("tfpar")
 DEFAULT_BATCH = 32  # neither auto.global_batch nor the model's inputs say
@@ -104,7 +104,8 @@ def _plan(index: GraphIndex, capture: GraphCapture, rt: Runtime, auto: bool,
                                     None if micro == 1 and known else micro, count, time_limit,
                                     lambda line: print(line, file=sys.stderr),
                                     cfg.get("auto.opt_level"), batch_known=known,
-                                    techniques=cfg.get("auto.memory_techniques"))
+                                    techniques=cfg.get("auto.memory_techniques"),
+                                    split_heads=cfg.get("auto.split_heads"))
             pick = choose(candidates, hardware)
             rt.searches[same_model] = (
                 pick, pick if pick.tensor == 1 else _unsharded(candidates, hardware))
@@ -215,9 +216,10 @@ def planned_config(rt: Runtime, automatic: Optional[Automatic]):
     return rt.config.replace({"pipeline.num_micro_batch": automatic.runnable.micro_batches})
 
 
-def refuse_memory_techniques(automatic: Optional[Automatic]) -> None:
-    """A plan that needs memory techniques (``auto.memory_techniques``) cannot
-    train here: raise, naming them."""
+def refuse_planning_only(automatic: Optional[Automatic]) -> None:
+    """A plan that needs memory techniques (``auto.memory_techniques``) or
+    splits attention heads (``auto.split_heads``) cannot train here: raise,
+    naming them."""
     chosen = [c for c in (automatic.best, automatic.runnable) if c is not None] \
         if automatic is not None else []
     needs = next((c for c in chosen if c.techniques.names), None)
@@ -226,6 +228,12 @@ def refuse_memory_techniques(automatic: Optional[Automatic]) -> None:
                         f"{needs.techniques.describe()}, which tfpar cannot apply to a graph "
                         "yet: auto.memory_techniques is for planning (tfpar plan); remove "
                         "them from it to train")
+    heads = [scope for c in chosen for scope, how in c.split_scopes if how == "heads"]
+    if heads:
+        raise PlanError(f"tfpar: the planner's plan splits attention heads ({heads[0]}"
+                        f"{f' and {len(heads) - 1} more' if len(heads) > 1 else ''}), which "
+                        "tfpar cannot build yet: auto.split_heads is for planning (tfpar "
+                        "plan); set it false to train")
 
 
 def warn_unbuilt_sharding(capture: GraphCapture) -> None:

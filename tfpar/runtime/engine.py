@@ -30,7 +30,7 @@ from tfpar.rewriters.fetch_translation import FetchTranslator
 from tfpar.rewriters.function_outputs import rewire_outputs
 from tfpar.runtime.automatic import (Automatic, automatic_plan, cluster_hardware, estimate_of,
                                      part_estimate, pinned_sharding, planned_config, planning_batch,
-                                     refuse_memory_techniques, sharded_plan,
+                                     refuse_planning_only, sharded_plan,
                                      warn_unbuilt_sharding)
 from tfpar.runtime.balanced import batch_shares
 from tfpar.runtime.context import Runtime, active
@@ -458,7 +458,7 @@ def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
 def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
     """Plan ``graph`` and rewrite it (``capture.plan``, ``capture.rewrite``)."""
     plan, index, stage_of = _planned(graph, capture, rt)
-    refuse_memory_techniques(capture.automatic[1] if capture.automatic is not None else None)
+    refuse_planning_only(capture.automatic[1] if capture.automatic is not None else None)
     warn_unbuilt_sharding(capture)
     _check_forced_units(capture, rt)
     automatic = capture.automatic[1] if capture.automatic is not None else None

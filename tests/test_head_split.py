@@ -1,0 +1,98 @@
+"""Head-parallel attention in the sharding search (``auto.split_heads``):
+attention cores found from the graph's structure, split by heads between a
+column-split Q K V projection and a row-split output projection (Megatron's
+attention), and refused by a training run, which cannot build it yet."""
+import dataclasses
+
+import pytest
+import tensorflow as tf
+
+from test_cost_model import graph_view, mlp_block
+from test_expert_plans import DGX_A100, gpt_loss
+
+from equivalence import make_data, plan_of, train
+
+import tfpar as wh
+from tfpar.planner.auto import search_all
+from tfpar.planner.layers import layer_graph
+
+v1 = tf.compat.v1
+
+# Per GPT block: the split into Q, K and V, their reshapes and transposes to
+# heads, Q K^T, the softmax, the attention over V and the merge of heads (the
+# scale, mask and their arithmetic are element-wise layers, split as shards).
+CORE = {"split", "Reshape", "transpose", "Reshape_1", "transpose_1", "Reshape_2", "transpose_2",
+        "MatMul", "Softmax", "MatMul_1", "transpose_3", "Reshape_3"}
+
+
+def gpt_view(layers=2, hidden=256, heads=8, batch=8, seq=128, vocab=512):
+    return graph_view(lambda: gpt_loss(layers, hidden, heads, vocab)(
+        v1.placeholder(tf.int32, [batch, seq])))[1]
+
+
+def test_attention_cores_are_found_from_the_graph():
+    """Every block's core, and nothing else: not the layer norms, residual
+    adds or the mask's ops (which carry no rows), nor an MLP's layers."""
+    graph = layer_graph(gpt_view(layers=3))
+    found = {layer.scope for layer in graph.layers if layer.kind == "attention"}
+    assert found == {f"h{i}/attn/{name}" for i in range(3) for name in CORE}
+    mlp = layer_graph(graph_view(lambda: mlp_block()(v1.placeholder(tf.float32, [8, 16, 32]),
+                                                     None)[0])[1])
+    assert not any(layer.kind == "attention" for layer in mlp.layers)
+
+
+def test_a_weightless_contraction_of_the_inputs_is_no_attention_core():
+    """x x^T of the model's inputs (not fed by a weighted projection) must
+    keep whole rows."""
+    def loss():
+        x = v1.placeholder(tf.float32, [8, 16, 32])
+        scores = tf.nn.softmax(tf.matmul(x, x, transpose_b=True))
+        return tf.reduce_mean(v1.layers.dense(tf.matmul(scores, x), 4, name="out"))
+    graph = layer_graph(graph_view(loss)[1])
+    assert not any(layer.kind == "attention" for layer in graph.layers)
+
+
+def tensor_8(view, split_heads):
+    """The tensor-8 candidate on devices too small for the model's ~0.4 GB
+    of weights and optimizer state (data parallelism does not fit)."""
+    small = dataclasses.replace(DGX_A100, memory_gb=0.3)
+    candidates = search_all(view, 8, small, 8, 1, pipeline=1, split_heads=split_heads)
+    return next(c for c in candidates if c.tensor == 8)
+
+
+def test_heads_split_as_megatron_splits_them():
+    """Tensor 8 on a GPT of 16 heads: with ``split_heads`` every core layer
+    runs on its group's heads between c_attn by columns and c_proj by rows,
+    so it computes an eighth of the core and gathers no Q K V; without it
+    the core runs whole (or by rows) behind an all-gather of Q K V."""
+    view = dataclasses.replace(gpt_view(layers=2, hidden=1024, heads=16, seq=512),
+                               compute_dtype="fp16")
+    split, whole = tensor_8(view, True), tensor_8(view, False)
+    layers = dict(split.split_scopes)
+    for i in range(2):
+        assert {layers[f"h{i}/attn/{name}"] for name in CORE} == {"heads"}
+        assert layers[f"h{i}/attn/c_attn"] == "column" and layers[f"h{i}/attn/c_proj"] == "row"
+        assert dict(whole.split_scopes).get(f"h{i}/attn/MatMul", "dp") in ("whole", "dp")
+    assert split.step_time_s < whole.step_time_s
+    assert split.comm_bytes < whole.comm_bytes
+
+
+def test_a_live_run_refuses_a_plan_that_splits_heads():
+    """tfpar cannot build head-split attention yet: such a plan is for
+    ``tfpar plan`` only, and training says so, naming a layer."""
+    def build(x, y):
+        loss = gpt_loss(1, 256, 4, vocab=64)(x)
+        return loss, v1.train.AdamOptimizer(1e-3).minimize(loss)
+    # Small devices: only column / row splits fit, and they leave the core
+    # behind an all-gather unless it splits by heads.
+    device = {"name": "gpu", "tflops": 10, "memory_gb": 0.012}
+    config = {"auto.auto_parallel": True, "cluster.num_devices": 2, "cluster.hardware": [device],
+              "auto.split_heads": True, "auto.planning_pass": False}
+    plan = plan_of(build, config, dtype=tf.int32, shape=(8, 16))
+    assert plan.sharding["layers"]["h0/attn/Softmax"] == "heads"
+    assert "h0/attn/Softmax -> heads" in plan.summary()
+    tokens = make_data(steps=1, batch=8, features=16, classes=64)[1].reshape(1, 8, 1)
+    data = (tokens.repeat(16, axis=2).astype("int32"), tokens[..., 0])
+    with pytest.raises(wh.PlanError, match=r"splits attention heads \(h0/attn/split and "
+                                           r"\d+ more\), which tfpar cannot build yet"):
+        train(build, data, config, static_batch=True)
