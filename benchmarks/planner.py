@@ -80,14 +80,15 @@ COLUMNS = [("layers", "layers", "d"), ("graph ops", "graph_ops", "d"),
            ("O2/O3 cost", "o2_o3_cost", ".4f"), ("auto s", "auto_s", ".2f")]
 
 
-def gpt_train_op(layers, hidden, seq, vocab):
-    """Pre-LN GPT on token ids, LM cross-entropy, Adam; returns the train op."""
-    ids = v1.placeholder(tf.int32, [None, seq], name="ids")
-    labels = v1.placeholder(tf.int32, [None, seq], name="labels")
-    dh = hidden // HEADS
+def gpt_train_op(layers, hidden, seq, vocab, heads=HEADS, batch=None):
+    """Pre-LN GPT on token ids, LM cross-entropy, Adam; returns the train op
+    (``batch``: the inputs' static batch, None: unknown)."""
+    ids = v1.placeholder(tf.int32, [batch, seq], name="ids")
+    labels = v1.placeholder(tf.int32, [batch, seq], name="labels")
+    dh = hidden // heads
 
     def heads_first(t):  # [B, S, H] -> [B, heads, S, dh]
-        return tf.transpose(tf.reshape(t, [-1, seq, HEADS, dh]), [0, 2, 1, 3])
+        return tf.transpose(tf.reshape(t, [-1, seq, heads, dh]), [0, 2, 1, 3])
     with v1.variable_scope("embedding"):
         h = (tf.gather(v1.get_variable("tokens", [vocab, hidden]), ids)
              + v1.get_variable("positions", [seq, hidden]))

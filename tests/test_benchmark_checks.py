@@ -11,6 +11,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import bench_args  # noqa: E402
 import overhead  # noqa: E402
 import plan_quality  # noqa: E402
+import plan_scale  # noqa: E402
 import planner  # noqa: E402
 import split  # noqa: E402
 
@@ -118,3 +119,24 @@ def test_plan_quality_judges_growth_only_where_the_paper_ratio_grows():
     flat = plan_quality.series("case", "Whale", settings, {8: 2.0, 32: 2.0},
                                lambda s: estimate[s["gpus"]], lambda s: ())
     assert all(r["met"] and "growth" not in r["checks"] for r in flat)
+
+
+def scale_row(calibration=1.05, chosen_pinned=0.9, fits=True, plan_build=0.2):
+    return {"model": "1.7B", "gpus": 32, "calibration": calibration,
+            "chosen_pinned": chosen_pinned, "fits": fits, "plan_build": plan_build}
+
+
+@pytest.mark.parametrize("row, code", [
+    (scale_row(), 0),
+    (scale_row(calibration=0.86), 0),  # 14% under the published run
+    (scale_row(calibration=1.2), 1),  # 20% over it
+    (scale_row(calibration=0.8), 1),
+    (scale_row(chosen_pinned=1.01), 1),  # the chosen plan slower than the published one
+    (scale_row(fits=False), 1),
+    (scale_row(plan_build=0.3), 1),  # planning over 25% of the build
+])
+def test_plan_scale_check_fails_when_a_row_misses(row, code, capsys):
+    assert bench_args.verdict(plan_scale.targets([row]), args()) == code
+    assert ("FAIL  1.7B on 32 GPUs" in capsys.readouterr().err) == bool(code)
+    assert plan_scale.TARGETS == {"calibration": 0.15, "chosen_pinned": 1.0, "plan_build": 0.25}
+

@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from tfpar.planner.partition import balanced_partition, partition_stages
+from tfpar.planner.partition import balanced_partition, chain_partition, partition_stages
 
 
 def brute_force_bottleneck(costs, stages):
@@ -70,3 +70,19 @@ def test_equal_blocks_get_equal_stages():
               for k in range(8)]
     assert sum(blocks) == 96 and max(blocks) - min(blocks) <= 1
     assert blocks == [12] * 8
+
+
+@pytest.mark.parametrize("sizes", [[5.0, 1.0, 5.0, 5.0, 1.0, 5.0, 5.0], [1.0] * 7,
+                                   [3.0, 9.0, 1.0, 9.0, 2.0, 9.0, 4.0]])
+def test_a_chain_is_cut_where_it_sends_least_within_the_balance(sizes):
+    """Eight equal chunks in a chain, 4 stages, cuts sending ``sizes``: the
+    chain's exact cut (no ILP) equals brute force over every cut whose
+    stages each hold at most 2 chunks x 1.25."""
+    costs = [1.0] * 8
+    stages = chain_partition(costs, sizes, 4, 2.5)
+    best = min(sum(sizes[c - 1] for c in cuts)
+               for cuts in itertools.combinations(range(1, 8), 3)
+               if max(b - a for a, b in zip((0,) + cuts, cuts + (8,))) * 1.0 <= 2.5)
+    assert stages == sorted(stages) and set(stages) == {0, 1, 2, 3}
+    assert sum(sizes[k] for k in range(7) if stages[k] != stages[k + 1]) == best
+    assert chain_partition(costs, sizes, 4, 1.5) is None  # no 4 stages of 1 chunk cover 8

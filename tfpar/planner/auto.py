@@ -137,7 +137,7 @@ def search(model: ModelView, num_devices: int, hardware: Hardware, global_batch:
            num_micro_batch: Optional[int], pipeline: Optional[int] = None,
            time_limit_s: float = 10.0, progress: Callable[[str], None] = lambda line: None,
            opt_level: str = "O2", batch_known: bool = True,
-           techniques: Sequence[str] = (), split_heads: bool = False) -> Candidate:
+           techniques: Sequence = (), split_heads: bool = False) -> Candidate:
     """The fastest candidate that fits ``hardware``'s memory (``search_all``
     then ``choose``)."""
     return choose(search_all(model, num_devices, hardware, global_batch, num_micro_batch,
@@ -149,11 +149,12 @@ def search_all(model: ModelView, num_devices: int, hardware: Hardware, global_ba
                num_micro_batch: Optional[int], pipeline: Optional[int] = None,
                time_limit_s: float = 10.0, progress: Callable[[str], None] = lambda line: None,
                opt_level: str = "O2", batch_known: bool = True,
-               techniques: Sequence[str] = (), split_heads: bool = False) -> List[Candidate]:
+               techniques: Sequence = (), split_heads: bool = False) -> List[Candidate]:
     """A candidate per mesh, planned within ``time_limit_s`` in all, each
     with its best micro-batch count (``num_micro_batch``, or searched when
     None) and memory techniques (of ``techniques``: "recompute", "zero",
-    "mixed_precision"). ``batch_known``: ``global_batch`` is the real one,
+    "mixed_precision"; or exactly the ``memory.Techniques`` settings it
+    lists, e.g. a published run's). ``batch_known``: ``global_batch`` is the real one,
     not an assumed size, so meshes that leave a replica without rows are
     left out. ``split_heads``: tensor groups may split attention cores by
     heads (``sharding``'s ``heads``)."""
@@ -274,7 +275,7 @@ class _Search:
 
     def __init__(self, model: ModelView, num_devices: int, hardware: Hardware,
                  global_batch: int, num_micro_batch: Optional[int], opt_level: str,
-                 techniques: Sequence[str], tensors: bool, split_heads: bool):
+                 techniques: Sequence, tensors: bool, split_heads: bool):
         self.model, self.num_devices, self.hardware = model, num_devices, hardware
         self.global_batch, self.num_micro_batch = global_batch, num_micro_batch
         self.opt_level, self.techniques = opt_level, tuple(techniques)
@@ -285,6 +286,8 @@ class _Search:
         self.speed_up = hardware.peak(LOW_PRECISION) / hardware.peak(model.compute_dtype)
         self.cuts: Dict[int, List[int]] = {}
         self.solved: Dict = {}  # sharding segments, across stages and meshes
+        self.sharded: Dict = {}  # (graph shape, mesh, split only) -> candidates
+        self.plans: Dict = {}  # estimates of sharded graphs, by shape
 
     def stages_of(self, p: int, time_limit_s: float) -> List[int]:
         if p not in self.cuts:
@@ -305,7 +308,8 @@ class _Search:
 
     def _setting(self, stages: Sequence[StageModel], d: int, rows: float, counts: Sequence[int],
                  cut: float, bandwidth: float) -> Setting:
-        space = technique_space(self.techniques, d, self.speed_up > 1)
+        pinned = [t for t in self.techniques if isinstance(t, Techniques)]
+        space = pinned or technique_space(self.techniques, d, self.speed_up > 1)
         return best_setting(stages, d, rows, counts, space, cut, bandwidth, self.speed_up,
                             self.capacity)
 
@@ -367,25 +371,23 @@ class _Search:
         replicas = 1 if p > 1 else d
         sizing = self.global_batch * t / self.num_devices / (self.num_micro_batch or 1)
         mesh = Mesh(replicas * t, t, sizing * replicas, hardware, model.compute_dtype)
+        shapes = [_shape(graph) for graph in graphs]
         chosen = []
-        for graph in graphs:
-            plan = None
-            for activations in (True, False):
-                plan = plan_sharding(graph, mesh, self.capacity, self.opt_level, time_limit_s,
-                                     split_only=p > 1, gradients=p == 1, solved=self.solved,
-                                     activations=activations, split_heads=self.split_heads)
-                if plan is not None:
-                    break
-            if plan is None or all(c == "dp" for c in plan.candidates):
+        for shape, graph in zip(shapes, graphs):
+            key = (shape, mesh, p > 1)
+            if key not in self.sharded:
+                self.sharded[key] = self._shard(graph, mesh, p, time_limit_s)
+            if self.sharded[key] is None or all(c == "dp" for c in self.sharded[key]):
                 return None
-            chosen.append(plan.candidates)
-        models = [self._split_stage(graph, c, t, p, d) for graph, c in zip(graphs, chosen)]
+            chosen.append(self.sharded[key])
+        models = [self._split_stage(shape, graph, c, t, p, d)
+                  for shape, graph, c in zip(shapes, graphs, chosen)]
         cut = sum(size for i, j, size in layers.edges if stage_of[i] != stage_of[j])
         best = self._setting(models, d, rows, counts, cut, hardware.bandwidth(t * p))
         final = rows / best.micro_batches
         parts, split, stages = [], [], []
-        for s, (graph, candidates) in enumerate(zip(graphs, chosen)):
-            plan = self._problem(graph, t, p, d, final, p == 1).plan(candidates, False)
+        for s, (shape, graph, candidates) in enumerate(zip(shapes, graphs, chosen)):
+            plan = self._plan(shape, graph, candidates, t, p, d, final, p == 1)
             for layer, c, cost, memory in zip(graph.layers, candidates, plan.layer_costs,
                                               plan.layer_memory):
                 parts.append(Part(cost.seconds * best.micro_batches, memory,
@@ -400,23 +402,44 @@ class _Search:
         return _candidate(best, d, t, p, tuple(op_stage), tuple(parts), tuple(split),
                           tuple(stages))
 
+    def _shard(self, graph, mesh: Mesh, p: int, time_limit_s: float) -> Optional[Tuple[str, ...]]:
+        """The sharding search's candidates for ``graph`` on ``mesh`` (None:
+        nothing fits, not even weights, gradients and optimizer slots alone)."""
+        for activations in (True, False):
+            plan = plan_sharding(graph, mesh, self.capacity, self.opt_level, time_limit_s,
+                                 split_only=p > 1, gradients=p == 1, solved=self.solved,
+                                 activations=activations, split_heads=self.split_heads)
+            if plan is not None:
+                return plan.candidates
+        return None
+
     def _problem(self, graph, t: int, p: int, d: int, rows: float,
                  gradients: bool = False) -> Problem:
         return Problem(graph, Mesh(d * t, t, rows * d, self.hardware, self.model.compute_dtype),
                        split_only=p > 1, gradients=gradients)
 
-    def _split_stage(self, graph, candidates: Sequence[str], t: int, p: int,
+    def _plan(self, shape, graph, candidates: Sequence[str], t: int, p: int, d: int,
+              rows: float, gradients: bool = False):
+        """``Problem.plan`` of ``graph`` (of ``shape``) as ``candidates``, made
+        once for the stages of one shape (a pipeline's middle stages)."""
+        key = (shape, tuple(candidates), t, p, d, rows, gradients)
+        if key not in self.plans:
+            self.plans[key] = self._problem(graph, t, p, d, rows, gradients).plan(candidates,
+                                                                                 False)
+        return self.plans[key]
+
+    def _split_stage(self, shape, graph, candidates: Sequence[str], t: int, p: int,
                      d: int) -> StageModel:
-        """``graph`` sharded as ``candidates``, as a ``StageModel`` (affine in
-        the rows: evaluated at one and two rows per replica)."""
-        at_one_row = self._problem(graph, t, p, d, 1.0)
-        one = at_one_row.plan(candidates, False)
-        two = self._problem(graph, t, p, d, 2.0).plan(candidates, False)
-        compute = at_one_row.compute_seconds(candidates)
+        """``graph`` (of ``shape``) sharded as ``candidates``, as a
+        ``StageModel`` (affine in the rows: evaluated at one and two rows per
+        replica)."""
+        one = self._plan(shape, graph, candidates, t, p, d, 1.0)
+        two = self._plan(shape, graph, candidates, t, p, d, 2.0)
+        compute = self._problem(graph, t, p, d, 1.0).compute_seconds(candidates)
         per_row = two.step_time_s - one.step_time_s
         params = one.weight_memory / BYTES_PER_PARAM_STATE
         if p == 1:
-            with_grads = self._problem(graph, t, p, d, 1.0, gradients=True).plan(candidates, False)
+            with_grads = self._plan(shape, graph, candidates, t, p, d, 1.0, gradients=True)
             grads = Cost(with_grads.step_time_s - one.step_time_s,
                          with_grads.comm_bytes - one.comm_bytes)
         else:
@@ -427,6 +450,13 @@ class _Search:
         return StageModel(compute, per_row - compute, two.comm_bytes - one.comm_bytes,
                           one.step_time_s - per_row + self._launches(ops), params, grads,
                           **self._terms(ops, activations / unsplit))
+
+
+def _shape(graph) -> Tuple:
+    """What a layer graph's sharding and estimates depend on: its layers'
+    signatures and inputs from outside, its edges (equal for a pipeline's
+    middle stages)."""
+    return (tuple((layer.signature, layer.input_bytes) for layer in graph.layers), graph.edges)
 
 
 def _candidate(best: Setting, d: int, t: int, p: int, stages: Tuple[int, ...],

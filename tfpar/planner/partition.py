@@ -6,12 +6,14 @@ contiguous chunks — runs of the same repeated block (``pruning.block_labels``,
 TAP Algorithm 1) when given, so stages break between blocks, else runs ending
 at Rhino's critical nodes (§4.3.1), at most ``MAX_NODES``, else equal runs;
 the first whose chunks each cost no more than a stage may — and Rhino's stage
-ILP (``pipeline_ilp``, Rhino §5) assigns chunks to stages, minimising the bytes
-crossing stages within a balance tolerance (``SLACK`` above the most balanced
-contiguous cut's, so the slowest stage is never slower than it must be). If
-it finds nothing in time,
-``balanced_partition`` cuts the chunks (or, with fewer chunks than stages, the
-items) into contiguous stages whose most expensive one is as cheap as possible
+ILP (``pipeline_ilp``, Rhino §5; at most ``ILP_LIMIT_S``) assigns chunks to
+stages, minimising the bytes crossing stages within a balance tolerance
+(``SLACK`` above the most balanced contiguous cut's, so the slowest stage is
+never slower than it must be); on chunks in a chain (a transformer's
+blocks) ``chain_partition`` solves the same problem exactly by dynamic
+programming. If the ILP finds nothing in time, ``balanced_partition`` cuts
+the chunks (or, with fewer chunks than stages, the items) into contiguous
+stages whose most expensive one is as cheap as possible
 (the linear partition problem, solved exactly: binary search on the bottleneck
 with a greedy check). Contiguity in a topological order keeps every edge
 pointing to the same or a later stage.
@@ -24,11 +26,15 @@ import networkx as nx
 from tfpar.planner.layers import critical_positions
 from tfpar.planner.pipeline_ilp import stage_ilp
 
-__all__ = ["balanced_partition", "partition_stages"]
+__all__ = ["balanced_partition", "chain_partition", "partition_stages"]
 
 MAX_NODES = 128
 EPSILON = 0.25  # stage imbalance tolerance of the ILP, at most
 SLACK = 0.02  # ... above the most balanced contiguous cut's
+# The ILP only trades bytes within that tolerance (the most balanced cut is
+# the fallback): with many stages and few chunks to spare it can search for
+# long, so it gets a few seconds at most.
+ILP_LIMIT_S = 2.0
 
 
 def partition_stages(costs: Sequence[float], edges: Sequence[Tuple[int, int, float]],
@@ -50,13 +56,60 @@ def partition_stages(costs: Sequence[float], edges: Sequence[Tuple[int, int, flo
             dag.add_edge(a, b, bytes=previous + volume)
     chunk_costs = [dag.nodes[c]["comp"] for c in sorted(dag)]
     by_chunk = balanced_partition(chunk_costs, num_stages)
-    stages = stage_ilp(dag, min(num_stages, dag.number_of_nodes()),
-                       _tolerance(chunk_costs, by_chunk, num_stages), time_limit_s)
+    tolerance = _tolerance(chunk_costs, by_chunk, num_stages)
+    if _is_chain(dag) and dag.number_of_nodes() >= num_stages:
+        by_chunk = chain_partition(chunk_costs, [dag.edges[c, c + 1]["bytes"]
+                                                  for c in sorted(dag)[:-1]], num_stages,
+                                    (1 + tolerance) * sum(chunk_costs) / num_stages) or by_chunk
+        return [by_chunk[c] for c in chunk]
+    stages = stage_ilp(dag, min(num_stages, dag.number_of_nodes()), tolerance,
+                       min(time_limit_s, ILP_LIMIT_S))
     if stages is not None:
         return [stages[c] for c in chunk]
     if dag.number_of_nodes() < num_stages:
         return balanced_partition(costs, num_stages)
     return [by_chunk[c] for c in chunk]
+
+
+def _is_chain(dag: nx.DiGraph) -> bool:
+    """Whether chunk k sends only to chunk k + 1 (a transformer's blocks)."""
+    order = sorted(dag)
+    return dag.number_of_edges() == len(order) - 1 and all(
+        dag.has_edge(a, b) for a, b in zip(order, order[1:]))
+
+
+def chain_partition(costs: Sequence[float], cut_bytes: Sequence[float], num_stages: int,
+                     capacity: float) -> Optional[List[int]]:
+    """The stage ILP's answer on a chain, exactly and fast: the contiguous
+    stages (each at most ``capacity``) whose cuts send the fewest bytes
+    (``cut_bytes[k]``: between chunks k and k + 1), by dynamic programming
+    over (stages, chunks); None when none fits."""
+    count = len(costs)
+    prefix = [0.0]
+    for cost in costs:
+        prefix.append(prefix[-1] + cost)
+    limit = capacity * (1 + 1e-9)
+    inf = float("inf")
+    best = [[inf] * (count + 1) for _ in range(num_stages + 1)]
+    start = [[0] * (count + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for stage in range(1, num_stages + 1):
+        for end in range(stage, count - (num_stages - stage) + 1):
+            sent = cut_bytes[end - 1] if end < count else 0.0
+            first = end - 1
+            while first >= stage - 1 and prefix[end] - prefix[first] <= limit:
+                if best[stage - 1][first] + sent < best[stage][end]:
+                    best[stage][end] = best[stage - 1][first] + sent
+                    start[stage][end] = first
+                first -= 1
+    if best[num_stages][count] == inf:
+        return None
+    stages, end = [0] * count, count
+    for stage in range(num_stages, 0, -1):
+        first = start[stage][end]
+        stages[first:end] = [stage - 1] * (end - first)
+        end = first
+    return stages
 
 
 def _tolerance(costs: Sequence[float], stages: Sequence[int], num_stages: int) -> float:
