@@ -38,8 +38,8 @@ Not expressible, so not rows: Whale Figure 11 (1F1B vs GPipe: one pipeline
 length in a schedule replay; the paper's gain is memory), Figure 12 (no
 ratios stated); Rhino §7.3 on 4-8 GPUs (ZeRO-like sharding of variables) and
 §7.5 (O2 vs O3 on strided sharding; ``benchmarks/planner.py`` checks ours);
-TAP §IV-F, Figure 3 (attention split by heads: the sharding search cannot
-split the attention core); Ada-Grouper §6 (kFkB vs 1F1B under network
+TAP §IV-F, Figure 3 (attention split by heads: costed since
+``auto.split_heads``, not yet a row); Ada-Grouper §6 (kFkB vs 1F1B under network
 preemption, which the cost model has no term for).
 
 Setting: ``V100-32GB`` of the catalog, fp32 (Rhino §7.1: "full FP32"; Whale

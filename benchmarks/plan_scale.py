@@ -31,8 +31,9 @@ fits 80 GB; plan s / build s <= 0.25.
 
     python benchmarks/plan_scale.py [--check] [--json] [--rows 1.7B,145.6B]
 
-(2 cores: about 12 minutes for all ten rows, most of it TensorFlow building
-the graphs; ``--quick``: the 1.7B and 3.6B rows, about a minute.)
+(2 cores: about 16 minutes for all ten rows, most of it TensorFlow building
+the graphs - 24 s for the 1.7B, 161 s for the 1T; ``--quick``: the 1.7B and
+3.6B rows, about 1.5 minutes.)
 """
 import argparse
 import dataclasses

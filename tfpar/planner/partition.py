@@ -3,8 +3,9 @@ but no scopes (Whale Example 4); no TensorFlow.
 
 ``partition_stages``: the forward ops, in topological order, are coarsened into
 contiguous chunks — runs of the same repeated block (``pruning.block_labels``,
-TAP Algorithm 1) when given, so stages break between blocks, else runs ending
-at Rhino's critical nodes (§4.3.1), at most ``MAX_NODES``, else equal runs;
+TAP Algorithm 1; at most ``MAX_BLOCK_RUNS``) when given, so stages break
+between blocks, else runs ending at Rhino's critical nodes (§4.3.1), at most
+``MAX_NODES``, else equal runs;
 the first whose chunks each cost no more than a stage may — and Rhino's stage
 ILP (``pipeline_ilp``, Rhino §5; at most ``ILP_LIMIT_S``) assigns chunks to
 stages, minimising the bytes crossing stages within a balance tolerance
@@ -29,6 +30,10 @@ from tfpar.planner.pipeline_ilp import stage_ilp
 __all__ = ["balanced_partition", "chain_partition", "partition_stages"]
 
 MAX_NODES = 128
+# Runs of blocks are kept up to this many (a 1T GPT has 128 blocks and two
+# runs around them): cut elsewhere, stages would split blocks unevenly; a
+# chain of them is cut by dynamic programming, not the ILP.
+MAX_BLOCK_RUNS = 1024
 EPSILON = 0.25  # stage imbalance tolerance of the ILP, at most
 SLACK = 0.02  # ... above the most balanced contiguous cut's
 # The ILP only trades bytes within that tolerance (the most balanced cut is
@@ -135,7 +140,7 @@ def _chunks(costs: Sequence[float], labels: Optional[Sequence[Optional[str]]],
     count = len(costs)
     if labels is not None and any(labels):
         chunk = _runs(count, {i for i in range(1, count) if labels[i] != labels[i - 1]})
-        if 1 < chunk[-1] + 1 <= MAX_NODES and _balanceable(costs, chunk, num_stages):
+        if 1 < chunk[-1] + 1 <= MAX_BLOCK_RUNS and _balanceable(costs, chunk, num_stages):
             return chunk
     ends = critical_positions(count, edges)
     if len(ends) > 2:
