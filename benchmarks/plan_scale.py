@@ -162,9 +162,8 @@ def print_table(rows, _found, _args):
         print(f"  published  {r['published']}: {r['published_tflops']} TFLOP/s measured")
         print(f"  pinned     {r['pinned']}: {r['pinned_step_s']:.2f} s/step, "
               f"{r['pinned_tflops']:.0f} TFLOP/s = {r['calibration']:.2f} x measured")
-    widths = [max(len(title), *(len(cell(r[key], fmt)) for r in rows))
-              for title, key, fmt in COLUMNS if key not in ("chosen", "pinned", "published")]
     short = [c for c in COLUMNS if c[1] not in ("chosen", "pinned", "published")]
+    widths = [max(len(title), *(len(cell(r[key], fmt)) for r in rows)) for title, key, fmt in short]
     print("  ".join(f"{title:>{w}}" for (title, _, _), w in zip(short, widths)))
     for r in rows:
         print("  ".join(f"{cell(r[key], fmt):>{w}}" for (_, key, fmt), w in zip(short, widths)))

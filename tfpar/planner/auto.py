@@ -454,9 +454,8 @@ class _Search:
 
 def _shape(graph) -> Tuple:
     """What a layer graph's sharding and estimates depend on: its layers'
-    signatures and inputs from outside, its edges (equal for a pipeline's
-    middle stages)."""
-    return (tuple((layer.signature, layer.input_bytes) for layer in graph.layers), graph.edges)
+    identities and its edges (equal for a pipeline's middle stages)."""
+    return (tuple(layer.identity for layer in graph.layers), graph.edges)
 
 
 def _candidate(best: Setting, d: int, t: int, p: int, stages: Tuple[int, ...],

@@ -59,7 +59,8 @@ class Layer:
       input_bytes: bytes per row it reads from the model's inputs (which
         arrive split by rows, as data parallelism feeds them).
       ops: indices of its ops in the model view.
-      signature: kind, costs and op types: equal signatures are equal subproblems.
+      signature: kind, costs and op types as the layer was read from the
+        graph (``identity`` is what makes equal subproblems).
     """
 
     scope: str
@@ -72,6 +73,13 @@ class Layer:
     ops: Tuple[int, ...]
     signature: Tuple
     scopes: Tuple[str, ...] = ()
+
+    @property
+    def identity(self) -> Tuple:
+        """Equal identities are equal subproblems: the signature with the
+        kind and the inputs from outside as they are now (``attention_layers``
+        and ``subgraph`` change them)."""
+        return (self.signature, self.kind, self.input_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,8 +122,7 @@ def layer_graph(view) -> LayerGraph:
                           outgoing[position[g]]) for g in order)
     edges = tuple((a, b, s) for (a, b), s in sorted(volume.items()))
     core = attention_layers(layers, edges, view.types)
-    layers = tuple(dataclasses.replace(layer, kind="attention",
-                                       signature=("attention",) + layer.signature[1:])
+    layers = tuple(dataclasses.replace(layer, kind="attention")
                    if k in core and layer.kind == "other" else layer
                    for k, layer in enumerate(layers))
     return LayerGraph(layers, edges)

@@ -378,7 +378,7 @@ def _segment_key(problem: Problem, allowed, start: int, end: int) -> Tuple:
     layers = problem.graph.layers[start:end + 1]
     edges = tuple((i - start, j - start, size) for j in range(start + 1, end + 1)
                   for i, size in problem.preds[j])
-    return (tuple(layer.signature for layer in layers), edges, tuple(allowed[start:end + 1]),
+    return (tuple(layer.identity for layer in layers), edges, tuple(allowed[start:end + 1]),
             problem.mesh, problem.split_only, problem.gradients)
 
 
