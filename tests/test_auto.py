@@ -10,7 +10,10 @@ from test_cost_model import deep_mlp_layers, hand_memory, planned_stages
 
 import tfpar as wh
 from tfpar.cluster.hardware import CATALOG, Hardware
-from tfpar.planner.auto import Candidate, ModelView, choose, search, search_all, stage_units
+from tfpar.runtime.automatic import cluster_hardware
+from tfpar.runtime.context import active
+from tfpar.planner.auto import (Candidate, ModelView, _meshes, choose, search, search_all,
+                               stage_units)
 
 v1 = tf.compat.v1
 DATA = make_data(steps=3, batch=8)
@@ -103,6 +106,18 @@ def test_collectives_across_nodes_use_the_inter_node_network():
     assert spread.step_time_s > 50 * same.step_time_s
 
 
+def test_tensor_groups_never_straddle_two_nodes():
+    """On 24 devices in nodes of 8 a tensor group is 2, 4 or 8 devices (a
+    divisor of a node) or 24 (whole nodes); 3, 6 and 12 would straddle two
+    nodes. With a pipeline, groups stay inside a node."""
+    names = [f"l{i}/MatMul" for i in range(4)]
+    view = dataclasses.replace(_chain(4), names=names, types=["MatMul"] * 4)
+    nodes = dataclasses.replace(CATALOG["A100-80GB"], devices_per_node=8)
+    meshes = _meshes(view, 24, None, nodes)
+    assert sorted({t for t, p in meshes if p == 1}) == [1, 2, 4, 8, 24]
+    assert sorted({t for t, p in meshes if p > 1}) == [1, 2, 4, 8]
+
+
 def test_a_pinned_search_plan_is_rebuilt_without_searching(capsys):
     """plan.to_json() fed back: the same stages (the partition is deterministic)
     and estimates, no search, same training."""
@@ -147,10 +162,12 @@ def test_no_feasible_mesh_is_a_plan_error_that_says_why():
 
 
 def test_stages_are_cut_between_repeated_blocks_at_most():
-    """A 2-layer transformer's ops: embedding, 3 ops per layer, head: 4 units."""
-    labels = [None, "layer_0", "layer_0", "layer_0", "layer_1", "layer_1", "layer_1", None]
-    assert stage_units(_chain(8, labels)) == 4
-    assert stage_units(_chain(8)) == 8
+    """A 2-layer transformer's ops: embedding (2 ops), 3 ops per layer, head
+    and loss (3 ops): 4 units (before: every op outside the blocks was one,
+    so a 30-layer GPT of 80 ops outside its blocks was cut into 64 stages)."""
+    labels = [None, None] + ["layer_0"] * 3 + ["layer_1"] * 3 + [None] * 3
+    assert stage_units(_chain(11, labels)) == 4
+    assert stage_units(_chain(8)) == 8 == stage_units(_chain(8, [None] * 8))
 
 
 def test_search_time_limit_stops_the_mesh_enumeration():
@@ -180,3 +197,17 @@ def test_choose_prefers_fewer_stages_within_10_percent_then_a_lower_tensor_degre
     assert choose([dp, plan(0.99, tensor=8)], hardware) is dp
     assert choose([dp, plan(0.92, pipeline=2)], hardware) is dp
     assert choose([dp, plan(0.80, pipeline=2)], hardware).pipeline == 2
+
+
+def test_a_described_cluster_has_nodes():
+    """``cluster.devices_per_node`` splits the described devices into nodes:
+    a collective over more than one node runs at the inter-node bandwidth."""
+    with tf.Graph().as_default():
+        wh.init({"cluster.num_devices": 4, "cluster.hardware": "4 x A100-80GB",
+                 "cluster.devices_per_node": 2})
+        nodes = cluster_hardware(active())
+        wh.init({"cluster.num_devices": 4, "cluster.hardware": "4 x A100-80GB"})
+        one = cluster_hardware(active())
+    wh.reset()
+    assert nodes.devices_per_node == 2 and nodes.bandwidth(2) == 300e9
+    assert nodes.bandwidth(4) == 25e9 and one.bandwidth(4) == 300e9

@@ -62,7 +62,7 @@ def test_defaults():
     for key, option in SCHEMA.items():
         assert cfg.get(key) == option.default
     assert cfg.to_dict() == {
-        "cluster": {"num_devices": None, "hardware": None,
+        "cluster": {"num_devices": None, "hardware": None, "devices_per_node": None,
                     "colocate_split_and_replicate": False},
         "pipeline": {"num_micro_batch": 1, "schedule": "1f1b", "task_functions": True,
                      "group_size": 1},

@@ -51,9 +51,10 @@ import tfpar as wh
 from tfpar.cluster.hardware import CATALOG, DTYPES, HOST_CPU, Hardware, device_hardware, slowest
 from tfpar.config import Config
 from tfpar.hooks.capture import existing_capture
-from tfpar.planner.auto import ModelView, search, stage_costs
+from tfpar.planner.auto import ModelView, search, stage_costs, timed
 from tfpar.planner.comm import allgather, allreduce
 from tfpar.planner.layers import Layer, LayerGraph
+from tfpar.planner.roofline import low_precision_speed_up
 from tfpar.planner.sharding import Mesh, Problem
 from tfpar.rewriters.model_view import model_view
 from tfpar.rewriters.select import GraphIndex
@@ -333,34 +334,43 @@ def test_pipeline_estimate_by_hand():
 def test_catalog_peaks_per_dtype():
     """The datasheets' dense peaks (TFLOPS; hardware.py's table): a dtype a
     device has no units for (TF32, bf16 before Ampere) runs at its fp32
-    rate. The planner assumes peak x 0.5 (Megatron-LM's ~52%); HOST_CPU's
-    0.05 TFLOPS is already a sustained rate."""
+    rate. The planner assumes peak x 0.7 (``hardware.EFFICIENCY``), for
+    memory bandwidth too (A100: 2039 GB/s); HOST_CPU's 0.05 TFLOPS is
+    already a sustained rate, and its memory is not on the roofline."""
     expected = {"P100-16GB": (4.7, 9.3, 9.3, 18.7, 9.3), "V100-32GB": (7.8, 15.7, 15.7, 125, 15.7),
                 "T4": (0.25, 8.1, 8.1, 65, 8.1), "A100-80GB": (19.5, 19.5, 156, 312, 312),
                 "H100-80GB": (67, 67, 494.5, 989, 989)}
     assert DTYPES == ("fp64", "fp32", "tf32", "fp16", "bf16")
     for name, peaks in expected.items():
         assert tuple(CATALOG[name].peak(dtype) for dtype in DTYPES) == peaks, name
-    assert CATALOG["V100-32GB"].flops_per_s("fp16") == pytest.approx(62.5e12)
-    assert CATALOG["V100-32GB"].flops_per_s("tf32") == pytest.approx(7.85e12)
-    assert CATALOG["A100-80GB"].flops_per_s("tf32") == pytest.approx(78e12)
+    assert CATALOG["V100-32GB"].flops_per_s("fp16") == pytest.approx(87.5e12)
+    assert CATALOG["V100-32GB"].flops_per_s("tf32") == pytest.approx(10.99e12)
+    assert CATALOG["A100-80GB"].flops_per_s("tf32") == pytest.approx(109.2e12)
+    assert {name: hw.memory_gbps for name, hw in CATALOG.items()} == {
+        "P100-16GB": 732, "V100-32GB": 900, "T4": 320, "A100-80GB": 2039, "H100-80GB": 3350}
+    assert CATALOG["A100-80GB"].memory_bytes_per_s() == pytest.approx(1427.3e9)
     assert HOST_CPU.flops_per_s("fp16") == pytest.approx(0.05e12)
+    assert HOST_CPU.memory_bytes_per_s() == float("inf")
 
 
 def test_explicit_specs_peaks_and_efficiency():
     """``tflops`` is the peak of every dtype; a ``tflops_<dtype>`` key sets
     one (TF32 without its own runs at ``tflops_fp32``); ``efficiency``
-    defaults to 0.5 and is validated <= 1."""
+    defaults to 0.7 and is validated <= 1; ``memory_gbps`` is optional
+    (without it, ops are timed by FLOPs alone)."""
     plain = {"name": "a", "tflops": 100, "memory_gb": 8}
-    custom = {**plain, "tflops_fp32": 10, "tflops_fp16": 400, "efficiency": 0.8}
+    custom = {**plain, "tflops_fp32": 10, "tflops_fp16": 400, "efficiency": 0.8,
+              "memory_gbps": 1000}
     Config({"cluster.hardware": [plain, custom]})  # valid keys
     a, b = device_hardware([plain, custom], 2)
-    assert [a.peak(dtype) for dtype in DTYPES] == [100] * 5 and a.efficiency == 0.5
+    assert [a.peak(dtype) for dtype in DTYPES] == [100] * 5 and a.efficiency == 0.7
+    assert a.memory_gbps is None and b.memory_bytes_per_s() == pytest.approx(800e9)
     assert [b.peak(dtype) for dtype in DTYPES] == [100, 10, 10, 400, 100]
     assert b.flops_per_s("fp16") == pytest.approx(400 * 0.8 * 1e12)
     cluster = slowest([CATALOG["V100-32GB"], CATALOG["A100-80GB"]])
     assert [cluster.peak(dtype) for dtype in DTYPES] == [7.8, 15.7, 15.7, 125, 15.7]
-    assert (cluster.name, cluster.memory_gb) == ("cluster", 32)
+    assert (cluster.name, cluster.memory_gb, cluster.memory_gbps) == ("cluster", 32, 900)
+    assert slowest([a, b]).memory_gbps is None
 
 
 def mixed_precision_dense():
@@ -386,21 +396,61 @@ def test_compute_dtype_from_the_graph(dtype, tf32, expected):
 
 
 def test_compute_time_is_flops_over_peak_times_efficiency():
-    """1e9 FLOPs per row, 8 rows: fp16 on a V100 at 125 x 0.5 TFLOPS, forward
-    8e9 / 62.5e12 = 128 us; tf32 on a V100 (no TF32 units) at 15.7 x 0.5:
-    1019 us; on an A100 at 156 x 0.5: 103 us. The sharding search's layer
+    """1e9 FLOPs per row, 8 rows: fp16 on a V100 at 125 x 0.7 TFLOPS, forward
+    8e9 / 87.5e12 = 91 us; tf32 on a V100 (no TF32 units) at 15.7 x 0.7:
+    728 us; on an A100 at 156 x 0.7: 73 us. The sharding search's layer
     costs 3 x forward (with backward) on its share of the rows."""
     view = ModelView(flops=[4e8, 6e8], activation_bytes=[0.0, 0.0], param_bytes=[0.0, 0.0],
                      edges=[(0, 1, 0.0)], compute_dtype="fp16")
     v100, a100 = CATALOG["V100-32GB"], CATALOG["A100-80GB"]
-    assert stage_costs(view, [0, 0], 1, 8, v100).forward_s == pytest.approx((8e9 / 62.5e12,))
+    assert stage_costs(view, [0, 0], 1, 8, v100).forward_s == pytest.approx((8e9 / 87.5e12,))
     tf32 = dataclasses.replace(view, compute_dtype="tf32")
-    assert stage_costs(tf32, [0, 0], 1, 8, v100).forward_s == pytest.approx((8e9 / 7.85e12,))
-    assert stage_costs(tf32, [0, 0], 1, 8, a100).forward_s == pytest.approx((8e9 / 78e12,))
+    assert stage_costs(tf32, [0, 0], 1, 8, v100).forward_s == pytest.approx((8e9 / 10.99e12,))
+    assert stage_costs(tf32, [0, 0], 1, 8, a100).forward_s == pytest.approx((8e9 / 109.2e12,))
     layer = Layer("fc", "matmul", flops=1e9, out_bytes=0.0, activation_bytes=0.0,
                   param_bytes=0.0, input_bytes=0.0, ops=(0,), signature=())
     problem = Problem(LayerGraph((layer,), ()), Mesh(4, 4, 32, v100, "fp16"))
-    assert problem.node(0, "column").seconds == pytest.approx(3 * 1e9 * 32 / 4 / 62.5e12)
+    assert problem.node(0, "column").seconds == pytest.approx(3 * 1e9 * 32 / 4 / 87.5e12)
+
+
+def test_roofline_times_an_op_by_its_flops_or_its_memory_traffic():
+    """A100, tf32 (156 x 0.7 = 109.2 TFLOP/s, 2039 x 0.7 = 1427.3 GB/s): a
+    matmul of 1e9 FLOPs and 1e6 bytes per row is bound by FLOPs (9.16 us per
+    row), a softmax of 1e6 FLOPs and 4e8 bytes by memory (280 us per row);
+    8 rows forward: 8 x 289.4 us. Mixed precision: the matmul at 312 x 0.7,
+    the softmax's 2e8 bytes: 4.58 + 140.1 us, 1.98x faster. Without traffic
+    (a view read elsewhere, or a device without ``memory_gbps``) FLOPs alone."""
+    view = ModelView(flops=[1e9, 1e6], activation_bytes=[0.0, 0.0], param_bytes=[0.0, 0.0],
+                     edges=[(0, 1, 0.0)], compute_dtype="tf32", traffic_bytes=[1e6, 4e8])
+    a100 = CATALOG["A100-80GB"]
+    row = 1e9 / 109.2e12 + 4e8 / 1427.3e9
+    assert stage_costs(view, [0, 0], 1, 8, a100).forward_s == pytest.approx((8 * row,), 1e-4)
+    assert timed(view, a100).flops == pytest.approx([1e9, 4e8 * 109.2e12 / 1427.3e9], 1e-4)
+    low = 1e9 / 218.4e12 + 2e8 / 1427.3e9
+    assert low_precision_speed_up(view.flops, view.traffic_bytes, a100, "tf32") == \
+        pytest.approx(row / low, 1e-4)
+    assert low_precision_speed_up(view.flops, None, a100, "tf32") == 2
+    assert low_precision_speed_up(view.flops, view.traffic_bytes, a100, "bf16") == 1
+    blind = dataclasses.replace(a100, memory_gbps=None)
+    assert stage_costs(view, [0, 0], 1, 8, blind).forward_s == \
+        pytest.approx((8 * 1.001e9 / 109.2e12,))
+
+
+def test_memory_traffic_from_the_graph():
+    """Bytes per row read and written (float32): a dense layer [6] -> [7]
+    reads 24 and writes 28; its BiasAdd, Relu and Square run as one fused
+    kernel reading the MatMul's 28 and writing the Square's 28 (the
+    intermediates are never written); the Reshape is a view (nothing), the
+    Shape reads no elements."""
+    def loss():
+        h = tf.nn.relu(v1.layers.dense(v1.placeholder(tf.float32, [None, 6]), 7, name="d"))
+        h = tf.reshape(tf.square(h), [-1, 7])
+        return tf.reduce_sum(h) + tf.cast(tf.shape(h)[0], tf.float32)
+    order, view = graph_view(loss)
+    traffic = {op.name: view.traffic_bytes[i] for i, op in enumerate(order)}
+    assert traffic["d/MatMul"] == 24 + 28
+    assert (traffic["d/BiasAdd"], traffic["Relu"], traffic["Square"]) == (28, 0, 28)
+    assert traffic["Reshape"] == 0 and traffic["Shape"] == 0
 
 
 def adam_mlp_on_a_dataset(batch):

@@ -141,7 +141,7 @@ def test_weights_and_optimizer_state_never_grow_with_tensor_or_pipeline(gpt_view
     hardware = Hardware("gpu", 100.0, 80.0, 300, 25, devices_per_node=8)
     candidates = search_all(gpt_view, 16, hardware, 64, 4)
     state = {(c.tensor, c.pipeline): c.state_bytes for c in candidates}
-    assert len(state) > 8
+    assert len(state) >= 8  # pipelines of up to 4 stages: 2 blocks, embedding and head
     for (t, p), held in state.items():
         for (t2, p2), other in state.items():
             if t2 >= t and p2 >= p:

@@ -1,4 +1,5 @@
 """The plan is visible before any session runs, serialisable, and pinnable."""
+import dataclasses
 import json
 
 import pytest
@@ -8,7 +9,8 @@ from equivalence import assert_equivalent, make_data, mlp_classifier, train
 
 import tfpar as wh
 from tfpar.cluster import assign_devices, device_names
-from tfpar.ir.plan import Plan
+from tfpar.ir.compact import device_ranges, numbered
+from tfpar.ir.plan import Plan, TaskGraphPlan
 
 
 def _plan(config, scope=None):
@@ -37,7 +39,7 @@ def test_plan_summary_and_json():
     assert set(data["estimate"]) >= {"step_time_s", "memory_bytes_per_device", "comm_bytes"}
     assert Plan.from_dict(data) == plan
     text = plan.summary()
-    assert "replicate_all" in text and "CPU:0,CPU:1,CPU:2,CPU:3" in text
+    assert "replicate_all" in text and "CPU:0-3" in text
 
 
 def test_scope_plan_uses_its_devices():
@@ -82,3 +84,38 @@ def test_virtual_devices_disjoint_nested_and_shared():
     assert odd.nested_dp == 1
     with pytest.raises(wh.AnnotationError, match="'big' asks for 9 devices"):
         assign_devices([("big", 9)], devs)
+
+
+def test_a_summary_of_thousands_of_devices_stays_short():
+    """A 3-D plan on 1024 GPUs (data 16 x tensor 8 x pipeline 8, 96 blocks):
+    one row for the six alike middle stages, device ranges, and each
+    sharded layer of the 96 blocks written once."""
+    gpus = [f"/job:worker/replica:0/task:0/device:GPU:{i}" for i in range(1024)]
+
+    def stage(s, first, last):
+        units = {f"h{i}/mlp/c_fc": "column" for i in range(first, last)}
+        return TaskGraphPlan(f"stage_{s}", "split", 128, tuple(
+            tuple(gpus[s * 128 + r * 8: s * 128 + r * 8 + 8]) for r in range(16)),
+            units, 900, 2 ** 30, {"time_s": 0.5, "memory_bytes": 2 ** 35, "comm_bytes": 1e9})
+    stages = [stage(0, 0, 12)] + [stage(s, 12 * s, 12 * s + 12) for s in range(1, 7)]
+    last = dataclasses.replace(stage(7, 84, 96), num_ops=950)
+    plan = Plan(tuple(stages + [last]), 16, 64, sharding={
+        "tensor_degree": 8, "layers": {f"h{i}/{name}": how for i in range(96) for name, how
+                                       in (("mlp/c_fc", "column"), ("mlp/c_proj", "row"))}})
+    lines = plan.summary().splitlines()
+    assert len(lines) == 8, plan.summary()
+    assert any(line.startswith("stage_{0..6}") and "GPU:0-895" in line for line in lines)
+    assert any(line.startswith("stage_7") and "GPU:896-1023" in line for line in lines)
+    assert "  stage_{0..6}: h{0..83}/mlp/c_fc -> column" in lines
+    assert lines[-1] == ("sharded layers (tensor degree 8): h{0..95}/mlp/c_fc -> column, "
+                         "h{0..95}/mlp/c_proj -> row")
+
+
+def test_names_that_differ_in_one_number_are_written_once():
+    assert device_ranges([f"/device:CPU:{i}" for i in (0, 1, 2, 3, 5, 6)]
+                         + ["/device:GPU:0"]) == "CPU:0-3,CPU:5,CPU:6,GPU:0"
+    assert numbered([f"h{i}/fc" for i in range(4)] + ["emb", "d_1", "d_3", "d_5", "x1y2", "x2y3",
+                                                      "x3y3"]) == \
+        ["h{0..3}/fc", "emb", "d_{1,3,5}", "x1y2", "x2y3", "x3y3"]
+    assert numbered([f"h{i}/ln{k}" for i in range(4) for k in (1, 2)]) == ["h{0..3}/ln1",
+                                                                           "h{0..3}/ln2"]

@@ -61,7 +61,8 @@ def _is_device(d):
 _POSITIVE = ("> 0", lambda v: v > 0)
 _HARDWARE = ("a catalog name, or a non-empty list of catalog names ('N x name' for N alike) "
              "or {name, tflops, memory_gb[, intra_node_gbps, inter_node_gbps, tflops_fp64, "
-             "tflops_fp32, tflops_tf32, tflops_fp16, tflops_bf16, efficiency <= 1]} dicts",
+             "tflops_fp32, tflops_tf32, tflops_fp16, tflops_bf16, memory_gbps, efficiency <= 1]} "
+             "dicts",
              lambda v: _is_device(v) if isinstance(v, str)
              else bool(v) and all(_is_device(d) for d in v))
 _GROUP_SIZE = (">= 1 or 'auto'", lambda v: v == "auto" or isinstance(v, int) and v >= 1)
@@ -71,6 +72,10 @@ SCHEMA = {
                                   "devices on this host; None: all GPUs, else 1"),
     "cluster.hardware": Option("list|str|None", None, _HARDWARE,
                                "per-device specs; None: detected"),
+    "cluster.devices_per_node": Option("int|None", None, _at_least(1),
+                                       "devices per node of cluster.hardware (collectives "
+                                       "beyond a node use its inter-node bandwidth); None: "
+                                       "TF_CONFIG's devices per worker, else one node"),
     "cluster.colocate_split_and_replicate": Option("bool", False, (),
                                                    "let TaskGraphs share devices"),
     "pipeline.num_micro_batch": Option("int", 1, _at_least(1),

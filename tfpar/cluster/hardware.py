@@ -1,26 +1,32 @@
 """Hardware catalog: what ``cluster.hardware`` names mean (no TensorFlow).
 
 Throughput is the vendor's dense peak per compute dtype (TFLOPS, no
-structured sparsity) times an achievable-efficiency factor. Peaks, from the
-NVIDIA datasheets (P100 PCIe, V100 SXM2, T4, A100 SXM4, H100 SXM5):
+structured sparsity), and memory bandwidth the vendor's peak, both times an
+achievable-efficiency factor. Peaks, from the NVIDIA datasheets (P100 PCIe,
+V100 SXM2, T4, A100 SXM4, H100 SXM5):
 
-  =========  =====  =====  =====  ============  =============================
-  device     fp64   fp32   tf32   fp16 / bf16   note
-  =========  =====  =====  =====  ============  =============================
-  P100-16GB  4.7    9.3    -      18.7 / -      no tensor cores: fp16 at 2x
-  V100-32GB  7.8    15.7   -      125 / -       fp16 tensor cores
-  T4         0.25   8.1    -      65 / -        fp16 tensor cores
-  A100-80GB  19.5   19.5   156    312 / 312     fp64 on tensor cores
-  H100-80GB  67     67     494.5  989 / 989     dense (datasheet / 2)
-  =========  =====  =====  =====  ============  =============================
+  =========  =====  =====  =====  ============  ======  ========================
+  device     fp64   fp32   tf32   fp16 / bf16   memory  note
+                                                GB/s
+  =========  =====  =====  =====  ============  ======  ========================
+  P100-16GB  4.7    9.3    -      18.7 / -      732     no tensor cores: fp16 2x
+  V100-32GB  7.8    15.7   -      125 / -       900     fp16 tensor cores
+  T4         0.25   8.1    -      65 / -        320     fp16 tensor cores
+  A100-80GB  19.5   19.5   156    312 / 312     2039    fp64 on tensor cores
+  H100-80GB  67     67     494.5  989 / 989     3350    dense (datasheet / 2)
+  =========  =====  =====  =====  ============  ======  ========================
 
 A dtype a device has no units for ("-": TF32 before Ampere, bf16 before
 Ampere) runs at its fp32 rate, the entry's ``tflops``. ``EFFICIENCY``: the
-fraction of peak large training runs sustain; Megatron-LM reports 52% of
-the A100's peak per GPU training a 1T-parameter GPT on 3072 GPUs
-(Narayanan et al., SC'21, abstract), so 0.5: no kernel mix of ours
-beats that. Memory, intra-node (NVLink, or PCIe for T4) bandwidth per device,
-and the inter-node network of the machines these usually come in (100 Gb/s
+fraction of both peaks the ops sustain, 0.7 (cuBLAS matrix products at
+transformer widths reach 70-80% of the tensor-core peak; streaming kernels
+70-90% of the memory bandwidth). With memory-bound ops on the roofline
+(``planner.roofline``), pipeline bubbles and collectives, that puts
+Megatron-LM's published GPT configurations at 0.95-1.09 of the per-GPU
+throughput they measured, 137-163 TFLOP/s, 44-52% of the A100's peak
+(Narayanan et al., SC'21, Table 1; ``benchmarks/plan_scale.py``). Memory,
+intra-node (NVLink, or PCIe for T4) bandwidth per device, and the
+inter-node network of the machines these usually come in (100 Gb/s
 for V100 / P100 / T4 nodes, 200 Gb/s A100, 400 Gb/s H100).
 """
 import dataclasses
@@ -33,10 +39,10 @@ __all__ = ["CATALOG", "DTYPES", "EFFICIENCY", "HOST_CPU", "LINK_KEYS", "OPTIONAL
            "Hardware", "device_hardware", "expand", "slowest"]
 
 DTYPES = ("fp64", "fp32", "tf32", "fp16", "bf16")
-EFFICIENCY = 0.5
+EFFICIENCY = 0.7
 PEAK_KEYS = tuple(f"tflops_{dtype}" for dtype in DTYPES)  # optional in explicit specs
 LINK_KEYS = ("intra_node_gbps", "inter_node_gbps")
-OPTIONAL_KEYS = LINK_KEYS + PEAK_KEYS + ("efficiency",)
+OPTIONAL_KEYS = LINK_KEYS + PEAK_KEYS + ("efficiency", "memory_gbps")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +50,8 @@ class Hardware:
     """One device type: peak TFLOPS (``tflops`` for every dtype without its
     own entry in ``peaks``), the fraction of peak it sustains, memory (GB),
     intra- and inter-node bandwidth (GB/s); ``devices_per_node`` (None: all
-    on one node) tells which collectives cross nodes."""
+    on one node) tells which collectives cross nodes; ``memory_gbps``: the
+    device memory's peak bandwidth (None: unknown, ops timed by FLOPs)."""
 
     name: str
     tflops: float
@@ -54,6 +61,7 @@ class Hardware:
     devices_per_node: Optional[int] = None
     peaks: Tuple[Tuple[str, float], ...] = ()
     efficiency: float = EFFICIENCY
+    memory_gbps: Optional[float] = None
 
     def peak(self, dtype: str) -> float:
         """Peak TFLOPS for ``dtype`` (one of ``DTYPES``): its entry; TF32
@@ -67,6 +75,13 @@ class Hardware:
         """The FLOP/s the planner assumes: peak x efficiency."""
         return self.peak(dtype) * self.efficiency * 1e12
 
+    def memory_bytes_per_s(self) -> float:
+        """The memory bandwidth the planner assumes: peak x efficiency
+        (infinite when unknown)."""
+        if self.memory_gbps is None:
+            return float("inf")
+        return self.memory_gbps * self.efficiency * 1e9
+
     def bandwidth(self, span: int) -> float:
         """Bytes/s of a collective over ``span`` consecutive devices (a
         strided group, such as data-parallel replicas, spans all devices)."""
@@ -75,13 +90,17 @@ class Hardware:
 
 
 CATALOG = {hw.name: hw for hw in (
-    Hardware("P100-16GB", 9.3, 16, 80, 12.5, peaks=(("fp64", 4.7), ("fp16", 18.7))),
-    Hardware("V100-32GB", 15.7, 32, 150, 12.5, peaks=(("fp64", 7.8), ("fp16", 125))),
-    Hardware("T4", 8.1, 16, 16, 12.5, peaks=(("fp64", 0.25), ("fp16", 65))),
+    Hardware("P100-16GB", 9.3, 16, 80, 12.5, peaks=(("fp64", 4.7), ("fp16", 18.7)),
+             memory_gbps=732),
+    Hardware("V100-32GB", 15.7, 32, 150, 12.5, peaks=(("fp64", 7.8), ("fp16", 125)),
+             memory_gbps=900),
+    Hardware("T4", 8.1, 16, 16, 12.5, peaks=(("fp64", 0.25), ("fp16", 65)), memory_gbps=320),
     Hardware("A100-80GB", 19.5, 80, 300, 25,
-             peaks=(("fp64", 19.5), ("tf32", 156), ("fp16", 312), ("bf16", 312))),
+             peaks=(("fp64", 19.5), ("tf32", 156), ("fp16", 312), ("bf16", 312)),
+             memory_gbps=2039),
     Hardware("H100-80GB", 67, 80, 450, 50,
-             peaks=(("fp64", 67), ("tf32", 494.5), ("fp16", 989), ("bf16", 989))),
+             peaks=(("fp64", 67), ("tf32", 494.5), ("fp16", 989), ("bf16", 989)),
+             memory_gbps=3350),
 )}
 
 
@@ -96,8 +115,10 @@ def _resolve(spec: Any) -> Hardware:
         links = {key: float(spec[key]) for key in LINK_KEYS if key in spec}
         peaks = tuple((dtype, float(spec[key])) for dtype, key in zip(DTYPES, PEAK_KEYS)
                       if key in spec)
+        bandwidth = float(spec["memory_gbps"]) if "memory_gbps" in spec else None
         return Hardware(spec["name"], float(spec["tflops"]), float(spec["memory_gb"]), **links,
-                        peaks=peaks, efficiency=float(spec.get("efficiency", EFFICIENCY)))
+                        peaks=peaks, efficiency=float(spec.get("efficiency", EFFICIENCY)),
+                        memory_gbps=bandwidth)
     if spec not in CATALOG:
         raise ConfigError(f"cluster.hardware: unknown device '{spec}'; catalog names are "
                           f"{', '.join(CATALOG)}, or give {{name, tflops, memory_gb}}")
@@ -133,11 +154,13 @@ def device_hardware(specs: Union[None, str, Sequence[Any]],
 
 def slowest(devices: Sequence[Hardware], devices_per_node: Optional[int] = None) -> Hardware:
     """One device no better than any of ``devices`` in any respect (each
-    dtype's peak, efficiency, memory, links): the device itself when they
-    are alike, named "cluster" when there are several."""
-    return Hardware("cluster" if len(devices) > 1 else devices[0].name,
+    dtype's peak, efficiency, memory and its bandwidth, links): the device
+    itself when they are alike, named "cluster" when there are several."""
+    bandwidths = [d.memory_gbps for d in devices]
+    return Hardware("cluster" if len(set(devices)) > 1 else devices[0].name,
                     min(d.tflops for d in devices), min(d.memory_gb for d in devices),
                     min(d.intra_node_gbps for d in devices),
                     min(d.inter_node_gbps for d in devices), devices_per_node,
                     tuple((dtype, min(d.peak(dtype) for d in devices)) for dtype in DTYPES),
-                    min(d.efficiency for d in devices))
+                    min(d.efficiency for d in devices),
+                    None if None in bandwidths else min(bandwidths))

@@ -5,7 +5,9 @@ never removed.
 """
 import dataclasses
 import json
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from tfpar.ir.compact import device_ranges, numbered
 
 __all__ = ["Plan", "TaskGraphPlan"]
 
@@ -154,7 +156,7 @@ class Plan:
         ``path``; ``times`` go to :meth:`simulate`. Returns the simulation."""
         from tfpar.planner.trace import chrome_trace, write_chrome_trace
         result = self.simulate(**times)
-        names = [f"{tg.name} ({_short_devices(list(tg.replicas[0]))})" for tg in self.task_graphs]
+        names = [f"{tg.name} ({device_ranges(tg.replicas[0])})" for tg in self.task_graphs]
         write_chrome_trace(chrome_trace(result, names), path)
         return result
 
@@ -168,25 +170,24 @@ class Plan:
         header = ("TaskGraph", "strategy", "devices", "ops", "params", "placement") + (
             ("est. time", "memory/dev", "comm") if estimated else ())
         rows = [header]
-        for tg in self.task_graphs:
-            est = tg.estimate
-            rows.append((tg.name, tg.strategy, str(len(tg.devices)), str(tg.num_ops),
-                         _human_bytes(tg.param_bytes), _short_devices(tg.devices)) + ((
-                             f"{est.get('time_s', 0) * 1e3:.3f} ms",
-                             _human_bytes(est.get("memory_bytes", 0)),
-                             _human_bytes(est.get("comm_bytes", 0))) if estimated else ()))
+        groups = _alike(self.task_graphs, estimated)
+        for name, group in groups:
+            columns = _columns(group[0], estimated)
+            placement = device_ranges([d for tg in group for d in tg.devices])
+            rows.append((name,) + columns[:4] + (placement,) + columns[4:])
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         for i, row in enumerate(rows):
             lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
             if i == 0:
                 lines.append("  ".join("-" * w for w in widths))
-        for tg in self.task_graphs:
-            for unit, pattern in sorted(tg.patterns.items()):
-                lines.append(f"  {tg.name}: {unit} -> {pattern}")
+        for name, group in groups:
+            lines += [f"  {name}: {line}" for line in numbered(
+                [f"{unit} -> {pattern}" for tg in group
+                 for unit, pattern in sorted(tg.patterns.items())])]
         if self.sharding:
             lines.append(f"sharded layers (tensor degree {self.sharding['tensor_degree']}): "
-                         + ", ".join(f"{scope} -> {how}"
-                                     for scope, how in self.sharding["layers"].items()))
+                         + ", ".join(numbered([f"{scope} -> {how}" for scope, how
+                                               in self.sharding["layers"].items()])))
         if self.batch_shares:
             total = sum(self.batch_shares)
             lines.append("batch rows per replica (hardware-aware, Whale §3.3.1): " + " ".join(
@@ -211,9 +212,30 @@ class Plan:
         return self.summary()
 
 
-def _short_devices(devices: List[str]) -> str:
-    """``/job:localhost/replica:0/task:0/device:CPU:3`` -> ``CPU:3``."""
-    return ",".join(d.rsplit("device:", 1)[-1] for d in devices)
+def _columns(tg: TaskGraphPlan, estimated: bool) -> Tuple[str, ...]:
+    """A TaskGraph's summary columns but its name and placement."""
+    est = tg.estimate
+    return (tg.strategy, str(len(tg.devices)), str(tg.num_ops), _human_bytes(tg.param_bytes)) + ((
+        f"{est.get('time_s', 0) * 1e3:.3f} ms", _human_bytes(est.get("memory_bytes", 0)),
+        _human_bytes(est.get("comm_bytes", 0))) if estimated else ())
+
+
+def _alike(task_graphs: Sequence[TaskGraphPlan], estimated: bool
+           ) -> List[Tuple[str, List[TaskGraphPlan]]]:
+    """Runs of consecutive TaskGraphs with equal columns whose names differ
+    in one number (a pipeline's middle stages), each as (its name written
+    once, ``stage_{2..61}``, its TaskGraphs); any other TaskGraph alone."""
+    runs: List[List[TaskGraphPlan]] = []
+    for tg in task_graphs:
+        if runs and _columns(runs[-1][-1], estimated) == _columns(tg, estimated):
+            runs[-1].append(tg)
+        else:
+            runs.append([tg])
+    groups = []
+    for run in runs:
+        names = numbered([tg.name for tg in run])
+        groups += [(names[0], run)] if len(names) == 1 else [(tg.name, [tg]) for tg in run]
+    return groups
 
 
 def _human_bytes(n: float) -> str:

@@ -13,9 +13,10 @@ layer graph, ``auto.opt_level`` O2 or O3); a tensor x pipeline mesh by
 cutting stages as below and searching each stage's sharding; a pipeline
 mesh as follows:
   * stages come from ``partition.partition_stages`` (Rhino's stage ILP);
-  * compute: a stage's forward time is its FLOPs per row x the rows of a
-    micro-batch / the device's throughput for the model's compute dtype
-    (``Hardware.flops_per_s``: peak x efficiency), backward twice that;
+  * compute: a stage's forward time is its ops' roofline times per row
+    (``roofline``: FLOPs at the device's throughput for the model's compute
+    dtype, ``Hardware.flops_per_s``, or memory traffic at its bandwidth,
+    whichever is longer) x the rows of a micro-batch, backward twice that;
   * each stage then all-reduces its gradients over its d replicas
     (``comm.allreduce``: 2 (d-1)/d of the bytes, 2 ceil(log2 d) latencies);
   * memory per device: the stage's weights, gradients and optimizer slots,
@@ -41,12 +42,13 @@ from tfpar.planner.memory import RECOMPUTE, Techniques, recomputation
 from tfpar.planner.partition import partition_stages
 from tfpar.planner.sharding import (STATE_BYTES as BYTES_PER_PARAM_STATE, Mesh, Problem,
                                     plan_sharding)
-from tfpar.planner.step_model import (KERNELS_PER_OP, LAUNCH_S, LOW_PRECISION, Setting,
+from tfpar.planner.roofline import low_precision_speed_up, timed_flops
+from tfpar.planner.step_model import (KERNELS_PER_OP, LAUNCH_S, Setting,
                                       StageModel, best_setting, micro_batch_counts,
                                       technique_space)
 
 __all__ = ["Candidate", "ModelView", "Part", "StageCosts", "choose", "search", "search_all",
-           "stage_costs", "stage_units"]
+           "stage_costs", "stage_units", "timed"]
 
 # Estimates are rough: within TOLERANCE of the fastest, fewer pipeline stages
 # win (bubbles and stage balance are where the model errs most); among those,
@@ -75,6 +77,8 @@ class ModelView:
       batch: the global batch the model's inputs declare (None: unknown).
       compute_dtype: the dtype of most of its FLOPs (``hardware.DTYPES``;
         "tf32": float32 that TensorFlow may run as TF32).
+      traffic_bytes: bytes per row each op reads and writes in device
+        memory (None: unknown, FLOPs alone time the ops).
     """
 
     flops: Sequence[float]
@@ -87,6 +91,7 @@ class ModelView:
     input_bytes: Optional[Sequence[float]] = None
     batch: Optional[int] = None
     compute_dtype: str = "fp32"
+    traffic_bytes: Optional[Sequence[float]] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,14 +194,17 @@ def _meshes(model: ModelView, num_devices: int, pipeline: Optional[int],
             hardware: Hardware) -> List[Tuple[int, int]]:
     """(tensor, pipeline) degrees dividing the devices, tensor degrees only for
     a model whose ops are named; with a pipeline, tensor groups within a node
-    (``devices_per_node``: Narayanan et al., SC'21, §3.2, takeaway 1)."""
+    (``devices_per_node``: Narayanan et al., SC'21, §3.2, takeaway 1). A
+    tensor group is a divisor of a node or whole nodes, never straddling two
+    (7 of a node of 8 would)."""
     pipelines = [pipeline] if pipeline else [p for p in range(1, num_devices + 1)
                                              if num_devices % p == 0]
     meshes = [(1, p) for p in pipelines if num_devices % p == 0]
     if model.names is None:
         return meshes
     node = hardware.devices_per_node or num_devices
-    tensors = [t for t in range(2, num_devices + 1) if num_devices % t == 0]
+    tensors = [t for t in range(2, num_devices + 1)
+               if num_devices % t == 0 and (node % t == 0 or t % node == 0)]
     meshes += [(t, 1) for t in tensors if (pipeline or 1) == 1]
     meshes += [(t, p) for p in pipelines if p > 1 for t in tensors
                if t <= node and num_devices % (t * p) == 0]
@@ -207,10 +215,10 @@ def stage_units(model: ModelView) -> int:
     """How many stages the model can be cut into: its runs of ops of one
     repeated block (a transformer layer) and of ops outside blocks, each op
     its own unit when there are no blocks."""
-    if not model.labels:
+    if not model.labels or all(label is None for label in model.labels):
         return len(model.flops)
     runs = [label for i, label in enumerate(model.labels)
-            if i == 0 or label is None or label != model.labels[i - 1]]
+            if i == 0 or label != model.labels[i - 1]]
     return len(runs)
 
 
@@ -276,6 +284,9 @@ class _Search:
     def __init__(self, model: ModelView, num_devices: int, hardware: Hardware,
                  global_batch: int, num_micro_batch: Optional[int], opt_level: str,
                  techniques: Sequence, tensors: bool, split_heads: bool):
+        self.speed_up = low_precision_speed_up(model.flops, model.traffic_bytes, hardware,
+                                               model.compute_dtype)
+        model = timed(model, hardware)
         self.model, self.num_devices, self.hardware = model, num_devices, hardware
         self.global_batch, self.num_micro_batch = global_batch, num_micro_batch
         self.opt_level, self.techniques = opt_level, tuple(techniques)
@@ -283,11 +294,11 @@ class _Search:
         self.layers = layer_graph(model) if tensors else None
         self.recompute = recomputation(model)
         self.capacity = hardware.memory_gb * 2 ** 30
-        self.speed_up = hardware.peak(LOW_PRECISION) / hardware.peak(model.compute_dtype)
         self.cuts: Dict[int, List[int]] = {}
         self.solved: Dict = {}  # sharding segments, across stages and meshes
         self.sharded: Dict = {}  # (graph shape, mesh, split only) -> candidates
         self.plans: Dict = {}  # estimates of sharded graphs, by shape
+        self.stage_models: Dict = {}  # their StageModels, by shape and mesh
 
     def stages_of(self, p: int, time_limit_s: float) -> List[int]:
         if p not in self.cuts:
@@ -432,7 +443,14 @@ class _Search:
                      d: int) -> StageModel:
         """``graph`` (of ``shape``) sharded as ``candidates``, as a
         ``StageModel`` (affine in the rows: evaluated at one and two rows per
-        replica)."""
+        replica), made once for the stages of one shape."""
+        key = (shape, tuple(candidates), t, p, d)
+        if key not in self.stage_models:
+            self.stage_models[key] = self._stage_model(shape, graph, candidates, t, p, d)
+        return self.stage_models[key]
+
+    def _stage_model(self, shape, graph, candidates: Sequence[str], t: int, p: int,
+                     d: int) -> StageModel:
         one = self._plan(shape, graph, candidates, t, p, d, 1.0)
         two = self._plan(shape, graph, candidates, t, p, d, 2.0)
         compute = self._problem(graph, t, p, d, 1.0).compute_seconds(candidates)
@@ -489,9 +507,20 @@ class StageCosts:
         return tuple(BYTES_PER_PARAM_STATE * b for b in self.param_bytes)
 
 
+def timed(model: ModelView, hardware: Hardware) -> ModelView:
+    """``model`` with each op's FLOPs its roofline time on ``hardware``
+    (``roofline.timed_flops``) and the traffic folded in (None)."""
+    if model.traffic_bytes is None:
+        return model
+    return dataclasses.replace(
+        model, flops=timed_flops(model.flops, model.traffic_bytes, hardware, model.compute_dtype),
+        traffic_bytes=None)
+
+
 def stage_costs(model: ModelView, stages: Sequence[int], num_stages: int, rows: float,
                 hardware: Hardware) -> StageCosts:
     """The cost model of ``stages`` (stage of each op) for micro-batches of ``rows``."""
+    model = timed(model, hardware)
     speed = hardware.flops_per_s(model.compute_dtype)
     bandwidth = hardware.bandwidth(num_stages)  # neighbouring stages, consecutive devices
     forward = [0.0] * num_stages

@@ -11,7 +11,8 @@ latencies of its collectives - what makes many small micro-batches cost
 more than a few large ones
 (forward one third of the compute, backward two thirds: Narayanan et al.,
 SC'21, §3.5; recomputation runs the recomputed share of the forward again).
-Mixed precision runs the compute at the device's fp16 peak and halves the
+Mixed precision speeds the compute up as ``roofline.low_precision_speed_up``
+says (FLOPs at the fp16 peak, half the memory traffic) and halves the
 activations and what is sent (activations between stages and within tensor
 groups, 16-bit gradients between replicas).
 A step of ``m`` micro-batches under 1F1B (PipeDream-flush) takes
@@ -34,7 +35,6 @@ from tfpar.planner.memory import RECOMPUTE, Techniques, state_bytes
 __all__ = ["KERNELS_PER_OP", "LAUNCH_S", "Setting", "StageModel", "best_setting",
            "micro_batch_counts", "technique_space"]
 
-LOW_PRECISION = "fp16"
 # Seconds per kernel: TensorFlow's executor dispatches an op in a few
 # microseconds and a CUDA kernel launch takes about 5.
 LAUNCH_S = 5e-6

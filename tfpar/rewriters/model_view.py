@@ -1,5 +1,6 @@
 """The planner's view of a captured graph (read only): the forward ops the
-losses depend on, with FLOPs, output bytes and input bytes per sample, the
+losses depend on, with FLOPs, output bytes, input bytes and memory traffic
+(bytes read and written: none for a view or a shape read) per sample, the
 bytes of the weights each reads, edges and repeated blocks, the batch the
 inputs declare and the dtype of the FLOPs (``auto.ModelView``).
 
@@ -32,6 +33,16 @@ SAME_ELEMENTS = frozenset({"Reshape", "Squeeze", "ExpandDims", "Transpose", "Ide
 # allocate nothing. A Transpose does when its permutation is the identity
 # (tensordot's, on a dense layer over [batch, sequence, features]).
 VIEWS = frozenset({"Reshape", "Squeeze", "ExpandDims", "Identity"})
+# Ops that read only their input's shape, not its elements.
+SHAPE_READS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+# Elementwise ops and the row reductions of softmax and layer norms: a chain
+# of them runs as one kernel (XLA's fusion; Megatron-LM's fused bias-GeLU,
+# scale-mask-softmax and layer norm), its intermediate tensors never written.
+FUSIBLE = frozenset({
+    "Relu", "Relu6", "Elu", "Selu", "Gelu", "Tanh", "Sigmoid", "Softplus", "Cast", "Neg",
+    "Square", "Sqrt", "Rsqrt", "Exp", "Log", "Erf", "Pow", "Mul", "AddV2", "Add", "Sub",
+    "RealDiv", "Maximum", "Minimum", "BiasAdd", "SquaredDifference", "Select", "SelectV2",
+    "StopGradient", "Softmax", "Mean", "Sum"})
 _DTYPES = {dtypes.float64: "fp64", dtypes.float32: "fp32", dtypes.float16: "fp16",
            dtypes.bfloat16: "bf16"}
 
@@ -54,17 +65,18 @@ def model_view(index: GraphIndex, capture: GraphCapture) -> Tuple[List[ops.Opera
         return samples.get(t, 0.0) * t.dtype.size
 
     flops = [_flops(op, samples) for op in order]
+    edges = [(position[t.op], j, size(t)) for j, op in enumerate(order) for t in op.inputs
+             if t.op in position]
     return order, ModelView(
         flops=flops,
         activation_bytes=[size(op.outputs[0]) if op.outputs and not _is_view(op) else 0.0
                           for op in order],
         param_bytes=_weight_bytes(order),
-        edges=[(position[t.op], j, size(t)) for j, op in enumerate(order) for t in op.inputs
-               if t.op in position],
-        labels=block_labels(names, types), names=names, types=types,
+        edges=edges, labels=block_labels(names, types), names=names, types=types,
         input_bytes=[sum(size(t) for t in op.inputs if is_input(t.op))
                      for op in order],
-        batch=_declared_batch(order, capture), compute_dtype=_compute_dtype(order, flops))
+        batch=_declared_batch(order, capture), compute_dtype=_compute_dtype(order, flops),
+        traffic_bytes=_traffic(order, edges, size))
 
 
 def _declared_batch(order: List[ops.Operation], capture: GraphCapture) -> Optional[int]:
@@ -99,6 +111,23 @@ def _compute_dtype(order: List[ops.Operation], flops: List[float]) -> str:
     if dtype == "fp32" and config.tensor_float_32_execution_enabled():
         return "tf32"
     return dtype
+
+
+def _traffic(order: List[ops.Operation], edges: List[Tuple[int, int, float]], size
+             ) -> List[float]:
+    """Bytes per sample each op reads and writes in device memory: none for
+    a view or a shape read; within a chain of ``FUSIBLE`` ops, a tensor only
+    the next op of the chain reads is neither written nor read."""
+    traffic = [0.0 if _is_view(op) or op.type in SHAPE_READS else
+               sum(size(t) for t in list(op.inputs) + list(op.outputs)) for op in order]
+    consumers: Dict[int, set] = {}
+    for i, j, _ in edges:
+        consumers.setdefault(i, set()).add(j)
+    for i, j, nbytes in edges:
+        if order[i].type in FUSIBLE and order[j].type in FUSIBLE and consumers[i] == {j}:
+            traffic[i] -= nbytes
+            traffic[j] -= nbytes
+    return [max(t, 0.0) for t in traffic]
 
 
 def _is_view(op: ops.Operation) -> bool:

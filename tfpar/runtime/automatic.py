@@ -136,9 +136,12 @@ def _unsharded(candidates, hardware: Hardware):
 
 def cluster_hardware(rt: Runtime) -> Hardware:
     """The slowest, smallest device of ``cluster.hardware`` (a generic host CPU
-    when unset), with the devices per node of a TF_CONFIG cluster."""
+    when unset), with ``cluster.devices_per_node``, else the devices per
+    worker of a TF_CONFIG cluster."""
     devices = device_hardware(rt.config.get("cluster.hardware"), len(rt.devices)) or [HOST_CPU]
-    return slowest(devices, rt.devices_per_worker if rt.cluster is not None else None)
+    per_node = rt.config.get("cluster.devices_per_node") or (
+        rt.devices_per_worker if rt.cluster is not None else None)
+    return slowest(devices, per_node)
 
 
 def sharded_plan(automatic: Automatic, rt: Runtime, index: GraphIndex,

@@ -1,0 +1,81 @@
+"""Compact text for plans of thousands of devices and layers: device ranges
+(``GPU:0-7``) and names that differ only in one number written once
+(``h{0..95}/attn/c_attn``)."""
+import re
+from typing import Dict, List, Sequence, Tuple
+
+__all__ = ["device_ranges", "numbered"]
+
+_NUMBER = re.compile(r"\d+")
+
+
+def device_ranges(devices: Sequence[str]) -> str:
+    """``.../device:CPU:3`` as ``CPU:3``; three or more consecutive devices
+    of one type as a range: ``CPU:0-3,GPU:0,GPU:1``."""
+    runs: List[Tuple[str, int, int]] = []
+    for device in devices:
+        kind, _, index = device.rsplit("device:", 1)[-1].rpartition(":")
+        if not index.isdigit():
+            runs.append((device.rsplit("device:", 1)[-1], -1, -1))
+            continue
+        number = int(index)
+        if runs and runs[-1][0] == kind and runs[-1][2] + 1 == number and runs[-1][1] >= 0:
+            runs[-1] = (kind, runs[-1][1], number)
+        else:
+            runs.append((kind, number, number))
+    parts = []
+    for kind, first, last in runs:
+        if first < 0:
+            parts.append(kind)
+        elif last - first >= 2:
+            parts.append(f"{kind}:{first}-{last}")
+        else:
+            parts += [f"{kind}:{n}" for n in range(first, last + 1)]
+    return ",".join(parts)
+
+
+def numbered(names: Sequence[str]) -> List[str]:
+    """``names`` in order, those equal but for one number (three or more of
+    them; where several numbers vary, the one with most values) written once
+    where the first stood, the numbers sorted:
+    ``h{0..95}/mlp/c_fc`` for a run, ``h{0,2,4}/mlp/c_fc`` otherwise."""
+    groups: Dict[Tuple, List[Tuple[int, ...]]] = {}
+    order: List[Tuple] = []
+    for name in names:
+        numbers = tuple(int(n) for n in _NUMBER.findall(name))
+        key = (tuple(_NUMBER.split(name)), len(numbers))
+        if key not in groups:
+            groups[key] = []
+            order.append(key)
+        groups[key].append(numbers)
+    text = []
+    for key in order:
+        members = groups[key]
+        varying = [k for k in range(key[1]) if len({m[k] for m in members}) > 1]
+        if len(members) < 3 or not varying:
+            text += [_join(key[0], m) for m in members]
+            continue
+        # The number that varies most (a layer's index) is written as a set,
+        # per value of the others (h{0..95}/ln1, h{0..95}/ln2).
+        position = max(varying, key=lambda k: len({m[k] for m in members}))
+        rest: Dict[Tuple[int, ...], List[Tuple[int, ...]]] = {}
+        for m in members:
+            rest.setdefault(m[:position] + m[position + 1:], []).append(m)
+        for same in rest.values():
+            if len(same) < 3:
+                text += [_join(key[0], m) for m in same]
+                continue
+            values = sorted({m[position] for m in same})
+            span = (f"{{{values[0]}..{values[-1]}}}"
+                    if values == list(range(values[0], values[-1] + 1))
+                    else "{" + ",".join(str(v) for v in values) + "}")
+            text.append(_join(key[0], tuple(span if k == position else n
+                                            for k, n in enumerate(same[0]))))
+    return text
+
+
+def _join(pieces: Sequence[str], numbers: Sequence) -> str:
+    out = [pieces[0]]
+    for number, piece in zip(numbers, pieces[1:]):
+        out += [str(number), piece]
+    return "".join(out)
