@@ -12,17 +12,16 @@ _NUMBER = re.compile(r"\d+")
 def device_ranges(devices: Sequence[str]) -> str:
     """``.../device:CPU:3`` as ``CPU:3``; three or more consecutive devices
     of one type as a range: ``CPU:0-3,GPU:0,GPU:1``."""
-    runs: List[Tuple[str, int, int]] = []
+    runs: List[Tuple[str, int, int]] = []  # (type, first, last); a name without a number: -1
     for device in devices:
-        kind, _, index = device.rsplit("device:", 1)[-1].rpartition(":")
+        short = device.rsplit("device:", 1)[-1]
+        kind, _, index = short.rpartition(":")
         if not index.isdigit():
-            runs.append((device.rsplit("device:", 1)[-1], -1, -1))
-            continue
-        number = int(index)
-        if runs and runs[-1][0] == kind and runs[-1][2] + 1 == number and runs[-1][1] >= 0:
-            runs[-1] = (kind, runs[-1][1], number)
+            runs.append((short, -1, -1))
+        elif runs and runs[-1][0] == kind and runs[-1][1] >= 0 and runs[-1][2] + 1 == int(index):
+            runs[-1] = (kind, runs[-1][1], int(index))
         else:
-            runs.append((kind, number, number))
+            runs.append((kind, int(index), int(index)))
     parts = []
     for kind, first, last in runs:
         if first < 0:

@@ -25,12 +25,9 @@ __all__ = ["LOW_PRECISION", "low_precision_speed_up", "timed_flops"]
 LOW_PRECISION = "fp16"
 
 
-def timed_flops(flops: Sequence[float], traffic: Optional[Sequence[float]],
-                hardware: Hardware, dtype: str) -> List[float]:
-    """Each op's roofline time, as FLOPs at ``dtype`` (``traffic`` None: the
-    FLOPs unchanged)."""
-    if traffic is None:
-        return list(flops)
+def timed_flops(flops: Sequence[float], traffic: Sequence[float], hardware: Hardware,
+                dtype: str) -> List[float]:
+    """Each op's roofline time, as FLOPs at ``dtype``."""
     ratio = hardware.flops_per_s(dtype) / hardware.memory_bytes_per_s()
     return [max(f, b * ratio) for f, b in zip(flops, traffic)]
 
