@@ -5,8 +5,10 @@ import pytest
 import tensorflow as tf
 
 import equivalence
-from equivalence import assert_equivalent, make_data, mlp_classifier, plan_of, train
+from equivalence import (assert_equivalent, make_data, mlp_classifier, plan_of,
+                         traced_first_step, train)
 from test_cost_model import deep_mlp_layers, hand_memory, planned_stages
+from test_pipeline import assert_follows
 
 import tfpar as wh
 from tfpar.cluster.hardware import CATALOG, Hardware
@@ -14,6 +16,7 @@ from tfpar.runtime.automatic import cluster_hardware
 from tfpar.runtime.context import active
 from tfpar.planner.auto import (Candidate, ModelView, _meshes, choose, search, search_all,
                                stage_units)
+from tfpar.planner.schedule import build_schedule
 
 v1 = tf.compat.v1
 DATA = make_data(steps=3, batch=8)
@@ -30,6 +33,31 @@ def test_whale_example_3_auto_pipeline():
     plan = plan_of(deep_mlp, config)
     assert [tg.name for tg in plan.task_graphs] == ["stage_0", "stage_1"]
     assert plan.estimate["step_time_s"] > 0
+
+
+def test_the_searched_schedule_is_the_one_that_trains():
+    """Example 3's pipeline of 8 micro-batches: the search prefers ZB-H1
+    (its weight gradients fill 1F1B's bubbles); the plan builds it, a traced
+    step follows it (the first stage sends no gradient: its backward is
+    weight gradients only), and the numbers are the single device's."""
+    config = {"auto.auto_parallel": True, "auto.num_task_graph": 2, "cluster.num_devices": 2,
+              "pipeline.num_micro_batch": 8}
+    plan = plan_of(deep_mlp, config)
+    assert (plan.schedule, plan.num_micro_batch) == ("zero_bubble", 8)
+    assert_equivalent(train(deep_mlp, DATA), train(deep_mlp, DATA, config))
+    graph = tf.Graph()
+    with graph.as_default():
+        wh.init(config)
+        x, y = v1.placeholder(tf.float32, [None, 6]), v1.placeholder(tf.int64, [None])
+        _, train_op = deep_mlp(x, y)
+        result = wh.step_timeline(traced_first_step(train_op, {x: DATA[0][0], y: DATA[1][0]}))
+    wh.reset()
+    planned = build_schedule("zero_bubble", 2, 8)
+    planned[0] = [t for t in planned[0] if t.kind != "B"]
+    assert_follows(result, planned)
+    pinned = plan_of(deep_mlp, {**config, "pipeline.schedule": "1f1b"})
+    assert pinned.schedule == "1f1b"
+    assert pinned.estimate["step_time_s"] > plan.estimate["step_time_s"]
 
 
 def test_small_mlp_on_8_devices_is_data_parallel():
@@ -79,9 +107,14 @@ def test_search_reports_every_candidate_and_prefers_the_fastest():
     view = ModelView(flops=[1e6] * 4, activation_bytes=[64.0] * 4, param_bytes=[1e3] * 4,
                      edges=[(i, i + 1, 64.0) for i in range(3)])
     best = search(view, 4, Hardware("big", 1.0, 16.0), global_batch=64, num_micro_batch=4,
-                  progress=lines.append)
+                  progress=lines.append, schedules=("1f1b",))
     assert len(lines) == 3  # pipeline 1, 2, 4
     assert best.pipeline == 1  # tiny weights: data parallelism has no bubble
+    # ZB-H1 fills the bubble, and two stages launch half the kernels each.
+    zero_bubble = search(view, 4, Hardware("big", 1.0, 16.0), global_batch=64,
+                         num_micro_batch=4)
+    assert (zero_bubble.pipeline, zero_bubble.schedule) == (2, "zero_bubble")
+    assert zero_bubble.step_time_s < 0.9 * best.step_time_s
 
 
 def test_auto_parallel_with_scopes_is_an_error():

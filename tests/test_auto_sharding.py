@@ -153,12 +153,13 @@ def test_memory_forces_tensor_and_pipeline_together(devices):
     """3-D meshes: with 2 stages asked for and devices too small for a data
     parallel pipeline, each stage is split over its own devices (tensor x
     pipeline, and data parallel copies of both on 8 devices), micro-batches
-    flow through them, and training matches one device."""
+    flow through them (1F1B: the hand count's), and training matches one
+    device."""
     model = deep_mlp(6)
     device = {"name": "small", "tflops": 0.01, "memory_gb": 16}
     config = {"auto.auto_parallel": True, "cluster.num_devices": devices,
               "auto.num_task_graph": 2, "pipeline.num_micro_batch": 2,
-              "cluster.hardware": [device]}
+              "pipeline.schedule": "1f1b", "cluster.hardware": [device]}
     pipeline, stages = planned_stages(model, config)
     assert not pipeline.sharding and pipeline.data_parallel_degree == devices // 2
     need = max(hand_memory(deep_mlp_layers(6), 32, devices, stages, 2, micro=2))  # by hand

@@ -64,7 +64,7 @@ def test_defaults():
     assert cfg.to_dict() == {
         "cluster": {"num_devices": None, "hardware": None, "devices_per_node": None,
                     "colocate_split_and_replicate": False},
-        "pipeline": {"num_micro_batch": 1, "schedule": "1f1b", "task_functions": True,
+        "pipeline": {"num_micro_batch": 1, "schedule": "auto", "task_functions": True,
                      "group_size": 1},
         "split": {"patterns": None},
         "auto": {"auto_parallel": False, "num_task_graph": None, "opt_level": "O2",
@@ -109,7 +109,7 @@ def test_replace_equality_repr_pickle():
     cfg = Config({"pipeline.num_micro_batch": 4})
     new = cfg.replace({"pipeline": {"schedule": "gpipe"}}, num_task_graph=2)
     assert new.pipeline.schedule == "gpipe" and new.auto.num_task_graph == 2
-    assert new.pipeline.num_micro_batch == 4 and cfg.pipeline.schedule == "1f1b"
+    assert new.pipeline.num_micro_batch == 4 and cfg.pipeline.schedule == "auto"
     assert cfg.replace(**{"pipeline.num_micro_batch": 8})["pipeline.num_micro_batch"] == 8
     with pytest.raises(ConfigError):
         cfg.replace(num_micro_batch=0)
@@ -377,7 +377,7 @@ def test_wrong_types(key, value, fragment):
     ("communication.timeout_s", -1.5, "must be > 0, got -1.5"),
     ("auto.search_time_limit_s", 0.0, "must be > 0, got 0.0"),
     ("pipeline.schedule", "pipedream",
-     "must be one of 'gpipe', '1f1b', 'kfkb', 'zero_bubble', got 'pipedream'"),
+     "must be one of 'gpipe', '1f1b', 'kfkb', 'zero_bubble', 'auto', got 'pipedream'"),
     ("auto.opt_level", "O1", "must be one of 'O2', 'O3', got 'O1'"),
     ("communication.backend", "nccl",
      "must be one of 'auto', 'collective', 'horovod', got 'nccl'"),

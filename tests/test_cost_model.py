@@ -311,7 +311,7 @@ def test_data_parallel_estimate_by_hand():
 
 
 def test_pipeline_estimate_by_hand():
-    """2 stages x 2 replicas, 2 micro-batches of 32 / 2 / 2 = 8 rows. The
+    """2 stages x 2 replicas, 1F1B, 2 micro-batches of 32 / 2 / 2 = 8 rows. The
     search cuts after l0 (the plan's TaskGraphs train 448 and 1292 bytes):
       stage 0: 4 x 448 + 192 x 8 rows x 2 micro-batches in flight = 4864;
       stage 1: 4 x 1292 + (192 + 28) x 8 x 1 = 6928;
@@ -319,7 +319,8 @@ def test_pipeline_estimate_by_hand():
       micro-batch: 64 x 8 x 2 x 2 = 2048, plus each stage's gradients
       all-reduced over 2 replicas: 2 x 1/2 x (448 + 1292) = 1740."""
     plan = plan_of(adam_mlp, {"auto.auto_parallel": True, "cluster.num_devices": 4,
-                              "auto.num_task_graph": 2, "pipeline.num_micro_batch": 2})
+                              "auto.num_task_graph": 2, "pipeline.num_micro_batch": 2,
+                              "pipeline.schedule": "1f1b"})
     assert [tg.param_bytes for tg in plan.task_graphs] == [448, 1088 + 204]
     assert [tg.estimate["memory_bytes"] for tg in plan.task_graphs] == [
         4 * 448 + 192 * 8 * 2, 4 * 1292 + 220 * 8]
@@ -544,7 +545,7 @@ def mlp_block_ops(depth, seq=None, kept=2):
 
 
 def test_sequence_layers_pipeline_memory_by_hand():
-    """[16, 32, 64] inputs, 2 stages x 2 replicas, 2 micro-batches: 4 rows
+    """[16, 32, 64] inputs, 2 stages x 2 replicas, 1F1B, 2 micro-batches: 4 rows
     per micro-batch and replica. The stage ILP cuts after fc1's BiasAdd
     (the most balanced cut: fc1's MatMul and BiasAdd, 2 x 64 x 256 x 32 +
     256 x 32 FLOPs per row, against the 2 x 256 x 64 x 32 + 3 x 64 x 32 +
@@ -553,7 +554,7 @@ def test_sequence_layers_pipeline_memory_by_hand():
     (32768 + 20 + 2 x 32768); stage 1 the rest, one micro-batch:
     4 x (65536 + 256) + 4 x (8212 + 3 x 8192)."""
     config = {"auto.auto_parallel": True, "cluster.num_devices": 4, "auto.num_task_graph": 2,
-              "pipeline.num_micro_batch": 2}
+              "pipeline.num_micro_batch": 2, "pipeline.schedule": "1f1b"}
     plan, stages = planned_stages(mlp_block(), config, shape=(16, 32, 64))
     table = mlp_block_ops(64, seq=32)
     assert [stages[op] for _, op, _, _ in table] == [0, 0, 1, 1, 1, 1]

@@ -82,8 +82,8 @@ SCHEMA = {
                                        "micro-batches per step (1 with auto.auto_parallel and "
                                        "a known batch: the planner chooses)"),
     "pipeline.schedule": Option(
-        "str", "1f1b", _one_of("gpipe", "1f1b", "kfkb", "zero_bubble"),
-        "pipeline schedule"),
+        "str", "auto", _one_of("gpipe", "1f1b", "kfkb", "zero_bubble", "auto"),
+        "pipeline schedule; auto: the planner's choice with auto.auto_parallel, else 1f1b"),
     "pipeline.task_functions": Option(
         "bool", True, (), "run each micro-batch's stage tasks as calls of one graph function "
         "per task (off: a copy of the stage per micro-batch)"),

@@ -21,14 +21,14 @@ mesh as follows:
     (``comm.allreduce``: 2 (d-1)/d of the bytes, 2 ceil(log2 d) latencies);
   * memory per device: the stage's weights, gradients and optimizer slots,
     plus the activations of the micro-batches in flight.
-Every mesh's stages become ``step_model.StageModel``s, and its step (1F1B:
-with one micro-batch the stages run one after the other) and memory are
-estimated for each micro-batch count and memory technique
-(``step_model.best_setting``). The fastest candidate whose memory fits wins
-(within ``TOLERANCE`` of it, the one with fewer stages; among those, within
-``TENSOR_TOLERANCE``, the lower tensor degree: the estimates are rough);
-``progress`` reports each one as it is planned; ``time_limit_s`` bounds the
-whole search (each ILP solve at most ``SOLVE_LIMIT_S``).
+Every mesh's stages become ``step_model.StageModel``s, and its step (with
+one micro-batch the stages run one after the other) and memory are
+estimated for each micro-batch count, memory technique and pipeline
+schedule - 1F1B, ZB-H1, kFkB (``step_model.best_setting``). The fastest
+candidate whose memory fits wins (within ``TOLERANCE`` of it, the one with
+fewer stages; among those, within ``TENSOR_TOLERANCE``, the lower tensor
+degree: the estimates are rough); ``progress`` reports each one as it is
+planned; ``time_limit_s`` bounds the whole search (each ILP solve at most ``SOLVE_LIMIT_S``).
 """
 import dataclasses
 import time
@@ -43,7 +43,7 @@ from tfpar.planner.partition import partition_stages
 from tfpar.planner.sharding import (STATE_BYTES as BYTES_PER_PARAM_STATE, Mesh, Problem,
                                     plan_sharding)
 from tfpar.planner.roofline import low_precision_speed_up, timed_flops
-from tfpar.planner.step_model import (KERNELS_PER_OP, LAUNCH_S, Setting,
+from tfpar.planner.step_model import (KERNELS_PER_OP, LAUNCH_S, SCHEDULES, Setting, Space,
                                       StageModel, best_setting, micro_batch_counts,
                                       technique_space)
 
@@ -129,45 +129,51 @@ class Candidate:
     micro_batches: int = 1
     techniques: Techniques = Techniques()
     state_bytes: float = 0.0
+    schedule: str = "1f1b"
+    group_size: int = 1
 
     def describe(self) -> str:
-        """'data 4 x tensor 2 x pipeline 2, 8 micro-batches, recompute full'."""
+        """'data 4 x tensor 2 x pipeline 2, 8 micro-batches, zero_bubble,
+        recompute full' (the schedule when not 1F1B)."""
         micro = f", {self.micro_batches} micro-batches" if self.micro_batches > 1 else ""
+        schedule = {"1f1b": "", "kfkb": f", kfkb k={self.group_size}"}.get(
+            self.schedule, f", {self.schedule}")
         used = self.techniques.describe()
         return (f"data {self.data} x tensor {self.tensor} x pipeline {self.pipeline}{micro}"
-                + (f", {used}" if used != "none" else ""))
+                + schedule + (f", {used}" if used != "none" else ""))
 
 
 def search(model: ModelView, num_devices: int, hardware: Hardware, global_batch: int,
-           num_micro_batch: Optional[int], pipeline: Optional[int] = None,
-           time_limit_s: float = 10.0, progress: Callable[[str], None] = lambda line: None,
-           opt_level: str = "O2", batch_known: bool = True,
-           techniques: Sequence = (), split_heads: bool = False) -> Candidate:
-    """The fastest candidate that fits ``hardware``'s memory (``search_all``
-    then ``choose``)."""
+           num_micro_batch: Optional[int], **options) -> Candidate:
+    """The fastest candidate that fits ``hardware``'s memory (``search_all``,
+    with its ``options``, then ``choose``)."""
     return choose(search_all(model, num_devices, hardware, global_batch, num_micro_batch,
-                             pipeline, time_limit_s, progress, opt_level, batch_known,
-                             techniques, split_heads), hardware)
+                             **options), hardware)
 
 
 def search_all(model: ModelView, num_devices: int, hardware: Hardware, global_batch: int,
                num_micro_batch: Optional[int], pipeline: Optional[int] = None,
                time_limit_s: float = 10.0, progress: Callable[[str], None] = lambda line: None,
                opt_level: str = "O2", batch_known: bool = True,
-               techniques: Sequence = (), split_heads: bool = False) -> List[Candidate]:
+               techniques: Sequence = (), split_heads: bool = False,
+               schedules: Sequence[str] = SCHEDULES,
+               group_size: Optional[int] = None) -> List[Candidate]:
     """A candidate per mesh, planned within ``time_limit_s`` in all, each
     with its best micro-batch count (``num_micro_batch``, or searched when
-    None) and memory techniques (of ``techniques``: "recompute", "zero",
+    None), memory techniques (of ``techniques``: "recompute", "zero",
     "mixed_precision"; or exactly the ``memory.Techniques`` settings it
-    lists, e.g. a published run's). ``batch_known``: ``global_batch`` is the real one,
-    not an assumed size, so meshes that leave a replica without rows are
-    left out. ``split_heads``: tensor groups may split attention cores by
-    heads (``sharding``'s ``heads``)."""
+    lists, e.g. a published run's) and pipeline schedule (of ``schedules``,
+    the plainest first; kFkB with ``group_size``, or searched when None).
+    ``batch_known``: ``global_batch`` is the real one, not an assumed size,
+    so meshes that leave a replica without rows are left out.
+    ``split_heads``: tensor groups may split attention cores by heads
+    (``sharding``'s ``heads``)."""
     meshes = _meshes(model, num_devices, pipeline, hardware)
     meshes = _feasible(meshes, model, num_devices, global_batch if batch_known else None,
                        num_micro_batch or 1, progress)
     search = _Search(model, num_devices, hardware, global_batch, num_micro_batch, opt_level,
-                     techniques, any(t > 1 for t, _ in meshes), split_heads)
+                     techniques, any(t > 1 for t, _ in meshes), split_heads,
+                     (tuple(schedules), group_size))
     start = time.monotonic()
     deadline = start + time_limit_s
     candidates = []
@@ -283,7 +289,8 @@ class _Search:
 
     def __init__(self, model: ModelView, num_devices: int, hardware: Hardware,
                  global_batch: int, num_micro_batch: Optional[int], opt_level: str,
-                 techniques: Sequence, tensors: bool, split_heads: bool):
+                 techniques: Sequence, tensors: bool, split_heads: bool,
+                 schedules: Tuple[Tuple[str, ...], Optional[int]] = (SCHEDULES, None)):
         self.speed_up = low_precision_speed_up(model.flops, model.traffic_bytes, hardware,
                                                model.compute_dtype)
         model = timed(model, hardware)
@@ -291,6 +298,7 @@ class _Search:
         self.global_batch, self.num_micro_batch = global_batch, num_micro_batch
         self.opt_level, self.techniques = opt_level, tuple(techniques)
         self.split_heads = split_heads
+        self.schedules, self.group_size = schedules
         self.layers = layer_graph(model) if tensors else None
         self.recompute = recomputation(model)
         self.capacity = hardware.memory_gb * 2 ** 30
@@ -320,9 +328,10 @@ class _Search:
     def _setting(self, stages: Sequence[StageModel], d: int, rows: float, counts: Sequence[int],
                  cut: float, bandwidth: float) -> Setting:
         pinned = [t for t in self.techniques if isinstance(t, Techniques)]
-        space = pinned or technique_space(self.techniques, d, self.speed_up > 1)
-        return best_setting(stages, d, rows, counts, space, cut, bandwidth, self.speed_up,
-                            self.capacity)
+        space = Space(tuple(counts),
+                      tuple(pinned or technique_space(self.techniques, d, self.speed_up > 1)),
+                      self.schedules, self.group_size)
+        return best_setting(stages, d, rows, space, cut, bandwidth, self.speed_up, self.capacity)
 
     def _terms(self, ops: Sequence[int], act_scale: float) -> Dict[str, tuple]:
         """``StageModel``'s recomputation fields for ``ops``, activations x ``act_scale``."""
@@ -483,7 +492,8 @@ def _candidate(best: Setting, d: int, t: int, p: int, stages: Tuple[int, ...],
                      memory_bytes=best.peak_memory, comm_bytes=best.comm_bytes, tensor=t,
                      split_scopes=split, parts=parts, split_stages=split_stages,
                      micro_batches=best.micro_batches, techniques=best.techniques,
-                     state_bytes=max(best.state_bytes))
+                     state_bytes=max(best.state_bytes), schedule=best.schedule,
+                     group_size=best.group_size)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,6 +42,7 @@ def plan_from_annotations(specs: Sequence[TaskGraphSpec], devices: Sequence[str]
         tgs = _annotated_task_graphs(specs, devices, config, stats.get("split", {}))
         num_micro_batch = config.get("pipeline.num_micro_batch")
         schedule, group_size = config.get("pipeline.schedule"), config.get("pipeline.group_size")
+        schedule = "1f1b" if schedule == "auto" else schedule
     _check_pipeline(tgs, num_micro_batch, schedule, group_size)
     tgs = [dataclasses.replace(tg, num_ops=stats["num_ops"][i], param_bytes=stats["param_bytes"][i])
            for i, tg in enumerate(tgs)]

@@ -15,30 +15,52 @@ Mixed precision speeds the compute up as ``roofline.low_precision_speed_up``
 says (FLOPs at the fp16 peak, half the memory traffic) and halves the
 activations and what is sent (activations between stages and within tensor
 groups, 16-bit gradients between replicas).
-A step of ``m`` micro-batches under 1F1B (PipeDream-flush) takes
-``sum_s T_s + (m - 1) max_s T_s + 2 (p - 1) transfer``: the first micro-batch
-goes through every stage and back, the others follow at the slowest stage's
-pace (for equal stages, ``(m + p - 1) T``: Narayanan et al., Eq. 1), then
+A step of ``m`` micro-batches takes what its schedule's closed form says
+(``pipeline_length``; ``T_s`` stage ``s``'s seconds per micro-batch, ``T``
+the slowest, ``S`` their sum, ``t`` one transfer between stages):
+  * 1F1B (PipeDream-flush) and kFkB (Ada-Grouper §4: 1F1B over groups of
+    ``k`` micro-batches; GPipe is ``k = m``): ``S + (m - 1) T`` - the first
+    micro-batch goes through every stage and back, the others follow at the
+    slowest stage's pace (for equal stages, ``(m + p - 1) T``: Narayanan et
+    al., SC'21, Eq. 1) - plus ``2 (p - 1) t`` to fill and drain, plus, for
+    every group after the first, the part of a round trip ``2 t`` that the
+    group's other ``k - 1`` micro-batches do not cover: in 1F1B's steady
+    state a stage waits for the gradient of the micro-batch it just sent on,
+    which grouping hides (Ada-Grouper's point);
+  * ZB-H1 (Qi et al., ICLR 2024, §2.1): the weight gradients (half the
+    backward, a third of ``T_s``) fill 1F1B's bubbles - with ``m >= p``
+    two thirds of them, ``m T + (S - T) / 3`` for equal stages without
+    transfers - and the round trips of the steady state as long as they
+    last no longer than a weight gradient.
+``tests/test_step_model.py`` holds these to ``simulate``'s replays. Then
 every stage all-reduces its gradients over its ``d`` replicas. Stage ``s``
-holds ``min(p - s, m)`` micro-batches' kept activations (1F1B's warm-up),
-the transient bytes of the one recomputed unit, and its weights, gradients
-and optimizer slots (``memory.state_bytes``).
+holds the kept activations of its micro-batches in flight (1F1B
+``min(p - s, m)``, kFkB ``min(k (p - s), m)``, ZB-H1 ``min(p, m)``: a
+deferred weight gradient keeps its micro-batch), the transient bytes of the
+one recomputed unit, and its weights, gradients and optimizer slots
+(``memory.state_bytes``).
 """
 import dataclasses
 import itertools
-from typing import List, Optional, Sequence, Tuple
+import math
+from typing import Iterator, List, Optional, Sequence, Tuple
 
-from tfpar.cluster.hardware import Hardware
 from tfpar.planner.comm import LATENCY_S, Cost
 from tfpar.planner.memory import RECOMPUTE, Techniques, state_bytes
 
-__all__ = ["KERNELS_PER_OP", "LAUNCH_S", "Setting", "StageModel", "best_setting",
-           "micro_batch_counts", "technique_space"]
+__all__ = ["KERNELS_PER_OP", "LAUNCH_S", "SCHEDULE_TOLERANCE", "Setting", "Space", "StageModel",
+           "best_setting", "in_flight", "micro_batch_counts", "pipeline_length",
+           "technique_space"]
 
 # Seconds per kernel: TensorFlow's executor dispatches an op in a few
 # microseconds and a CUDA kernel launch takes about 5.
 LAUNCH_S = 5e-6
 KERNELS_PER_OP = 3
+# A schedule other than 1F1B is chosen only when it is this much faster:
+# the closed forms are a few percent off the replays at large transfers.
+SCHEDULE_TOLERANCE = 0.02
+# Searched schedules, the plainest first (equal times: the plainest wins).
+SCHEDULES = ("1f1b", "zero_bubble", "kfkb")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,9 +88,22 @@ class StageModel:
 
 
 @dataclasses.dataclass(frozen=True)
+class Space:
+    """What ``best_setting`` tries: micro-batch counts, memory techniques,
+    pipeline schedules (``SCHEDULES`` names, or "gpipe"), and the kFkB group
+    size (None: every divisor of the micro-batch count that can help)."""
+
+    counts: Tuple[int, ...]
+    techniques: Tuple[Techniques, ...] = (Techniques(),)
+    schedules: Tuple[str, ...] = ("1f1b",)
+    group_size: Optional[int] = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Setting:
-    """The estimates of one mesh with ``micro_batches`` and ``techniques``:
-    step seconds, bytes per device (per stage), bytes sent per step."""
+    """The estimates of one mesh with ``micro_batches``, ``techniques`` and a
+    pipeline ``schedule`` (kFkB's ``group_size``): step seconds, bytes per
+    device (per stage), bytes sent per step."""
 
     micro_batches: int
     techniques: Techniques
@@ -77,6 +112,8 @@ class Setting:
     comm_bytes: float
     stage_seconds: Tuple[float, ...]
     state_bytes: Tuple[float, ...]
+    schedule: str = "1f1b"
+    group_size: int = 1
 
     @property
     def peak_memory(self) -> float:
@@ -104,39 +141,111 @@ def technique_space(allowed: Sequence[str], data: int, mixed_precision_helps: bo
             itertools.product(modes, zeros, precisions)]
 
 
-def best_setting(stages: Sequence[StageModel], data: int, rows_per_replica: float,
-                 counts: Sequence[int], techniques: Sequence[Techniques], cut_bytes: float,
-                 transfer_bandwidth: float, speed_up: float, capacity: float) -> Setting:
-    """The fastest setting that fits ``capacity`` bytes per device (equal
-    times: the fewest techniques, then micro-batches), else the one needing
-    the least memory. ``cut_bytes``: bytes per row crossing the stage
-    boundaries (one transfer carries their mean); ``speed_up``: mixed
-    precision's compute speed-up."""
-    settings = [_setting(stages, data, rows_per_replica, m, tech, cut_bytes, transfer_bandwidth,
-                         speed_up) for m in counts for tech in techniques]
+def pipeline_length(times: Sequence[float], micro: int, transfer: float, schedule: str,
+                    group_size: int = 1) -> float:
+    """Seconds from a step's first forward to its last backward (the
+    module docstring's closed forms): ``times`` per stage of one
+    micro-batch, ``transfer`` between neighbouring stages."""
+    p, slowest, total = len(times), max(times), sum(times)
+    if p == 1:
+        return micro * slowest
+    if schedule == "zero_bubble":
+        weight = slowest / 3  # half the backward, which is two thirds of the time
+        filled = (total - slowest) / 3 * (p - 2 + min(micro, p)) / (p - 1)
+        return (total + (micro - 1) * slowest - filled
+                + 2 * (p - 1 + min(max(micro - 2, 0), p - 1)) * transfer
+                + _waits(micro - p, p) * max(0.0, 2 * transfer - weight))
+    k = micro if schedule == "gpipe" else group_size
+    return (total + (micro - 1) * slowest + 2 * (p - 1) * transfer
+            + _waits(math.ceil(micro / k), p) * max(0.0, 2 * transfer - (k - 1) * slowest))
+
+
+def _waits(groups: int, stages: int) -> int:
+    """The groups of a 1F1B step after the first whose backward waits for a
+    gradient's round trip: all but one in every ``stages``."""
+    return groups - 1 - ((groups - 2) // stages + 1) if groups >= 2 else 0
+
+
+def in_flight(schedule: str, group_size: int, stages: int, stage: int, micro: int) -> int:
+    """Micro-batches whose activations ``stage`` holds at its peak."""
+    if schedule == "zero_bubble":
+        return min(stages, micro)
+    if schedule == "gpipe":
+        return micro
+    return min(group_size * (stages - stage), micro)
+
+
+def best_setting(stages: Sequence[StageModel], data: int, rows_per_replica: float, space: Space,
+                 cut_bytes: float, transfer_bandwidth: float, speed_up: float,
+                 capacity: float) -> Setting:
+    """The fastest setting of ``space`` that fits ``capacity`` bytes per
+    device (a schedule other than the plainest - 1F1B, then smaller kFkB
+    groups - only when ``SCHEDULE_TOLERANCE`` faster; equal times: the fewest techniques, then
+    micro-batches), else the one needing the least memory. ``cut_bytes``:
+    bytes per row crossing the stage boundaries (one transfer carries their
+    mean); ``speed_up``: mixed precision's compute speed-up."""
+    settings = [setting for micro in space.counts for tech in space.techniques
+                for setting in _settings(stages, data, rows_per_replica, micro, tech, space,
+                                         cut_bytes, transfer_bandwidth, speed_up)]
     fitting = [s for s in settings if s.peak_memory <= capacity]
     if not fitting:
         return min(settings, key=lambda s: (s.peak_memory, s.step_time_s))
+    fastest = min(s.step_time_s for s in fitting)
+    order = {name: i for i, name in enumerate(space.schedules)}
+
+    def plainness(setting: Setting) -> Tuple[int, int]:
+        return order[setting.schedule], setting.group_size
+    plainest = min(plainness(s) for s in fitting
+                   if s.step_time_s <= fastest * (1 + SCHEDULE_TOLERANCE))
+    fitting = [s for s in fitting if plainness(s) == plainest]
     fastest = min(s.step_time_s for s in fitting)
     return min((s for s in fitting if s.step_time_s <= fastest * (1 + 1e-9)),
                key=lambda s: (len(s.techniques.names), s.micro_batches))
 
 
-def _setting(stages: Sequence[StageModel], data: int, rows_per_replica: float, micro: int,
-             tech: Techniques, cut_bytes: float, bandwidth: float, speed_up: float) -> Setting:
+def _schedules(space: Space, micro: int, times: Sequence[float], transfer: float
+               ) -> List[Tuple[str, int]]:
+    """(schedule, group size) pairs worth trying for ``micro`` micro-batches
+    through stages of ``times``: without a pipeline, one; a searched ZB-H1
+    with at least a micro-batch per stage (as Qi et al. define it); kFkB
+    with the given group size, else the divisors of ``micro`` from 2 up to
+    the first whose other micro-batches cover a round trip (larger ones
+    only hold more)."""
+    if len(times) == 1:
+        return [(space.schedules[0], 1)]
+    searched = len(space.schedules) > 1
+    pairs = [(name, 1) for name in space.schedules if name != "kfkb"
+             and (name != "zero_bubble" or micro >= len(times) or not searched)]
+    if "kfkb" in space.schedules and space.group_size is not None:
+        pairs.append(("kfkb", space.group_size))
+    elif "kfkb" in space.schedules:
+        for k in range(min(2, micro), micro + 1):
+            if micro % k == 0:
+                pairs.append(("kfkb", k))
+                if (k - 1) * max(times) >= 2 * transfer:
+                    break
+    return pairs
+
+
+def _settings(stages: Sequence[StageModel], data: int, rows_per_replica: float, micro: int,
+              tech: Techniques, space: Space, cut_bytes: float, bandwidth: float,
+              speed_up: float) -> Iterator[Setting]:
+    """One setting per schedule of ``space`` (one, 1F1B, without a pipeline)."""
     rows = rows_per_replica / micro
     mode = RECOMPUTE.index(tech.recompute)
     speed, scale = (speed_up, 0.5) if tech.mixed_precision else (1.0, 1.0)
     times = [stage.seconds(rows, mode, speed, scale) for stage in stages]
     p = len(stages)
     transfer = LATENCY_S + cut_bytes * rows * scale / (p - 1) / bandwidth if p > 1 else 0.0
-    length = sum(times) + (micro - 1) * max(times) + 2 * (p - 1) * transfer
     grads = [stage.grads * scale for stage in stages]
     state = tuple(state_bytes(stage.param_bytes, data, tech.zero) for stage in stages)
-    memory = tuple(held + rows * scale * (stage.kept[mode] * min(p - s, micro)
-                                          + stage.transient[mode])
-                   for s, (held, stage) in enumerate(zip(state, stages)))
     sent = sum(stage.collective_bytes * rows * scale * micro + g.bytes
                for stage, g in zip(stages, grads)) + 2 * cut_bytes * rows * scale * micro
-    return Setting(micro, tech, length + max(g.seconds for g in grads), memory, sent,
-                   tuple(t * micro + g.seconds for t, g in zip(times, grads)), state)
+    reduce_s = max(g.seconds for g in grads)
+    busy = tuple(t * micro + g.seconds for t, g in zip(times, grads))
+    for name, k in _schedules(space, micro, times, transfer):
+        memory = tuple(held + rows * scale * (stage.kept[mode] * in_flight(name, k, p, s, micro)
+                                              + stage.transient[mode])
+                       for s, (held, stage) in enumerate(zip(state, stages)))
+        yield Setting(micro, tech, pipeline_length(times, micro, transfer, name, k) + reduce_s,
+                      memory, sent, busy, state, name, k)

@@ -105,7 +105,8 @@ def _plan(index: GraphIndex, capture: GraphCapture, rt: Runtime, auto: bool,
                                     lambda line: print(line, file=sys.stderr),
                                     cfg.get("auto.opt_level"), batch_known=known,
                                     techniques=cfg.get("auto.memory_techniques"),
-                                    split_heads=cfg.get("auto.split_heads"))
+                                    split_heads=cfg.get("auto.split_heads"),
+                                    **_searched_schedules(cfg))
             pick = choose(candidates, hardware)
             rt.searches[same_model] = (
                 pick, pick if pick.tensor == 1 else _unsharded(candidates, hardware))
@@ -116,6 +117,15 @@ def _plan(index: GraphIndex, capture: GraphCapture, rt: Runtime, auto: bool,
                                   view.labels)
     return Automatic(tuple(order), tuple(view.param_bytes), tuple(stages), count, best,
                      runnable)
+
+
+def _searched_schedules(cfg) -> Dict[str, Any]:
+    """``search_all``'s schedules: every one for ``pipeline.schedule`` "auto",
+    else the one set (kFkB with ``pipeline.group_size``, searched if "auto")."""
+    schedule, group = cfg.get("pipeline.schedule"), cfg.get("pipeline.group_size")
+    if schedule == "auto":
+        return {}
+    return {"schedules": (schedule,), "group_size": None if group == "auto" else group}
 
 
 def planning_batch(rt: Runtime, view) -> int:
@@ -176,8 +186,7 @@ def sharded_plan(automatic: Automatic, rt: Runtime, index: GraphIndex,
              "param_bytes": [int(sum(automatic.param_bytes[position[op]] for op in members
                                      if op in position)) for _, members in runs]}
     config = rt.config.replace({"plan": None, "cluster.colocate_split_and_replicate":
-                                not best.split_stages,
-                                "pipeline.num_micro_batch": best.micro_batches})
+                                not best.split_stages, **_chosen_pipeline(best)})
     plan = plan_from_annotations(specs, rt.devices, config, stats)
     part_of = {automatic.order[i]: part for part in best.parts for i in part.ops}
     task_graphs = tuple(
@@ -212,11 +221,17 @@ def estimate_of(candidate, rt: Runtime) -> Dict[str, Any]:
 
 
 def planned_config(rt: Runtime, automatic: Optional[Automatic]):
-    """The config a plan is built with: the micro-batch count the search
-    chose for the plan that runs."""
+    """The config a plan is built with: the micro-batch count and schedule
+    the search chose for the plan that runs."""
     if automatic is None or automatic.runnable is None:
         return rt.config
-    return rt.config.replace({"pipeline.num_micro_batch": automatic.runnable.micro_batches})
+    return rt.config.replace(_chosen_pipeline(automatic.runnable))
+
+
+def _chosen_pipeline(candidate) -> Dict[str, Any]:
+    """The pipeline keys of a search candidate."""
+    return {"pipeline.num_micro_batch": candidate.micro_batches,
+            "pipeline.schedule": candidate.schedule, "pipeline.group_size": candidate.group_size}
 
 
 def refuse_planning_only(automatic: Optional[Automatic]) -> None:
