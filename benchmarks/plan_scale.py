@@ -1,39 +1,49 @@
-"""tfpar plan scale: GPTs of 1.7B-1T parameters on 32-3072 A100s vs Megatron-LM's runs.
+"""tfpar plan scale: GPTs of 1.7B-1T parameters on 32-3072 A100s vs Megatron-LM's
+runs, and Llama 3 405B on 8192 and 16384 H100s vs Meta's.
 
-Each row is a row of Narayanan et al. (SC'21), Table 1 (weak scaling: its
-parameters, layers, hidden size, heads, tensor x pipeline degrees, GPUs,
-global batch and measured model TFLOP/s per GPU). Its GPT (sequence 2048,
-vocabulary 51200, the static global batch; ``planner.gpt_train_op``: TF1
-layers, Adam ``minimize``) is built in a fresh graph and planned for the
-paper's cluster, described and not present: DGX A100 nodes of 8 80-GB A100s
-(the catalog's ``A100-80GB``: NVLink 300 GB/s within a node, 25 GB/s per GPU
-between nodes), the graph's float32 as TF32, all of the planner's techniques
-allowed (micro-batch counts, pipeline schedules, activation recomputation,
-ZeRO, mixed precision, head-split attention). Per row:
+Ten rows are Narayanan et al. (SC'21), Table 1 (weak scaling: parameters,
+layers, hidden size, heads, tensor x pipeline degrees, GPUs, global batch and
+measured model TFLOP/s per GPU): a GPT (sequence 2048, vocabulary 51200, the
+static global batch; ``planner.gpt_train_op``: TF1 layers, Adam
+``minimize``) on DGX A100 nodes of 8 80-GB A100s (the catalog's
+``A100-80GB``: NVLink 300 GB/s within a node, 25 GB/s per GPU between
+nodes). Two are Dubey et al. 2024 ("The Llama 3 Herd of Models"), Table 4:
+Llama 3 405B (``llama.llama_train_op``: 126 layers, hidden 16384, MLP 53248,
+128 heads sharing 8 key/value heads, sequence 8192, vocabulary 128256) with
+2048 sequences a step on 8192 and 16384 H100s (``H100-80GB``: 450 GB/s
+within a node, 50 GB/s between). Each is built in a fresh graph and planned
+for its cluster, described and not present, the graph's float32 as TF32, all
+of the planner's techniques allowed (micro-batch counts, pipeline schedules,
+activation recomputation, ZeRO, mixed precision, head-split attention). Per
+row:
 
   * build s: TensorFlow building the graph;
   * plan s: reading it (``model_view``) and the whole search
     (``auto.search_all`` over every data x tensor x pipeline mesh, then
     ``choose``), and plan / build;
-  * chosen: the plan and its estimated model TFLOP/s per GPU, by the paper's
-    Eq. 3: 96 B s l h^2 (1 + s / 6h + V / 16lh) FLOPs per step (it counts
-    the forward pass that full recomputation runs again) / (step x GPUs);
-  * published: the paper's tensor x pipeline (data = GPUs / both) and its
+  * chosen: the plan and its estimated model TFLOP/s per GPU: a GPT's FLOPs
+    by Narayanan et al.'s Eq. 3, 96 B s l h^2 (1 + s / 6h + V / 16lh) per
+    step (it counts the forward pass that full recomputation runs again), a
+    Llama's as MFU counts them (``model_flops``), / (step x GPUs);
+  * published: the run's tensor x pipeline (data = GPUs / both) and its
     measured TFLOP/s per GPU;
   * pinned: tfpar's estimate of the published configuration: its mesh, 1F1B,
-    full recomputation and mixed precision as the paper ran (micro-batch
-    count searched).
+    the memory techniques it ran (Megatron: full recomputation and mixed
+    precision; Llama 3: BF16 with FSDP, recomputation searched), micro-batch
+    count searched.
 
 Targets per row (``--check``: PASS/FAIL per target, exit 1 when one is missed):
-pinned / published TFLOP/s within 15% (calibration); the chosen plan at least
-as fast as the pinned one (chosen step / pinned step <= 1); the chosen plan
-fits 80 GB; plan s / build s <= 0.25.
+pinned / published TFLOP/s within 15% (calibration; not judged for Llama 3,
+whose run used FlashAttention, sequence parallelism and interleaved stages,
+which the cost model does not express); the chosen plan at least as fast as
+the pinned one (chosen step / pinned step <= 1); the chosen plan fits 80 GB;
+plan s / build s <= 0.25.
 
     python benchmarks/plan_scale.py [--check] [--json] [--rows 1.7B,145.6B]
 
-(2 cores: about 16 minutes for all ten rows, most of it TensorFlow building
-the graphs - 24 s for the 1.7B, 161 s for the 1T; ``--quick``: the 1.7B and
-3.6B rows, about 1.5 minutes.)
+(2 cores: about 22 minutes for all twelve rows, most of it TensorFlow
+building the graphs - 24 s for the 1.7B, 161 s for the 1T, 120 s for Llama
+3 405B; ``--quick``: the 1.7B and 3.6B rows, about 1.5 minutes.)
 """
 import argparse
 import dataclasses
@@ -41,6 +51,7 @@ import gc
 import os
 import sys
 import time
+from typing import Tuple
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import tensorflow as tf  # noqa: E402
@@ -49,31 +60,72 @@ import tfpar as wh  # noqa: E402
 from tfpar.cluster.hardware import CATALOG  # noqa: E402
 from tfpar.hooks.capture import capture_for  # noqa: E402
 from tfpar.planner.auto import choose, search_all  # noqa: E402
-from tfpar.planner.memory import Techniques  # noqa: E402
+from tfpar.planner.memory import RECOMPUTE, Techniques  # noqa: E402
 from tfpar.rewriters.model_view import model_view  # noqa: E402
 from tfpar.rewriters.select import GraphIndex  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_args import cell, parse_sizes, report  # noqa: E402  (same directory)
+from llama import llama_train_op  # noqa: E402
 from planner import gpt_train_op  # noqa: E402
 
-SEQ, VOCAB = 2048, 51200
-HARDWARE = dataclasses.replace(CATALOG["A100-80GB"], devices_per_node=8)
 TECHNIQUES = ("recompute", "zero", "mixed_precision")
-PUBLISHED_TECHNIQUES = Techniques("full", 0, True)
 SEARCH_LIMIT_S = 600
-# Narayanan et al. SC'21 Table 1: name -> (layers, hidden, heads, tensor,
-# pipeline, GPUs, global batch, measured model TFLOP/s per GPU).
-TABLE = {"1.7B": (24, 2304, 24, 1, 1, 32, 512, 137),
-         "3.6B": (30, 3072, 32, 2, 1, 64, 512, 138),
-         "7.5B": (36, 4096, 32, 4, 1, 128, 512, 142),
-         "18.4B": (40, 6144, 48, 8, 1, 256, 1024, 135),
-         "39.1B": (48, 8192, 64, 8, 2, 512, 1536, 138),
-         "76.1B": (60, 10240, 80, 8, 4, 1024, 1792, 140),
-         "145.6B": (80, 12288, 96, 8, 8, 1536, 2304, 148),
-         "310.1B": (96, 16384, 128, 8, 16, 1920, 2160, 155),
-         "529.6B": (105, 20480, 128, 8, 35, 2520, 2520, 163),
-         "1T": (128, 25600, 160, 8, 64, 3072, 3072, 163)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """A published run: its model (``family`` "gpt" or "llama", with a
+    Llama's MLP width and key/value heads), cluster (catalog device, 8 a
+    node), mesh, global batch in sequences, measured model TFLOP/s per GPU,
+    the memory techniques it ran (those the pinned estimate may use), and
+    what it ran that the cost model does not express ("": nothing; then
+    its calibration is shown but not judged)."""
+
+    family: str
+    layers: int
+    hidden: int
+    heads: int
+    tensor: int
+    pipeline: int
+    gpus: int
+    batch: int
+    measured: float
+    device: str = "A100-80GB"
+    seq: int = 2048
+    vocab: int = 51200
+    ffn: int = 0
+    kv_heads: int = 0
+    techniques: Tuple[Techniques, ...] = (Techniques("full", 0, True),)
+    unmodelled: str = ""
+
+    @property
+    def hardware(self):
+        return dataclasses.replace(CATALOG[self.device], devices_per_node=8)
+
+
+# Narayanan et al. SC'21 Table 1 (GPT: layers, hidden, heads, tensor,
+# pipeline, GPUs, global batch, measured model TFLOP/s per GPU), full
+# recomputation and mixed precision; and Dubey et al. 2024 ("The Llama 3
+# Herd of Models"), Table 4: Llama 3 405B at sequence 8192, 16M tokens a
+# step, in BF16 with FSDP, on 8192 and 16384 H100s.
+LLAMA_405B = dict(device="H100-80GB", seq=8192, vocab=128256, ffn=53248, kv_heads=8,
+                  techniques=tuple(Techniques(mode, zero, True) for mode in RECOMPUTE
+                                   for zero in (0, 1, 2)),
+                  unmodelled="FlashAttention, sequence parallelism, interleaved stages")
+TABLE = {"1.7B": Run("gpt", 24, 2304, 24, 1, 1, 32, 512, 137),
+         "3.6B": Run("gpt", 30, 3072, 32, 2, 1, 64, 512, 138),
+         "7.5B": Run("gpt", 36, 4096, 32, 4, 1, 128, 512, 142),
+         "18.4B": Run("gpt", 40, 6144, 48, 8, 1, 256, 1024, 135),
+         "39.1B": Run("gpt", 48, 8192, 64, 8, 2, 512, 1536, 138),
+         "76.1B": Run("gpt", 60, 10240, 80, 8, 4, 1024, 1792, 140),
+         "145.6B": Run("gpt", 80, 12288, 96, 8, 8, 1536, 2304, 148),
+         "310.1B": Run("gpt", 96, 16384, 128, 8, 16, 1920, 2160, 155),
+         "529.6B": Run("gpt", 105, 20480, 128, 8, 35, 2520, 2520, 163),
+         "1T": Run("gpt", 128, 25600, 160, 8, 64, 3072, 3072, 163),
+         "Llama-405B-8K": Run("llama", 126, 16384, 128, 8, 16, 8192, 2048, 430, **LLAMA_405B),
+         "Llama-405B-16K": Run("llama", 126, 16384, 128, 8, 16, 16384, 2048, 400,
+                               **LLAMA_405B)}
 QUICK = ("1.7B", "3.6B")
 # Targets (at most): |pinned / published - 1|, chosen / pinned step, plan / build.
 TARGETS = {"calibration": 0.15, "chosen_pinned": 1.0, "plan_build": 0.25}
@@ -85,20 +137,31 @@ COLUMNS = [("model", "model", ""), ("GPUs", "gpus", "d"), ("build s", "build_s",
            ("pinned TFLOP/s", "pinned_tflops", ".0f"), ("pinned/meas.", "calibration", ".2f")]
 
 
-def model_flops(layers, hidden, batch):
-    """FLOPs of one training step by Narayanan et al.'s Eq. 3."""
-    return 96 * batch * SEQ * layers * hidden ** 2 * (
-        1 + SEQ / (6 * hidden) + VOCAB / (16 * layers * hidden))
+def model_flops(run):
+    """FLOPs of one training step: a GPT's by Narayanan et al.'s Eq. 3 (the
+    forward pass full recomputation runs again included); a Llama's as its
+    MFU counts them, 6 per weight of its contractions and 12 s h per layer
+    for attention, per token."""
+    tokens, l, h, s = run.batch * run.seq, run.layers, run.hidden, run.seq
+    if run.family == "gpt":
+        return 96 * run.batch * s * l * h ** 2 * (1 + s / (6 * h) + run.vocab / (16 * l * h))
+    kv = run.kv_heads * h // run.heads
+    weights = l * (2 * h * h + 2 * h * kv + 3 * h * run.ffn) + h * run.vocab
+    return tokens * (6 * weights + 12 * l * s * h)
 
 
-def build_view(layers, hidden, heads, batch):
-    """(model view of the GPT's training graph, seconds building it took)."""
+def build_view(run):
+    """(model view of the run's training graph, seconds building it took)."""
     graph = tf.Graph()
     try:
         with graph.as_default():
             wh.init({"cluster.num_devices": 1})
             start = time.perf_counter()
-            gpt_train_op(layers, hidden, SEQ, VOCAB, heads, batch)
+            if run.family == "gpt":
+                gpt_train_op(run.layers, run.hidden, run.seq, run.vocab, run.heads, run.batch)
+            else:
+                llama_train_op(run.layers, run.hidden, run.ffn, run.heads, run.kv_heads,
+                               run.seq, run.vocab, run.batch)
             build_s = time.perf_counter() - start
             start = time.perf_counter()
             _, view = model_view(GraphIndex(graph), capture_for(graph))
@@ -112,57 +175,62 @@ def build_view(layers, hidden, heads, batch):
 
 def measure(name):
     """One result row: build, plan everything, estimate the published configuration."""
-    layers, hidden, heads, t, p, gpus, batch, measured = TABLE[name]
+    run = TABLE[name]
+    gpus, batch, t, p, hardware = run.gpus, run.batch, run.tensor, run.pipeline, run.hardware
     print(f"plan_scale: {name} on {gpus} GPUs ...", file=sys.stderr, flush=True)
-    view, build_s, view_s = build_view(layers, hidden, heads, batch)
+    view, build_s, view_s = build_view(run)
     start = time.perf_counter()
-    chosen = choose(search_all(view, gpus, HARDWARE, batch, None, time_limit_s=SEARCH_LIMIT_S,
-                               techniques=TECHNIQUES, split_heads=True), HARDWARE)
+    chosen = choose(search_all(view, gpus, hardware, batch, None, time_limit_s=SEARCH_LIMIT_S,
+                               techniques=TECHNIQUES, split_heads=True), hardware)
     plan_s = view_s + time.perf_counter() - start
-    pinned = next(c for c in search_all(view, gpus, HARDWARE, batch, None, pipeline=p,
-                                        time_limit_s=SEARCH_LIMIT_S,
-                                        techniques=[PUBLISHED_TECHNIQUES], split_heads=True,
-                                        schedules=("1f1b",))
+    pinned = next(c for c in search_all(view, gpus, hardware, batch, None, pipeline=p,
+                                        time_limit_s=SEARCH_LIMIT_S, techniques=run.techniques,
+                                        split_heads=True, schedules=("1f1b",))
                   if c.tensor == t)
-    flops = model_flops(layers, hidden, batch)
+    flops = model_flops(run)
     pinned_tflops = flops / (pinned.step_time_s * gpus) / 1e12
-    return {"model": name, "gpus": gpus, "batch": batch, "build_s": build_s, "plan_s": plan_s,
+    return {"model": name, "gpus": gpus, "batch": batch, "device": run.device,
+            "seq": run.seq, "unmodelled": run.unmodelled, "build_s": build_s, "plan_s": plan_s,
             "plan_build": plan_s / build_s, "chosen": chosen.describe(),
             "chosen_tflops": flops / (chosen.step_time_s * gpus) / 1e12,
             "chosen_step_s": chosen.step_time_s, "chosen_gib": chosen.memory_bytes / 2 ** 30,
-            "fits": chosen.memory_bytes <= HARDWARE.memory_gb * 2 ** 30,
+            "fits": chosen.memory_bytes <= hardware.memory_gb * 2 ** 30,
             "published": f"data {gpus // (t * p)} x tensor {t} x pipeline {p}",
-            "published_tflops": measured, "pinned": pinned.describe(),
+            "published_tflops": run.measured, "pinned": pinned.describe(),
             "pinned_step_s": pinned.step_time_s, "pinned_tflops": pinned_tflops,
-            "calibration": pinned_tflops / measured,
+            "calibration": pinned_tflops / run.measured,
             "chosen_pinned": chosen.step_time_s / pinned.step_time_s}
 
 
 def targets(rows):
-    """(name, value, limit) of every judged check of every row."""
+    """(name, value, limit) of every judged check of every row (calibration
+    only of runs whose every technique the cost model expresses)."""
     found = []
     for r in rows:
         where = f"{r['model']} on {r['gpus']} GPUs"
-        found += [(f"{where}: |pinned / published TFLOP/s - 1|", abs(r["calibration"] - 1),
-                   TARGETS["calibration"]),
-                  (f"{where}: chosen / pinned step", r["chosen_pinned"], TARGETS["chosen_pinned"]),
+        if not r.get("unmodelled"):
+            found.append((f"{where}: |pinned / published TFLOP/s - 1|",
+                          abs(r["calibration"] - 1), TARGETS["calibration"]))
+        found += [(f"{where}: chosen / pinned step", r["chosen_pinned"], TARGETS["chosen_pinned"]),
                   (f"{where}: chosen fits 80 GB (1 = no)", float(not r["fits"]), 0.0),
                   (f"{where}: plan / build", r["plan_build"], TARGETS["plan_build"])]
     return found
 
 
 def print_table(rows, _found, _args):
-    print(f"tfpar plan scale (GPT, sequence {SEQ}, vocabulary {VOCAB}; {HARDWARE.name}, "
-          "8 per node; TFLOP/s per GPU by Megatron-LM's Eq. 3)")
+    print("tfpar plan scale (8 GPUs a node; TFLOP/s per GPU: GPTs by Megatron-LM's Eq. 3, "
+          "Llamas as their MFU counts)")
     for r in rows:
-        print(f"{r['model']} on {r['gpus']} GPUs, batch {r['batch']}: built in "
+        print(f"{r['model']} on {r['gpus']} {r['device']}, batch {r['batch']} x {r['seq']}: "
+              f"built in "
               f"{r['build_s']:.1f} s, planned in {r['plan_s']:.1f} s "
               f"({r['plan_build']:.2f} of the build)")
         print(f"  chosen     {r['chosen']}: {r['chosen_step_s']:.2f} s/step, "
               f"{r['chosen_tflops']:.0f} TFLOP/s, {r['chosen_gib']:.1f} GiB per GPU")
         print(f"  published  {r['published']}: {r['published_tflops']} TFLOP/s measured")
         print(f"  pinned     {r['pinned']}: {r['pinned_step_s']:.2f} s/step, "
-              f"{r['pinned_tflops']:.0f} TFLOP/s = {r['calibration']:.2f} x measured")
+              f"{r['pinned_tflops']:.0f} TFLOP/s = {r['calibration']:.2f} x measured"
+              + (f" (not judged: the run used {r['unmodelled']})" if r["unmodelled"] else ""))
     short = [c for c in COLUMNS if c[1] not in ("chosen", "pinned", "published")]
     widths = [max(len(title), *(len(cell(r[key], fmt)) for r in rows)) for title, key, fmt in short]
     print("  ".join(f"{title:>{w}}" for (title, _, _), w in zip(short, widths)))

@@ -14,8 +14,8 @@ import tfpar as wh
 from tfpar.cluster.hardware import CATALOG, Hardware
 from tfpar.runtime.automatic import cluster_hardware
 from tfpar.runtime.context import active
-from tfpar.planner.auto import (Candidate, ModelView, _meshes, choose, search, search_all,
-                               stage_units)
+from tfpar.planner.auto import (Candidate, ModelView, _meshes, _scattered, choose, search,
+                               search_all, stage_units)
 from tfpar.planner.schedule import build_schedule
 
 v1 = tf.compat.v1
@@ -244,3 +244,13 @@ def test_a_described_cluster_has_nodes():
     wh.reset()
     assert nodes.devices_per_node == 2 and nodes.bandwidth(2) == 300e9
     assert nodes.bandwidth(4) == 25e9 and one.bandwidth(4) == 300e9
+
+
+def test_split_stages_scatter_their_activations_over_the_group():
+    """Megatron's scatter/gather (SC'21, §4.1): each of a tensor group's 8
+    A100s sends an eighth over its own 25 GB/s link, and the next stage
+    all-gathers the eighths over NVLink (300 GB/s); within one node, plain
+    NVLink."""
+    a100 = dataclasses.replace(CATALOG["A100-80GB"], devices_per_node=8)
+    assert _scattered(a100, 8, 2) == pytest.approx(1 / (1 / (8 * 25e9) + 7 / (8 * 300e9)))
+    assert _scattered(a100, 2, 2) == pytest.approx(300e9)

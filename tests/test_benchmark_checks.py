@@ -140,3 +140,25 @@ def test_plan_scale_check_fails_when_a_row_misses(row, code, capsys):
     assert ("FAIL  1.7B on 32 GPUs" in capsys.readouterr().err) == bool(code)
     assert plan_scale.TARGETS == {"calibration": 0.15, "chosen_pinned": 1.0, "plan_build": 0.25}
 
+
+
+def test_plan_scale_does_not_judge_the_calibration_of_runs_it_cannot_express(capsys):
+    """Llama 3's run used FlashAttention, sequence parallelism and
+    interleaved stages: its calibration is shown, not judged; the others are."""
+    llama = {**scale_row(calibration=0.4), "unmodelled": "FlashAttention"}
+    assert bench_args.verdict(plan_scale.targets([llama]), args()) == 0
+    assert bench_args.verdict(plan_scale.targets([{**llama, "plan_build": 0.3}]), args()) == 1
+
+
+def test_plan_scale_counts_llama_flops_as_mfu_does():
+    """Llama 3 405B: 126 x (2 h^2 + 2 h 1024 + 3 h 53248) + h V = 403.8e9
+    weights in its contractions (405.9e9 with the embedding), 6 FLOPs each
+    and 12 s h per layer for attention, per token of 2048 x 8192."""
+    run = plan_scale.TABLE["Llama-405B-8K"]
+    h = 16384
+    weights = 126 * (2 * h * h + 2 * h * 1024 + 3 * h * 53248) + h * 128256
+    assert weights == pytest.approx(403.75e9, rel=1e-4)
+    assert plan_scale.model_flops(run) == 2048 * 8192 * (6 * weights + 12 * 126 * 8192 * h)
+    gpt = plan_scale.TABLE["1.7B"]  # Eq. 3
+    assert plan_scale.model_flops(gpt) == pytest.approx(
+        96 * 512 * 2048 * 24 * 2304 ** 2 * (1 + 2048 / (6 * 2304) + 51200 / (16 * 24 * 2304)))

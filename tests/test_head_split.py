@@ -3,6 +3,8 @@ attention cores found from the graph's structure, split by heads between a
 column-split Q K V projection and a row-split output projection (Megatron's
 attention), and refused by a training run, which cannot build it yet."""
 import dataclasses
+import os
+import sys
 
 import pytest
 import tensorflow as tf
@@ -13,8 +15,11 @@ from test_expert_plans import DGX_A100, gpt_loss
 from equivalence import make_data, plan_of, train
 
 import tfpar as wh
+from tfpar.hooks.capture import existing_capture
 from tfpar.planner.auto import search_all
 from tfpar.planner.layers import layer_graph
+from tfpar.rewriters.model_view import model_view
+from tfpar.rewriters.select import GraphIndex
 
 v1 = tf.compat.v1
 
@@ -98,3 +103,28 @@ def test_a_live_run_refuses_a_plan_that_splits_heads():
     with pytest.raises(wh.PlanError, match=r"splits attention heads \(h0/attn/split and "
                                            r"\d+ more\), which tfpar cannot build yet"):
         train(build, data, config, static_batch=True)
+
+
+def test_a_llama_core_with_grouped_heads_and_rotary_embeddings_splits_by_heads():
+    """benchmarks/llama.py's block (plan_scale's Llama 3 rows): 16 query
+    heads sharing 8 key/value heads, rotary embeddings (their half swaps are
+    concats inside the core), a SwiGLU MLP. Tensor 8: q, k, v by columns,
+    the core by heads, o by rows; gate and up by columns, down by rows."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    from llama import llama_train_op  # pylint: disable=import-outside-toplevel
+    graph = tf.Graph()
+    with graph.as_default():
+        wh.init({"cluster.num_devices": 1})
+        llama_train_op(2, 1024, 2048, 16, 8, 256, 512, batch=8)
+        _, view = model_view(GraphIndex(graph), existing_capture(graph))
+    wh.reset()
+    core = {layer.scope for layer in layer_graph(view).layers if layer.kind == "attention"}
+    assert {"layer_0/attention/concat", "layer_0/attention/Softmax",
+            "layer_1/attention/MatMul_1"} <= core
+    layers = dict(tensor_8(dataclasses.replace(view, compute_dtype="fp16"), True).split_scopes)
+    for i in range(2):
+        assert {layers[scope] for scope in core if scope.startswith(f"layer_{i}/")} == {"heads"}
+        assert [layers[f"layer_{i}/attention/{name}"] for name in "qkvo"] == ["column"] * 3 + [
+            "row"]
+        assert [layers[f"layer_{i}/mlp/{name}"] for name in ("gate", "up", "down")] == [
+            "column", "column", "row"]

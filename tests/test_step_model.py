@@ -9,8 +9,8 @@ from tfpar.planner.comm import LATENCY_S, Cost
 from tfpar.planner.memory import Techniques
 from tfpar.planner.schedule import build_schedule
 from tfpar.planner.simulate import simulate
-from tfpar.planner.step_model import (SCHEDULES, Space, StageModel, best_setting, in_flight,
-                                      pipeline_length)
+from tfpar.planner.step_model import (SEARCHED_SCHEDULES, Space, StageModel, best_setting,
+                                      in_flight, pipeline_length)
 
 # (schedule, kFkB group size): every schedule the runtime builds.
 KINDS = [("1f1b", 1), ("zero_bubble", 1), ("kfkb", 2), ("kfkb", 3), ("gpipe", 1)]
@@ -65,7 +65,7 @@ def stage(compute=3.0, params=0.0):
                       (0.0,) * 3)
 
 
-def pick(stages, micro, cut_bytes=0.0, capacity=1e30, schedules=SCHEDULES):
+def pick(stages, micro, cut_bytes=0.0, capacity=1e30, schedules=SEARCHED_SCHEDULES):
     """``best_setting`` of one replica of ``micro`` rows, a row a micro-batch."""
     return best_setting([stage()] * stages, 1, float(micro),
                         Space((micro,), (Techniques(),), schedules), cut_bytes, 1.0, 1.0,

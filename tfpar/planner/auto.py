@@ -43,7 +43,7 @@ from tfpar.planner.partition import partition_stages
 from tfpar.planner.sharding import (STATE_BYTES as BYTES_PER_PARAM_STATE, Mesh, Problem,
                                     plan_sharding)
 from tfpar.planner.roofline import low_precision_speed_up, timed_flops
-from tfpar.planner.step_model import (KERNELS_PER_OP, LAUNCH_S, SCHEDULES, Setting, Space,
+from tfpar.planner.step_model import (KERNELS_PER_OP, LAUNCH_S, SEARCHED_SCHEDULES, Setting, Space,
                                       StageModel, best_setting, micro_batch_counts,
                                       technique_space)
 
@@ -156,7 +156,7 @@ def search_all(model: ModelView, num_devices: int, hardware: Hardware, global_ba
                time_limit_s: float = 10.0, progress: Callable[[str], None] = lambda line: None,
                opt_level: str = "O2", batch_known: bool = True,
                techniques: Sequence = (), split_heads: bool = False,
-               schedules: Sequence[str] = SCHEDULES,
+               schedules: Sequence[str] = SEARCHED_SCHEDULES,
                group_size: Optional[int] = None) -> List[Candidate]:
     """A candidate per mesh, planned within ``time_limit_s`` in all, each
     with its best micro-batch count (``num_micro_batch``, or searched when
@@ -290,7 +290,7 @@ class _Search:
     def __init__(self, model: ModelView, num_devices: int, hardware: Hardware,
                  global_batch: int, num_micro_batch: Optional[int], opt_level: str,
                  techniques: Sequence, tensors: bool, split_heads: bool,
-                 schedules: Tuple[Tuple[str, ...], Optional[int]] = (SCHEDULES, None)):
+                 schedules: Tuple[Tuple[str, ...], Optional[int]] = (SEARCHED_SCHEDULES, None)):
         self.speed_up = low_precision_speed_up(model.flops, model.traffic_bytes, hardware,
                                                model.compute_dtype)
         model = timed(model, hardware)
@@ -403,7 +403,7 @@ class _Search:
         models = [self._split_stage(shape, graph, c, t, p, d)
                   for shape, graph, c in zip(shapes, graphs, chosen)]
         cut = sum(size for i, j, size in layers.edges if stage_of[i] != stage_of[j])
-        best = self._setting(models, d, rows, counts, cut, hardware.bandwidth(t * p))
+        best = self._setting(models, d, rows, counts, cut, _scattered(hardware, t, p))
         final = rows / best.micro_batches
         parts, split, stages = [], [], []
         for s, (shape, graph, candidates) in enumerate(zip(shapes, graphs, chosen)):
@@ -477,6 +477,15 @@ class _Search:
         return StageModel(compute, per_row - compute, two.comm_bytes - one.comm_bytes,
                           one.step_time_s - per_row + self._launches(ops), params, grads,
                           **self._terms(ops, activations / unsplit))
+
+
+def _scattered(hardware: Hardware, t: int, p: int) -> float:
+    """Bytes/s between the split stages of a tensor x pipeline mesh: each of
+    a stage's ``t`` devices sends its ``1/t`` of the activations to its peer
+    in the next stage, which all-gathers them within its group (Narayanan et
+    al., SC'21, §4.1: scatter/gather)."""
+    between, within = hardware.bandwidth(t * p), hardware.bandwidth(t)
+    return 1 / (1 / (t * between) + (t - 1) / (t * within))
 
 
 def _shape(graph) -> Tuple:

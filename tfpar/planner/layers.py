@@ -35,9 +35,10 @@ ELEMENTWISE = frozenset({"Relu", "Relu6", "Elu", "Selu", "Gelu", "Tanh", "Sigmoi
                          "Mul", "AddV2", "Add", "Sub", "RealDiv", "BiasAdd", "Const"})
 READS = frozenset({"ReadVariableOp", "Identity"})
 # What an attention core is made of, between its Q K V projection and its output
-# projection (dropout and masks included).
+# projection (dropout, masks and rotary embeddings' half swaps included).
 HEAD_OPS = CONTRACTIONS | ELEMENTWISE | READS | frozenset({
-    "Split", "SplitV", "Reshape", "Transpose", "Softmax", "Select", "SelectV2", "Maximum",
+    "Split", "SplitV", "ConcatV2", "Reshape", "Transpose", "Softmax", "Select", "SelectV2",
+    "Maximum",
     "Minimum", "Greater", "GreaterEqual", "RandomUniform", "Floor"})
 
 

@@ -48,19 +48,19 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 from tfpar.planner.comm import LATENCY_S, Cost
 from tfpar.planner.memory import RECOMPUTE, Techniques, state_bytes
 
-__all__ = ["KERNELS_PER_OP", "LAUNCH_S", "SCHEDULE_TOLERANCE", "Setting", "Space", "StageModel",
-           "best_setting", "in_flight", "micro_batch_counts", "pipeline_length",
-           "technique_space"]
+__all__ = ["KERNELS_PER_OP", "LAUNCH_S", "SCHEDULE_TOLERANCE", "SEARCHED_SCHEDULES", "Setting",
+           "Space", "StageModel", "best_setting", "in_flight", "micro_batch_counts",
+           "pipeline_length", "technique_space"]
 
 # Seconds per kernel: TensorFlow's executor dispatches an op in a few
 # microseconds and a CUDA kernel launch takes about 5.
 LAUNCH_S = 5e-6
 KERNELS_PER_OP = 3
-# A schedule other than 1F1B is chosen only when it is this much faster:
-# the closed forms are a few percent off the replays at large transfers.
+# A schedule other than 1F1B is chosen only when it is this much faster (a
+# smaller gain is within what unequal stages change in the replays).
 SCHEDULE_TOLERANCE = 0.02
 # Searched schedules, the plainest first (equal times: the plainest wins).
-SCHEDULES = ("1f1b", "zero_bubble", "kfkb")
+SEARCHED_SCHEDULES = ("1f1b", "zero_bubble", "kfkb")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +90,7 @@ class StageModel:
 @dataclasses.dataclass(frozen=True)
 class Space:
     """What ``best_setting`` tries: micro-batch counts, memory techniques,
-    pipeline schedules (``SCHEDULES`` names, or "gpipe"), and the kFkB group
+    pipeline schedules (``SEARCHED_SCHEDULES`` names, or "gpipe"), and the kFkB group
     size (None: every divisor of the micro-batch count that can help)."""
 
     counts: Tuple[int, ...]
@@ -180,10 +180,11 @@ def best_setting(stages: Sequence[StageModel], data: int, rows_per_replica: floa
                  capacity: float) -> Setting:
     """The fastest setting of ``space`` that fits ``capacity`` bytes per
     device (a schedule other than the plainest - 1F1B, then smaller kFkB
-    groups - only when ``SCHEDULE_TOLERANCE`` faster; equal times: the fewest techniques, then
-    micro-batches), else the one needing the least memory. ``cut_bytes``:
-    bytes per row crossing the stage boundaries (one transfer carries their
-    mean); ``speed_up``: mixed precision's compute speed-up."""
+    groups - only when ``SCHEDULE_TOLERANCE`` faster; equal times: the
+    fewest techniques, then micro-batches), else the one needing the least
+    memory. ``cut_bytes``: bytes per row crossing the stage boundaries (one
+    transfer carries their mean); ``speed_up``: mixed precision's compute
+    speed-up."""
     settings = [setting for micro in space.counts for tech in space.techniques
                 for setting in _settings(stages, data, rows_per_replica, micro, tech, space,
                                          cut_bytes, transfer_bandwidth, speed_up)]
