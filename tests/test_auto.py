@@ -7,7 +7,7 @@ import tensorflow as tf
 import equivalence
 from equivalence import (assert_equivalent, make_data, mlp_classifier, plan_of,
                          traced_first_step, train)
-from test_cost_model import deep_mlp_layers, hand_memory, planned_stages
+from test_cost_model import deep_mlp_layers, graph_view, hand_memory, planned_stages
 from test_pipeline import assert_follows
 
 import tfpar as wh
@@ -254,3 +254,19 @@ def test_split_stages_scatter_their_activations_over_the_group():
     a100 = dataclasses.replace(CATALOG["A100-80GB"], devices_per_node=8)
     assert _scattered(a100, 8, 2) == pytest.approx(1 / (1 / (8 * 25e9) + 7 / (8 * 300e9)))
     assert _scattered(a100, 2, 2) == pytest.approx(300e9)
+
+
+def test_tensor_degrees_across_nodes_stop_once_they_plan_slower():
+    """16 V100s, 2 a node, a 3-layer MLP of width 1024 on 4096 rows: across
+    nodes tensor 8 plans slower than tensor 4 (its collectives grow, its
+    compute is small), so tensor 16 is left out, and the search says so."""
+    from test_expert_plans import mlp  # pylint: disable=import-outside-toplevel
+    _, view = graph_view(lambda: mlp(1024)(v1.placeholder(tf.float32, [4096, 1024]),
+                                           v1.placeholder(tf.int32, [4096]))[0])
+    hardware = dataclasses.replace(CATALOG["V100-32GB"], devices_per_node=2, memory_gb=0.05)
+    lines = []
+    candidates = search_all(view, 16, hardware, 4096, 1, pipeline=1, progress=lines.append)
+    steps = {c.tensor: c.step_time_s for c in candidates}
+    assert sorted(steps) == [1, 2, 4, 8] and steps[8] > steps[4]
+    assert lines[-1] == ("tfpar auto [5/5] tensor 16 x pipeline 1: left out (tensor 8 across "
+                         "nodes planned slower than 4)")

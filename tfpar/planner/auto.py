@@ -28,7 +28,10 @@ schedule - 1F1B, ZB-H1, kFkB (``step_model.best_setting``). The fastest
 candidate whose memory fits wins (within ``TOLERANCE`` of it, the one with
 fewer stages; among those, within ``TENSOR_TOLERANCE``, the lower tensor
 degree: the estimates are rough); ``progress`` reports each one as it is
-planned; ``time_limit_s`` bounds the whole search (each ILP solve at most ``SOLVE_LIMIT_S``).
+planned; ``time_limit_s`` bounds the whole search (each ILP solve at most
+``SOLVE_LIMIT_S``). Tensor-only meshes of more than a node are planned in
+increasing degree until one plans slower than the one before: across nodes
+a doubling halves the compute but not the collectives, which only grow.
 """
 import dataclasses
 import time
@@ -177,13 +180,22 @@ def search_all(model: ModelView, num_devices: int, hardware: Hardware, global_ba
     start = time.monotonic()
     deadline = start + time_limit_s
     candidates = []
+    spanning: List[Candidate] = []  # tensor-only candidates of more than a node
     for number, (t, p) in enumerate(meshes, 1):
         left = deadline - time.monotonic()
         if left <= 0 and candidates:
             progress(f"tfpar auto: search time limit reached after {number - 1} of "
                      f"{len(meshes)} meshes")
             break
+        spans = p == 1 and t > (hardware.devices_per_node or num_devices)
+        if spans and len(spanning) > 1 and spanning[-1].step_time_s > spanning[-2].step_time_s:
+            progress(f"tfpar auto [{number}/{len(meshes)}] tensor {t} x pipeline 1: left out "
+                     f"(tensor {spanning[-1].tensor} across nodes planned slower than "
+                     f"{spanning[-2].tensor})")
+            continue
         candidate = search.mesh(t, p, min(max(left, 1.0), SOLVE_LIMIT_S))
+        if spans and candidate is not None:
+            spanning.append(candidate)
         if candidate is None:
             progress(f"tfpar auto [{number}/{len(meshes)}] tensor {t} x pipeline {p}: no "
                      f"sharded plan fits or beats data parallelism "
