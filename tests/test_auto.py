@@ -8,6 +8,7 @@ import equivalence
 from equivalence import (assert_equivalent, make_data, mlp_classifier, plan_of,
                          traced_first_step, train)
 from test_cost_model import deep_mlp_layers, graph_view, hand_memory, planned_stages
+from test_expert_plans import mlp
 from test_pipeline import assert_follows
 
 import tfpar as wh
@@ -260,7 +261,6 @@ def test_tensor_degrees_across_nodes_stop_once_they_plan_slower():
     """16 V100s, 2 a node, a 3-layer MLP of width 1024 on 4096 rows: across
     nodes tensor 8 plans slower than tensor 4 (its collectives grow, its
     compute is small), so tensor 16 is left out, and the search says so."""
-    from test_expert_plans import mlp  # pylint: disable=import-outside-toplevel
     _, view = graph_view(lambda: mlp(1024)(v1.placeholder(tf.float32, [4096, 1024]),
                                            v1.placeholder(tf.int32, [4096]))[0])
     hardware = dataclasses.replace(CATALOG["V100-32GB"], devices_per_node=2, memory_gb=0.05)

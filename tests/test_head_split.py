@@ -21,6 +21,10 @@ from tfpar.planner.layers import layer_graph
 from tfpar.rewriters.model_view import model_view
 from tfpar.rewriters.select import GraphIndex
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "benchmarks"))
+from llama import llama_train_op  # noqa: E402  (benchmarks/)
+
 v1 = tf.compat.v1
 
 # Per GPT block: the split into Q, K and V, their reshapes and transposes to
@@ -110,8 +114,6 @@ def test_a_llama_core_with_grouped_heads_and_rotary_embeddings_splits_by_heads()
     heads sharing 8 key/value heads, rotary embeddings (their half swaps are
     concats inside the core), a SwiGLU MLP. Tensor 8: q, k, v by columns,
     the core by heads, o by rows; gate and up by columns, down by rows."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-    from llama import llama_train_op  # pylint: disable=import-outside-toplevel
     graph = tf.Graph()
     with graph.as_default():
         wh.init({"cluster.num_devices": 1})

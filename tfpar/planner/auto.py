@@ -302,7 +302,7 @@ class _Search:
     def __init__(self, model: ModelView, num_devices: int, hardware: Hardware,
                  global_batch: int, num_micro_batch: Optional[int], opt_level: str,
                  techniques: Sequence, tensors: bool, split_heads: bool,
-                 schedules: Tuple[Tuple[str, ...], Optional[int]] = (SEARCHED_SCHEDULES, None)):
+                 schedules: Tuple[Tuple[str, ...], Optional[int]]):
         self.speed_up = low_precision_speed_up(model.flops, model.traffic_bytes, hardware,
                                                model.compute_dtype)
         model = timed(model, hardware)

@@ -38,8 +38,7 @@ READS = frozenset({"ReadVariableOp", "Identity"})
 # projection (dropout, masks and rotary embeddings' half swaps included).
 HEAD_OPS = CONTRACTIONS | ELEMENTWISE | READS | frozenset({
     "Split", "SplitV", "ConcatV2", "Reshape", "Transpose", "Softmax", "Select", "SelectV2",
-    "Maximum",
-    "Minimum", "Greater", "GreaterEqual", "RandomUniform", "Floor"})
+    "Maximum", "Minimum", "Greater", "GreaterEqual", "RandomUniform", "Floor"})
 
 
 @dataclasses.dataclass(frozen=True)
