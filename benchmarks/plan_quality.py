@@ -44,8 +44,9 @@ preemption, which the cost model has no term for).
 
 Setting: ``V100-32GB`` of the catalog, fp32 (Rhino §7.1: "full FP32"; Whale
 does not say), 8 GPUs per node (Whale §5: 2/4/8; Rhino M8: 8); between nodes
-Whale's 50 Gb/s Ethernet (§5) as the bandwidth per device (the planner has no
-shared NIC), Rhino's 100 Gb/s RoCE (the catalog's). Whale states no batch
+Whale's 50 Gb/s Ethernet (§5), an eighth of it per device (collectives across
+nodes are hierarchical, so a node's link carries 2 (N-1)/N of an all-reduced
+tensor), Rhino's 100 Gb/s RoCE (the catalog's). Whale states no batch
 size: ``--batch-per-gpu`` 32 images per GPU (256 on 8), scaled with the GPU
 count; Rhino states no sequence length: ``--seq`` 1024.
 
@@ -238,11 +239,12 @@ def gpt(layers, hidden, heads, seq, vocab) -> ModelView:
 
 
 def v100(inter_node_gbps=None):
-    """The catalog's V100-32GB, 8 per node; ``inter_node_gbps`` (Gb/s) the
-    network between nodes (None: the catalog's)."""
+    """The catalog's V100-32GB, 8 per node; ``inter_node_gbps`` (Gb/s) a
+    node's network to the others, shared by its 8 devices (None: the
+    catalog's per device)."""
     hardware = dataclasses.replace(CATALOG["V100-32GB"], devices_per_node=8)
     if inter_node_gbps is not None:
-        hardware = dataclasses.replace(hardware, inter_node_gbps=inter_node_gbps / 8)  # GB/s
+        hardware = dataclasses.replace(hardware, inter_node_gbps=inter_node_gbps / 8 / 8)  # GB/s
     return hardware
 
 

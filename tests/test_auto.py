@@ -13,6 +13,7 @@ from test_pipeline import assert_follows
 
 import tfpar as wh
 from tfpar.cluster.hardware import CATALOG, Hardware
+from tfpar.planner.comm import allreduce
 from tfpar.runtime.automatic import cluster_hardware
 from tfpar.runtime.context import active
 from tfpar.planner.auto import (Candidate, ModelView, _meshes, _scattered, choose, search,
@@ -127,17 +128,23 @@ def test_auto_parallel_with_scopes_is_an_error():
 
 
 def test_collectives_across_nodes_use_the_inter_node_network():
-    """Data-parallel replicas strided over 2 nodes all-reduce over the slow
-    network; a tensor group inside a node keeps the fast links."""
+    """Data-parallel replicas over 2 nodes all-reduce over the slow network;
+    a tensor group inside a node keeps the fast links."""
     view = ModelView(flops=[1e3, 1e3], activation_bytes=[4.0, 4.0], param_bytes=[4e8, 0.0],
                      edges=[(0, 1, 4.0)])
     one_node = Hardware("fast", 10.0, 80.0, intra_node_gbps=100, inter_node_gbps=1)
     two_nodes = dataclasses.replace(one_node, devices_per_node=2)
-    assert two_nodes.bandwidth(2) == 100e9 and two_nodes.bandwidth(4) == 1e9
-    assert one_node.bandwidth(4) == 100e9
+    assert two_nodes.bandwidth(2) == 100e9 and one_node.bandwidth(4) == 100e9
+    # One device a node (2 apart): a ring over the inter-node links.
+    assert two_nodes.bandwidth(2, stride=2) == 1e9 and two_nodes.link(4) == 1e9
+    # Two a node: each moves 2 (2-1)/2 per byte of the tensor over NVLink-like
+    # links and 2 (2-1)/2 / 2 between the nodes; a ring's 2 (4-1)/4 as long.
+    assert two_nodes.bandwidth(4) == pytest.approx(1.5 / (1 / 100 + 0.5 / 1) * 1e9)
     same = search(view, 4, one_node, global_batch=8, num_micro_batch=1, pipeline=1)
     spread = search(view, 4, two_nodes, global_batch=8, num_micro_batch=1, pipeline=1)
-    assert spread.step_time_s > 50 * same.step_time_s
+    # The all-reduce sends 2 (4-1)/4 x 4e8 bytes a device at either bandwidth.
+    assert spread.step_time_s - same.step_time_s == pytest.approx(
+        6e8 / two_nodes.bandwidth(4) - 6e8 / 100e9)
 
 
 def test_tensor_groups_never_straddle_two_nodes():
@@ -233,6 +240,20 @@ def test_choose_prefers_fewer_stages_within_10_percent_then_a_lower_tensor_degre
     assert choose([dp, plan(0.80, pipeline=2)], hardware).pipeline == 2
 
 
+def test_all_reduce_across_nodes_sharing_a_link_grows_with_the_node_count():
+    """Whale's setting: 8 V100s a node share 50 Gb/s (6.25 GB/s, 1/8 of it a
+    device). A hierarchical all-reduce sends 2 (N-1)/N of the tensor through
+    each node's link (1x on 2 nodes, 1.5x on 4) after a reduce-scatter over
+    the 150 GB/s inside; a flat ring would send 1.875x and 1.94x."""
+    whale = dataclasses.replace(CATALOG["V100-32GB"], devices_per_node=8,
+                                inter_node_gbps=6.25 / 8)
+    size = 920e6
+    seconds = {n: allreduce(n, size, whale.bandwidth(n), latency=False).seconds for n in (16, 32)}
+    inside = 2 * 7 / 8 * size / 150e9
+    assert seconds[16] == pytest.approx(inside + 1.0 * size / 6.25e9)
+    assert seconds[32] == pytest.approx(inside + 1.5 * size / 6.25e9)
+
+
 def test_a_described_cluster_has_nodes():
     """``cluster.devices_per_node`` splits the described devices into nodes:
     a collective over more than one node runs at the inter-node bandwidth."""
@@ -244,7 +265,8 @@ def test_a_described_cluster_has_nodes():
         one = cluster_hardware(active())
     wh.reset()
     assert nodes.devices_per_node == 2 and nodes.bandwidth(2) == 300e9
-    assert nodes.bandwidth(4) == 25e9 and one.bandwidth(4) == 300e9
+    assert nodes.link(4) == 25e9 and nodes.bandwidth(2, stride=2) == 25e9
+    assert one.bandwidth(4) == 300e9
 
 
 def test_split_stages_scatter_their_activations_over_the_group():

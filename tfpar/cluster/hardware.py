@@ -82,11 +82,31 @@ class Hardware:
             return float("inf")
         return self.memory_gbps * self.efficiency * 1e9
 
-    def bandwidth(self, span: int) -> float:
-        """Bytes/s of a collective over ``span`` consecutive devices (a
-        strided group, such as data-parallel replicas, spans all devices)."""
+    def link(self, span: int) -> float:
+        """Bytes/s from one device to another in a block of ``span``
+        consecutive devices: within a node or, across nodes, a device's share
+        of its node's links."""
         within = self.devices_per_node is None or span <= self.devices_per_node
         return (self.intra_node_gbps if within else self.inter_node_gbps) * 1e9
+
+    def bandwidth(self, n: int, stride: int = 1) -> float:
+        """Bytes/s of a collective over ``n`` devices ``stride`` apart (1:
+        consecutive), as the bandwidth of a ring over the ``n`` that takes as
+        long. Within a node: ``intra_node_gbps``. Across nodes the collective
+        is hierarchical (Horovod's hierarchical all-reduce; NCCL's trees run
+        between nodes): the g members on each node reduce-scatter among
+        themselves, each all-reduces its 1/g with its peers on the other N
+        nodes over its own share of the node's links (``inter_node_gbps`` is
+        per device), and they all-gather: per byte of a ring's 2 (n-1)/n,
+        2 (g-1)/g over the intra- and 2 (N-1)/N / g over the inter-node
+        bandwidth (an all-gather moves half of each)."""
+        if n < 2 or self.devices_per_node is None or n * stride <= self.devices_per_node:
+            return self.link(n * stride)
+        members = max(1, min(n, self.devices_per_node // stride))
+        nodes = n / members
+        per_byte = (2 * (members - 1) / members / self.intra_node_gbps
+                    + 2 * (nodes - 1) / nodes / members / self.inter_node_gbps)
+        return 2 * (n - 1) / n / per_byte * 1e9
 
 
 CATALOG = {hw.name: hw for hw in (

@@ -371,10 +371,10 @@ class _Search:
         for i, stage in enumerate(stages):
             members[stage].append(i)
         models = [StageModel(3 * forward, 0.0, 0.0, self._launches(ops), params,
-                             allreduce(d, params, hardware.bandwidth(p * d)),
+                             allreduce(d, params, hardware.bandwidth(d, p)),
                              **self._terms(ops, 1.0))
                   for ops, forward, params in zip(members, per_row.forward_s, per_row.param_bytes)]
-        best = self._setting(models, d, rows, counts, per_row.cut_bytes, hardware.bandwidth(p))
+        best = self._setting(models, d, rows, counts, per_row.cut_bytes, hardware.link(p))
         parts = tuple(Part(seconds, memory, stage.grads.bytes) for seconds, memory, stage
                       in zip(best.stage_seconds, best.memory_bytes, models))
         return _candidate(best, d, 1, p, tuple(stages), parts)
@@ -482,7 +482,7 @@ class _Search:
             grads = Cost(with_grads.step_time_s - one.step_time_s,
                          with_grads.comm_bytes - one.comm_bytes)
         else:
-            grads = allreduce(d, params, self.hardware.bandwidth(d * t * p))
+            grads = allreduce(d, params, self.hardware.bandwidth(d, t * p))
         ops = [op for layer in graph.layers for op in layer.ops]
         unsplit = sum(self.recompute.kept["none"][i] for i in ops) or 1.0
         activations = one.memory_bytes - one.weight_memory
@@ -496,7 +496,7 @@ def _scattered(hardware: Hardware, t: int, p: int) -> float:
     a stage's ``t`` devices sends its ``1/t`` of the activations to its peer
     in the next stage, which all-gathers them within its group (Narayanan et
     al., SC'21, §4.1: scatter/gather)."""
-    between, within = hardware.bandwidth(t * p), hardware.bandwidth(t)
+    between, within = hardware.link(t * p), hardware.link(t)
     return 1 / (1 / (t * between) + (t - 1) / (t * within))
 
 
@@ -553,7 +553,7 @@ def stage_costs(model: ModelView, stages: Sequence[int], num_stages: int, rows: 
     """The cost model of ``stages`` (stage of each op) for micro-batches of ``rows``."""
     model = timed(model, hardware)
     speed = hardware.flops_per_s(model.compute_dtype)
-    bandwidth = hardware.bandwidth(num_stages)  # neighbouring stages, consecutive devices
+    bandwidth = hardware.link(num_stages)  # neighbouring stages, consecutive devices
     forward = [0.0] * num_stages
     params = [0.0] * num_stages
     activations = [0.0] * num_stages

@@ -92,8 +92,8 @@ class Mesh:
 
     @property
     def replica_bandwidth(self) -> float:
-        """Among data-parallel replicas (strided over all devices)."""
-        return self.hardware.bandwidth(self.devices)
+        """Among data-parallel replicas (``tensor`` apart)."""
+        return self.hardware.bandwidth(self.data, self.tensor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,8 +216,8 @@ class Problem:
             grads = allreduce(mesh.data, layer.param_bytes / t, mesh.replica_bandwidth,
                               latency=False)
         else:
-            grads = allreduce(mesh.devices, layer.param_bytes, mesh.replica_bandwidth,
-                              latency=False)
+            grads = allreduce(mesh.devices, layer.param_bytes,
+                              mesh.hardware.bandwidth(mesh.devices), latency=False)
         # The model's inputs arrive split by rows (data parallelism feeds them);
         # a split layer gathers them (labels and ids are never feature-split).
         extra = self.edge(layer.input_bytes, "B", "B" if candidate == "dp" else "W")
