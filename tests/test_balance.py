@@ -3,13 +3,15 @@ load ratios, and replicas on mixed devices taking rows in proportion."""
 import pytest
 import tensorflow as tf
 
-from equivalence import (assert_equivalent, fed_graph, make_data, mlp_classifier,
+from equivalence import (assert_equivalent, deep_mlp, fed_graph, make_data, mlp_classifier,
                          traced_first_step, train)
 from test_pipeline import mlp_stages
 import tfpar as wh
 from tfpar.cluster.hardware import CATALOG
 from tfpar.ir.plan import Plan
-from tfpar.planner.balance import balance_load, integer_shares, step_time
+from tfpar.planner.balance import balance_load, balance_stages, integer_shares, step_time
+from tfpar.planner.schedule import build_schedule
+from tfpar.planner.simulate import simulate
 
 v1 = tf.compat.v1
 V100, P100 = CATALOG["V100-32GB"], CATALOG["P100-16GB"]
@@ -60,6 +62,58 @@ def test_integer_shares():
     assert integer_shares([0.5, 0.5]) == ()
     assert integer_shares([0.628, 0.372]) == (1000, 592)
     assert integer_shares([0.999, 0.001]) == (1000, 1)
+
+
+# ---------------------------------------------------------------- inter-TaskGraph (§3.3.2)
+
+def stage_sizes(stages):
+    return [stages.count(s) for s in range(max(stages) + 1)]
+
+
+def test_stages_take_ops_in_proportion_to_their_devices_speed():
+    """The cut whose slowest stage (cost / rate) is fastest: 4 of 6 like ops
+    on a device twice as fast; 48 layers on 2 V100s and 2 P100s (15.7 and
+    9.3 TFLOP/s): 15, 15, 9, 9."""
+    stages, fits = balance_stages([1.0] * 6, [0.0] * 6, [1.0] * 6, [2, 1], [2.0, 1.0],
+                                  [100.0, 100.0])
+    assert fits and stages == [0, 0, 0, 0, 1, 1]
+    speeds = [hw.flops_per_s("fp32") for hw in (V100, V100, P100, P100)]
+    stages, fits = balance_stages([1.0] * 48, [0.0] * 48, [0.0] * 48, [4, 3, 2, 1], speeds,
+                                  [32.0, 32.0, 16.0, 16.0])
+    assert fits and stage_sizes(stages) == [15, 15, 9, 9]
+
+
+def test_stage_load_moves_from_the_peak_to_the_valley_along_the_chain():
+    """Algorithm 1 on cuts: the first stage keeps 4 micro-batches of 3 ops'
+    activations (12 bytes) in 5; one op at a time moves towards the valley
+    (the least FLOP-utilized stage with room, ties by memory: the last), each
+    stage between giving one at one end and taking one at the other, until
+    the peak fits (1 op, 4 bytes)."""
+    stages, fits = balance_stages([1.0] * 8, [0.0] * 8, [1.0] * 8, [4, 3, 2, 1],
+                                  [2.0, 2.0, 1.0, 1.0], [5.0, 100.0, 100.0, 100.0])
+    assert fits and stages == [0, 1, 1, 1, 2, 2, 3, 3]
+    # Weights that fit nowhere else stay, reported.
+    stages, fits = balance_stages([1.0] * 4, [9.0, 0.0, 0.0, 0.0], [0.0] * 4, [2, 1],
+                                  [1.0, 1.0], [5.0, 5.0])
+    assert not fits and stages == [0, 0, 1, 1]
+
+
+def test_balanced_stages_on_mixed_gpus_simulate_as_whale_reports():
+    """Whale §3.3.2 (Fig. 18): a 4-stage pipeline of 48 like layers on 2 V100s
+    and 2 P100s, 32 micro-batches of 1F1B in the simulator: even stages (12
+    layers each) wait on the P100s; balanced (15, 15, 9, 9) the step is
+    1.30x faster (Whale: 1.3-1.4x for hardware-aware balance)."""
+    speeds = [hw.flops_per_s("fp32") for hw in (V100, V100, P100, P100)]
+    stages, _ = balance_stages([1.0] * 48, [0.0] * 48, [0.0] * 48, [4, 3, 2, 1], speeds,
+                               [32.0, 32.0, 16.0, 16.0])
+    schedule = build_schedule("1f1b", 4, 32)
+
+    def length(sizes):
+        forward = [1e12 * n / speed for n, speed in zip(sizes, speeds)]
+        return simulate(schedule, forward, [2 * f for f in forward]).length
+
+    ratio = length([12] * 4) / length(stage_sizes(stages))
+    assert ratio == pytest.approx(1.30, abs=0.01)
 
 
 # ---------------------------------------------------------------- rewritten graphs
@@ -134,3 +188,30 @@ def test_pinned_plans_keep_their_shares():
                                            r"replica of the model \(2\)"):
         rows_per_device({"cluster.num_devices": 2,
                          "plan": {**plan.to_dict(), "batch_shares": [3, 1, 1]}})
+
+
+def layer_devices(config, build):
+    """{layer scope: device} of each forward MatMul in one traced step."""
+    with fed_graph(config) as (graph, x, y):
+        _, train_op = build(x, y)
+        plan = wh.current_plan()
+        metadata = traced_first_step(train_op, {x: DATA[0][0], y: DATA[1][0]})
+    return plan, {node.node_name.split("/")[-2]: device.device.split("device:")[-1]
+                  for device in metadata.step_stats.dev_stats for node in device.node_stats
+                  if node.node_name.endswith("/MatMul") and "grad" not in node.node_name}
+
+
+def test_stages_on_a_v100_and_a_p100_are_cut_by_speed_and_compute_the_same_numbers():
+    """Whale Example 4 (num_task_graph 2) on a P100 and a V100: the first
+    stage goes to the V100 (more memory, §3.3.2) and takes the layers in
+    proportion to its speed (15.7 vs 9.3 TFLOP/s: 7 of the 10 tanh layers,
+    where like devices cut 5 and 5); the numbers are the single device's."""
+    build = deep_mlp(10)
+    config = {"cluster.num_devices": 2, "cluster.hardware": ["P100-16GB", "V100-32GB"],
+              "auto.num_task_graph": 2, "pipeline.num_micro_batch": 2}
+    assert_equivalent(train(build, DATA), train(build, DATA, config))
+    plan, devices = layer_devices(config, build)
+    assert plan.task_graphs[0].devices[0].endswith("CPU:1")
+    assert [devices[f"layer{i}"] for i in range(10)] == ["CPU:1"] * 7 + ["CPU:0"] * 3
+    _, even = layer_devices({**config, "balance.hardware_aware": False}, build)
+    assert [even[f"layer{i}"] for i in range(10)] == ["CPU:0"] * 5 + ["CPU:1"] * 5

@@ -15,8 +15,11 @@ from tfpar.hooks.capture import GraphCapture, layer_of
 from tfpar.ir.plan import Plan
 from tfpar.ir.taskgraph import Phase, Strategy, TaskGraphSpec
 from tfpar.planner.auto import choose, search_all
+from tfpar.planner.balance import balance_stages
 from tfpar.planner.from_annotations import plan_from_annotations
 from tfpar.planner.partition import partition_stages
+from tfpar.planner.sharding import STATE_BYTES
+from tfpar.planner.step_model import in_flight
 from tfpar.rewriters.model_view import model_view
 from tfpar.rewriters.select import GraphIndex
 from tfpar.runtime.context import Runtime
@@ -113,10 +116,43 @@ def _plan(index: GraphIndex, capture: GraphCapture, rt: Runtime, auto: bool,
         best, runnable = rt.searches[same_model]
         stages, count = (runnable.stages, runnable.pipeline) if runnable else ((0,) * len(order), 1)
     else:
-        stages = partition_stages(view.flops, view.edges, count, min(time_limit, 10.0),
-                                  view.labels)
+        stages = _stages_on_mixed_devices(rt, view, count) or partition_stages(
+            view.flops, view.edges, count, min(time_limit, 10.0), view.labels)
     return Automatic(tuple(order), tuple(view.param_bytes), tuple(stages), count, best,
                      runnable)
+
+
+def _stages_on_mixed_devices(rt: Runtime, view, count: int) -> Optional[List[int]]:
+    """``count`` stages cut for the mixed devices of ``cluster.hardware`` by
+    Whale's inter-TaskGraph balance (``planner.balance.balance_stages``): stage
+    s runs on the devices ranked s-th by memory, as the plan places it
+    (§3.3.2), at their slowest rate and within their smallest memory, keeping
+    its schedule's micro-batches in flight. None on like devices, with
+    ``balance.hardware_aware`` off, or when devices do not divide into stages."""
+    cfg = rt.config
+    hardware = device_hardware(cfg.get("cluster.hardware"), len(rt.devices))
+    if (hardware is None or len(set(hardware)) == 1 or not cfg.get("balance.hardware_aware")
+            or len(hardware) % count):
+        return None
+    replicas = len(hardware) // count
+    ranked = sorted(hardware, key=lambda hw: -hw.memory_gb)
+    groups = [ranked[s * replicas:(s + 1) * replicas] for s in range(count)]
+    dtype = view.compute_dtype
+    micro = cfg.get("pipeline.num_micro_batch")
+    schedule = "1f1b" if cfg.get("pipeline.schedule") == "auto" else cfg.get("pipeline.schedule")
+    group = cfg.get("pipeline.group_size")
+    rows = planning_batch(rt, view) / replicas / micro
+    stages, fits = balance_stages(
+        view.flops, [STATE_BYTES * b for b in view.param_bytes],
+        [b * rows for b in view.activation_bytes],
+        [in_flight(schedule, 1 if group == "auto" else group, count, s, micro)
+         for s in range(count)],
+        [min(hw.flops_per_s(dtype) for hw in g) for g in groups],
+        [min(hw.memory_gb for hw in g) * 2 ** 30 for g in groups])
+    if not fits:
+        log.warning("tfpar: the %d stages do not all fit the memory of cluster.hardware's "
+                    "devices (Whale's Algorithm 1 found no cut that does)", count)
+    return stages
 
 
 def _searched_schedules(cfg) -> Dict[str, Any]:
