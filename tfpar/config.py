@@ -110,6 +110,10 @@ SCHEMA = {
     "auto.planning_pass": Option("bool", True, (),
                                  "a script with auto_parallel plans in a child run first, "
                                  "so sharded layers are built split"),
+    "memory.recompute": Option(
+        "list", [], ("a list of name scopes", lambda v: all(isinstance(s, str) and s for s in v)),
+        "name scopes whose forward the backward recomputes from their inputs instead of "
+        "keeping their activations"),
     "balance.hardware_aware": Option("bool", True, (),
                                      "pipeline stages in order on cluster.hardware devices by "
                                      "memory, most first (Whale §3.3.2); false: device order"),

@@ -25,6 +25,7 @@ from tfpar.rewriters.data_parallel import replicate
 from tfpar.rewriters.horovod_backend import HorovodProcesses, HorovodReducer
 from tfpar.rewriters.select import GraphIndex, is_input, is_resource_variable, is_variable
 from tfpar.rewriters.model_view import model_view
+from tfpar.rewriters.recompute import recompute_scopes
 from tfpar.rewriters.stages import Placement, assign_stages, canonical_device, split_op_devices
 from tfpar.rewriters.fetch_translation import FetchTranslator
 from tfpar.rewriters.function_outputs import rewire_outputs
@@ -277,6 +278,17 @@ def _planned(graph: ops.Graph, capture: GraphCapture, rt: Runtime):
     return plan, index, stage_of
 
 
+def _check_recompute(capture: GraphCapture, rt: Runtime) -> None:
+    """``memory.recompute`` is built for whole-model replicas only (so far)."""
+    cfg = rt.config
+    if (cfg.get("pipeline.num_micro_batch") > 1 or (cfg.get("auto.num_task_graph") or 1) > 1
+            or cfg.get("auto.auto_parallel") or len(capture.task_graphs) > 1
+            or any(s.strategy == Strategy.SPLIT for s in capture.task_graphs)):
+        raise PlanError("tfpar: memory.recompute is applied to data-parallel plans only in "
+                        "this build (no pipeline, micro-batches, wh.split or auto_parallel); "
+                        "remove the key or those")
+
+
 def _check_forced_units(capture: GraphCapture, rt: Runtime) -> None:
     """Every ShardingUnit ``split.patterns`` names exists in this graph."""
     forced = rt.config.get("split.patterns") or {}
@@ -457,6 +469,10 @@ def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
 
 def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
     """Plan ``graph`` and rewrite it (``capture.plan``, ``capture.rewrite``)."""
+    if rt.config.get("memory.recompute"):
+        _check_recompute(capture, rt)
+        with graph_edit.unfinalized(graph), recording_paused():
+            recompute_scopes(graph, capture, rt.config.get("memory.recompute"))
     plan, index, stage_of = _planned(graph, capture, rt)
     refuse_planning_only(capture.automatic[1] if capture.automatic is not None else None)
     warn_unbuilt_sharding(capture)
