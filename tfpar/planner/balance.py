@@ -92,15 +92,15 @@ def balance_stages(costs: Sequence[float], fixed_bytes: Sequence[float],
     batch and their activations per micro-batch) cut into contiguous stages,
     stage i on devices of rate ``flops_per_s[i]`` and memory
     ``memory_bytes[i]`` (ordered by memory, most first) keeping
-    ``in_flight[i]`` micro-batches' activations. Algorithm 1 on the cuts: load
-    ratios start at each stage's share of the FLOP rate (the contiguous cut
-    whose slowest stage, cost / rate, is fastest: ``_fastest_cuts``); then, while a stage is out of memory
-    and another has room, items move from the peak (highest memory
-    utilization) towards the valley (lowest FLOP utilization, ties by memory),
-    one across each cut between them, while that frees memory on the peak and
-    every stage they pass through still fits; a valley that takes none leaves
-    the free stages. Returns each
-    item's stage and whether every stage fits."""
+    ``in_flight[i]`` micro-batches' activations. Algorithm 1 on the cuts:
+    load ratios start at each stage's share of the FLOP rate (the contiguous
+    cut whose slowest stage, cost / rate, is fastest: ``_fastest_cuts``);
+    then, while a stage is out of memory and another has room, items move
+    from the peak (highest memory utilization) towards the valley (lowest
+    FLOP utilization, ties by memory), one across each cut between them,
+    while that frees memory on the peak and every stage they pass through
+    still fits; a valley that takes none leaves the free stages. Returns
+    each item's stage and whether every stage fits."""
     n, count = len(costs), len(flops_per_s)
     cuts = _fastest_cuts(list(itertools.accumulate(costs, initial=0.0)), flops_per_s)
 

@@ -28,21 +28,54 @@ log = logging.getLogger("tfpar")
 
 # Stateful ops whose copies return what the originals did within a step.
 _REPEATABLE = frozenset({"ReadVariableOp"})
+# The name scope tf.gradients (gradients, gradients_1, ...) or a GradientTape
+# puts a forward op's gradient ops under, before the op's own name.
+_GRADIENT_ROOT = re.compile(r"gradients(_\d+)?|gradient_tape")
 
 
-def recompute_scopes(graph: ops.Graph, capture: GraphCapture,
-                     scopes: Sequence[str]) -> Dict[str, int]:
-    """Recompute each of ``scopes`` in the backward; returns scope -> ops copied."""
-    copied = {}
+def recompute_scopes(graph: ops.Graph, capture: GraphCapture, scopes: Sequence[str]) -> None:
+    """Recompute each of ``scopes`` in the backward (the graph is read once
+    for all of them: a scope per layer stays linear in the graph's size)."""
+    scopes = [scope.rstrip("/") for scope in scopes]
+    forward, own = _by_scope(graph, capture, scopes)
+    backward = {op for op in graph.get_operations()
+                if capture.op_phase.get(op.name) == Phase.BACKWARD}
+    waiting: Dict[ops.Operation, List[ops.Operation]] = {}  # op -> ops with it as control input
+    for op in backward:
+        for dep in op.control_inputs:
+            waiting.setdefault(dep, []).append(op)
     for scope in scopes:
-        copied[scope] = _recompute(graph, capture, scope.rstrip("/"))
-    return copied
+        _recompute(graph, capture, scope, forward[scope], own[scope], backward, waiting)
 
 
-def _recompute(graph: ops.Graph, capture: GraphCapture, scope: str) -> int:
-    forward = [op for op in graph.get_operations()
-               if op.name.startswith(scope + "/") and op.name not in capture.op_phase
-               and op.inputs and op.outputs]
+def _by_scope(graph: ops.Graph, capture: GraphCapture, scopes: Sequence[str]):
+    """Per scope: its forward ops with inputs and outputs, in creation
+    (topological) order, and its gradient ops (named after it by tf.gradients
+    or a GradientTape)."""
+    wanted = set(scopes)
+    forward: Dict[str, List[ops.Operation]] = {scope: [] for scope in scopes}
+    own: Dict[str, Set[ops.Operation]] = {scope: set() for scope in scopes}
+    for op in graph.get_operations():
+        parts, phase = op.name.split("/"), capture.op_phase.get(op.name)
+        if phase is None and op.inputs and op.outputs:
+            for scope in _prefixes(parts, wanted):
+                forward[scope].append(op)
+        elif phase == Phase.BACKWARD and _GRADIENT_ROOT.fullmatch(parts[0]):
+            for scope in _prefixes(parts[1:], wanted):
+                own[scope].add(op)
+    return forward, own
+
+
+def _prefixes(parts: List[str], wanted: Set[str]) -> List[str]:
+    """The name scopes of ``wanted`` that a name of ``parts`` lies inside."""
+    return [name for name in ("/".join(parts[:k]) for k in range(1, len(parts)))
+            if name in wanted]
+
+
+def _recompute(graph: ops.Graph, capture: GraphCapture, scope: str,
+               forward: List[ops.Operation], own: Set[ops.Operation],
+               backward: Set[ops.Operation],
+               waiting: Dict[ops.Operation, List[ops.Operation]]) -> None:
     if not forward:
         raise PlanError(f"tfpar: memory.recompute names '{scope}', but no forward op with "
                         "inputs is in that name scope; give the scope layers are built in "
@@ -53,9 +86,7 @@ def _recompute(graph: ops.Graph, capture: GraphCapture, scope: str) -> int:
     # backward read is rebuilt.
     inside = {t for op in forward for t in op.outputs
               if all(user in members or user.name in capture.op_phase for user in t.consumers())}
-    consumers = [op for op in graph.get_operations()
-                 if capture.op_phase.get(op.name) == Phase.BACKWARD
-                 and any(t in inside for t in op.inputs)]
+    consumers = {user for t in inside for user in t.consumers() if user in backward}
     needed = _closure({t.op for c in consumers for t in c.inputs if t in inside}, members)
     for op in needed:
         if op.op_def.is_stateful and op.type not in _REPEATABLE:
@@ -69,24 +100,23 @@ def _recompute(graph: ops.Graph, capture: GraphCapture, scope: str) -> int:
         for k, t in enumerate(op.inputs):
             if t in inside:
                 graph_edit.update_input(op, k, copies[t.op].outputs[t.value_index])
-    backward = {op for op in graph.get_operations()
-                if capture.op_phase.get(op.name) == Phase.BACKWARD}
-    own = re.compile(r"(gradients(_\d+)?|gradient_tape)/" + re.escape(scope) + "/")
-    triggers = _entering_gradients(consumers, set(copies.values()), backward,
-                                   {op for op in backward if own.match(op.name)})
+    triggers = _entering_gradients(consumers, set(copies.values()), backward, own, waiting)
     if not triggers:
         log.warning("tfpar: memory.recompute found no gradient entering scope '%s'; its "
                     "forward is recomputed as soon as its inputs are ready", scope)
     for original, copy in copies.items():
         capture.op_phase[copy.name] = Phase.BACKWARD
+        backward.add(copy)
         if not any(t.op in copies for t in original.inputs):
             for trigger in triggers:
                 graph_edit.add_control_input(copy, trigger)
-    return len(copies)
+                waiting.setdefault(trigger, []).append(copy)
 
 
 def _closure(seeds: Set[ops.Operation], members: Set[ops.Operation]) -> Set[ops.Operation]:
-    """``seeds`` and the ``members`` they depend on through members."""
+    """``seeds`` and the ``members`` they depend on through members, by data
+    edges only (``select.ancestors`` follows control edges too: an op a
+    member merely waits for need not run again)."""
     found, stack = set(), list(seeds)
     while stack:
         op = stack.pop()
@@ -97,18 +127,15 @@ def _closure(seeds: Set[ops.Operation], members: Set[ops.Operation]) -> Set[ops.
     return found
 
 
-def _entering_gradients(consumers: List[ops.Operation], copies: Set[ops.Operation],
-                        backward: Set[ops.Operation],
-                        own: Set[ops.Operation]) -> List[ops.Operation]:
-    """The backward ops outside the scope's gradient ops (``own``: named after
-    the scope by tf.gradients or a GradientTape) that feed them, and that
-    neither the ``consumers`` nor the copies precede by data or control
-    edges: the gradients entering the scope, which the copies may wait for
-    without a cycle."""
-    waiting: Dict[ops.Operation, List[ops.Operation]] = {}  # op -> ops with it as control input
-    for op in backward:
-        for dep in op.control_inputs:
-            waiting.setdefault(dep, []).append(op)
+def _entering_gradients(consumers: Set[ops.Operation], copies: Set[ops.Operation],
+                        backward: Set[ops.Operation], own: Set[ops.Operation],
+                        waiting: Dict[ops.Operation, List[ops.Operation]]
+                        ) -> List[ops.Operation]:
+    """The backward ops outside the scope's gradient ops (``own``) that feed
+    them, and that neither the ``consumers`` nor the copies precede by data
+    or control edges (``waiting``: op -> ops with it as control input): the
+    gradients entering the scope, which the copies may wait for without a
+    cycle."""
     after, stack = set(), list(consumers) + list(copies)
     while stack:
         op = stack.pop()
