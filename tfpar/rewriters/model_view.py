@@ -12,9 +12,9 @@ holds ``seq * d`` elements per sample, and a dense layer on it
 that do not depend on the inputs (weights, constants, shapes of weights) hold
 nothing per sample, and neither do scalars (a batch mean is one value).
 """
-from typing import Any, Dict, List, Optional, Tuple
+import math
+from typing import Dict, List, Optional, Tuple
 
-import numpy as np
 from tensorflow.python.framework import config, dtypes, ops, tensor_shape, tensor_util
 from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import handle_data_util
@@ -23,7 +23,8 @@ from tfpar.hooks.capture import GraphCapture
 from tfpar.ir.taskgraph import Phase
 from tfpar.planner.auto import ModelView
 from tfpar.planner.pruning import block_labels
-from tfpar.rewriters.select import GraphIndex, ancestors, is_input, is_variable
+from tfpar.rewriters.select import (INPUT_TYPES, VARIABLE_TYPES, GraphIndex, ancestors, is_input,
+                                    is_variable)
 
 __all__ = ["model_view"]
 
@@ -43,50 +44,121 @@ FUSIBLE = frozenset({
     "Square", "Sqrt", "Rsqrt", "Exp", "Log", "Erf", "Pow", "Mul", "AddV2", "Add", "Sub",
     "RealDiv", "Maximum", "Minimum", "BiasAdd", "SquaredDifference", "Select", "SelectV2",
     "StopGradient", "Softmax", "Mean", "Sum"})
+_BOUNDARY_TYPES = VARIABLE_TYPES | INPUT_TYPES
 _DTYPES = {dtypes.float64: "fp64", dtypes.float32: "fp32", dtypes.float16: "fp16",
            dtypes.bfloat16: "bf16"}
 
 
 def model_view(index: GraphIndex, capture: GraphCapture) -> Tuple[List[ops.Operation], ModelView]:
-    """The forward ops (graph order, a topological one) and their view."""
+    """The forward ops (graph order, a topological one) and their view. Each
+    op and tensor is read from TensorFlow once (the planner reads graphs of
+    tens of thousands of ops: its time grows with what it reads)."""
     losses = [y.op for call in capture.gradient_calls for y in call.ys if hasattr(y, "op")]
-    needed = ancestors(losses, lambda op: is_variable(op) or is_input(op))
+    needed = ancestors(losses, _is_boundary)
+    phases = capture.op_phase
     order = [op for op in index.ops
-             if op in needed and capture.op_phase.get(op.name, Phase.FORWARD) == Phase.FORWARD]
-    samples = _per_sample(order)
-    position = {op: i for i, op in enumerate(order)}
-    names, types = [op.name for op in order], [op.type for op in order]
-
-    def size(t) -> float:
-        # A scalar is one value for the whole batch, not one per sample (the
-        # elements a full reduction reads stay its FLOPs, not its output bytes).
-        if t.shape.rank == 0:
-            return 0.0
-        return samples.get(t, 0.0) * t.dtype.size
-
-    flops = [_flops(op, samples) for op in order]
-    edges = [(position[t.op], j, size(t)) for j, op in enumerate(order) for t in op.inputs
-             if t.op in position]
+             if op in needed and phases.get(op.name, Phase.FORWARD) == Phase.FORWARD]
+    graph = _Read(order)
+    nbytes = graph.nbytes
+    flops = [_flops(j, op, graph) for j, op in enumerate(order)]
+    edges = [(graph.producer[id(t)], j, nbytes[id(t)]) for j, ins in enumerate(graph.inputs)
+             for t in ins if id(t) in graph.producer]
+    names = [op.name for op in order]
     return order, ModelView(
         flops=flops,
-        activation_bytes=[size(op.outputs[0]) if op.outputs and not _is_view(op) else 0.0
-                          for op in order],
-        param_bytes=_weight_bytes(order),
-        edges=edges, labels=block_labels(names, types), names=names, types=types,
-        input_bytes=[sum(size(t) for t in op.inputs if is_input(t.op))
-                     for op in order],
-        batch=_declared_batch(order, capture), compute_dtype=_compute_dtype(order, flops),
-        traffic_bytes=_traffic(order, edges, size))
+        activation_bytes=[nbytes[id(outs[0])] if outs and not view else 0.0
+                          for outs, view in zip(graph.outputs, graph.views)],
+        param_bytes=_weight_bytes(graph),
+        edges=edges, labels=block_labels(names, graph.types), names=names, types=graph.types,
+        input_bytes=[sum(nbytes[id(t)] for t in ins if id(t) in graph.fed)
+                     for ins in graph.inputs],
+        batch=_declared_batch(graph, capture), compute_dtype=_compute_dtype(graph, flops),
+        traffic_bytes=_traffic(graph, edges))
 
 
-def _declared_batch(order: List[ops.Operation], capture: GraphCapture) -> Optional[int]:
+def _is_boundary(op: ops.Operation) -> bool:
+    """Where the walk back from the losses stops: variables and inputs."""
+    return op.type in _BOUNDARY_TYPES and (is_variable(op) or is_input(op))
+
+
+class _Read:
+    """The ops' inputs, outputs and types, and per tensor (by ``id``: the
+    graph keeps each tensor object): the op of ``order`` producing it, the
+    model's inputs (``fed``) and variables among the others, its elements
+    per sample and its bytes per sample (0 for a scalar: one value for the
+    whole batch, not one per sample)."""
+
+    def __init__(self, order: List[ops.Operation]):
+        self.types = [op.type for op in order]
+        self.inputs = [tuple(op.inputs) for op in order]
+        self.outputs = [op.outputs for op in order]
+        self.producer = {id(t): j for j, outs in enumerate(self.outputs) for t in outs}
+        self.fed, self.variables = set(), {}
+        for ins in self.inputs:
+            for t in ins:
+                if id(t) not in self.producer:
+                    if is_input(t.op):
+                        self.fed.add(id(t))
+                    elif is_variable(t.op):
+                        self.variables[id(t)] = t
+        self._static: Dict[int, Optional[float]] = {}
+        self.contraction = {j: _contraction_sizes(op) for j, op in enumerate(order)
+                            if op.type in CONTRACTIONS}
+        self.views = [_is_view(op) for op in order]
+        self.samples = self._per_sample(order)
+        self.nbytes = {}
+        for tensors in (self.inputs, self.outputs):
+            for ts in tensors:
+                for t in ts:
+                    if id(t) not in self.nbytes:
+                        self.nbytes[id(t)] = (0.0 if t.shape.rank == 0 else
+                                              self.samples.get(id(t), 0.0) * t.dtype.size)
+
+    def static(self, t) -> Optional[float]:
+        """Elements per row of ``t`` from its static shape (None when unknown)."""
+        key = id(t)
+        if key not in self._static:
+            dims = t.shape.as_list() if t.shape.rank is not None else None
+            self._static[key] = (None if not dims or any(d is None for d in dims[1:])
+                                 else float(math.prod(dims[1:])))
+        return self._static[key]
+
+    def _per_sample(self, order: List[ops.Operation]) -> Dict[int, float]:
+        """Elements per sample of every tensor the ops read or write."""
+        samples: Dict[int, float] = {}
+        for j, op in enumerate(order):
+            reads = []
+            for t in self.inputs[j]:
+                count = samples.get(id(t))
+                if count is None:
+                    count = samples[id(t)] = (self.static(t) or 1.0) if id(t) in self.fed else 0.0
+                reads.append(count)
+            base = max(reads, default=0.0)
+            main = self.inputs[j][reads.index(base)] if base else None
+            for out in self.outputs[j]:
+                samples[id(out)] = base * self._ratio(j, main, out) if base else 0.0
+        return samples
+
+    def _ratio(self, j: int, main, out) -> float:
+        """Elements of ``out`` per element of op j's main (largest) input."""
+        if self.types[j] in SAME_ELEMENTS:
+            return 1.0
+        if j in self.contraction and main is self.inputs[j][0]:
+            depth, units = self.contraction[j]
+            if depth and units:
+                return units / depth
+        before, after = self.static(main), self.static(out)
+        return after / before if before and after else 1.0
+
+
+def _declared_batch(graph: _Read, capture: GraphCapture) -> Optional[int]:
     """The batch the model's inputs declare: dimension 0 of their static
     shapes, as written (``hooks.batch_shapes`` relaxes it while tfpar is
     active and records it in ``capture.declared_batch``, by placeholder or
     iterator). When they disagree, the size most of them declare (the
     largest of those); None when none declares one."""
     sizes = []
-    inputs = {t.name: t for op in order for t in op.inputs if is_input(t.op)}
+    inputs = {t.name: t for ins in graph.inputs for t in ins if id(t) in graph.fed}
     for t in inputs.values():
         sources = [t.op] + [s.op for s in t.op.inputs]  # an iterator read: its iterator
         declared = [capture.declared_batch[s.name] for s in sources
@@ -98,14 +170,14 @@ def _declared_batch(order: List[ops.Operation], capture: GraphCapture) -> Option
     return max(sizes, key=lambda size: (sizes.count(size), size)) if sizes else None
 
 
-def _compute_dtype(order: List[ops.Operation], flops: List[float]) -> str:
+def _compute_dtype(graph: _Read, flops: List[float]) -> str:
     """The dtype (``hardware.DTYPES``) of most FLOPs: float32 is "tf32" when
     TensorFlow runs it as TF32 (the default, on devices that can:
     ``tf.config.experimental.enable_tensor_float_32_execution``)."""
     by_dtype: Dict[str, float] = {}
-    for op, count in zip(order, flops):
-        if op.outputs and op.outputs[0].dtype in _DTYPES:
-            name = _DTYPES[op.outputs[0].dtype]
+    for outs, count in zip(graph.outputs, flops):
+        if outs and outs[0].dtype in _DTYPES:
+            name = _DTYPES[outs[0].dtype]
             by_dtype[name] = by_dtype.get(name, 0.0) + count
     dtype = max(by_dtype, key=by_dtype.get) if any(by_dtype.values()) else "fp32"
     if dtype == "fp32" and config.tensor_float_32_execution_enabled():
@@ -113,20 +185,21 @@ def _compute_dtype(order: List[ops.Operation], flops: List[float]) -> str:
     return dtype
 
 
-def _traffic(order: List[ops.Operation], edges: List[Tuple[int, int, float]], size
-             ) -> List[float]:
+def _traffic(graph: _Read, edges: List[Tuple[int, int, float]]) -> List[float]:
     """Bytes per sample each op reads and writes in device memory: none for
     a view or a shape read; within a chain of ``FUSIBLE`` ops, a tensor only
     the next op of the chain reads is neither written nor read."""
-    traffic = [0.0 if _is_view(op) or op.type in SHAPE_READS else
-               sum(size(t) for t in list(op.inputs) + list(op.outputs)) for op in order]
+    nbytes, types = graph.nbytes, graph.types
+    traffic = [0.0 if view or kind in SHAPE_READS else
+               sum(nbytes[id(t)] for t in ins) + sum(nbytes[id(t)] for t in outs)
+               for view, kind, ins, outs in zip(graph.views, types, graph.inputs, graph.outputs)]
     consumers: Dict[int, set] = {}
     for i, j, _ in edges:
         consumers.setdefault(i, set()).add(j)
-    for i, j, nbytes in edges:
-        if order[i].type in FUSIBLE and order[j].type in FUSIBLE and consumers[i] == {j}:
-            traffic[i] -= nbytes
-            traffic[j] -= nbytes
+    for i, j, size in edges:
+        if types[i] in FUSIBLE and types[j] in FUSIBLE and consumers[i] == {j}:
+            traffic[i] -= size
+            traffic[j] -= size
     return [max(t, 0.0) for t in traffic]
 
 
@@ -136,33 +209,6 @@ def _is_view(op: ops.Operation) -> bool:
         perm = tensor_util.constant_value(op.inputs[1])
         return perm is not None and list(perm) == list(range(len(perm)))
     return op.type in VIEWS
-
-
-def _per_sample(order: List[ops.Operation]) -> Dict[Any, float]:
-    """Elements per sample of every tensor the ops read or write."""
-    samples: Dict[Any, float] = {}
-    for op in order:
-        for t in op.inputs:
-            if t not in samples:
-                samples[t] = (_static(t) or 1.0) if is_input(t.op) else 0.0
-        reads = [samples[t] for t in op.inputs]
-        base = max(reads, default=0.0)
-        main = op.inputs[reads.index(base)] if base else None
-        for out in op.outputs:
-            samples[out] = base * _ratio(op, main, out) if base else 0.0
-    return samples
-
-
-def _ratio(op: ops.Operation, main, out) -> float:
-    """Elements of ``out`` per element of the op's main (largest) input."""
-    if op.type in SAME_ELEMENTS:
-        return 1.0
-    if op.type in CONTRACTIONS and main is op.inputs[0]:
-        depth, units = _contraction_sizes(op)
-        if depth and units:
-            return units / depth
-    before, after = _static(main), _static(out)
-    return after / before if before and after else 1.0
 
 
 def _contraction_sizes(op: ops.Operation) -> Tuple[Optional[int], Optional[int]]:
@@ -180,12 +226,13 @@ def _contraction_sizes(op: ops.Operation) -> Tuple[Optional[int], Optional[int]]
     return depth, b[-2] if flip_b else b[-1]
 
 
-def _flops(op: ops.Operation, samples) -> float:
-    """FLOPs per sample: 2 x multiply-adds of contractions and convolutions,
-    output elements otherwise."""
-    out = samples.get(op.outputs[0], 0.0) if op.outputs else 0.0
-    if op.type in CONTRACTIONS:
-        depth, _ = _contraction_sizes(op)
+def _flops(j: int, op: ops.Operation, graph: _Read) -> float:
+    """FLOPs per sample of op j: 2 x multiply-adds of contractions and
+    convolutions, output elements otherwise."""
+    outs = graph.outputs[j]
+    out = graph.samples.get(id(outs[0]), 0.0) if outs else 0.0
+    if j in graph.contraction:
+        depth, _ = graph.contraction[j]
         return 2.0 * out * float(depth or 1)
     if op.type == "Conv2D":
         kernel = op.inputs[1].shape
@@ -195,22 +242,14 @@ def _flops(op: ops.Operation, samples) -> float:
     return out
 
 
-def _static(t) -> Optional[float]:
-    """Elements per row of ``t`` from its static shape (None when unknown)."""
-    dims = t.shape.as_list() if t.shape.rank is not None else None
-    if not dims or any(d is None for d in dims[1:]):
-        return None
-    return float(np.prod(dims[1:], dtype=np.int64))
-
-
-def _weight_bytes(order: List[ops.Operation]) -> List[float]:
+def _weight_bytes(graph: _Read) -> List[float]:
     """Bytes of the variables each op reads first."""
     seen = set()
     owned = []
-    for op in order:
+    for ins in graph.inputs:
         total = 0.0
-        for t in op.inputs:
-            if is_variable(t.op) and t.op not in seen:
+        for t in ins:
+            if id(t) in graph.variables and t.op not in seen:
                 seen.add(t.op)
                 shape, dtype = _variable_shape(t)
                 total += (shape.num_elements() or 0) * dtype.size
