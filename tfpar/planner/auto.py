@@ -313,9 +313,11 @@ class _Search:
         self.schedules, self.group_size = schedules
         self.layers = layer_graph(model) if tensors else None
         self.recompute = recomputation(model)
+        self.kernels = [int(bool(f or a)) for f, a in zip(model.flops, model.activation_bytes)]
         self.capacity = hardware.memory_gb * 2 ** 30
         self.cuts: Dict[int, List[int]] = {}
         self.solved: Dict = {}  # sharding segments, across stages and meshes
+        self.shapes: Dict[Tuple, int] = {}  # layer graphs' shapes, numbered
         self.sharded: Dict = {}  # (graph shape, mesh, split only) -> candidates
         self.plans: Dict = {}  # estimates of sharded graphs, by shape
         self.stage_models: Dict = {}  # their StageModels, by shape and mesh
@@ -348,19 +350,16 @@ class _Search:
     def _terms(self, ops: Sequence[int], act_scale: float) -> Dict[str, tuple]:
         """``StageModel``'s recomputation fields for ``ops``, activations x ``act_scale``."""
         terms = self.recompute
-        flops = sum(self.model.flops[i] for i in ops) or 1.0
-        return {"kept": tuple(act_scale * sum(terms.kept[mode][i] for i in ops)
-                              for mode in RECOMPUTE),
+        flops = _total(self.model.flops, ops) or 1.0
+        return {"kept": tuple(act_scale * _total(terms.kept[mode], ops) for mode in RECOMPUTE),
                 "transient": tuple(act_scale * terms.transient_bytes(mode, ops)
                                    for mode in RECOMPUTE),
-                "recomputed": tuple(sum(terms.flops[mode][i] for i in ops) / flops
+                "recomputed": tuple(_total(terms.flops[mode], ops) / flops
                                     for mode in RECOMPUTE)}
 
     def _launches(self, ops: Sequence[int]) -> float:
         """Seconds of kernel launches of one micro-batch through ``ops``."""
-        model = self.model
-        kernels = sum(1 for i in ops if model.flops[i] or model.activation_bytes[i])
-        return KERNELS_PER_OP * LAUNCH_S * kernels
+        return KERNELS_PER_OP * LAUNCH_S * _total(self.kernels, ops)
 
     def _unsplit(self, p: int, d: int, rows: float, counts: Sequence[int],
                  stages: Sequence[int]) -> Candidate:
@@ -403,7 +402,7 @@ class _Search:
         replicas = 1 if p > 1 else d
         sizing = self.global_batch * t / self.num_devices / (self.num_micro_batch or 1)
         mesh = Mesh(replicas * t, t, sizing * replicas, hardware, model.compute_dtype)
-        shapes = [_shape(graph) for graph in graphs]
+        shapes = [self._shape(graph) for graph in graphs]
         chosen = []
         for shape, graph in zip(shapes, graphs):
             key = (shape, mesh, p > 1)
@@ -433,6 +432,13 @@ class _Search:
                 op_stage[op] = stage_of[i]
         return _candidate(best, d, t, p, tuple(op_stage), tuple(parts), tuple(split),
                           tuple(stages))
+
+    def _shape(self, graph) -> int:
+        """A number for what a layer graph's sharding and estimates depend on:
+        its layers' identities and its edges (equal for a pipeline's middle
+        stages; a number, as the caches' keys hash it often)."""
+        shape = (tuple(layer.identity for layer in graph.layers), graph.edges)
+        return self.shapes.setdefault(shape, len(self.shapes))
 
     def _shard(self, graph, mesh: Mesh, p: int, time_limit_s: float) -> Optional[Tuple[str, ...]]:
         """The sharding search's candidates for ``graph`` on ``mesh`` (None:
@@ -484,11 +490,16 @@ class _Search:
         else:
             grads = allreduce(d, params, self.hardware.bandwidth(d, t * p))
         ops = [op for layer in graph.layers for op in layer.ops]
-        unsplit = sum(self.recompute.kept["none"][i] for i in ops) or 1.0
+        unsplit = _total(self.recompute.kept["none"], ops) or 1.0
         activations = one.memory_bytes - one.weight_memory
         return StageModel(compute, per_row - compute, two.comm_bytes - one.comm_bytes,
                           one.step_time_s - per_row + self._launches(ops), params, grads,
                           **self._terms(ops, activations / unsplit))
+
+
+def _total(values: Sequence[float], ops: Sequence[int]) -> float:
+    """The sum of ``values`` at ``ops``."""
+    return sum(map(values.__getitem__, ops))
 
 
 def _scattered(hardware: Hardware, t: int, p: int) -> float:
@@ -498,12 +509,6 @@ def _scattered(hardware: Hardware, t: int, p: int) -> float:
     al., SC'21, §4.1: scatter/gather)."""
     between, within = hardware.link(t * p), hardware.link(t)
     return 1 / (1 / (t * between) + (t - 1) / (t * within))
-
-
-def _shape(graph) -> Tuple:
-    """What a layer graph's sharding and estimates depend on: its layers'
-    identities and its edges (equal for a pipeline's middle stages)."""
-    return (tuple(layer.identity for layer in graph.layers), graph.edges)
 
 
 def _candidate(best: Setting, d: int, t: int, p: int, stages: Tuple[int, ...],

@@ -20,6 +20,7 @@ Each layer has a kind, from its op types:
 """
 import collections
 import dataclasses
+import functools
 from typing import Dict, List, Sequence, Tuple
 
 import networkx as nx
@@ -89,6 +90,12 @@ class LayerGraph:
     layers: Tuple[Layer, ...]
     edges: Tuple[Tuple[int, int, float], ...]
 
+    @functools.cached_property
+    def classes(self) -> Tuple[int, ...]:
+        """Per layer, a number shared by the layers of equal ``identity``."""
+        numbers: Dict[Tuple, int] = {}
+        return tuple(numbers.setdefault(layer.identity, len(numbers)) for layer in self.layers)
+
 
 def layer_graph(view) -> LayerGraph:
     """Group the ops of an ``auto.ModelView`` (with names and types) into layers."""
@@ -121,7 +128,7 @@ def layer_graph(view) -> LayerGraph:
     layers = tuple(_layer(tuple(dict.fromkeys(key[i] for i in members[g])), members[g], view,
                           outgoing[position[g]]) for g in order)
     edges = tuple((a, b, s) for (a, b), s in sorted(volume.items()))
-    core = attention_layers(layers, edges, view.types)
+    core = set(attention_layers(layers, edges, view.types))
     layers = tuple(dataclasses.replace(layer, kind="attention")
                    if k in core and layer.kind == "other" else layer
                    for k, layer in enumerate(layers))
@@ -144,14 +151,18 @@ def attention_layers(layers: Sequence[Layer], edges: Sequence[Tuple[int, int, fl
     groups = nx.Graph()
     groups.add_nodes_from(fits)
     groups.add_edges_from((i, j) for i, j in carrying if i in fits and j in fits)
+    producers, consumers = collections.defaultdict(list), collections.defaultdict(list)
+    for i, j in carrying:
+        producers[j].append(i)
+        consumers[i].append(j)
     core = []
     for group in nx.connected_components(groups):
         contracts = any(types[i] in CONTRACTIONS for k in group for i in layers[k].ops)
-        feeders = [layers[i].kind for i, j in carrying if j in group and i not in group]
+        feeders = [layers[i].kind for k in group for i in producers[k] if i not in group]
         fed = feeders and set(feeders) == {"matmul"} and not any(
             layers[k].input_bytes for k in group)
-        feeds = all(layers[j].kind == "matmul" for i, j in carrying
-                    if i in group and j not in group)
+        feeds = all(layers[j].kind == "matmul" for k in group for j in consumers[k]
+                    if j not in group)
         if contracts and fed and feeds:
             core += sorted(group)
     return core
@@ -215,11 +226,15 @@ def _layer_keys(names: List[str], weighted: List[bool]) -> List[str]:
             parts = name.split("/")
             for depth in range(1, len(parts)):
                 contractions["/".join(parts[:depth])] += 1
+    outermost: Dict[str, str] = {}  # by the op's scope ("" when none holds it)
     keys = []
     for name in names:
-        parts = name.split("/")
-        keys.append(next(("/".join(parts[:depth]) for depth in range(1, len(parts))
-                          if contractions["/".join(parts[:depth])] <= 1), name))
+        scope = name.rpartition("/")[0]
+        if scope not in outermost:
+            parts = scope.split("/") if scope else []
+            outermost[scope] = next(("/".join(parts[:depth]) for depth in range(1, len(parts) + 1)
+                                     if contractions["/".join(parts[:depth])] <= 1), "")
+        keys.append(outermost[scope] or name)
     return keys
 
 

@@ -90,8 +90,9 @@ class Recomputation:
 
     def transient_bytes(self, mode: str, ops: Sequence[int]) -> float:
         """Bytes per row rebuilt at once among ``ops``: the largest unit's."""
-        units = {self.unit[mode][i] for i in ops if self.unit[mode][i] >= 0}
-        return max((self.unit_bytes[mode][u] for u in units), default=0.0)
+        units = set(map(self.unit[mode].__getitem__, ops))
+        units.discard(-1)
+        return max(map(self.unit_bytes[mode].__getitem__, units), default=0.0)
 
 
 def recomputation(view) -> Recomputation:

@@ -19,8 +19,9 @@ stages whose most expensive one is as cheap as possible
 with a greedy check). Contiguity in a topological order keeps every edge
 pointing to the same or a later stage.
 """
+import collections
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import networkx as nx
 
@@ -50,15 +51,16 @@ def partition_stages(costs: Sequence[float], edges: Sequence[Tuple[int, int, flo
     if not costs:
         return []
     chunk = _chunks(costs, labels, edges, num_stages)
-    dag = nx.DiGraph()
-    for i, cost in enumerate(costs):
-        dag.add_node(chunk[i], comp=dag.nodes[chunk[i]]["comp"] + cost
-                     if chunk[i] in dag else cost)
+    comp: Dict[int, float] = collections.defaultdict(float)
+    for c, cost in zip(chunk, costs):
+        comp[c] += cost
+    sent: Dict[Tuple[int, int], float] = collections.defaultdict(float)
     for i, j, volume in edges:
-        a, b = chunk[i], chunk[j]
-        if a != b:
-            previous = dag.edges[a, b]["bytes"] if dag.has_edge(a, b) else 0.0
-            dag.add_edge(a, b, bytes=previous + volume)
+        if chunk[i] != chunk[j]:
+            sent[chunk[i], chunk[j]] += volume
+    dag = nx.DiGraph()
+    dag.add_nodes_from((c, {"comp": cost}) for c, cost in comp.items())
+    dag.add_edges_from((a, b, {"bytes": volume}) for (a, b), volume in sent.items())
     chunk_costs = [dag.nodes[c]["comp"] for c in sorted(dag)]
     by_chunk = balanced_partition(chunk_costs, num_stages)
     tolerance = _tolerance(chunk_costs, by_chunk, num_stages)

@@ -18,23 +18,31 @@ __all__ = ["block_labels", "shared_blocks"]
 def shared_blocks(names: Sequence[str], op_types: Sequence[str],
                   min_duplicate: int = 2) -> List[Dict[str, List[int]]]:
     """Per level (deepest first), the similar blocks found: scope prefix -> the
-    indices of its ops."""
-    depth = max((name.count("/") for name in names), default=0)
+    indices of its ops. (Read per name scope, not per op: a model has
+    several ops per scope.)"""
+    scopes: Dict[str, List[int]] = collections.defaultdict(list)
+    for i, name in enumerate(names):
+        scopes[name.rpartition("/")[0]].append(i)
+    scopes.pop("", None)  # ops at the root are in no block
+    parts = [scope.split("/") for scope in scopes]
+    kinds = [[op_types[i] for i in members] for members in scopes.values()]
+    depth = max(map(len, parts), default=0)
     found = []
     for level in range(depth, 0, -1):
         blocks: Dict[str, List[int]] = collections.defaultdict(list)
-        for i, name in enumerate(names):
-            parts = name.split("/")
-            if len(parts) > level:
-                blocks["/".join(parts[:level])].append(i)
+        composition: Dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        for scope_parts, members, types in zip(parts, scopes.values(), kinds):
+            if len(scope_parts) >= level:
+                prefix = "/".join(scope_parts[:level])
+                blocks[prefix] += members
+                composition[prefix].update(types)  # counted in C from a list
         by_composition = collections.defaultdict(list)
-        for prefix, members in blocks.items():
-            composition = tuple(sorted(collections.Counter(op_types[i] for i in members).items()))
-            by_composition[composition].append(prefix)
+        for prefix, count in composition.items():
+            by_composition[tuple(sorted(count.items()))].append(prefix)
         similar = max(by_composition.values(), key=len, default=[])
         if len(similar) < min_duplicate:
             break
-        found.append({prefix: blocks[prefix] for prefix in similar})
+        found.append({prefix: sorted(blocks[prefix]) for prefix in similar})
     return found
 
 

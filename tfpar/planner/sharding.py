@@ -185,6 +185,12 @@ class Problem:
         self.preds: List[List[Tuple[int, float]]] = [[] for _ in graph.layers]
         for i, j, size in graph.edges:
             self.preds[j].append((i, size))
+        # Costs depend on a layer's identity, not its position: a model's
+        # repeated blocks are costed once (``layer_cost``, ``memory_of``).
+        self.klass = graph.classes
+        self._nodes: Dict[Tuple, Cost] = {}
+        self._costs: Dict[Tuple, Cost] = {}
+        self._memory: Dict[Tuple, float] = {}
 
     def allowed(self) -> List[Tuple[str, ...]]:
         if self.mesh.tensor == 1:
@@ -206,6 +212,12 @@ class Problem:
 
     def node(self, i: int, candidate: str) -> Cost:
         """Compute (forward + backward = 3 x forward) and communication of layer i."""
+        key = (self.klass[i], candidate)
+        if key not in self._nodes:
+            self._nodes[key] = self._node(i, candidate)
+        return self._nodes[key]
+
+    def _node(self, i: int, candidate: str) -> Cost:
         layer, mesh = self.graph.layers[i], self.mesh
         t, bandwidth = mesh.tensor, mesh.group_bandwidth
         compute = Cost(3 * layer.flops * self.rows(candidate)
@@ -245,6 +257,12 @@ class Problem:
                 ("W", "F"): allreduce(t, total, bandwidth)}[out_layout, in_layout]
 
     def memory_of(self, i: int, candidate: str, activations: bool = True) -> float:
+        key = (self.klass[i], candidate, activations)
+        if key not in self._memory:
+            self._memory[key] = self._layer_memory(i, candidate, activations)
+        return self._memory[key]
+
+    def _layer_memory(self, i: int, candidate: str, activations: bool) -> float:
         layer, t = self.graph.layers[i], self.mesh.tensor
         weights = layer.param_bytes / (t if candidate in SHARDED else 1)
         if not activations:
@@ -262,15 +280,20 @@ class Problem:
     def layer_cost(self, j: int, candidate_of) -> Cost:
         """Layer j's cost with the resharding of its inputs (``candidate_of``:
         layer -> candidate, for j and its producers)."""
-        return sum((self.reshard(size, candidate_of[i], candidate_of[j])
-                    for i, size in self.preds[j]), self.node(j, candidate_of[j]))
+        mine = candidate_of[j]
+        inputs = tuple((size, candidate_of[i]) for i, size in self.preds[j])
+        key = (self.klass[j], mine, inputs)
+        if key not in self._costs:
+            self._costs[key] = sum((self.reshard(size, theirs, mine) for size, theirs in inputs),
+                                   self.node(j, mine))
+        return self._costs[key]
 
     def layer_costs(self, chosen: Sequence[str]) -> List[Cost]:
         return [self.layer_cost(j, chosen) for j in range(len(chosen))]
 
     def objective(self, chosen: Sequence[str]) -> Cost:
         """What the solvers minimise: layers' costs plus resharding edges."""
-        return sum(self.layer_costs(chosen), Cost())
+        return _total(self.layer_costs(chosen))
 
     def _bucket_latency(self, chosen: Sequence[str]) -> Cost:
         """Gradients go in fused buckets: one latency per all-reduce group."""
@@ -285,11 +308,16 @@ class Problem:
 
     def plan(self, chosen: Sequence[str], optimal: bool) -> ShardingPlan:
         costs = self.layer_costs(chosen)
-        step = sum(costs, Cost()) + self._bucket_latency(chosen)
+        step = _total(costs) + self._bucket_latency(chosen)
         memory = [self.memory_of(i, c) for i, c in enumerate(chosen)]
         weights = sum(self.memory_of(i, c, activations=False) for i, c in enumerate(chosen))
         return ShardingPlan(tuple(chosen), step.seconds, sum(memory), step.bytes, optimal,
                             tuple(costs), tuple(memory), weights)
+
+
+def _total(costs: Sequence[Cost]) -> Cost:
+    """The sum of ``costs`` (summed field by field: they are many)."""
+    return Cost(*map(sum, zip(*costs))) if costs else Cost()
 
 
 def _ilp(problem: Problem, allowed: Sequence[Tuple[str, ...]], fixings: Sequence[Dict[int, str]],
@@ -359,19 +387,25 @@ def _segments_dp(problem: Problem, allowed: Sequence[Tuple[str, ...]],
     graph = problem.graph
     critical = critical_layers(graph)
     first = critical[0]
-    best = {c: (problem.node(first, c).seconds, [c]) for c in allowed[first]}
-    used = []
+    best = {c: problem.node(first, c).seconds for c in allowed[first]}
+    used, came_from = [], []  # per segment: its table, and end candidate -> start's
     for start, end in zip(critical, critical[1:]):
         key = _segment_key(problem, allowed, start, end)
         if key not in cache:
             cache[key] = _solve_segment(problem, allowed, start, end)
         table = cache[key]
         used.append(table)
-        best = {b: min(((cost + table[a, b][0], path + table[a, b][1])
-                        for a, (cost, path) in best.items()), key=lambda x: x[0])
-                for b in allowed[end]}
+        step = {b: min(((cost + table[a, b][0], a) for a, cost in best.items()),
+                       key=lambda x: x[0]) for b in allowed[end]}
+        best = {b: cost for b, (cost, _) in step.items()}
+        came_from.append({b: a for b, (_, a) in step.items()})
     optimal = all(entry[2] for table in used for entry in table.values())
-    return min(best.values(), key=lambda x: x[0])[1], optimal
+    last = min(best, key=best.get)
+    pieces = []
+    for table, back in zip(reversed(used), reversed(came_from)):
+        pieces.append(table[back[last], last][1])
+        last = back[last]
+    return [last] + [c for piece in reversed(pieces) for c in piece], optimal
 
 
 def _segment_key(problem: Problem, allowed, start: int, end: int) -> Tuple:

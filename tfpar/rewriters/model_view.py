@@ -111,8 +111,9 @@ class _Read:
             for ts in tensors:
                 for t in ts:
                     if id(t) not in self.nbytes:
-                        self.nbytes[id(t)] = (0.0 if t.shape.rank == 0 else
-                                              self.samples.get(id(t), 0.0) * t.dtype.size)
+                        count = self.samples.get(id(t), 0.0)
+                        self.nbytes[id(t)] = (count * t.dtype.size
+                                              if count and t.shape.rank != 0 else 0.0)
 
     def static(self, t) -> Optional[float]:
         """Elements per row of ``t`` from its static shape (None when unknown)."""
@@ -176,7 +177,7 @@ def _compute_dtype(graph: _Read, flops: List[float]) -> str:
     ``tf.config.experimental.enable_tensor_float_32_execution``)."""
     by_dtype: Dict[str, float] = {}
     for outs, count in zip(graph.outputs, flops):
-        if outs and outs[0].dtype in _DTYPES:
+        if count and outs and outs[0].dtype in _DTYPES:
             name = _DTYPES[outs[0].dtype]
             by_dtype[name] = by_dtype.get(name, 0.0) + count
     dtype = max(by_dtype, key=by_dtype.get) if any(by_dtype.values()) else "fp32"
@@ -206,9 +207,30 @@ def _traffic(graph: _Read, edges: List[Tuple[int, int, float]]) -> List[float]:
 def _is_view(op: ops.Operation) -> bool:
     """Whether ``op``'s output shares its input's buffer."""
     if op.type == "Transpose":
-        perm = tensor_util.constant_value(op.inputs[1])
-        return perm is not None and list(perm) == list(range(len(perm)))
+        before, after = op.inputs[0].shape, op.outputs[0].shape
+        if before.rank is not None and after.rank is not None and any(
+                a is not None and b is not None and a != b
+                for a, b in zip(before.as_list(), after.as_list())):
+            return False  # moves a dimension (read before the permutation: it is dearer)
+        perm = _integers(op.inputs[1])
+        return perm is not None and perm == list(range(len(perm)))
     return op.type in VIEWS
+
+
+def _integers(t: tensor_lib.Tensor) -> Optional[List[int]]:
+    """The values of a constant integer tensor (None: not constant). A
+    ``Const``'s are read from its proto (numpy's conversion costs more)."""
+    if t.op.type == "Const" and t.dtype in (dtypes.int32, dtypes.int64):
+        proto, width = t.op.get_attr("value"), t.dtype.size
+        content = proto.tensor_content
+        if content:
+            return [int.from_bytes(content[k:k + width], "little", signed=True)
+                    for k in range(0, len(content), width)]
+        values = list(proto.int_val if t.dtype == dtypes.int32 else proto.int64_val)
+        count = t.shape.num_elements()
+        return values if count is None or len(values) == count else values[:1] * count
+    value = tensor_util.constant_value(t)
+    return None if value is None else [int(v) for v in value.flat]
 
 
 def _contraction_sizes(op: ops.Operation) -> Tuple[Optional[int], Optional[int]]:
@@ -246,13 +268,18 @@ def _weight_bytes(graph: _Read) -> List[float]:
     """Bytes of the variables each op reads first."""
     seen = set()
     owned = []
-    for ins in graph.inputs:
+    for kind, ins, outs in zip(graph.types, graph.inputs, graph.outputs):
         total = 0.0
         for t in ins:
             if id(t) in graph.variables and t.op not in seen:
                 seen.add(t.op)
-                shape, dtype = _variable_shape(t)
-                total += (shape.num_elements() or 0) * dtype.size
+                # A read's output is the variable (attributes are dearer to read).
+                elements = outs[0].shape.num_elements() if kind == "ReadVariableOp" else None
+                if elements is None:
+                    shape, dtype = _variable_shape(t)
+                    total += (shape.num_elements() or 0) * dtype.size
+                else:
+                    total += elements * outs[0].dtype.size
         owned.append(total)
     return owned
 
