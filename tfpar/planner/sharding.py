@@ -293,7 +293,7 @@ class Problem:
 
     def objective(self, chosen: Sequence[str]) -> Cost:
         """What the solvers minimise: layers' costs plus resharding edges."""
-        return _total(self.layer_costs(chosen))
+        return _sum_costs(self.layer_costs(chosen))
 
     def _bucket_latency(self, chosen: Sequence[str]) -> Cost:
         """Gradients go in fused buckets: one latency per all-reduce group."""
@@ -308,14 +308,14 @@ class Problem:
 
     def plan(self, chosen: Sequence[str], optimal: bool) -> ShardingPlan:
         costs = self.layer_costs(chosen)
-        step = _total(costs) + self._bucket_latency(chosen)
+        step = _sum_costs(costs) + self._bucket_latency(chosen)
         memory = [self.memory_of(i, c) for i, c in enumerate(chosen)]
         weights = sum(self.memory_of(i, c, activations=False) for i, c in enumerate(chosen))
         return ShardingPlan(tuple(chosen), step.seconds, sum(memory), step.bytes, optimal,
                             tuple(costs), tuple(memory), weights)
 
 
-def _total(costs: Sequence[Cost]) -> Cost:
+def _sum_costs(costs: Sequence[Cost]) -> Cost:
     """The sum of ``costs`` (summed field by field: they are many)."""
     return Cost(*map(sum, zip(*costs))) if costs else Cost()
 

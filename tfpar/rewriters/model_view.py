@@ -219,16 +219,13 @@ def _is_view(op: ops.Operation) -> bool:
 
 def _integers(t: tensor_lib.Tensor) -> Optional[List[int]]:
     """The values of a constant integer tensor (None: not constant). A
-    ``Const``'s are read from its proto (numpy's conversion costs more)."""
+    ``Const`` that holds its values as packed bytes is read from them
+    (numpy's conversion costs more); every other form through TensorFlow."""
     if t.op.type == "Const" and t.dtype in (dtypes.int32, dtypes.int64):
-        proto, width = t.op.get_attr("value"), t.dtype.size
-        content = proto.tensor_content
+        content, width = t.op.get_attr("value").tensor_content, t.dtype.size
         if content:
             return [int.from_bytes(content[k:k + width], "little", signed=True)
                     for k in range(0, len(content), width)]
-        values = list(proto.int_val if t.dtype == dtypes.int32 else proto.int64_val)
-        count = t.shape.num_elements()
-        return values if count is None or len(values) == count else values[:1] * count
     value = tensor_util.constant_value(t)
     return None if value is None else [int(v) for v in value.flat]
 
