@@ -78,6 +78,30 @@ def test_recomputation_of_a_gpt_layer_by_hand(gpt_view):
                                                           for i in outside]
 
 
+def test_kept_bytes_of_a_gpt_layer_by_hand(gpt_view):
+    """What the backward pass reads after the gradient comes back
+    (``ModelView.kept_bytes``), per sequence of layer h1: 30 s h floats -
+    layer norms 2 x 4 (the centred input, computed early for the variance's
+    gradient, the sub, mul and output), the 3 head transposes of Q, K, V, the
+    context's transpose, residuals 2, GELU 4 x 4 (x / sqrt 2, erf + 1, x / 2,
+    output) - plus a s^2 (the softmax) and 2 s (the norms' rsqrt). The
+    scores, their scaling and mask are not read back, nor are the dense
+    layers' MatMul and BiasAdd outputs (their gradients need the inputs), nor
+    the tensordots' shapes (read early). ``activation_bytes`` counts every
+    output: 56 s h + 5 a s^2 + 2 x 5 s + 4 x 5."""
+    ops = block_ops(gpt_view, "h1")
+    kept = sum(gpt_view.kept_bytes[i] for i in ops)
+    assert kept == (30 * SBH + AS2 + 2 * SEQ) * FLOAT
+    assert sum(gpt_view.activation_bytes[i] for i in ops) == (
+        56 * SBH + 5 * AS2 + 2 * 5 * SEQ + 4 * 5) * FLOAT
+    by_type = {}
+    for i in ops:
+        if gpt_view.kept_bytes[i]:
+            by_type[gpt_view.types[i]] = by_type.get(gpt_view.types[i], 0) + 1
+    assert "MatMul" not in by_type and "BiasAdd" not in by_type and "Shape" not in by_type
+    assert by_type["Softmax"] == 1 and "BatchMatMulV2" not in by_type
+
+
 def test_state_bytes_by_zero_stage():
     """16 bytes per float32 parameter (weights 4, gradients 4, Adam's two slots
     8): 4 x the weights' bytes; ZeRO-1 (Rajbhandari et al. §5.1) shards the

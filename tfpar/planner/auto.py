@@ -82,6 +82,10 @@ class ModelView:
         "tf32": float32 that TensorFlow may run as TF32).
       traffic_bytes: bytes per row each op reads and writes in device
         memory (None: unknown, FLOPs alone time the ops).
+      kept_bytes: bytes per row of each op's outputs the backward pass reads
+        (kept from the forward pass until then; None: unknown). The search
+        still counts ``activation_bytes`` (every output: about twice these
+        on a GPT, ``benchmarks/memory.py``).
     """
 
     flops: Sequence[float]
@@ -95,6 +99,7 @@ class ModelView:
     batch: Optional[int] = None
     compute_dtype: str = "fp32"
     traffic_bytes: Optional[Sequence[float]] = None
+    kept_bytes: Optional[Sequence[float]] = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,8 +23,8 @@ from tfpar.hooks.capture import GraphCapture
 from tfpar.ir.taskgraph import Phase
 from tfpar.planner.auto import ModelView
 from tfpar.planner.pruning import block_labels
-from tfpar.rewriters.select import (INPUT_TYPES, VARIABLE_TYPES, GraphIndex, ancestors, is_input,
-                                    is_variable)
+from tfpar.rewriters.select import (INPUT_TYPES, VARIABLE_TYPES, GraphIndex, ancestors,
+                                    gradient_tensors, is_input, is_variable)
 
 __all__ = ["model_view"]
 
@@ -44,15 +44,19 @@ FUSIBLE = frozenset({
     "Square", "Sqrt", "Rsqrt", "Exp", "Log", "Erf", "Pow", "Mul", "AddV2", "Add", "Sub",
     "RealDiv", "Maximum", "Minimum", "BiasAdd", "SquaredDifference", "Select", "SelectV2",
     "StopGradient", "Softmax", "Mean", "Sum"})
+_ELEMENTWISE = FUSIBLE - {"Softmax", "Mean", "Sum"}
 _BOUNDARY_TYPES = VARIABLE_TYPES | INPUT_TYPES
 _DTYPES = {dtypes.float64: "fp64", dtypes.float32: "fp32", dtypes.float16: "fp16",
            dtypes.bfloat16: "bf16"}
 
 
-def model_view(index: GraphIndex, capture: GraphCapture) -> Tuple[List[ops.Operation], ModelView]:
+def model_view(index: GraphIndex, capture: GraphCapture,
+               kept: bool = False) -> Tuple[List[ops.Operation], ModelView]:
     """The forward ops (graph order, a topological one) and their view. Each
     op and tensor is read from TensorFlow once (the planner reads graphs of
-    tens of thousands of ops: its time grows with what it reads)."""
+    tens of thousands of ops: its time grows with what it reads). ``kept``:
+    read the backward pass too, for ``ModelView.kept_bytes`` (the search does
+    not use them yet, and they cost a walk over the backward ops)."""
     losses = [y.op for call in capture.gradient_calls for y in call.ys if hasattr(y, "op")]
     needed = ancestors(losses, _is_boundary)
     phases = capture.op_phase
@@ -73,7 +77,8 @@ def model_view(index: GraphIndex, capture: GraphCapture) -> Tuple[List[ops.Opera
         input_bytes=[sum(nbytes[id(t)] for t in ins if id(t) in graph.fed)
                      for ins in graph.inputs],
         batch=_declared_batch(graph, capture), compute_dtype=_compute_dtype(graph, flops),
-        traffic_bytes=_traffic(graph, edges))
+        traffic_bytes=_traffic(graph, edges),
+        kept_bytes=_kept_bytes(index, graph, capture) if kept else None)
 
 
 def _is_boundary(op: ops.Operation) -> bool:
@@ -150,6 +155,57 @@ class _Read:
                 return units / depth
         before, after = self.static(main), self.static(out)
         return after / before if before and after else 1.0
+
+
+def _kept_bytes(index: GraphIndex, graph: _Read, capture: GraphCapture) -> List[float]:
+    """Bytes per sample of each op's outputs that stay allocated from the
+    forward pass until the backward pass reads them (directly or through
+    views). TensorFlow runs an op as soon as its inputs exist, so a backward
+    op that reads forward tensors only (a shape read, GeLU's ``exp(-x^2)``)
+    runs during the forward pass and keeps nothing: a forward tensor is kept
+    when a backward op reading it also waits for a later op (the gradient
+    coming back). Only backward ops the gradients depend on by data count
+    (Grappler prunes the rest: a constant's gradient, such as a division by
+    sqrt(d)'s)."""
+    phases, producer = capture.op_phase, graph.producer
+    live = set()
+    stack = [t.op for call in capture.gradient_calls for g in call.grads if g is not None
+             for t in gradient_tensors(g)]
+    while stack:
+        op = stack.pop()
+        if op not in live:
+            live.add(op)
+            stack.extend(t.op for t in op.inputs if id(t) not in producer
+                         and phases.get(t.op.name) == Phase.BACKWARD)
+    # Per backward op: the last forward op it waits for, and its output's
+    # bytes per sample (its largest input's: gradients are element-wise).
+    ready: Dict[ops.Operation, int] = {}
+    size: Dict[ops.Operation, float] = {}
+    read: Dict[int, int] = {}  # kept forward tensor -> the op of order allocating it
+    early = set()  # backward ops run during the forward pass whose outputs are kept
+    for op in (op for op in index.ops if op in live):
+        inputs = op.inputs
+        ready[op] = last = max((producer[id(t)] if id(t) in producer else ready.get(t.op, -1)
+                                for t in inputs), default=-1)
+        size[op] = max((graph.nbytes[id(t)] if id(t) in producer else size.get(t.op, 0.0)
+                        for t in inputs), default=0.0) if op.type in _ELEMENTWISE else 0.0
+        for t in inputs:
+            j = producer.get(id(t))
+            if j is None:
+                if 0 <= ready.get(t.op, last) < last:
+                    early.add(t.op)
+            elif j < last:
+                while graph.views[j] and graph.inputs[j] and id(graph.inputs[j][0]) in producer:
+                    t = graph.inputs[j][0]
+                    j = producer[id(t)]
+                if not graph.views[j]:  # else a view of a fed input: the feed holds it
+                    read[id(t)] = j
+    kept = [0.0] * len(graph.types)
+    for key, j in read.items():
+        kept[j] += graph.nbytes[key]
+    for op in early:  # counted with the forward op it follows
+        kept[ready[op]] += size[op]
+    return kept
 
 
 def _declared_batch(graph: _Read, capture: GraphCapture) -> Optional[int]:
