@@ -178,7 +178,8 @@ def _kept_bytes(index: GraphIndex, graph: _Read, capture: GraphCapture) -> List[
             stack.extend(t.op for t in op.inputs if id(t) not in producer
                          and phases.get(t.op.name) == Phase.BACKWARD)
     # Per backward op: the last forward op it waits for, and its output's
-    # bytes per sample (its largest input's: gradients are element-wise).
+    # bytes per sample (an element-wise op's: its largest input's; others
+    # are not counted).
     ready: Dict[ops.Operation, int] = {}
     size: Dict[ops.Operation, float] = {}
     read: Dict[int, int] = {}  # kept forward tensor -> the op of order allocating it
