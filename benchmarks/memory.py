@@ -28,10 +28,10 @@ Targets (``--check``): the "kept" estimate within 25% of measured per row;
 recomputation lowers the measured peak. The measured peak varies from run
 to run with the executor's order (recompute at the default size: 125 to
 171 MiB seen), and "kept" leaves out the gradients in flight inside a
-block's backward pass (attention's s x s ones), so it runs low there. Logical CPU devices
-share one allocator, so per-device peaks of multi-device plans cannot be
-told apart here; ZeRO, mixed precision and offload are not yet applied to
-graphs, so they are not rows.
+block's backward pass (attention's s x s ones), so it runs low there.
+Logical CPU devices share one allocator, so per-device peaks of
+multi-device plans cannot be told apart here; ZeRO, mixed precision and
+offload are not yet applied to graphs, so they are not rows.
 
     python benchmarks/memory.py [--check] [--json] [--quick] [--layers N] [--batch N]
 
