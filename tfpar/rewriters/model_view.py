@@ -24,7 +24,7 @@ from tfpar.ir.taskgraph import Phase
 from tfpar.planner.auto import ModelView
 from tfpar.planner.pruning import block_labels
 from tfpar.rewriters.select import (INPUT_TYPES, VARIABLE_TYPES, GraphIndex, ancestors,
-                                    gradient_tensors, is_input, is_variable)
+                                    data_ancestors, gradient_tensors, is_input, is_variable)
 
 __all__ = ["model_view"]
 
@@ -168,15 +168,9 @@ def _kept_bytes(index: GraphIndex, graph: _Read, capture: GraphCapture) -> List[
     (Grappler prunes the rest: a constant's gradient, such as a division by
     sqrt(d)'s)."""
     phases, producer = capture.op_phase, graph.producer
-    live = set()
-    stack = [t.op for call in capture.gradient_calls for g in call.grads if g is not None
-             for t in gradient_tensors(g)]
-    while stack:
-        op = stack.pop()
-        if op not in live:
-            live.add(op)
-            stack.extend(t.op for t in op.inputs if id(t) not in producer
-                         and phases.get(t.op.name) == Phase.BACKWARD)
+    live = data_ancestors((t.op for call in capture.gradient_calls for g in call.grads
+                           if g is not None for t in gradient_tensors(g)),
+                          lambda op: phases.get(op.name) == Phase.BACKWARD)
     # Per backward op: the last forward op it waits for, and its output's
     # bytes per sample (an element-wise op's: its largest input's; others
     # are not counted).

@@ -21,6 +21,7 @@ from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture
 from tfpar.ir.taskgraph import Phase
 from tfpar.rewriters import graph_edit
+from tfpar.rewriters.select import data_ancestors
 
 __all__ = ["recompute_scopes"]
 
@@ -87,7 +88,9 @@ def _recompute(graph: ops.Graph, capture: GraphCapture, scope: str,
     inside = {t for op in forward for t in op.outputs
               if all(user in members or user.name in capture.op_phase for user in t.consumers())}
     consumers = {user for t in inside for user in t.consumers() if user in backward}
-    needed = _closure({t.op for c in consumers for t in c.inputs if t in inside}, members)
+    # Data edges only: an op a member merely waits for need not run again.
+    needed = data_ancestors({t.op for c in consumers for t in c.inputs if t in inside},
+                            members.__contains__)
     for op in needed:
         if op.op_def.is_stateful and op.type not in _REPEATABLE:
             raise PlanError(f"tfpar: memory.recompute cannot recompute '{op.name}' ({op.type}) "
@@ -111,20 +114,6 @@ def _recompute(graph: ops.Graph, capture: GraphCapture, scope: str,
             for trigger in triggers:
                 graph_edit.add_control_input(copy, trigger)
                 waiting.setdefault(trigger, []).append(copy)
-
-
-def _closure(seeds: Set[ops.Operation], members: Set[ops.Operation]) -> Set[ops.Operation]:
-    """``seeds`` and the ``members`` they depend on through members, by data
-    edges only (``select.ancestors`` follows control edges too: an op a
-    member merely waits for need not run again)."""
-    found, stack = set(), list(seeds)
-    while stack:
-        op = stack.pop()
-        if op in found:
-            continue
-        found.add(op)
-        stack.extend(t.op for t in op.inputs if t.op in members)
-    return found
 
 
 def _entering_gradients(consumers: Set[ops.Operation], copies: Set[ops.Operation],

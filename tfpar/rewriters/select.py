@@ -123,6 +123,20 @@ def ancestors(roots: Iterable[ops.Operation], stop) -> Set[ops.Operation]:
     return seen
 
 
+def data_ancestors(roots: Iterable[ops.Operation], within) -> Set[ops.Operation]:
+    """``roots`` and the ops they depend on by data edges only, walking
+    through ops for which ``within(op)`` is true (a control edge is a wait,
+    not a use: ``ancestors`` follows both)."""
+    found: Set[ops.Operation] = set()
+    stack = list(roots)
+    while stack:
+        op = stack.pop()
+        if op not in found:
+            found.add(op)
+            stack.extend(t.op for t in op.inputs if within(t.op))
+    return found
+
+
 def variable_writers(var_op: ops.Operation) -> List[ops.Operation]:
     """Ops that modify the variable defined by ``var_op``."""
     handle = var_op.outputs[0]
