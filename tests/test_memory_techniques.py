@@ -1,22 +1,27 @@
 """Memory techniques applied to graphs (issue 15): activation recomputation
 (``memory.recompute``) computes the same numbers, and a traced step shows the
-recomputed forward running in the backward."""
+recomputed forward running in the backward, in pipelines on its stage's devices;
+an offloaded optimizer (``memory.offload_optimizer``) updates on the host."""
+import collections
+import re
+
 import pytest
 import tensorflow as tf
 
 from equivalence import (assert_equivalent, deep_mlp, dense, fed_graph, make_data,
                          traced_first_step, train)
 import tfpar as wh
+from tfpar.runtime.step_trace import executed_ops
 
 v1 = tf.compat.v1
 DATA = make_data(steps=3, batch=16)
 RECOMPUTED = ["block1", "block2", "block3"]
 
 
-def blocks(count):
+def blocks(count, optimizer=lambda: v1.train.GradientDescentOptimizer(0.5)):
     """build(x, y): ``count`` name scopes block0.. of two tanh layers of width 8
     (the second's input and both activations live inside the block), a
-    3-class head, plain SGD."""
+    3-class head, plain SGD unless ``optimizer`` makes another."""
     def build(x, y):
         h = x
         for i in range(count):
@@ -24,7 +29,7 @@ def blocks(count):
                 h = dense(h, 8, "inner", seed=2 * i, activation=tf.nn.tanh)
                 h = dense(h, 8, "outer", seed=2 * i + 1, activation=tf.nn.tanh)
         loss = v1.losses.sparse_softmax_cross_entropy(y, dense(h, 3, "logits", seed=99))
-        return loss, v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+        return loss, optimizer().minimize(loss)
     return build
 
 
@@ -75,7 +80,90 @@ def test_a_recomputed_scope_that_does_not_exist_is_named():
         train(deep_mlp(2), DATA, {"memory.recompute": ["layer9"]})
 
 
-def test_recomputation_with_a_pipeline_is_refused_not_ignored():
-    with pytest.raises(wh.PlanError, match="memory.recompute is applied to data-parallel plans"):
+PIPELINES = {
+    "1f1b, stage functions": {"cluster.num_devices": 2, "pipeline.num_micro_batch": 2},
+    "1f1b, stage copies": {"cluster.num_devices": 2, "pipeline.num_micro_batch": 2,
+                           "pipeline.task_functions": False},
+    "zero bubble, 2 replicas": {"cluster.num_devices": 4, "pipeline.num_micro_batch": 4,
+                                "pipeline.schedule": "zero_bubble"},
+}
+
+
+@pytest.mark.parametrize("pipeline", PIPELINES.values(), ids=PIPELINES)
+def test_recomputed_scopes_in_a_pipeline_run_in_their_stage(pipeline):
+    """Two stages of four blocks (block1 spans the cut): the same numbers as
+    plain TF; in a traced step each copy ran once per micro-batch and replica
+    (in a stage function or as a copy of the stage), on the devices of the op
+    it copies, after the first forward reached the logits."""
+    config = {**pipeline, "auto.num_task_graph": 2, "memory.recompute": RECOMPUTED[:2]}
+    build = blocks(4)
+    assert_equivalent(train(build, DATA), train(build, DATA, config), rtol=1e-6)
+    with fed_graph(config) as (graph, x, y):
+        _, train_op = build(x, y)
+        metadata = traced_first_step(train_op, {x: DATA[0][0], y: DATA[1][0]})
+    ran_on = executed_ops(metadata)
+    copies = {name: devices for name, devices in ran_on.items() if "_recompute/" in name}
+    runs = collections.Counter(re.sub(r"^tfpar/stage_\d+/replica_\d+/micro_\d+/", "",
+                                      node.node_name)
+                               for device in metadata.step_stats.dev_stats
+                               for node in device.node_stats if "_recompute/" in node.node_name)
+    copies_per_op = pipeline["pipeline.num_micro_batch"] * pipeline["cluster.num_devices"] // 2
+    assert runs and set(runs.values()) == {copies_per_op}, runs
+    for name, devices in copies.items():
+        original = re.sub(r"block\d_recompute/", "", name)
+        assert devices == ran_on.get(original, devices), (name, devices, ran_on[original])
+    assert any(re.sub(r"block\d_recompute/", "", name) in ran_on for name in copies)
+    nodes = [(node.node_name, node.all_start_micros, node.all_start_micros
+              + node.all_end_rel_micros)
+             for device in metadata.step_stats.dev_stats for node in device.node_stats]
+    first_logits = min(end for name, _, end in nodes
+                       if name.endswith("logits/MatMul") and "grad" not in name)
+    assert all(start >= first_logits for name, start, _ in nodes if "_recompute/" in name
+               and name.endswith("MatMul"))
+
+
+@pytest.mark.parametrize("config, scope", [
+    ({"auto.auto_parallel": True}, None),
+    ({}, lambda: wh.split(2)),
+], ids=["auto_parallel", "split"])
+def test_recomputation_where_it_is_not_built_is_refused_not_ignored(config, scope):
+    with pytest.raises(wh.PlanError, match="memory.recompute is applied to data-parallel plans "
+                                           "and pipelines only"):
         train(blocks(2), DATA, {"cluster.num_devices": 2, "memory.recompute": ["block0"],
-                                "auto.num_task_graph": 2, "pipeline.num_micro_batch": 2})
+                                **config}, scope=scope)
+
+
+HOST = "/job:localhost/replica:0/task:0/device:CPU:0"
+OFFLOADED = {
+    "pipeline": {"cluster.num_devices": 2, "pipeline.num_micro_batch": 2},
+    "2 pipelines, stage copies": {"cluster.num_devices": 4, "pipeline.num_micro_batch": 2,
+                                  "pipeline.task_functions": False},
+}
+
+
+@pytest.mark.parametrize("pipeline", OFFLOADED.values(), ids=OFFLOADED)
+def test_an_offloaded_optimizer_updates_on_the_host(pipeline):
+    """Adam over two stages with ``memory.offload_optimizer``: the same numbers
+    as plain TF; in a traced step every Adam update (a kernel and a bias in
+    each of 7 layers) ran on the host CPU only
+    (stage 1's would run on its device), while stage 1's logits ran on its
+    devices, not on the host."""
+    config = {**pipeline, "auto.num_task_graph": 2, "memory.offload_optimizer": True}
+    build = blocks(3, lambda: v1.train.AdamOptimizer(0.05))
+    assert_equivalent(train(build, DATA), train(build, DATA, config), rtol=1e-5)
+    with fed_graph(config) as (graph, x, y):
+        _, train_op = build(x, y)
+        metadata = traced_first_step(train_op, {x: DATA[0][0], y: DATA[1][0]})
+        updates = [op.name for op in graph.get_operations() if op.type == "ResourceApplyAdam"]
+    ran_on = executed_ops(metadata)
+    assert len(updates) == 14 and all(ran_on[name] == {HOST} for name in updates), {
+        name: ran_on.get(name) for name in updates}
+    logits = {d for name, devices in ran_on.items() for d in devices
+              if name.endswith("logits/MatMul") and "grad" not in name}
+    assert logits and HOST not in logits, logits
+
+
+def test_offloading_mirrored_variables_is_refused():
+    with pytest.raises(wh.PlanError, match="mirrors variables on every device of a stage"):
+        train(blocks(1), DATA, {"cluster.num_devices": 2, "memory.offload_optimizer": True,
+                                "communication.backend": "collective"})

@@ -114,6 +114,10 @@ SCHEMA = {
         "list", [], ("a list of name scopes", lambda v: all(isinstance(s, str) and s for s in v)),
         "name scopes whose forward the backward recomputes from their inputs instead of "
         "keeping their activations"),
+    "memory.offload_optimizer": Option(
+        "bool", False, (), "the optimizer's slots, the weights they update and the update "
+        "run on the host CPU; the step reads the weights from there (pipelines, or replicas "
+        "on the CPUs of one process: not with mirrored variables)"),
     "balance.hardware_aware": Option("bool", True, (),
                                      "pipeline stages in order on cluster.hardware devices by "
                                      "memory, most first (Whale §3.3.2); false: device order"),

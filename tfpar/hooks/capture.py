@@ -54,6 +54,9 @@ class GraphCapture:
         # Backward op name -> the forward op tf.gradients differentiated when it
         # made it (its gradient has that op's inputs' and outputs' layouts).
         self.differentiates: Dict[str, Any] = {}
+        # Op name of a recomputed forward copy (``memory.recompute``) -> the
+        # name of the forward op it copies, whose stage it runs in.
+        self.copied_from: Dict[str, str] = {}
         self.gradient_calls: List[GradientCall] = []
         self.apply_calls: List[ApplyCall] = []
         self.rewrite: Any = None

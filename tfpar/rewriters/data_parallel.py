@@ -53,10 +53,10 @@ from tfpar.rewriters.pipeline import lower_schedule, stage_tasks, task_ops
 from tfpar.rewriters.replica_sync import add_replica_sync
 from tfpar.rewriters.select import (GraphIndex, Selection, gradient_tensors, is_resource_variable,
                                    select_replication)
-from tfpar.rewriters.stages import Placement
+from tfpar.rewriters.stages import Placement, host_device
 from tfpar.rewriters.task_functions import call_tasks, task_order
 
-__all__ = ["DataParallelRewrite", "replicate"]
+__all__ = ["DataParallelRewrite", "offload_optimizer", "replicate"]
 
 
 @dataclasses.dataclass
@@ -212,7 +212,8 @@ class DataParallelRewrite:
 
 def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placement: Placement,
               num_micro_batch: int, reducer_for, schedule,
-              processes=None, functions: bool = True, shares=()) -> DataParallelRewrite:
+              processes=None, functions: bool = True, shares=(),
+              offload: bool = False) -> DataParallelRewrite:
     """Rewrite ``graph`` (see module docstring).
 
     Args:
@@ -226,6 +227,7 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
       functions: make versions function calls where tasks can be functions.
       shares: per pipeline replica, its integer weight in the batch's rows
         (``Plan.batch_shares``; empty: even; one process only).
+      offload: ``memory.offload_optimizer`` (``offload_optimizer``).
     """
     global_steps = {v.op for v in graph.get_collection(ops.GraphKeys.GLOBAL_STEP)}
     global_steps |= {c.global_step.op for c in capture.apply_calls if c.global_step is not None}
@@ -244,6 +246,8 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
     for op in sel.step_ops + sel.update_ops + sel.variables:
         if op.type != "Placeholder":  # a tf.function's variable stays where it was made
             graph_edit.set_device(op, placement.device(op))
+    if offload:
+        offload_optimizer(graph, rw)
     if rw.trivial:
         rw.task_ops = task_ops(rw, capture, index)
         return rw
@@ -348,6 +352,32 @@ def _refuse_unsplittable(batch_inputs, sparse_inputs) -> None:
                     "the data with tf.data instead (Dataset.from_tensor_slices(...).batch(n))"
                     if queue else "Create it after wh.init(), or with its batch dimension "
                     "unknown (placeholder([None, ...]))"))
+
+
+def offload_optimizer(graph: ops.Graph, rw: DataParallelRewrite) -> None:
+    """``memory.offload_optimizer`` (ZeRO-Offload, Ren et al. 2021, keeps the
+    optimizer on the host): the variables and the update ops run on the host
+    CPU of their stage's device. An update op must run where every variable it
+    writes lives, so the weights move with their slots; the step reads them
+    (one copy to the device), and sends its summed gradients to the host once.
+
+    Raises:
+      PlanError: mirrored variables (a copy per device would mean a copy per
+        device on the host) or a tf.function's variables (made before the
+        rewrite, where they stay).
+    """
+    if rw.mirrored:
+        raise PlanError("tfpar: memory.offload_optimizer keeps one copy of each variable on "
+                        "the host, but this plan mirrors variables on every device of a stage "
+                        "(communication.backend 'collective', several processes or GPUs): "
+                        "use it with pipelines, or with data parallelism on the CPU devices "
+                        "of one process")
+    if graph.building_function:
+        raise PlanError("tfpar: memory.offload_optimizer cannot move the variables of a "
+                        "tf.function step: they were made before tfpar rewrote the step; "
+                        "build the model in a graph (TF1 style or Keras in graph mode)")
+    for op in rw.selection.update_ops + rw.selection.variables:
+        graph_edit.set_device(op, host_device(rw.placement.device(op)))
 
 
 def _worker_sources(capture: GraphCapture, sel: Selection, num_pieces: int):

@@ -109,6 +109,7 @@ def _recompute(graph: ops.Graph, capture: GraphCapture, scope: str,
                     "forward is recomputed as soon as its inputs are ready", scope)
     for original, copy in copies.items():
         capture.op_phase[copy.name] = Phase.BACKWARD
+        capture.copied_from[copy.name] = original.name
         backward.add(copy)
         if not any(t.op in copies for t in original.inputs):
             for trigger in triggers:

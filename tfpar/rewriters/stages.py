@@ -5,6 +5,8 @@ pipeline). Ops the user built under a scope carry its TaskGraph; the hooks give
 backward ops the TaskGraph of the forward op they differentiate. The rest is
 inferred here, in graph order:
 
+* a recomputed copy of a forward op (``memory.recompute``) joins the stage of
+  the op it copies;
 * an op colocated with a staged op (optimizer slots) joins that stage;
 * an op reading a staged variable (optimizer updates) joins the variable's;
 * a backward op joins the stage of the forward op it differentiates;
@@ -26,7 +28,7 @@ from tfpar.ir.taskgraph import Phase
 from tfpar.rewriters.select import GraphIndex, is_variable
 
 __all__ = ["Placement", "assign_stages", "backward_dependent", "canonical_device",
-           "split_op_devices"]
+           "host_device", "split_op_devices"]
 
 
 @dataclasses.dataclass
@@ -105,6 +107,12 @@ def canonical_device(device: str) -> str:
     return device_lib.DeviceSpec.from_string(device).to_string()
 
 
+def host_device(device: str) -> str:
+    """The host CPU of ``device``'s worker, in full form."""
+    spec = device_lib.DeviceSpec.from_string(device)
+    return spec.replace(device_type="CPU", device_index=0).to_string()
+
+
 def assign_stages(index: GraphIndex, capture: GraphCapture, num_stages: int,
                   names: Sequence[str] = (), tags: Optional[Dict[str, int]] = None
                   ) -> Dict[ops.Operation, int]:
@@ -124,6 +132,9 @@ def assign_stages(index: GraphIndex, capture: GraphCapture, num_stages: int,
     for op in index.ops:
         by_name[op.name] = op
         stage = tagged.get(op.name)
+        original = by_name.get(capture.copied_from.get(op.name))
+        if stage is None and original in stage_of:
+            stage = stage_of[original]
         if stage is None:
             stage = _inferred_stage(op, stage_of, by_name)
         if stage is None:

@@ -279,13 +279,13 @@ def _planned(graph: ops.Graph, capture: GraphCapture, rt: Runtime):
 
 
 def _check_recompute(capture: GraphCapture, rt: Runtime) -> None:
-    """``memory.recompute`` is built for whole-model replicas only (so far)."""
-    cfg = rt.config
-    if (cfg.get("pipeline.num_micro_batch") > 1 or (cfg.get("auto.num_task_graph") or 1) > 1
-            or cfg.get("auto.auto_parallel") or len(capture.task_graphs) > 1
-            or any(s.strategy == Strategy.SPLIT for s in capture.task_graphs)):
-        raise PlanError("tfpar: memory.recompute is applied to data-parallel plans only in "
-                        "this build (no pipeline, micro-batches, wh.split or auto_parallel); "
+    """``memory.recompute`` is built for replicas and pipelines of them (so
+    far): not for split TaskGraphs, nor plans the planner makes (which may
+    split)."""
+    if rt.config.get("auto.auto_parallel") or any(
+            s.strategy == Strategy.SPLIT for s in capture.task_graphs):
+        raise PlanError("tfpar: memory.recompute is applied to data-parallel plans and "
+                        "pipelines only in this build (no wh.split scope or auto_parallel); "
                         "remove the key or those")
 
 
@@ -512,7 +512,8 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
                             reducer_for, schedule,
                             HorovodProcesses(cfg.get("io.shard_dataset")) if horovod else None,
                             functions=cfg.get("pipeline.task_functions"),
-                            shares=plan.batch_shares)
+                            shares=plan.batch_shares,
+                            offload=cfg.get("memory.offload_optimizer"))
     capture.plan = plan
     capture.rewrite = FetchTranslator(graph, rewrite)
     log.info("tfpar rewrote the graph:\n%s", plan.summary())
