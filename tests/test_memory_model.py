@@ -111,6 +111,7 @@ def test_state_bytes_by_zero_stage():
     assert state_bytes(weights, d, 1) == 4e9 + 4e9 + 8e9 / 8
     assert state_bytes(weights, d, 2) == 4e9 + 4e9 / 8 + 8e9 / 8
     assert state_bytes(weights, 1, 2) == 16e9
+    assert state_bytes(weights, 1, 0, offload=True) == 4e9 + 4e9  # slots on the host
 
 
 def stage(compute, params=0.0):

@@ -8,9 +8,10 @@ import re
 import pytest
 import tensorflow as tf
 
-from equivalence import (assert_equivalent, deep_mlp, dense, fed_graph, make_data,
+from equivalence import (assert_equivalent, deep_mlp, dense, fed_graph, make_data, plan_of,
                          traced_first_step, train)
 import tfpar as wh
+from tfpar.planner.memory import HOST_LINK_BYTES_S, HOST_MEMORY_BYTES_S
 from tfpar.runtime.step_trace import executed_ops
 
 v1 = tf.compat.v1
@@ -134,6 +135,12 @@ def test_recomputation_where_it_is_not_built_is_refused_not_ignored(config, scop
 
 
 HOST = "/job:localhost/replica:0/task:0/device:CPU:0"
+
+
+def adam():
+    return v1.train.AdamOptimizer(0.05)
+
+
 OFFLOADED = {
     "pipeline": {"cluster.num_devices": 2, "pipeline.num_micro_batch": 2},
     "2 pipelines, stage copies": {"cluster.num_devices": 4, "pipeline.num_micro_batch": 2,
@@ -145,11 +152,16 @@ OFFLOADED = {
 def test_an_offloaded_optimizer_updates_on_the_host(pipeline):
     """Adam over two stages with ``memory.offload_optimizer``: the same numbers
     as plain TF; in a traced step every Adam update (a kernel and a bias in
-    each of 7 layers) ran on the host CPU only
-    (stage 1's would run on its device), while stage 1's logits ran on its
-    devices, not on the host."""
-    config = {**pipeline, "auto.num_task_graph": 2, "memory.offload_optimizer": True}
-    build = blocks(3, lambda: v1.train.AdamOptimizer(0.05))
+    each of 7 layers) ran on the host CPU only (stage 1's would run on its
+    device), while stage 1's logits ran on its devices, not on the host."""
+    assert_updates_on_the_host({**pipeline, "auto.num_task_graph": 2,
+                                "memory.offload_optimizer": True})
+
+
+def assert_updates_on_the_host(config):
+    """Adam blocks trained under ``config`` give plain TF's numbers, and a
+    traced step of stage 1 ran its logits off the host and every update on it."""
+    build = blocks(3, adam)
     assert_equivalent(train(build, DATA), train(build, DATA, config), rtol=1e-5)
     with fed_graph(config) as (graph, x, y):
         _, train_op = build(x, y)
@@ -167,3 +179,28 @@ def test_offloading_mirrored_variables_is_refused():
     with pytest.raises(wh.PlanError, match="mirrors variables on every device of a stage"):
         train(blocks(1), DATA, {"cluster.num_devices": 2, "memory.offload_optimizer": True,
                                 "communication.backend": "collective"})
+
+
+def test_the_planner_offloads_the_optimizer_when_memory_forces_it():
+    """Two stages of the Adam blocks on devices of 7 KiB: no plan fits without
+    offload; with it, each stage sheds its Adam slots (2 x its weights'
+    bytes: stage 0 holds block0 and block1/inner, 200 parameters; stage 1
+    the rest, 243) and the step takes the host's traffic and update of the
+    larger stage more; the plan trains with the updates on the host."""
+    base = {"auto.auto_parallel": True, "cluster.num_devices": 2, "auto.num_task_graph": 2,
+            "pipeline.num_micro_batch": 2, "auto.global_batch": 16,
+            "auto.memory_techniques": ["offload"]}
+    device = {"name": "small", "tflops": 1, "memory_gb": 7e-6}
+    roomy = plan_of(blocks(3, adam), {**base, "cluster.hardware": [{**device, "memory_gb": 1}]})
+    assert roomy.estimate["memory_techniques"] == []  # slower, so not without need
+    small = {**base, "cluster.hardware": [device]}
+    with pytest.raises(wh.PlanError, match="no plan that fits small"):
+        plan_of(blocks(3, adam), {**small, "auto.memory_techniques": []})
+    offloaded = plan_of(blocks(3, adam), small)
+    assert offloaded.estimate["memory_techniques"] == ["offload"]
+    shed = [plain.estimate["memory_bytes"] - tg.estimate["memory_bytes"]
+            for plain, tg in zip(roomy.task_graphs, offloaded.task_graphs)]
+    assert shed == [2 * 4 * 200, 2 * 4 * 243]
+    assert offloaded.estimate["step_time_s"] - roomy.estimate["step_time_s"] == pytest.approx(
+        2 * 4 * 243 / HOST_LINK_BYTES_S + 7 * 4 * 243 / HOST_MEMORY_BYTES_S, rel=1e-6)
+    assert_updates_on_the_host(small)

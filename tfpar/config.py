@@ -100,10 +100,10 @@ SCHEMA = {
                                 "static batch of the model's inputs, else 32"),
     "auto.search_time_limit_s": Option("float", 60.0, _POSITIVE, "planner search time limit"),
     "auto.memory_techniques": Option(
-        "list", [], ("a list of 'recompute', 'zero', 'mixed_precision'",
-                     lambda v: set(v) <= {"recompute", "zero", "mixed_precision"}),
-        "memory techniques the planner may choose (for plans only: tfpar cannot apply "
-        "them to a graph yet)"),
+        "list", [], ("a list of 'recompute', 'zero', 'mixed_precision', 'offload'",
+                     lambda v: set(v) <= {"recompute", "zero", "mixed_precision", "offload"}),
+        "memory techniques the planner may choose ('offload' is applied to the graph; the "
+        "others are for plans only: tfpar cannot apply them to a graph yet)"),
     "auto.split_heads": Option("bool", False, (),
                                "tensor groups may split attention cores by heads (Megatron's "
                                "attention; for plans only: tfpar cannot build it yet)"),

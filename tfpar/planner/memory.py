@@ -22,15 +22,28 @@ Per op of a ``ModelView`` (so that a pipeline stage sums its ops' terms):
     in 16 bits, float32 master weights. Per parameter 2 (fp16 weights) + 2
     (gradients) + 4 (master) + 8 (Adam's two slots) = 16 bytes, as float32's
     4 + 4 + 8: ``state_bytes`` counts both from the graph's float32 weights.
+  * optimizer offload (ZeRO-Offload, Ren et al., USENIX ATC'21, §4): the
+    slots and the update live on the host; the device still holds the
+    weights it reads and the gradients it sends. A step moves the weights to
+    the device and the gradients to the host over the host link, and the
+    host's update streams 7 float32 arrays per parameter (Adam reads weight,
+    gradient and 2 slots, writes 3) through host memory: ``offload_seconds``,
+    counted after the step (not overlapped: an upper bound).
 """
 import collections
 import dataclasses
 from typing import Dict, List, Sequence
 
-__all__ = ["RECOMPUTE", "Recomputation", "Techniques", "recomputation", "state_bytes"]
+__all__ = ["HOST_LINK_BYTES_S", "HOST_MEMORY_BYTES_S", "RECOMPUTE", "Recomputation",
+           "Techniques", "offload_seconds", "recomputation", "state_bytes"]
 
 RECOMPUTE = ("none", "selective", "full")
 SLOTS = 2  # optimizer slots per weight (Adam's m and v)
+# A device's link to its host (PCIe 3.0 x16, one way, as measured) and the
+# host memory bandwidth its update streams at (a share of a server's DRAM).
+HOST_LINK_BYTES_S = 12e9
+HOST_MEMORY_BYTES_S = 50e9
+UPDATE_ARRAYS = 7  # float32 arrays an Adam update reads or writes per parameter
 # Ops that act on an attention core's tensors element by element (or per row).
 _CORE_OPS = frozenset({"Mul", "AddV2", "Add", "Sub", "RealDiv", "Softmax", "Select", "SelectV2",
                        "Maximum", "Minimum", "Cast", "Identity", "Neg", "Exp", "Greater",
@@ -41,38 +54,53 @@ _CONTRACTIONS = frozenset({"BatchMatMulV2", "BatchMatMul", "Einsum", "MatMul"})
 @dataclasses.dataclass(frozen=True, order=True)
 class Techniques:
     """One point of the memory-technique space: activation recomputation
-    (``RECOMPUTE``), ZeRO stage (0, 1, 2), 16-bit mixed precision."""
+    (``RECOMPUTE``), ZeRO stage (0, 1, 2), 16-bit mixed precision, optimizer
+    offload."""
 
     recompute: str = "none"
     zero: int = 0
     mixed_precision: bool = False
+    offload: bool = False
 
     def describe(self) -> str:
-        """'recompute full, ZeRO-1, mixed precision', or 'none'."""
+        """'recompute full, ZeRO-1, mixed precision, optimizer offload', or 'none'."""
         parts = ([f"recompute {self.recompute}"] if self.recompute != "none" else []) + (
             [f"ZeRO-{self.zero}"] if self.zero else []) + (
-            ["mixed precision"] if self.mixed_precision else [])
+            ["mixed precision"] if self.mixed_precision else []) + (
+            ["optimizer offload"] if self.offload else [])
         return ", ".join(parts) or "none"
 
     @property
     def names(self) -> List[str]:
         """The techniques used, as ``auto.memory_techniques`` names them."""
         return (["recompute"] if self.recompute != "none" else []) + (
-            ["zero"] if self.zero else []) + (["mixed_precision"] if self.mixed_precision else [])
+            ["zero"] if self.zero else []) + (
+            ["mixed_precision"] if self.mixed_precision else []) + (
+            ["offload"] if self.offload else [])
 
 
-def state_bytes(param_bytes: float, data: int, zero: int) -> float:
+def state_bytes(param_bytes: float, data: int, zero: int, offload: bool = False) -> float:
     """Bytes per device of weights, gradients and optimizer slots for weights
     of ``param_bytes`` (float32) on ``d`` = ``data`` replicas: 16 bytes per
     parameter (4 x ``param_bytes``), of which ZeRO-1 shards the slots (8) and
-    ZeRO-2 the gradients (4) too. Mixed precision's split (2 + 2 + 4 + 8) is
-    the same: its master weights shard with the slots."""
+    ZeRO-2 the gradients (4) too, and ``offload`` keeps the slots on the
+    host. Mixed precision's split (2 + 2 + 4 + 8) is the same: its master
+    weights shard with the slots."""
     weights, grads, slots = param_bytes, param_bytes, SLOTS * param_bytes
+    if offload:
+        slots = 0.0
     if zero >= 1:
         slots /= data
     if zero >= 2:
         grads /= data
     return weights + grads + slots
+
+
+def offload_seconds(param_bytes: float) -> float:
+    """Seconds an offloaded optimizer adds to a step for weights of
+    ``param_bytes`` (float32; module docstring)."""
+    return (2 * param_bytes / HOST_LINK_BYTES_S
+            + UPDATE_ARRAYS * param_bytes / HOST_MEMORY_BYTES_S)
 
 
 @dataclasses.dataclass(frozen=True)

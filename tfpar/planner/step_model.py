@@ -38,7 +38,8 @@ holds the kept activations of its micro-batches in flight (1F1B
 ``min(p - s, m)``, kFkB ``min(k (p - s), m)``, ZB-H1 ``min(p, m)``: a
 deferred weight gradient keeps its micro-batch), the transient bytes of the
 one recomputed unit, and its weights, gradients and optimizer slots
-(``memory.state_bytes``).
+(``memory.state_bytes``). An offloaded optimizer adds its host traffic
+and update after the stage's all-reduce (``memory.offload_seconds``).
 """
 import dataclasses
 import itertools
@@ -46,7 +47,7 @@ import math
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 from tfpar.planner.comm import LATENCY_S, Cost
-from tfpar.planner.memory import RECOMPUTE, Techniques, state_bytes
+from tfpar.planner.memory import RECOMPUTE, Techniques, offload_seconds, state_bytes
 
 __all__ = ["KERNELS_PER_OP", "LAUNCH_S", "SCHEDULE_TOLERANCE", "SEARCHED_SCHEDULES", "Setting",
            "Space", "StageModel", "best_setting", "in_flight", "micro_batch_counts",
@@ -131,14 +132,16 @@ def micro_batch_counts(rows_per_replica: int, given: Optional[int]) -> List[int]
 def technique_space(allowed: Sequence[str], data: int, mixed_precision_helps: bool
                     ) -> List[Techniques]:
     """Every combination of the ``allowed`` techniques ("recompute", "zero",
-    "mixed_precision"; ZeRO only with replicas, mixed precision only when
-    the model computes in 32 bits), the one without any first."""
+    "mixed_precision", "offload"; ZeRO only with replicas, mixed precision
+    only when the model computes in 32 bits, offload only without replicas,
+    which would mirror the weights), the one without any first."""
     modes = RECOMPUTE if "recompute" in allowed else ("none",)
     zeros = (0, 1, 2) if "zero" in allowed and data > 1 else (0,)
     precisions = (False, True) if "mixed_precision" in allowed and mixed_precision_helps \
         else (False,)
-    return [Techniques(mode, zero, mixed) for mode, zero, mixed in
-            itertools.product(modes, zeros, precisions)]
+    offloads = (False, True) if "offload" in allowed and data == 1 else (False,)
+    return [Techniques(*combination) for combination in
+            itertools.product(modes, zeros, precisions, offloads)]
 
 
 def pipeline_length(times: Sequence[float], micro: int, transfer: float, schedule: str,
@@ -239,11 +242,13 @@ def _settings(stages: Sequence[StageModel], data: int, rows_per_replica: float, 
     p = len(stages)
     transfer = LATENCY_S + cut_bytes * rows * scale / (p - 1) / bandwidth if p > 1 else 0.0
     grads = [stage.grads * scale for stage in stages]
-    state = tuple(state_bytes(stage.param_bytes, data, tech.zero) for stage in stages)
+    state = tuple(state_bytes(stage.param_bytes, data, tech.zero, tech.offload)
+                  for stage in stages)
     sent = sum(stage.collective_bytes * rows * scale * micro + g.bytes
                for stage, g in zip(stages, grads)) + 2 * cut_bytes * rows * scale * micro
-    reduce_s = max(g.seconds for g in grads)
-    busy = tuple(t * micro + g.seconds for t, g in zip(times, grads))
+    host = [offload_seconds(stage.param_bytes) if tech.offload else 0.0 for stage in stages]
+    reduce_s = max(g.seconds + h for g, h in zip(grads, host))
+    busy = tuple(t * micro + g.seconds + h for t, g, h in zip(times, grads, host))
     for name, k in _schedules(space, micro, times, transfer):
         memory = tuple(held + rows * scale * (stage.kept[mode] * in_flight(name, k, p, s, micro)
                                               + stage.transient[mode])

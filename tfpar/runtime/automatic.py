@@ -26,7 +26,7 @@ from tfpar.runtime.context import Runtime
 from tfpar.runtime.gc_paused import gc_paused
 
 __all__ = ["DEFAULT_BATCH", "Automatic", "automatic_plan", "cluster_hardware", "estimate_of",
-           "part_estimate", "pinned_sharding", "planned_config", "planning_batch",
+           "APPLIED", "part_estimate", "pinned_sharding", "planned_config", "planning_batch",
            "refuse_planning_only", "sharded_plan", "warn_unbuilt_sharding"]
 
 log = logging.getLogger("tfpar")
@@ -256,6 +256,10 @@ def estimate_of(candidate, rt: Runtime) -> Dict[str, Any]:
             "memory_techniques": candidate.techniques.names}
 
 
+# Memory techniques of the search that the rewrite applies (``memory.offload_optimizer``).
+APPLIED = frozenset({"offload"})
+
+
 def planned_config(rt: Runtime, automatic: Optional[Automatic]):
     """The config a plan is built with: the micro-batch count and schedule
     the search chose for the plan that runs."""
@@ -271,12 +275,12 @@ def _chosen_pipeline(candidate) -> Dict[str, Any]:
 
 
 def refuse_planning_only(automatic: Optional[Automatic]) -> None:
-    """A plan that needs memory techniques (``auto.memory_techniques``) or
-    splits attention heads (``auto.split_heads``) cannot train here: raise,
-    naming them."""
+    """A plan that needs memory techniques (``auto.memory_techniques``) tfpar
+    does not apply to graphs (all but ``APPLIED``) or splits attention heads
+    (``auto.split_heads``) cannot train here: raise, naming them."""
     chosen = [c for c in (automatic.best, automatic.runnable) if c is not None] \
         if automatic is not None else []
-    needs = next((c for c in chosen if c.techniques.names), None)
+    needs = next((c for c in chosen if set(c.techniques.names) - APPLIED), None)
     if needs is not None:
         raise PlanError(f"tfpar: the planner's plan ({needs.describe()}) needs "
                         f"{needs.techniques.describe()}, which tfpar cannot apply to a graph "

@@ -513,7 +513,8 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
                             HorovodProcesses(cfg.get("io.shard_dataset")) if horovod else None,
                             functions=cfg.get("pipeline.task_functions"),
                             shares=plan.batch_shares,
-                            offload=cfg.get("memory.offload_optimizer"))
+                            offload=cfg.get("memory.offload_optimizer")
+                            or "offload" in plan.estimate.get("memory_techniques", ()))
     capture.plan = plan
     capture.rewrite = FetchTranslator(graph, rewrite)
     log.info("tfpar rewrote the graph:\n%s", plan.summary())
