@@ -79,11 +79,12 @@ def test_memory_forces_a_pipeline():
     slots: the search splits it into stages (and says so). Both plans' memory is
     computed by hand from the layers' sizes (``test_cost_model.hand_memory``)."""
     base = {"auto.auto_parallel": True, "cluster.num_devices": 4,
-            "pipeline.num_micro_batch": 2}
+            "pipeline.num_micro_batch": 2, "pipeline.schedule": "1f1b"}  # hand_memory's
     # Data parallel, 32 / 4 = 8 rows a device in 2 micro-batches (gradients
-    # accumulated): 4 x (224 + 5 x 288 + 108) weight bytes + 4 x (6 x 96 + 24
-    # + 20) bytes of outputs per row of one micro-batch.
-    need = 4 * 1772 + 4 * 620
+    # accumulated): 4 x (224 + 5 x 288 + 108) weight bytes + 4 x (6 x 32 +
+    # 12) bytes kept per row of one micro-batch (the tanh outputs and the
+    # cross-entropy's backprop).
+    need = 4 * 1772 + 4 * 204
     assert hand_memory(deep_mlp_layers(6), 32, 4, micro=2) == [need]
     data_parallel = plan_of(deep_mlp, {**base, "auto.num_task_graph": 1})
     assert max(data_parallel.estimate["memory_bytes_per_device"]) == need

@@ -72,14 +72,16 @@ def transformer_mlp(x, y):
 
 
 def memory_bound_config():
-    """2 devices, no pipeline, each too small for the data-parallel copy."""
+    """2 devices, no pipeline, each too small for the data-parallel copy and
+    for fc1 split alone (70% of the copy: splitting fc1 by columns saves its
+    half of fc1's weights and kept ReLU outputs, 25%)."""
     device = {"name": "small", "tflops": 0.01, "memory_gb": 16}
     config = {"auto.auto_parallel": True, "cluster.num_devices": 2, "auto.num_task_graph": 1,
               "cluster.hardware": [device]}
     data_parallel = plan_of(transformer_mlp, config)
     assert not data_parallel.sharding and data_parallel.data_parallel_degree == 2
     need = max(data_parallel.estimate["memory_bytes_per_device"])
-    return {**config, "cluster.hardware": [{**device, "memory_gb": 0.8 * need / 2 ** 30}]}, need
+    return {**config, "cluster.hardware": [{**device, "memory_gb": 0.7 * need / 2 ** 30}]}, need
 
 
 def test_memory_forces_megatron_column_then_row():
@@ -88,8 +90,8 @@ def test_memory_forces_megatron_column_then_row():
     rows (no gather between them), the rest stays replicated. Memory by hand
     (``test_cost_model.hand_memory``), 32 rows on 2 devices."""
     config, need = memory_bound_config()
-    # data parallel: 4 x 9164 weight bytes + 16 rows x 1132 bytes per row
-    assert need == hand_memory(TRANSFORMER_MLP_LAYERS, 32, 2)[0] == 4 * 9164 + 16 * 1132
+    # data parallel: 4 x 9164 weight bytes + 16 rows x 396 kept bytes per row
+    assert need == hand_memory(TRANSFORMER_MLP_LAYERS, 32, 2)[0] == 4 * 9164 + 16 * 396
     plan = plan_of(transformer_mlp, config)
     assert plan.sharding == {"tensor_degree": 2, "layers": {"fc1": "column", "fc2": "row"}}
     assert [tg.strategy for tg in plan.task_graphs] == ["replicate", "split", "replicate"]
@@ -97,7 +99,7 @@ def test_memory_forces_megatron_column_then_row():
     # the features, fc2 the 32 whole rows of its partial sums
     by_hand = hand_memory(TRANSFORMER_MLP_LAYERS, 32, 2, tensor=2,
                           candidates=plan.sharding["layers"])
-    assert by_hand[0] <= 0.8 * need  # the split plan fits the device
+    assert by_hand[0] <= 0.7 * need  # the split plan fits the device
     assert max(plan.estimate["memory_bytes_per_device"]) == by_hand[0]
     pinned = {**config, "plan": plan.to_dict()}
     data = make_data(steps=3, batch=8)

@@ -182,7 +182,7 @@ def test_offloading_mirrored_variables_is_refused():
 
 
 def test_the_planner_offloads_the_optimizer_when_memory_forces_it():
-    """Two stages of the Adam blocks on devices of 7 KiB: no plan fits without
+    """Two stages of the Adam blocks on devices of 4500 bytes: no plan fits without
     offload; with it, each stage sheds its Adam slots (2 x its weights'
     bytes: stage 0 holds block0 and block1/inner, 200 parameters; stage 1
     the rest, 243) and the step takes the host's traffic and update of the
@@ -190,7 +190,7 @@ def test_the_planner_offloads_the_optimizer_when_memory_forces_it():
     base = {"auto.auto_parallel": True, "cluster.num_devices": 2, "auto.num_task_graph": 2,
             "pipeline.num_micro_batch": 2, "auto.global_batch": 16,
             "auto.memory_techniques": ["offload"]}
-    device = {"name": "small", "tflops": 1, "memory_gb": 7e-6}
+    device = {"name": "small", "tflops": 1, "memory_gb": 4500 / 2 ** 30}
     roomy = plan_of(blocks(3, adam), {**base, "cluster.hardware": [{**device, "memory_gb": 1}]})
     assert roomy.estimate["memory_techniques"] == []  # slower, so not without need
     small = {**base, "cluster.hardware": [device]}

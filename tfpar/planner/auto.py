@@ -70,7 +70,7 @@ class ModelView:
     Attributes:
       flops: FLOPs per batch row of each op.
       activation_bytes: bytes per row each op's output allocates (none for
-        one that is its input's buffer: a reshape).
+        one that is its input's buffer: a reshape): whether it runs a kernel.
       param_bytes: bytes of the weights each op reads (counted once).
       edges: (i, j, bytes per row) between ops.
       labels: each op's repeated block (``pruning.block_labels``) or None.
@@ -83,9 +83,9 @@ class ModelView:
       traffic_bytes: bytes per row each op reads and writes in device
         memory (None: unknown, FLOPs alone time the ops).
       kept_bytes: bytes per row of each op's outputs the backward pass reads
-        (kept from the forward pass until then; None: unknown). The search
-        still counts ``activation_bytes`` (every output: about twice these
-        on a GPT, ``benchmarks/memory.py``).
+        (kept from the forward pass until then; None: unknown, and ``kept``
+        is every output, about twice as much on a GPT:
+        ``benchmarks/memory.py``).
     """
 
     flops: Sequence[float]
@@ -100,6 +100,12 @@ class ModelView:
     compute_dtype: str = "fp32"
     traffic_bytes: Optional[Sequence[float]] = None
     kept_bytes: Optional[Sequence[float]] = None
+
+    @property
+    def kept(self) -> Sequence[float]:
+        """Bytes per row each op keeps for the backward pass: ``kept_bytes``,
+        else (unknown) every output."""
+        return self.activation_bytes if self.kept_bytes is None else self.kept_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -570,7 +576,7 @@ def stage_costs(model: ModelView, stages: Sequence[int], num_stages: int, rows: 
     for i, stage in enumerate(stages):
         forward[stage] += model.flops[i] * rows / speed
         params[stage] += model.param_bytes[i]
-        activations[stage] += model.activation_bytes[i] * rows
+        activations[stage] += model.kept[i] * rows
     cut = sum(size for i, j, size in model.edges if stages[i] != stages[j]) * rows
     transfer = LATENCY_S + cut / max(num_stages - 1, 1) / bandwidth if num_stages > 1 else 0.0
     return StageCosts(tuple(forward), tuple(params), tuple(activations), transfer, cut)

@@ -55,7 +55,8 @@ class Layer:
         or ``other``.
       flops: forward FLOPs per batch row.
       out_bytes: bytes per row it hands to later layers (its largest output edge).
-      activation_bytes: bytes per row its ops output (kept for the backward pass).
+      activation_bytes: bytes per row its ops keep for the backward pass
+        (``ModelView.kept``).
       param_bytes: bytes of the weights it reads.
       input_bytes: bytes per row it reads from the model's inputs (which
         arrive split by rows, as data parallelism feeds them).
@@ -253,7 +254,7 @@ def _layer(scopes: Tuple[str, ...], ops: List[int], view, out_bytes: float) -> L
     else:
         kind = "other"
     cost = sum(view.flops[i] for i in ops)
-    kept = sum(view.activation_bytes[i] for i in ops)
+    kept = sum(view.kept[i] for i in ops)
     inputs = sum(view.input_bytes[i] for i in ops) if view.input_bytes else 0.0
     signature = (kind, cost, out_bytes, kept, weights, inputs,
                  tuple(sorted(collections.Counter(types[i] for i in ops).items())))

@@ -126,12 +126,12 @@ class Recomputation:
 def recomputation(view) -> Recomputation:
     """The recomputation terms of ``view`` (a ``ModelView``)."""
     count = len(view.flops)
-    kept = {"none": list(view.activation_bytes)}
+    kept = {"none": list(view.kept)}
     flops = {"none": [0.0] * count}
     unit = {"none": [-1] * count}
     unit_bytes: Dict[str, List[float]] = {"none": []}
     cores = _attention_cores(view)
-    kept["selective"] = list(view.activation_bytes)
+    kept["selective"] = list(view.kept)
     flops["selective"] = [0.0] * count
     unit["selective"] = [-1] * count
     unit_bytes["selective"] = []
@@ -140,7 +140,7 @@ def recomputation(view) -> Recomputation:
             kept["selective"][i] = 0.0
             flops["selective"][i] = view.flops[i]
             unit["selective"][i] = number
-        unit_bytes["selective"].append(sum(view.activation_bytes[i] for i in core))
+        unit_bytes["selective"].append(sum(view.kept[i] for i in core))
     kept["full"], flops["full"], unit["full"], unit_bytes["full"] = _full(view)
     return Recomputation(kept, flops, unit, unit_bytes)
 
@@ -187,12 +187,12 @@ def _full(view):
         label = labels[j]
         if label is not None and labels[i] != label:
             inputs[label][i] = max(inputs[label].get(i, 0.0), size)
-    kept = [b if label is None else 0.0 for b, label in zip(view.activation_bytes, labels)]
+    kept = [b if label is None else 0.0 for b, label in zip(view.kept, labels)]
     flops = [0.0 if label is None else f for f, label in zip(view.flops, labels)]
     unit, unit_bytes = [-1] * len(view.flops), []
     for number, (label, members) in enumerate(blocks.items()):
         kept[members[0]] = sum(inputs[label].values())
         for i in members:
             unit[i] = number
-        unit_bytes.append(sum(view.activation_bytes[i] for i in members))
+        unit_bytes.append(sum(view.kept[i] for i in members))
     return kept, flops, unit, unit_bytes

@@ -51,12 +51,12 @@ _DTYPES = {dtypes.float64: "fp64", dtypes.float32: "fp32", dtypes.float16: "fp16
 
 
 def model_view(index: GraphIndex, capture: GraphCapture,
-               kept: bool = False) -> Tuple[List[ops.Operation], ModelView]:
+               kept: bool = True) -> Tuple[List[ops.Operation], ModelView]:
     """The forward ops (graph order, a topological one) and their view. Each
     op and tensor is read from TensorFlow once (the planner reads graphs of
     tens of thousands of ops: its time grows with what it reads). ``kept``:
-    read the backward pass too, for ``ModelView.kept_bytes`` (the search does
-    not use them yet, and they cost a walk over the backward ops)."""
+    read the backward pass too, for ``ModelView.kept_bytes`` (without them
+    the planner counts every output as kept)."""
     losses = [y.op for call in capture.gradient_calls for y in call.ys if hasattr(y, "op")]
     needed = ancestors(losses, _is_boundary)
     phases = capture.op_phase

@@ -144,7 +144,7 @@ def _stages_on_mixed_devices(rt: Runtime, view, count: int) -> Optional[List[int
     rows = planning_batch(rt, view) / replicas / micro
     stages, fits = balance_stages(
         view.flops, [STATE_BYTES * b for b in view.param_bytes],
-        [b * rows for b in view.activation_bytes],
+        [b * rows for b in view.kept],
         [in_flight(schedule, 1 if group == "auto" else group, count, s, micro)
          for s in range(count)],
         [min(hw.flops_per_s(dtype) for hw in g) for g in groups],
