@@ -201,7 +201,7 @@ def graph_view(make_loss):
     with graph.as_default():
         wh.init({"cluster.num_devices": 1})
         v1.train.GradientDescentOptimizer(0.1).minimize(make_loss())
-        order, view = model_view(GraphIndex(graph), existing_capture(graph), kept=True)
+        order, view = model_view(GraphIndex(graph), existing_capture(graph))
     wh.reset()
     return order, view
 

@@ -1,15 +1,17 @@
 """Memory techniques applied to graphs (issue 15): activation recomputation
 (``memory.recompute``) computes the same numbers, and a traced step shows the
-recomputed forward running in the backward, in pipelines on its stage's devices;
-an offloaded optimizer (``memory.offload_optimizer``) updates on the host."""
+recomputed forward running in the backward (in pipelines on its stage's
+devices, in split TaskGraphs on its shards'); an offloaded optimizer
+(``memory.offload_optimizer``) updates on the host."""
 import collections
+import contextlib
 import re
 
 import pytest
 import tensorflow as tf
 
-from equivalence import (assert_equivalent, deep_mlp, dense, fed_graph, make_data, plan_of,
-                         traced_first_step, train)
+from equivalence import (assert_equivalent, deep_mlp, dense, fed_graph, layer, make_data,
+                         plan_of, traced_first_step, train)
 import tfpar as wh
 from tfpar.planner.memory import HOST_LINK_BYTES_S, HOST_MEMORY_BYTES_S
 from tfpar.runtime.step_trace import executed_ops
@@ -123,15 +125,43 @@ def test_recomputed_scopes_in_a_pipeline_run_in_their_stage(pipeline):
                and name.endswith("MatMul"))
 
 
-@pytest.mark.parametrize("config, scope", [
-    ({"auto.auto_parallel": True}, None),
-    ({}, lambda: wh.split(2)),
-], ids=["auto_parallel", "split"])
-def test_recomputation_where_it_is_not_built_is_refused_not_ignored(config, scope):
-    with pytest.raises(wh.PlanError, match="memory.recompute is applied to data-parallel plans "
-                                           "and pipelines only"):
+def split_block(split):
+    """build(x, y): a name scope ``block`` of two tanh layers (keras-style
+    v1 dense, so a split scope shards them: Megatron's column then row) and
+    a 10-class head, all in ``wh.split(2)`` when ``split``; Momentum."""
+    def build(x, y):
+        with wh.split(2) if split else contextlib.nullcontext():
+            with v1.variable_scope("block"):
+                h = layer(x, 16, "fc1", seed=1, activation=tf.nn.tanh)
+                h = layer(h, 8, "fc2", seed=2, activation=tf.nn.tanh)
+            loss = v1.losses.sparse_softmax_cross_entropy(y, layer(h, 10, "logits", seed=3))
+        return loss, v1.train.MomentumOptimizer(0.1, 0.9).minimize(loss)
+    return build
+
+
+def test_a_recomputed_scope_in_a_split_task_graph_runs_on_its_shards():
+    """The split block recomputed: the same numbers as plain TF; in a traced
+    step the copies of fc1's shards (their MatMuls and the tanh fc2's
+    weight gradient reads) ran on both devices, each where its original ran."""
+    data = make_data(steps=3, batch=16, classes=10)
+    config = {"cluster.num_devices": 2, "memory.recompute": ["block"]}
+    assert_equivalent(train(split_block(False), data), train(split_block(True), data, config))
+    with fed_graph(config) as (graph, x, y):
+        _, train_op = split_block(True)(x, y)
+        ran_on = executed_ops(traced_first_step(train_op, {x: data[0][0], y: data[1][0]}))
+    copies = {name: devices for name, devices in ran_on.items()
+              if name.startswith("block_recompute/")}
+    assert any(name.endswith("Tanh") for name in copies), sorted(copies)
+    assert set().union(*copies.values()) == {HOST, HOST[:-1] + "1"}
+    for name, devices in copies.items():
+        assert devices == ran_on[name[len("block_recompute/"):]], name
+
+
+def test_recomputation_with_auto_parallel_is_refused_not_ignored():
+    with pytest.raises(wh.PlanError, match="memory.recompute is applied to graphs the planner "
+                                           "did not plan"):
         train(blocks(2), DATA, {"cluster.num_devices": 2, "memory.recompute": ["block0"],
-                                **config}, scope=scope)
+                                "auto.auto_parallel": True})
 
 
 HOST = "/job:localhost/replica:0/task:0/device:CPU:0"

@@ -50,13 +50,11 @@ _DTYPES = {dtypes.float64: "fp64", dtypes.float32: "fp32", dtypes.float16: "fp16
            dtypes.bfloat16: "bf16"}
 
 
-def model_view(index: GraphIndex, capture: GraphCapture,
-               kept: bool = True) -> Tuple[List[ops.Operation], ModelView]:
-    """The forward ops (graph order, a topological one) and their view. Each
-    op and tensor is read from TensorFlow once (the planner reads graphs of
-    tens of thousands of ops: its time grows with what it reads). ``kept``:
-    read the backward pass too, for ``ModelView.kept_bytes`` (without them
-    the planner counts every output as kept)."""
+def model_view(index: GraphIndex, capture: GraphCapture) -> Tuple[List[ops.Operation], ModelView]:
+    """The forward ops (graph order, a topological one) and their view, with
+    what the backward pass reads of them (``ModelView.kept_bytes``). Each op
+    and tensor is read from TensorFlow once (the planner reads graphs of tens
+    of thousands of ops: its time grows with what it reads)."""
     losses = [y.op for call in capture.gradient_calls for y in call.ys if hasattr(y, "op")]
     needed = ancestors(losses, _is_boundary)
     phases = capture.op_phase
@@ -78,7 +76,7 @@ def model_view(index: GraphIndex, capture: GraphCapture,
                      for ins in graph.inputs],
         batch=_declared_batch(graph, capture), compute_dtype=_compute_dtype(graph, flops),
         traffic_bytes=_traffic(graph, edges),
-        kept_bytes=_kept_bytes(index, graph, capture) if kept else None)
+        kept_bytes=_kept_bytes(index, graph, capture))
 
 
 def _is_boundary(op: ops.Operation) -> bool:

@@ -278,15 +278,15 @@ def _planned(graph: ops.Graph, capture: GraphCapture, rt: Runtime):
     return plan, index, stage_of
 
 
-def _check_recompute(capture: GraphCapture, rt: Runtime) -> None:
-    """``memory.recompute`` is built for replicas and pipelines of them (so
-    far): not for split TaskGraphs, nor plans the planner makes (which may
-    split)."""
-    if rt.config.get("auto.auto_parallel") or any(
-            s.strategy == Strategy.SPLIT for s in capture.task_graphs):
-        raise PlanError("tfpar: memory.recompute is applied to data-parallel plans and "
-                        "pipelines only in this build (no wh.split scope or auto_parallel); "
-                        "remove the key or those")
+def _check_recompute(rt: Runtime) -> None:
+    """``memory.recompute`` is not for plans the planner makes: its estimates
+    would not count it (the planner chooses recomputation itself, from
+    ``auto.memory_techniques``)."""
+    if rt.config.get("auto.auto_parallel"):
+        raise PlanError("tfpar: memory.recompute is applied to graphs the planner did not "
+                        "plan: with auto.auto_parallel, list 'recompute' in "
+                        "auto.memory_techniques instead (for plans only, so far), or remove "
+                        "the key")
 
 
 def _check_forced_units(capture: GraphCapture, rt: Runtime) -> None:
@@ -470,7 +470,7 @@ def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
 def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
     """Plan ``graph`` and rewrite it (``capture.plan``, ``capture.rewrite``)."""
     if rt.config.get("memory.recompute"):
-        _check_recompute(capture, rt)
+        _check_recompute(rt)
         with graph_edit.unfinalized(graph), recording_paused():
             recompute_scopes(graph, capture, rt.config.get("memory.recompute"))
     plan, index, stage_of = _planned(graph, capture, rt)
