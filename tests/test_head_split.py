@@ -90,7 +90,8 @@ def test_heads_split_as_megatron_splits_them():
 
 def test_a_live_run_refuses_a_plan_that_splits_heads():
     """tfpar cannot build head-split attention yet: such a plan is for
-    ``tfpar plan`` only, and training says so, naming a layer."""
+    ``tfpar plan`` only, and training says so, naming a layer, also with the
+    plan pinned."""
     def build(x, y):
         loss = gpt_loss(1, 256, 4, vocab=64)(x)
         return loss, v1.train.AdamOptimizer(1e-3).minimize(loss)
@@ -104,9 +105,10 @@ def test_a_live_run_refuses_a_plan_that_splits_heads():
     assert "h0/attn/Softmax -> heads" in plan.summary()
     tokens = make_data(steps=1, batch=8, features=16, classes=64)[1].reshape(1, 8, 1)
     data = (tokens.repeat(16, axis=2).astype("int32"), tokens[..., 0])
-    with pytest.raises(wh.PlanError, match=r"splits attention heads \(h0/attn/split and "
-                                           r"\d+ more\), which tfpar cannot build yet"):
-        train(build, data, config, static_batch=True)
+    for run in (config, {**config, "plan": plan.to_dict()}):  # searched, then pinned
+        with pytest.raises(wh.PlanError, match=r"splits attention heads \(h0/attn/\w+ and "
+                                               r"\d+ more\), which tfpar cannot build yet"):
+            train(build, data, run, static_batch=True)
 
 
 def test_a_llama_core_with_grouped_heads_and_rotary_embeddings_splits_by_heads():

@@ -190,7 +190,8 @@ def test_mixed_precision_runs_at_the_low_precision_peak(gpt_view):
 
 def test_a_live_run_refuses_a_plan_that_needs_a_memory_technique():
     """tfpar cannot recompute, shard optimizer state or cast a graph yet: a
-    plan that needs it is for ``tfpar plan`` only, and training says so."""
+    plan that needs it is for ``tfpar plan`` only, and training says so, also
+    with the plan pinned."""
     def build(x, y):
         h = v1.layers.dense(x, 64, tf.nn.relu, name="l0")
         loss = v1.losses.sparse_softmax_cross_entropy(y, v1.layers.dense(h, 10, name="out"))
@@ -200,5 +201,9 @@ def test_a_live_run_refuses_a_plan_that_needs_a_memory_technique():
               "auto.memory_techniques": ["mixed_precision"]}
     plan = plan_of(build, config, shape=(64, 32))
     assert "needs: mixed_precision" in plan.summary()
+    data = make_data(steps=1, batch=64, features=32)
     with pytest.raises(wh.PlanError, match="needs mixed precision, which tfpar cannot apply"):
-        train(build, make_data(steps=1, batch=64, features=32), config, static_batch=True)
+        train(build, data, config, static_batch=True)
+    # pinned, as the planning pass pins a script's plan: refused too
+    with pytest.raises(wh.PlanError, match="the pinned plan needs mixed_precision"):
+        train(build, data, {**config, "plan": plan.to_dict()}, static_batch=True)

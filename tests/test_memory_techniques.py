@@ -216,7 +216,8 @@ def test_the_planner_offloads_the_optimizer_when_memory_forces_it():
     offload; with it, each stage sheds its Adam slots (2 x its weights'
     bytes: stage 0 holds block0 and block1/inner, 200 parameters; stage 1
     the rest, 243) and the step takes the host's traffic and update of the
-    larger stage more; the plan trains with the updates on the host."""
+    larger stage more; the plan trains with the updates on the host, also
+    pinned."""
     base = {"auto.auto_parallel": True, "cluster.num_devices": 2, "auto.num_task_graph": 2,
             "pipeline.num_micro_batch": 2, "auto.global_batch": 16,
             "auto.memory_techniques": ["offload"]}
@@ -234,3 +235,4 @@ def test_the_planner_offloads_the_optimizer_when_memory_forces_it():
     assert offloaded.estimate["step_time_s"] - roomy.estimate["step_time_s"] == pytest.approx(
         2 * 4 * 243 / HOST_LINK_BYTES_S + 7 * 4 * 243 / HOST_MEMORY_BYTES_S, rel=1e-6)
     assert_updates_on_the_host(small)
+    assert_updates_on_the_host({**small, "plan": offloaded.to_dict()})  # as the planning pass pins it

@@ -25,9 +25,10 @@ from tfpar.rewriters.select import GraphIndex
 from tfpar.runtime.context import Runtime
 from tfpar.runtime.gc_paused import gc_paused
 
-__all__ = ["DEFAULT_BATCH", "Automatic", "automatic_plan", "cluster_hardware", "estimate_of",
-           "APPLIED", "part_estimate", "pinned_sharding", "planned_config", "planning_batch",
-           "refuse_planning_only", "sharded_plan", "warn_unbuilt_sharding"]
+__all__ = ["APPLIED", "DEFAULT_BATCH", "Automatic", "automatic_plan", "cluster_hardware",
+           "estimate_of", "part_estimate", "pinned_sharding", "planned_config",
+           "planned_techniques", "planning_batch", "refuse_planning_only", "sharded_plan",
+           "warn_unbuilt_sharding"]
 
 log = logging.getLogger("tfpar")
 DEFAULT_BATCH = 32  # neither auto.global_batch nor the model's inputs say
@@ -274,10 +275,20 @@ def _chosen_pipeline(candidate) -> Dict[str, Any]:
             "pipeline.schedule": candidate.schedule, "pipeline.group_size": candidate.group_size}
 
 
-def refuse_planning_only(automatic: Optional[Automatic]) -> None:
+def planned_techniques(automatic: Optional[Automatic], rt: Runtime) -> List[str]:
+    """The memory techniques (``auto.memory_techniques`` names) the plan that
+    runs needs: the search's pick's, or a pinned plan's (its estimate's: a
+    plan the planning pass or ``tfpar plan`` wrote)."""
+    if automatic is not None and automatic.runnable is not None:
+        return automatic.runnable.techniques.names
+    return list((rt.config.plan or {}).get("estimate", {}).get("memory_techniques", []))
+
+
+def refuse_planning_only(automatic: Optional[Automatic], rt: Runtime) -> None:
     """A plan that needs memory techniques (``auto.memory_techniques``) tfpar
     does not apply to graphs (all but ``APPLIED``) or splits attention heads
-    (``auto.split_heads``) cannot train here: raise, naming them."""
+    (``auto.split_heads``) cannot train here: raise, naming them; a pinned
+    plan too."""
     chosen = [c for c in (automatic.best, automatic.runnable) if c is not None] \
         if automatic is not None else []
     needs = next((c for c in chosen if set(c.techniques.names) - APPLIED), None)
@@ -286,7 +297,14 @@ def refuse_planning_only(automatic: Optional[Automatic]) -> None:
                         f"{needs.techniques.describe()}, which tfpar cannot apply to a graph "
                         "yet: auto.memory_techniques is for planning (tfpar plan); remove "
                         "them from it to train")
+    pinned = sorted(set(planned_techniques(automatic, rt)) - APPLIED)
+    if pinned:
+        raise PlanError(f"tfpar: the pinned plan needs {', '.join(pinned)} (its estimate's "
+                        "memory_techniques), which tfpar cannot apply to a graph yet; plan "
+                        "without them (auto.memory_techniques) to train")
     heads = [scope for c in chosen for scope, how in c.split_scopes if how == "heads"]
+    heads += [scope for scope, how in pinned_sharding(rt).get("layers", {}).items()
+              if how == "heads"]
     if heads:
         raise PlanError(f"tfpar: the planner's plan splits attention heads ({heads[0]}"
                         f"{f' and {len(heads) - 1} more' if len(heads) > 1 else ''}), which "

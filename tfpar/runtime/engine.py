@@ -30,9 +30,9 @@ from tfpar.rewriters.stages import Placement, assign_stages, canonical_device, s
 from tfpar.rewriters.fetch_translation import FetchTranslator
 from tfpar.rewriters.function_outputs import rewire_outputs
 from tfpar.runtime.automatic import (Automatic, automatic_plan, cluster_hardware, estimate_of,
-                                     part_estimate, pinned_sharding, planned_config, planning_batch,
-                                     refuse_planning_only, sharded_plan,
-                                     warn_unbuilt_sharding)
+                                     part_estimate, pinned_sharding, planned_config,
+                                     planned_techniques, planning_batch, refuse_planning_only,
+                                     sharded_plan, warn_unbuilt_sharding)
 from tfpar.runtime.balanced import batch_shares
 from tfpar.runtime.context import Runtime, active
 from tfpar.runtime.gc_paused import gc_paused
@@ -474,10 +474,10 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
         with graph_edit.unfinalized(graph), recording_paused():
             recompute_scopes(graph, capture, rt.config.get("memory.recompute"))
     plan, index, stage_of = _planned(graph, capture, rt)
-    refuse_planning_only(capture.automatic[1] if capture.automatic is not None else None)
+    automatic = capture.automatic[1] if capture.automatic is not None else None
+    refuse_planning_only(automatic, rt)
     warn_unbuilt_sharding(capture)
     _check_forced_units(capture, rt)
-    automatic = capture.automatic[1] if capture.automatic is not None else None
     if automatic is not None and automatic.best is not automatic.runnable:
         # What runs is unsharded; what current_plan() shows, to pin, is not.
         capture.sharded_plan = sharded_plan(automatic, rt, index, capture)
@@ -514,7 +514,7 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
                             functions=cfg.get("pipeline.task_functions"),
                             shares=plan.batch_shares,
                             offload=cfg.get("memory.offload_optimizer")
-                            or "offload" in plan.estimate.get("memory_techniques", ()))
+                            or "offload" in planned_techniques(automatic, rt))
     capture.plan = plan
     capture.rewrite = FetchTranslator(graph, rewrite)
     log.info("tfpar rewrote the graph:\n%s", plan.summary())
