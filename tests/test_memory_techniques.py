@@ -21,7 +21,8 @@ DATA = make_data(steps=3, batch=16)
 RECOMPUTED = ["block1", "block2", "block3"]
 
 
-def blocks(count, optimizer=lambda: v1.train.GradientDescentOptimizer(0.5)):
+def blocks(count, optimizer=lambda: v1.train.GradientDescentOptimizer(0.5),
+           loss=v1.losses.sparse_softmax_cross_entropy):
     """build(x, y): ``count`` name scopes block0.. of two tanh layers of width 8
     (the second's input and both activations live inside the block), a
     3-class head, plain SGD unless ``optimizer`` makes another."""
@@ -31,8 +32,8 @@ def blocks(count, optimizer=lambda: v1.train.GradientDescentOptimizer(0.5)):
             with v1.variable_scope(f"block{i}"):
                 h = dense(h, 8, "inner", seed=2 * i, activation=tf.nn.tanh)
                 h = dense(h, 8, "outer", seed=2 * i + 1, activation=tf.nn.tanh)
-        loss = v1.losses.sparse_softmax_cross_entropy(y, dense(h, 3, "logits", seed=99))
-        return loss, optimizer().minimize(loss)
+        mean = loss(y, dense(h, 3, "logits", seed=99))
+        return mean, optimizer().minimize(mean)
     return build
 
 
@@ -157,6 +158,40 @@ def test_a_recomputed_scope_in_a_split_task_graph_runs_on_its_shards():
         assert devices == ran_on[name[len("block_recompute/"):]], name
 
 
+def mean_xent(labels, logits):
+    """A loss without v1.losses' nested scopes (the deepest scopes then are
+    the blocks' layers, so TAP's walk finds the blocks)."""
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
+                                                                         logits=logits))
+
+
+def test_the_planner_recomputes_every_block_when_memory_forces_it():
+    """Four blocks planned for one device of 60000 bytes, 2 micro-batches of
+    256 rows (auto.global_batch 512). Without recomputation: 4 x 2348 bytes
+    of weights and state + 256 x (8 tanh outputs x 32 + 12 of the cross-
+    entropy's backprop) = 78000. Full recomputation: each block keeps its
+    input (32 bytes a row; block0's is the fed batch, which the feed holds)
+    and holds one block's 64 while rebuilding it: 9392 + 256 x (3 x 32 + 12
+    + 64) = 53424, and the search chooses it. The plan trains, searched and
+    pinned: the numbers of plain TF, and every block's copies ran."""
+    build = blocks(4, loss=mean_xent)
+    config = {"auto.auto_parallel": True, "cluster.num_devices": 1, "auto.global_batch": 512,
+              "pipeline.num_micro_batch": 2, "auto.memory_techniques": ["recompute"],
+              "cluster.hardware": [{"name": "small", "tflops": 1, "memory_gb": 60000 / 2 ** 30}]}
+    plan = plan_of(build, config)
+    assert (plan.estimate["memory_techniques"], plan.estimate["recompute"]) == (["recompute"],
+                                                                              "full")
+    assert plan.estimate["memory_bytes_per_device"] == [9392 + 256 * (3 * 32 + 12 + 64)]
+    assert max(plan_of(build, {**config, "auto.memory_techniques": [], "cluster.hardware": [
+        {"name": "roomy", "tflops": 1, "memory_gb": 1}]}).estimate[
+            "memory_bytes_per_device"]) == 9392 + 256 * (8 * 32 + 12)
+    for run in (config, {**config, "plan": plan.to_dict()}):
+        assert_equivalent(train(build, DATA), train(build, DATA, run), rtol=1e-6)
+        copies = {re.search(r"(block\d)_recompute/", name).group(1)
+                  for name in step_nodes(run, build) if "_recompute/" in name}
+        assert copies == {f"block{i}" for i in range(4)}
+
+
 def test_recomputation_with_auto_parallel_is_refused_not_ignored():
     with pytest.raises(wh.PlanError, match="memory.recompute is applied to graphs the planner "
                                            "did not plan"):
@@ -235,4 +270,4 @@ def test_the_planner_offloads_the_optimizer_when_memory_forces_it():
     assert offloaded.estimate["step_time_s"] - roomy.estimate["step_time_s"] == pytest.approx(
         2 * 4 * 243 / HOST_LINK_BYTES_S + 7 * 4 * 243 / HOST_MEMORY_BYTES_S, rel=1e-6)
     assert_updates_on_the_host(small)
-    assert_updates_on_the_host({**small, "plan": offloaded.to_dict()})  # as the planning pass pins it
+    assert_updates_on_the_host({**small, "plan": offloaded.to_dict()})  # pinned

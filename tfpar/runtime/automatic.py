@@ -5,7 +5,7 @@ with a sharded plan pinned makes."""
 import dataclasses
 import logging
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from tensorflow.python.framework import ops
 
@@ -25,10 +25,10 @@ from tfpar.rewriters.select import GraphIndex
 from tfpar.runtime.context import Runtime
 from tfpar.runtime.gc_paused import gc_paused
 
-__all__ = ["APPLIED", "DEFAULT_BATCH", "Automatic", "automatic_plan", "cluster_hardware",
-           "estimate_of", "part_estimate", "pinned_sharding", "planned_config",
+__all__ = ["DEFAULT_BATCH", "Automatic", "automatic_plan", "cluster_hardware", "estimate_of",
+           "part_estimate", "pinned_sharding", "planned_config", "planned_recompute",
            "planned_techniques", "planning_batch", "refuse_planning_only", "sharded_plan",
-           "warn_unbuilt_sharding"]
+           "unapplied", "warn_unbuilt_sharding"]
 
 log = logging.getLogger("tfpar")
 DEFAULT_BATCH = 32  # neither auto.global_batch nor the model's inputs say
@@ -254,11 +254,9 @@ def estimate_of(candidate, rt: Runtime) -> Dict[str, Any]:
     return {"step_time_s": candidate.step_time_s,
             "memory_bytes_per_device": [candidate.memory_bytes] * len(rt.devices),
             "comm_bytes": candidate.comm_bytes,
-            "memory_techniques": candidate.techniques.names}
-
-
-# Memory techniques of the search that the rewrite applies (``memory.offload_optimizer``).
-APPLIED = frozenset({"offload"})
+            "memory_techniques": candidate.techniques.names,
+            **({"recompute": candidate.techniques.recompute}
+               if candidate.techniques.recompute != "none" else {})}
 
 
 def planned_config(rt: Runtime, automatic: Optional[Automatic]):
@@ -275,6 +273,22 @@ def _chosen_pipeline(candidate) -> Dict[str, Any]:
             "pipeline.schedule": candidate.schedule, "pipeline.group_size": candidate.group_size}
 
 
+def unapplied(techniques: Sequence[str], recompute: str) -> List[str]:
+    """Of memory ``techniques`` (``auto.memory_techniques`` names, with the
+    ``recompute`` mode), those tfpar cannot apply to a graph: all but
+    offload (``memory.offload_optimizer``) and full recomputation (its
+    repeated blocks recomputed, as ``memory.recompute`` does)."""
+    applied = {"offload"} | ({"recompute"} if recompute == "full" else set())
+    return sorted(set(techniques) - applied)
+
+
+def planned_recompute(automatic: Optional[Automatic], rt: Runtime) -> str:
+    """The recomputation mode of the plan that runs (``planned_techniques``)."""
+    if automatic is not None and automatic.runnable is not None:
+        return automatic.runnable.techniques.recompute
+    return (rt.config.plan or {}).get("estimate", {}).get("recompute", "none")
+
+
 def planned_techniques(automatic: Optional[Automatic], rt: Runtime) -> List[str]:
     """The memory techniques (``auto.memory_techniques`` names) the plan that
     runs needs: the search's pick's, or a pinned plan's (its estimate's: a
@@ -286,18 +300,19 @@ def planned_techniques(automatic: Optional[Automatic], rt: Runtime) -> List[str]
 
 def refuse_planning_only(automatic: Optional[Automatic], rt: Runtime) -> None:
     """A plan that needs memory techniques (``auto.memory_techniques``) tfpar
-    does not apply to graphs (all but ``APPLIED``) or splits attention heads
+    does not apply to graphs (``unapplied``) or splits attention heads
     (``auto.split_heads``) cannot train here: raise, naming them; a pinned
     plan too."""
     chosen = [c for c in (automatic.best, automatic.runnable) if c is not None] \
         if automatic is not None else []
-    needs = next((c for c in chosen if set(c.techniques.names) - APPLIED), None)
+    needs = next((c for c in chosen
+                  if unapplied(c.techniques.names, c.techniques.recompute)), None)
     if needs is not None:
         raise PlanError(f"tfpar: the planner's plan ({needs.describe()}) needs "
                         f"{needs.techniques.describe()}, which tfpar cannot apply to a graph "
                         "yet: auto.memory_techniques is for planning (tfpar plan); remove "
                         "them from it to train")
-    pinned = sorted(set(planned_techniques(automatic, rt)) - APPLIED)
+    pinned = unapplied(planned_techniques(automatic, rt), planned_recompute(automatic, rt))
     if pinned:
         raise PlanError(f"tfpar: the pinned plan needs {', '.join(pinned)} (its estimate's "
                         "memory_techniques), which tfpar cannot apply to a graph yet; plan "

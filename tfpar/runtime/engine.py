@@ -31,8 +31,8 @@ from tfpar.rewriters.fetch_translation import FetchTranslator
 from tfpar.rewriters.function_outputs import rewire_outputs
 from tfpar.runtime.automatic import (Automatic, automatic_plan, cluster_hardware, estimate_of,
                                      part_estimate, pinned_sharding, planned_config,
-                                     planned_techniques, planning_batch, refuse_planning_only,
-                                     sharded_plan, warn_unbuilt_sharding)
+                                     planned_recompute, planned_techniques, planning_batch,
+                                     refuse_planning_only, sharded_plan, warn_unbuilt_sharding)
 from tfpar.runtime.balanced import batch_shares
 from tfpar.runtime.context import Runtime, active
 from tfpar.runtime.gc_paused import gc_paused
@@ -289,6 +289,16 @@ def _check_recompute(rt: Runtime) -> None:
                         "the key")
 
 
+def _recompute_blocks(graph: ops.Graph, capture: GraphCapture, index: GraphIndex) -> None:
+    """The plan's full recomputation (Korthikanti et al.): every repeated
+    block of the model (``ModelView.labels``, name scopes) recomputed in the
+    backward, as ``memory.recompute`` would."""
+    _, view = model_view(index, capture)
+    scopes = sorted({label for label in view.labels if label})
+    with graph_edit.unfinalized(graph), recording_paused():
+        recompute_scopes(graph, capture, scopes)
+
+
 def _check_forced_units(capture: GraphCapture, rt: Runtime) -> None:
     """Every ShardingUnit ``split.patterns`` names exists in this graph."""
     forced = rt.config.get("split.patterns") or {}
@@ -476,6 +486,9 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
     plan, index, stage_of = _planned(graph, capture, rt)
     automatic = capture.automatic[1] if capture.automatic is not None else None
     refuse_planning_only(automatic, rt)
+    if planned_recompute(automatic, rt) == "full":
+        _recompute_blocks(graph, capture, index)
+        plan, index, stage_of = _planned(graph, capture, rt)  # the copies' stages too
     warn_unbuilt_sharding(capture)
     _check_forced_units(capture, rt)
     if automatic is not None and automatic.best is not automatic.runnable:
