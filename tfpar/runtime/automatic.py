@@ -26,9 +26,9 @@ from tfpar.runtime.context import Runtime
 from tfpar.runtime.gc_paused import gc_paused
 
 __all__ = ["DEFAULT_BATCH", "Automatic", "automatic_plan", "cluster_hardware", "estimate_of",
-           "part_estimate", "pinned_sharding", "planned_config", "planned_recompute",
-           "planned_techniques", "planning_batch", "refuse_planning_only", "sharded_plan",
-           "unapplied", "warn_unbuilt_sharding"]
+           "part_estimate", "pinned_sharding", "planned_config", "planned_techniques",
+           "planning_batch", "refuse_planning_only", "sharded_plan", "unapplied",
+           "warn_unbuilt_sharding"]
 
 log = logging.getLogger("tfpar")
 DEFAULT_BATCH = 32  # neither auto.global_batch nor the model's inputs say
@@ -279,23 +279,19 @@ def unapplied(techniques: Sequence[str], recompute: str) -> List[str]:
     offload (``memory.offload_optimizer``) and full recomputation (its
     repeated blocks recomputed, as ``memory.recompute`` does)."""
     applied = {"offload"} | ({"recompute"} if recompute == "full" else set())
-    return sorted(set(techniques) - applied)
+    return [f"recompute {recompute}" if name == "recompute" else name
+            for name in sorted(set(techniques) - applied)]
 
 
-def planned_recompute(automatic: Optional[Automatic], rt: Runtime) -> str:
-    """The recomputation mode of the plan that runs (``planned_techniques``)."""
-    if automatic is not None and automatic.runnable is not None:
-        return automatic.runnable.techniques.recompute
-    return (rt.config.plan or {}).get("estimate", {}).get("recompute", "none")
-
-
-def planned_techniques(automatic: Optional[Automatic], rt: Runtime) -> List[str]:
+def planned_techniques(automatic: Optional[Automatic], rt: Runtime) -> Tuple[List[str], str]:
     """The memory techniques (``auto.memory_techniques`` names) the plan that
-    runs needs: the search's pick's, or a pinned plan's (its estimate's: a
-    plan the planning pass or ``tfpar plan`` wrote)."""
+    runs needs, and its recomputation mode: the search's pick's, or a pinned
+    plan's (its estimate's: a plan the planning pass or ``tfpar plan``
+    wrote)."""
     if automatic is not None and automatic.runnable is not None:
-        return automatic.runnable.techniques.names
-    return list((rt.config.plan or {}).get("estimate", {}).get("memory_techniques", []))
+        return automatic.runnable.techniques.names, automatic.runnable.techniques.recompute
+    estimate = (rt.config.plan or {}).get("estimate", {})
+    return list(estimate.get("memory_techniques", [])), estimate.get("recompute", "none")
 
 
 def refuse_planning_only(automatic: Optional[Automatic], rt: Runtime) -> None:
@@ -312,7 +308,7 @@ def refuse_planning_only(automatic: Optional[Automatic], rt: Runtime) -> None:
                         f"{needs.techniques.describe()}, which tfpar cannot apply to a graph "
                         "yet: auto.memory_techniques is for planning (tfpar plan); remove "
                         "them from it to train")
-    pinned = unapplied(planned_techniques(automatic, rt), planned_recompute(automatic, rt))
+    pinned = unapplied(*planned_techniques(automatic, rt))
     if pinned:
         raise PlanError(f"tfpar: the pinned plan needs {', '.join(pinned)} (its estimate's "
                         "memory_techniques), which tfpar cannot apply to a graph yet; plan "

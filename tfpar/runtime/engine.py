@@ -31,8 +31,8 @@ from tfpar.rewriters.fetch_translation import FetchTranslator
 from tfpar.rewriters.function_outputs import rewire_outputs
 from tfpar.runtime.automatic import (Automatic, automatic_plan, cluster_hardware, estimate_of,
                                      part_estimate, pinned_sharding, planned_config,
-                                     planned_recompute, planned_techniques, planning_batch,
-                                     refuse_planning_only, sharded_plan, warn_unbuilt_sharding)
+                                     planned_techniques, planning_batch, refuse_planning_only,
+                                     sharded_plan, warn_unbuilt_sharding)
 from tfpar.runtime.balanced import batch_shares
 from tfpar.runtime.context import Runtime, active
 from tfpar.runtime.gc_paused import gc_paused
@@ -486,7 +486,8 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
     plan, index, stage_of = _planned(graph, capture, rt)
     automatic = capture.automatic[1] if capture.automatic is not None else None
     refuse_planning_only(automatic, rt)
-    if planned_recompute(automatic, rt) == "full":
+    techniques, recompute = planned_techniques(automatic, rt)
+    if recompute == "full":
         _recompute_blocks(graph, capture, index)
         plan, index, stage_of = _planned(graph, capture, rt)  # the copies' stages too
     warn_unbuilt_sharding(capture)
@@ -527,7 +528,7 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
                             functions=cfg.get("pipeline.task_functions"),
                             shares=plan.batch_shares,
                             offload=cfg.get("memory.offload_optimizer")
-                            or "offload" in planned_techniques(automatic, rt))
+                            or "offload" in techniques)
     capture.plan = plan
     capture.rewrite = FetchTranslator(graph, rewrite)
     log.info("tfpar rewrote the graph:\n%s", plan.summary())
