@@ -7,12 +7,14 @@ import collections
 import contextlib
 import re
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
 from equivalence import (assert_equivalent, deep_mlp, dense, fed_graph, layer, make_data,
                          plan_of, traced_first_step, train)
 import tfpar as wh
+from test_expert_plans import gpt_loss
 from tfpar.planner.memory import HOST_LINK_BYTES_S, HOST_MEMORY_BYTES_S
 from tfpar.runtime.step_trace import executed_ops
 
@@ -190,6 +192,55 @@ def test_the_planner_recomputes_every_block_when_memory_forces_it():
         copies = {re.search(r"(block\d)_recompute/", name).group(1)
                   for name in step_nodes(run, build) if "_recompute/" in name}
         assert copies == {f"block{i}" for i in range(4)}
+
+
+def small_gpt(x, y):
+    """test_expert_plans' GPT-2 graph: 2 blocks, hidden 32, 4 heads, 50
+    tokens, seeded initial values, SGD (Adam would turn float noise in
+    near-zero gradients into visible steps)."""
+    del y
+    with v1.variable_scope("", initializer=v1.glorot_uniform_initializer(seed=1)):
+        loss = gpt_loss(2, 32, 4, vocab=50)(x)
+    return loss, v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+
+
+def test_the_planner_recomputes_attention_cores_when_memory_forces_it():
+    """The GPT on one device of 1.59 MB, 8 sequences of 16 tokens: 1600000
+    bytes without recomputation; selective recomputation drops each
+    layer's softmax (a s^2 = 4 x 16^2 floats a sequence: 4096 bytes) for 8
+    sequences and 2 layers and holds one while rebuilding it: 1600000 -
+    65536 + 32768 = 1567232, which fits (full does too, but recomputes
+    more). The plan trains, searched and pinned: the numbers of plain TF,
+    and both cores' softmax copies ran after the forward reached the loss,
+    the backward reading them (the forward's softmax then lives only until the
+    attention over V has read it)."""
+    config = {"auto.auto_parallel": True, "cluster.num_devices": 1, "auto.global_batch": 8,
+              "auto.memory_techniques": ["recompute"],
+              "cluster.hardware": [{"name": "small", "tflops": 1, "memory_gb": 1.59e6 / 2 ** 30}]}
+    plan = plan_of(small_gpt, config, dtype=tf.int32, shape=(8, 16))
+    assert plan.estimate["recompute"] == "selective"
+    assert plan.estimate["memory_bytes_per_device"] == [1600000 - 65536 + 32768]
+    rng = np.random.RandomState(0)
+    data = (rng.randint(0, 50, size=(3, 8, 16)).astype(np.int32), np.zeros((3, 8), np.int64))
+    for run in (config, {**config, "plan": plan.to_dict()}):
+        assert_equivalent(train(small_gpt, data, static_batch=True),
+                          train(small_gpt, data, run, static_batch=True))
+        graph = tf.Graph()
+        with graph.as_default():
+            wh.init(run)
+            tokens = v1.placeholder(tf.int32, [8, 16])
+            _, train_op = small_gpt(tokens, None)
+            metadata = traced_first_step(train_op, {tokens: data[0][0]})
+        wh.reset()
+        nodes = {node.node_name: (node.all_start_micros, node.all_start_micros
+                                  + node.all_end_rel_micros)
+                 for device in metadata.step_stats.dev_stats for node in device.node_stats}
+        softmax = {name: start for name, (start, _) in nodes.items()
+                   if "_recompute/" in name and name.endswith("Softmax")}
+        assert set(softmax) == {f"attention_core_{i}_recompute/h{i}/attn/Softmax"
+                                for i in range(2)}
+        loss_end = nodes["sparse_softmax_cross_entropy_loss/xentropy/xentropy"][1]
+        assert min(softmax.values()) >= loss_end
 
 
 def test_recomputation_with_auto_parallel_is_refused_not_ignored():

@@ -102,9 +102,9 @@ SCHEMA = {
     "auto.memory_techniques": Option(
         "list", [], ("a list of 'recompute', 'zero', 'mixed_precision', 'offload'",
                      lambda v: set(v) <= {"recompute", "zero", "mixed_precision", "offload"}),
-        "memory techniques the planner may choose ('offload' and full 'recompute' are "
-        "applied to the graph; selective recomputation, 'zero' and 'mixed_precision' are "
-        "for plans only: tfpar cannot apply them to a graph yet)"),
+        "memory techniques the planner may choose ('offload' and 'recompute' are applied "
+        "to the graph; 'zero' and 'mixed_precision' are for plans only: tfpar cannot apply "
+        "them to a graph yet)"),
     "auto.split_heads": Option("bool", False, (),
                                "tensor groups may split attention cores by heads (Megatron's "
                                "attention; for plans only: tfpar cannot build it yet)"),

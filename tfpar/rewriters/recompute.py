@@ -10,6 +10,10 @@ the copies wait (control inputs) for the gradients that enter the scope from
 outside it, so they run when the backward reaches the scope and the
 originals' outputs are freed once the forward has used them. The copies
 compute the same numbers: stateful ops (random draws) are refused.
+
+``recompute_ops`` does the same for a group of ops that is not a name scope
+(an attention core, Korthikanti et al.'s selective recomputation), its
+outputs included: the forward reads the originals, the backward copies.
 """
 import logging
 import re
@@ -23,12 +27,13 @@ from tfpar.ir.taskgraph import Phase
 from tfpar.rewriters import graph_edit
 from tfpar.rewriters.select import data_ancestors
 
-__all__ = ["recompute_scopes"]
+__all__ = ["recompute_ops", "recompute_scopes"]
 
 log = logging.getLogger("tfpar")
 
 # Stateful ops whose copies return what the originals did within a step.
 _REPEATABLE = frozenset({"ReadVariableOp"})
+_METADATA = frozenset({"Shape", "ShapeN", "Size", "Rank"})  # ops that read no values
 # The name scope tf.gradients (gradients, gradients_1, ...) or a GradientTape
 # puts a forward op's gradient ops under, before the op's own name.
 _GRADIENT_ROOT = re.compile(r"gradients(_\d+)?|gradient_tape")
@@ -39,14 +44,57 @@ def recompute_scopes(graph: ops.Graph, capture: GraphCapture, scopes: Sequence[s
     for all of them: a scope per layer stays linear in the graph's size)."""
     scopes = [scope.rstrip("/") for scope in scopes]
     forward, own = _by_scope(graph, capture, scopes)
+    _recompute_all(graph, capture, {scope: (forward[scope], own[scope]) for scope in scopes},
+                   keep_outputs=True)
+
+
+def recompute_ops(graph: ops.Graph, capture: GraphCapture,
+                  groups: Dict[str, List[ops.Operation]]) -> None:
+    """Recompute each named group of forward ops (an attention core:
+    Korthikanti et al.'s selective recomputation) in the backward, its
+    outputs too: the backward reads copies of everything it read of the
+    group, so the originals live only as long as the forward reads them."""
+    group_of = {op.name: name for name, members in groups.items() for op in members}
+    own: Dict[str, Set[ops.Operation]] = {name: set() for name in groups}
+    for op in graph.get_operations():
+        parts = op.name.split("/")
+        if capture.op_phase.get(op.name) == Phase.BACKWARD and _GRADIENT_ROOT.fullmatch(parts[0]):
+            differentiated = next((prefix[:-len("_grad")] for prefix in (
+                "/".join(parts[1:k]) for k in range(2, len(parts)))
+                if prefix.endswith("_grad") and prefix[:-len("_grad")] in group_of), None)
+            if differentiated is not None:
+                own[group_of[differentiated]].add(op)
+    _recompute_all(graph, capture, {name: (members, own[name]) for name, members in groups.items()},
+                   keep_outputs=False)
+
+
+def _recompute_all(graph: ops.Graph, capture: GraphCapture, units, keep_outputs: bool) -> None:
+    """``units``: name -> (forward ops in creation order, their gradient ops)."""
     backward = {op for op in graph.get_operations()
                 if capture.op_phase.get(op.name) == Phase.BACKWARD}
     waiting: Dict[ops.Operation, List[ops.Operation]] = {}  # op -> ops with it as control input
     for op in backward:
         for dep in op.control_inputs:
             waiting.setdefault(dep, []).append(op)
-    for scope in scopes:
-        _recompute(graph, capture, scope, forward[scope], own[scope], backward, waiting)
+    late = _after_the_seeds(capture, backward)
+    for name, (forward, own) in units.items():
+        _recompute(graph, capture, name, forward, own, backward, waiting, keep_outputs, late)
+
+
+def _after_the_seeds(capture: GraphCapture, backward: Set[ops.Operation]) -> Set[ops.Operation]:
+    """The backward ops that depend by data on the seeds backprop starts from
+    (so run once the forward has reached the loss); the others (shape
+    arithmetic) run during the forward pass, and copies waiting for them
+    would too."""
+    late: Set[ops.Operation] = set()
+    stack = [s.op for call in capture.gradient_calls for s in call.seeds if hasattr(s, "op")]
+    while stack:
+        op = stack.pop()
+        for user in (u for t in op.outputs for u in t.consumers()):
+            if user in backward and user not in late:
+                late.add(user)
+                stack.append(user)
+    return late
 
 
 def _by_scope(graph: ops.Graph, capture: GraphCapture, scopes: Sequence[str]):
@@ -76,18 +124,23 @@ def _prefixes(parts: List[str], wanted: Set[str]) -> List[str]:
 def _recompute(graph: ops.Graph, capture: GraphCapture, scope: str,
                forward: List[ops.Operation], own: Set[ops.Operation],
                backward: Set[ops.Operation],
-               waiting: Dict[ops.Operation, List[ops.Operation]]) -> None:
+               waiting: Dict[ops.Operation, List[ops.Operation]], keep_outputs: bool,
+               late: Set[ops.Operation]) -> None:
     if not forward:
         raise PlanError(f"tfpar: memory.recompute names '{scope}', but no forward op with "
                         "inputs is in that name scope; give the scope layers are built in "
                         "(e.g. 'dense_1' or 'encoder/layer_3')")
     members = set(forward)
-    # The scope's outputs feed the forward beyond it and stay alive (Chen et
-    # al.'s checkpoints, the next scope's inputs); what only it and the
-    # backward read is rebuilt.
+    # With ``keep_outputs``, the scope's outputs feed the forward beyond it and
+    # stay alive (Chen et al.'s checkpoints, the next scope's inputs), and what
+    # only it and the backward read is rebuilt; else all the backward reads.
     inside = {t for op in forward for t in op.outputs
-              if all(user in members or user.name in capture.op_phase for user in t.consumers())}
-    consumers = {user for t in inside for user in t.consumers() if user in backward}
+              if all(user in members or user.name in capture.op_phase for user in t.consumers())
+              or not keep_outputs and any(user in backward for user in t.consumers())}
+    # A shape read is not a use: it runs as soon as the original exists, and
+    # a copy read for its shape would hold back the gradient the copies wait for.
+    consumers = {user for t in inside for user in t.consumers()
+                 if user in backward and user.type not in _METADATA}
     # Data edges only: an op a member merely waits for need not run again.
     needed = data_ancestors({t.op for c in consumers for t in c.inputs if t in inside},
                             members.__contains__)
@@ -103,7 +156,8 @@ def _recompute(graph: ops.Graph, capture: GraphCapture, scope: str,
         for k, t in enumerate(op.inputs):
             if t in inside:
                 graph_edit.update_input(op, k, copies[t.op].outputs[t.value_index])
-    triggers = _entering_gradients(consumers, set(copies.values()), backward, own, waiting)
+    triggers = _entering_gradients(consumers, set(copies.values()), late or backward, own,
+                                   waiting)
     if not triggers:
         log.warning("tfpar: memory.recompute found no gradient entering scope '%s'; its "
                     "forward is recomputed as soon as its inputs are ready", scope)
@@ -121,11 +175,13 @@ def _entering_gradients(consumers: Set[ops.Operation], copies: Set[ops.Operation
                         backward: Set[ops.Operation], own: Set[ops.Operation],
                         waiting: Dict[ops.Operation, List[ops.Operation]]
                         ) -> List[ops.Operation]:
-    """The backward ops outside the scope's gradient ops (``own``) that feed
-    them, and that neither the ``consumers`` nor the copies precede by data
-    or control edges (``waiting``: op -> ops with it as control input): the
-    gradients entering the scope, which the copies may wait for without a
-    cycle."""
+    """The ``backward`` ops (those after the seeds, when known) outside the
+    scope's gradient ops (``own``) that feed them or the ``consumers``, and
+    that neither the consumers nor the copies precede by data or control
+    edges (``waiting``: op -> ops with it as control input): the gradients
+    entering the scope, which the copies may wait for without a cycle (the
+    gradient of an attention core's output, gated with the gradient that
+    reads the core, is not one: the gradient entering that reader is)."""
     after, stack = set(), list(consumers) + list(copies)
     while stack:
         op = stack.pop()
@@ -133,6 +189,6 @@ def _entering_gradients(consumers: Set[ops.Operation], copies: Set[ops.Operation
             if user not in after:
                 after.add(user)
                 stack.append(user)
-    return sorted({t.op for op in own for t in op.inputs
+    return sorted({t.op for op in own | consumers for t in op.inputs
                    if t.op in backward and t.op not in own and t.op not in after
                    and t.op not in copies and t.op.inputs}, key=lambda op: op.name)

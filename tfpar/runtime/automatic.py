@@ -273,14 +273,11 @@ def _chosen_pipeline(candidate) -> Dict[str, Any]:
             "pipeline.schedule": candidate.schedule, "pipeline.group_size": candidate.group_size}
 
 
-def unapplied(techniques: Sequence[str], recompute: str) -> List[str]:
-    """Of memory ``techniques`` (``auto.memory_techniques`` names, with the
-    ``recompute`` mode), those tfpar cannot apply to a graph: all but
-    offload (``memory.offload_optimizer``) and full recomputation (its
-    repeated blocks recomputed, as ``memory.recompute`` does)."""
-    applied = {"offload"} | ({"recompute"} if recompute == "full" else set())
-    return [f"recompute {recompute}" if name == "recompute" else name
-            for name in sorted(set(techniques) - applied)]
+def unapplied(techniques: Sequence[str]) -> List[str]:
+    """Of memory ``techniques`` (``auto.memory_techniques`` names), those
+    tfpar cannot apply to a graph: all but offload
+    (``memory.offload_optimizer``) and recomputation (``runtime.engine``)."""
+    return sorted(set(techniques) - {"offload", "recompute"})
 
 
 def planned_techniques(automatic: Optional[Automatic], rt: Runtime) -> Tuple[List[str], str]:
@@ -301,14 +298,13 @@ def refuse_planning_only(automatic: Optional[Automatic], rt: Runtime) -> None:
     plan too."""
     chosen = [c for c in (automatic.best, automatic.runnable) if c is not None] \
         if automatic is not None else []
-    needs = next((c for c in chosen
-                  if unapplied(c.techniques.names, c.techniques.recompute)), None)
+    needs = next((c for c in chosen if unapplied(c.techniques.names)), None)
     if needs is not None:
         raise PlanError(f"tfpar: the planner's plan ({needs.describe()}) needs "
                         f"{needs.techniques.describe()}, which tfpar cannot apply to a graph "
                         "yet: auto.memory_techniques is for planning (tfpar plan); remove "
                         "them from it to train")
-    pinned = unapplied(*planned_techniques(automatic, rt))
+    pinned = unapplied(planned_techniques(automatic, rt)[0])
     if pinned:
         raise PlanError(f"tfpar: the pinned plan needs {', '.join(pinned)} (its estimate's "
                         "memory_techniques), which tfpar cannot apply to a graph yet; plan "

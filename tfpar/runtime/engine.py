@@ -2,7 +2,7 @@
 import dataclasses
 import logging
 import weakref
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 from tensorflow.python.eager import context
@@ -17,6 +17,7 @@ from tfpar.ir.taskgraph import Strategy, TaskGraphSpec
 from tfpar.planner.auto import stage_costs
 from tfpar.planner.from_annotations import plan_from_annotations
 from tfpar.planner.grouper import tune_group_size
+from tfpar.planner.memory import recomputation
 from tfpar.patterns.sharded import SplitContext
 from tfpar.planner.schedule import build_schedule
 from tfpar.rewriters import graph_edit
@@ -25,7 +26,7 @@ from tfpar.rewriters.data_parallel import replicate
 from tfpar.rewriters.horovod_backend import HorovodProcesses, HorovodReducer
 from tfpar.rewriters.select import GraphIndex, is_input, is_resource_variable, is_variable
 from tfpar.rewriters.model_view import model_view
-from tfpar.rewriters.recompute import recompute_scopes
+from tfpar.rewriters.recompute import recompute_ops, recompute_scopes
 from tfpar.rewriters.stages import Placement, assign_stages, canonical_device, split_op_devices
 from tfpar.rewriters.fetch_translation import FetchTranslator
 from tfpar.rewriters.function_outputs import rewire_outputs
@@ -289,14 +290,22 @@ def _check_recompute(rt: Runtime) -> None:
                         "the key")
 
 
-def _recompute_blocks(graph: ops.Graph, capture: GraphCapture, index: GraphIndex) -> None:
-    """The plan's full recomputation (Korthikanti et al.): every repeated
-    block of the model (``ModelView.labels``, name scopes) recomputed in the
-    backward, as ``memory.recompute`` would."""
-    _, view = model_view(index, capture)
-    scopes = sorted({label for label in view.labels if label})
+def _recompute_planned(graph: ops.Graph, capture: GraphCapture, index: GraphIndex,
+                       mode: str) -> None:
+    """The plan's recomputation (Korthikanti et al., ``planner.memory``):
+    ``full`` recomputes every repeated block (``ModelView.labels``, name
+    scopes), as ``memory.recompute`` would; ``selective`` every attention
+    core, outputs included."""
+    order, view = model_view(index, capture)
     with graph_edit.unfinalized(graph), recording_paused():
-        recompute_scopes(graph, capture, scopes)
+        if mode == "full":
+            recompute_scopes(graph, capture, sorted({label for label in view.labels if label}))
+            return
+        groups: Dict[str, List[ops.Operation]] = {}
+        for op, unit in zip(order, recomputation(view).unit["selective"]):
+            if unit >= 0:
+                groups.setdefault(f"attention_core_{unit}", []).append(op)
+        recompute_ops(graph, capture, groups)
 
 
 def _check_forced_units(capture: GraphCapture, rt: Runtime) -> None:
@@ -487,8 +496,8 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
     automatic = capture.automatic[1] if capture.automatic is not None else None
     refuse_planning_only(automatic, rt)
     techniques, recompute = planned_techniques(automatic, rt)
-    if recompute == "full":
-        _recompute_blocks(graph, capture, index)
+    if recompute != "none":
+        _recompute_planned(graph, capture, index, recompute)
         plan, index, stage_of = _planned(graph, capture, rt)  # the copies' stages too
     warn_unbuilt_sharding(capture)
     _check_forced_units(capture, rt)
