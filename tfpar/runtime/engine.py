@@ -282,12 +282,12 @@ def _planned(graph: ops.Graph, capture: GraphCapture, rt: Runtime):
 def _check_recompute(rt: Runtime) -> None:
     """``memory.recompute`` is not for plans the planner makes: its estimates
     would not count it (the planner chooses recomputation itself, from
-    ``auto.memory_techniques``)."""
+    ``auto.memory_techniques``, and applies what it chose)."""
     if rt.config.get("auto.auto_parallel"):
         raise PlanError("tfpar: memory.recompute is applied to graphs the planner did not "
                         "plan: with auto.auto_parallel, list 'recompute' in "
-                        "auto.memory_techniques instead (for plans only, so far), or remove "
-                        "the key")
+                        "auto.memory_techniques instead (the planner then recomputes what "
+                        "memory needs, and counts it), or remove the key")
 
 
 def _recompute_planned(graph: ops.Graph, capture: GraphCapture, index: GraphIndex,
