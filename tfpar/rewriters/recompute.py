@@ -17,7 +17,7 @@ outputs included: the forward reads the originals, the backward copies.
 """
 import logging
 import re
-from typing import Dict, List, Sequence, Set
+from typing import AbstractSet, Dict, List, Sequence, Set
 
 from tensorflow.python.framework import ops
 
@@ -54,16 +54,14 @@ def recompute_ops(graph: ops.Graph, capture: GraphCapture,
     Korthikanti et al.'s selective recomputation) in the backward, its
     outputs too: the backward reads copies of everything it read of the
     group, so the originals live only as long as the forward reads them."""
-    group_of = {op.name: name for name, members in groups.items() for op in members}
+    # tf.gradients builds op X's gradient ops in the name scope "X_grad".
+    group_of = {f"{op.name}_grad": name for name, members in groups.items() for op in members}
     own: Dict[str, Set[ops.Operation]] = {name: set() for name in groups}
     for op in graph.get_operations():
         parts = op.name.split("/")
         if capture.op_phase.get(op.name) == Phase.BACKWARD and _GRADIENT_ROOT.fullmatch(parts[0]):
-            differentiated = next((prefix[:-len("_grad")] for prefix in (
-                "/".join(parts[1:k]) for k in range(2, len(parts)))
-                if prefix.endswith("_grad") and prefix[:-len("_grad")] in group_of), None)
-            if differentiated is not None:
-                own[group_of[differentiated]].add(op)
+            for scope in _prefixes(parts[1:], group_of.keys()):
+                own[group_of[scope]].add(op)
     _recompute_all(graph, capture, {name: (members, own[name]) for name, members in groups.items()},
                    keep_outputs=False)
 
@@ -115,7 +113,7 @@ def _by_scope(graph: ops.Graph, capture: GraphCapture, scopes: Sequence[str]):
     return forward, own
 
 
-def _prefixes(parts: List[str], wanted: Set[str]) -> List[str]:
+def _prefixes(parts: List[str], wanted: AbstractSet[str]) -> List[str]:
     """The name scopes of ``wanted`` that a name of ``parts`` lies inside."""
     return [name for name in ("/".join(parts[:k]) for k in range(1, len(parts)))
             if name in wanted]

@@ -132,9 +132,8 @@ def assign_stages(index: GraphIndex, capture: GraphCapture, num_stages: int,
     for op in index.ops:
         by_name[op.name] = op
         stage = tagged.get(op.name)
-        original = by_name.get(capture.copied_from.get(op.name))
-        if stage is None and original in stage_of:
-            stage = stage_of[original]
+        if stage is None:  # a recomputed copy: its original's
+            stage = stage_of.get(by_name.get(capture.copied_from.get(op.name)))
         if stage is None:
             stage = _inferred_stage(op, stage_of, by_name)
         if stage is None:
