@@ -421,3 +421,30 @@ def test_on_one_device_the_step_runs_as_traced():
     np.testing.assert_array_equal(_trained_w(train_w, {"cluster.num_devices": 1}), plain)
     assert traces == plain_traces and None not in traces, "traced again with the batch relaxed"
     assert [(tg.strategy, len(tg.devices)) for tg in plans[0].task_graphs] == [("replicate", 1)]
+
+
+def test_offloading_the_optimizer_of_a_tf2_step_is_refused_by_name():
+    """A tf.function step's variables were made eagerly before tfpar rewrote
+    the step, so they cannot move to the host: memory.offload_optimizer
+    raises, naming why, instead of training with them where they are."""
+    out = run_eager("""
+wh.init({"cluster.num_devices": 2, "memory.offload_optimizer": True})
+layer = tf.keras.layers.Dense(2)
+optimizer = tf.keras.optimizers.SGD(0.1)
+
+@tf.function
+def step(x):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(layer(x) ** 2)
+    grads = tape.gradient(loss, layer.trainable_variables)
+    optimizer.apply_gradients(zip(grads, layer.trainable_variables))
+
+try:
+    step(X[:8])
+    print("TRAINED")
+except wh.PlanError as error:
+    print("REFUSED", error)
+""")
+    assert "REFUSED tfpar: memory.offload_optimizer cannot move the variables of a " \
+           "tf.function step" in out, out
+    assert "TRAINED" not in out
