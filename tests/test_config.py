@@ -70,7 +70,7 @@ def test_defaults():
         "auto": {"auto_parallel": False, "num_task_graph": None, "opt_level": "O2",
                  "global_batch": None, "search_time_limit_s": 60.0, "memory_techniques": [],
                  "split_heads": False, "planning_pass": True},
-        "memory": {"recompute": [], "offload_optimizer": False},
+        "memory": {"recompute": [], "offload_optimizer": False, "zero": 0},
         "balance": {"hardware_aware": True},
         "communication": {"backend": "auto", "fusion_mb": 64.0, "timeout_s": 60.0},
         "io": {"shard_dataset": False},

@@ -102,9 +102,9 @@ SCHEMA = {
     "auto.memory_techniques": Option(
         "list", [], ("a list of 'recompute', 'zero', 'mixed_precision', 'offload'",
                      lambda v: set(v) <= {"recompute", "zero", "mixed_precision", "offload"}),
-        "memory techniques the planner may choose ('offload' and 'recompute' are applied "
-        "to the graph; 'zero' and 'mixed_precision' are for plans only: tfpar cannot apply "
-        "them to a graph yet)"),
+        "memory techniques the planner may choose ('offload', 'recompute' and 'zero' are "
+        "applied to the graph; 'mixed_precision' is for plans only: tfpar cannot apply it "
+        "to a graph yet)"),
     "auto.split_heads": Option("bool", False, (),
                                "tensor groups may split attention cores by heads (Megatron's "
                                "attention; for plans only: tfpar cannot build it yet)"),
@@ -119,6 +119,11 @@ SCHEMA = {
         "bool", False, (), "the optimizer's slots, the weights they update and the update "
         "run on the host CPU; the step reads the weights from there (pipelines, or replicas "
         "on the CPUs of one process: not with mirrored variables)"),
+    "memory.zero": Option(
+        "int", 0, ("0, 1 or 2", lambda v: v in (0, 1, 2)),
+        "ZeRO stage over mirrored replicas: 1, each variable's optimizer slots and update "
+        "live on one replica, which sends the new value to the others; 2, its gradient is "
+        "also summed there only"),
     "balance.hardware_aware": Option("bool", True, (),
                                      "pipeline stages in order on cluster.hardware devices by "
                                      "memory, most first (Whale §3.3.2); false: device order"),

@@ -55,6 +55,7 @@ from tfpar.rewriters.select import (GraphIndex, Selection, gradient_tensors, is_
                                    select_replication)
 from tfpar.rewriters.stages import Placement, host_device
 from tfpar.rewriters.task_functions import call_tasks, task_order
+from tfpar.rewriters.zero import Sharding, plan_sharding, refuse_unshardable, shard_updates
 
 __all__ = ["DataParallelRewrite", "offload_optimizer", "replicate"]
 
@@ -100,6 +101,8 @@ class DataParallelRewrite:
         that pipeline task (``pipeline.task_ops``).
       processes: the Horovod job this process is part of
         (``horovod_backend.HorovodProcesses``), or None.
+      zero: which device owns each variable's optimizer state
+        (``zero.Sharding``, ``memory.zero``), or None.
       edits: number of in-place edits of original ops.
     """
 
@@ -128,6 +131,7 @@ class DataParallelRewrite:
     stage_tasks: Dict[tuple, List[ops.Operation]] = dataclasses.field(default_factory=dict)
     task_ops: Dict[tuple, List[ops.Operation]] = dataclasses.field(default_factory=dict)
     processes: Any = None
+    zero: Optional[Sharding] = None
     edits: int = 0
     _copies: Dict[tuple, Dict] = dataclasses.field(default_factory=dict)
 
@@ -152,8 +156,8 @@ class DataParallelRewrite:
 
     def replica_versions(self, op: ops.Operation) -> List[ops.Operation]:
         """Every stage device's copy of an update op or variable (just ``op``
-        when the devices share variables)."""
-        if not self.mirrored:
+        when the devices share variables, or for a ZeRO slot)."""
+        if not self.mirrored or (self.zero is not None and op in self.zero.slots):
             return [op]
         maps = self.device_maps[self.placement.stage(op)]
         return [m.get(op, op) if j else op for j, m in enumerate(maps)]
@@ -213,7 +217,7 @@ class DataParallelRewrite:
 def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placement: Placement,
               num_micro_batch: int, reducer_for, schedule,
               processes=None, functions: bool = True, shares=(),
-              offload: bool = False) -> DataParallelRewrite:
+              offload: bool = False, zero: int = 0) -> DataParallelRewrite:
     """Rewrite ``graph`` (see module docstring).
 
     Args:
@@ -228,6 +232,7 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
       shares: per pipeline replica, its integer weight in the batch's rows
         (``Plan.batch_shares``; empty: even; one process only).
       offload: ``memory.offload_optimizer`` (``offload_optimizer``).
+      zero: ``memory.zero``, the ZeRO stage (0: none; ``zero``).
     """
     global_steps = {v.op for v in graph.get_collection(ops.GraphKeys.GLOBAL_STEP)}
     global_steps |= {c.global_step.op for c in capture.apply_calls if c.global_step is not None}
@@ -246,6 +251,9 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
     for op in sel.step_ops + sel.update_ops + sel.variables:
         if op.type != "Placeholder":  # a tf.function's variable stays where it was made
             graph_edit.set_device(op, placement.device(op))
+    if zero:
+        refuse_unshardable(zero, rw.mirrored, processes is not None, graph.building_function)
+        rw.zero = plan_sharding(sel, placement, zero)
     if offload:
         offload_optimizer(graph, rw)
     if rw.trivial:
@@ -314,6 +322,8 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
         reduce_gradients(rw, raw, reducer_for)
         if rw.mirrored:
             _copy_updates(graph, rw)
+        if rw.zero is not None:
+            shard_updates(graph, rw, functools.partial(_owner_inputs, rw))
         _wire_control_edges(rw, control_readers, step, copied)
         for t, c, k in outside_readers:
             if t not in raw:
@@ -423,7 +433,8 @@ def _clone_variables(graph: ops.Graph, rw: DataParallelRewrite) -> None:
     """Mirrored: a copy of each stage's variables on its stage devices 1.."""
     placement = rw.placement
     for stage, devices in enumerate(placement.stage_devices):
-        variables = [v for v in rw.selection.variables if placement.stage(v) == stage]
+        variables = [v for v in rw.selection.variables if placement.stage(v) == stage
+                     and len(rw.replica_versions(v)) > 1]  # not a ZeRO slot
         for j in range(1, len(devices)):
             rw.device_maps[stage][j] = graph_edit.clone_ops(
                 graph, variables, rw.prefix(stage, j) + "/variables",
@@ -458,7 +469,7 @@ def _variable_copies(rw: DataParallelRewrite, stage: int, device: int) -> Dict:
     for var in rw.selection.variables:
         owner = rw.placement.stage(var)
         peer = rw.layout.peer(device, stage, owner)
-        if peer:
+        if peer and var in rw.device_maps[owner][peer]:  # not a ZeRO slot
             result[var.outputs[0]] = rw.device_maps[owner][peer][var].outputs[0]
     return result
 
@@ -483,25 +494,44 @@ def _connect_stages(rw: DataParallelRewrite, crossing, crossing_controls) -> Non
 
 def _copy_updates(graph: ops.Graph, rw: DataParallelRewrite) -> None:
     """Stage device j > 0 runs its own copy of the update ops of its stage on the
-    reduced gradients and its copies of the variables."""
-    sel, placement, layout = rw.selection, rw.placement, rw.layout
-    step = sel.step_ops_set
-    for stage, devices in enumerate(placement.stage_devices):
-        update_ops = [op for op in sel.update_ops if placement.stage(op) == stage]
+    reduced gradients and its copies of the variables (all but ZeRO's owned
+    updates)."""
+    owned = rw.zero.owned_ops if rw.zero is not None else set()
+    for stage, devices in enumerate(rw.placement.stage_devices):
+        update_ops = [op for op in rw.selection.update_ops
+                      if rw.placement.stage(op) == stage and op not in owned]
         for j in range(1, len(devices)) if update_ops else ():
-            imap = dict(rw.variable_copies(stage, j))
-            # The originals read device 0's reduced gradients: copies read their peer's.
-            for grad, red in rw.reduced.items():
-                imap[red[0]] = red[layout.peer(j, stage, placement.stage(grad.op))]
-            for op in update_ops:
-                for t in op.inputs:
-                    if t.op in step and t not in imap:
-                        owner = placement.stage(t.op)
-                        v = layout.version(owner, layout.peer(j, stage, owner), 0)
-                        imap[t] = rw.version_tensor(t, v)
             rw.device_maps[stage][j].update(graph_edit.clone_ops(
                 graph, update_ops, rw.prefix(stage, j) + "/update",
-                functools.partial(placement.device, index=j), imap))
+                functools.partial(rw.placement.device, index=j),
+                _device_inputs(rw, stage, j)))
+
+
+def _device_inputs(rw: DataParallelRewrite, stage: int, j: int) -> Dict:
+    """Tensor an update op of ``stage`` reads from outside the update ops ->
+    the one stage device j's copy reads: its variables, its peers' reduced
+    gradients and step tensors."""
+    placement, layout = rw.placement, rw.layout
+    step = rw.selection.step_ops_set
+    imap = dict(rw.variable_copies(stage, j))
+    # The originals read device 0's reduced gradients: copies read their peer's.
+    for grad, red in rw.reduced.items():
+        imap[red[0]] = red[layout.peer(j, stage, placement.stage(grad.op))]
+    for op in rw.selection.update_ops:
+        for t in op.inputs if placement.stage(op) == stage else ():
+            if t.op in step and t not in imap:
+                owner = placement.stage(t.op)
+                v = layout.version(owner, layout.peer(j, stage, owner), 0)
+                imap[t] = rw.version_tensor(t, v)
+    return imap
+
+
+def _owner_inputs(rw: DataParallelRewrite, stage: int, j: int):
+    """Tensor an original update op of ``stage`` reads -> the one stage device
+    j's copies read (``zero.shard_updates``)."""
+    imap, copies = _device_inputs(rw, stage, j), rw.device_maps[stage][j]
+    return lambda t: (copies[t.op].outputs[t.value_index] if t.op in copies
+                      else imap.get(t, t))
 
 
 def _wire_control_edges(rw: DataParallelRewrite, control_readers, step, copied) -> None:

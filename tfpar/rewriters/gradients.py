@@ -126,14 +126,15 @@ def reduce_gradients(rw, raw, reducer_for) -> None:
     devices holding the same variable (a stage's devices; for a split stage,
     the same shard's devices) (IndexedSlices: values and indices concatenated,
     then gathered; duplicates are summed by the optimizer, as for any
-    IndexedSlices gradient)."""
+    IndexedSlices gradient). With ZeRO-2 a dense gradient is summed on its
+    variable's owner only (``zero``)."""
     consumers = {t: [(c, k) for c in t.consumers() for k, x in enumerate(c.inputs) if x is t]
                  for t in raw}
     groups = collections.defaultdict(list)
-    for g, _ in rw.selection.raw_grads:
+    for g, var in rw.selection.raw_grads:
         op = gradient_tensors(g)[0].op
         slots = range(len(rw.placement.stage_devices[rw.placement.stage(op)]))
-        groups[tuple(rw.placement.device(op, j) for j in slots)].append(g)
+        groups[tuple(rw.placement.device(op, j) for j in slots)].append((g, var))
     reducers = {}
     for devices, grads in groups.items():
         if devices not in reducers:
@@ -148,8 +149,10 @@ def reduce_gradients(rw, raw, reducer_for) -> None:
 
 
 def _reduce_group_gradients(rw, devices, grads, reducer) -> None:
-    dense = [g for g in grads if not isinstance(g, indexed_slices.IndexedSlices)]
-    sparse = [g for g in grads if isinstance(g, indexed_slices.IndexedSlices)]
+    dense = [g for g, _ in grads if not isinstance(g, indexed_slices.IndexedSlices)]
+    sparse = [g for g, _ in grads if isinstance(g, indexed_slices.IndexedSlices)]
+    owners = [rw.zero.gradient_owner(var) if rw.zero is not None else None
+              for g, var in grads if not isinstance(g, indexed_slices.IndexedSlices)]
     dense_local, sparse_local = [], []
     for j, device in enumerate(devices):
         with ops.device(device):
@@ -159,13 +162,33 @@ def _reduce_group_gradients(rw, devices, grads, reducer) -> None:
                 + [array_ops.concat(_device_terms(rw, g.indices, j, weigh=False), 0)
                    for g in sparse])
     if len(devices) > 1 or getattr(reducer, "cross_process", False):
-        dense_local = reducer.sum(dense_local) if dense else dense_local
+        dense_local = _sum_dense(devices, dense_local, owners, reducer) if dense else dense_local
         sparse_local = reducer.gather(sparse_local) if sparse else sparse_local
     for i, g in enumerate(dense):
         rw.reduced[g] = [local[i] for local in dense_local]
     for i, g in enumerate(sparse):
         rw.reduced[g.values] = [local[i] for local in sparse_local]
         rw.reduced[g.indices] = [local[len(sparse) + i] for local in sparse_local]
+
+
+def _sum_dense(devices, local, owners, reducer):
+    """``local[j][i]``, device j's gradient i, summed across devices: on
+    ``owners[i]`` alone where one is given (ZeRO-2: every device reads that
+    sum, only the owner's update does), else by ``reducer``."""
+    all_reduced = [i for i, owner in enumerate(owners) if owner is None]
+    result = [list(row) for row in local]
+    if all_reduced:
+        summed = reducer.sum([[row[i] for i in all_reduced] for row in local])
+        for row, sums in zip(result, summed):
+            for i, total in zip(all_reduced, sums):
+                row[i] = total
+    for i, owner in enumerate(owners):
+        if owner is not None:
+            with ops.device(devices[owner]):
+                total = _sum([row[i] for row in local])
+            for row in result:
+                row[i] = total
+    return result
 
 
 def _sum(terms: List[tensor_lib.Tensor]) -> tensor_lib.Tensor:

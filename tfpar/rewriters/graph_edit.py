@@ -9,7 +9,7 @@ from tensorflow.core.framework import attr_value_pb2, graph_pb2
 from tensorflow.python.framework import importer, ops
 from tensorflow.python.framework import tensor as tensor_lib
 
-__all__ = ["add_control_input", "clone_ops", "remove_control_input", "reroute", "set_device",
+__all__ = ["add_control_input", "clear_colocation", "clone_ops", "remove_control_input", "reroute", "set_device",
            "unfinalized", "update_input"]
 
 _VARIABLE_TYPES = ("VarHandleOp", "VariableV2", "Variable")
@@ -46,6 +46,12 @@ def remove_control_input(op: ops.Operation, dep: ops.Operation) -> None:
 
 def set_device(op: ops.Operation, device: str) -> None:
     op._set_device(device)  # pylint: disable=protected-access
+
+
+def clear_colocation(op: ops.Operation) -> None:
+    """Drop ``op``'s colocation constraints: its device alone places it."""
+    if "_class" in op.node_def.attr:
+        op._clear_attr("_class")  # pylint: disable=protected-access
 
 
 class unfinalized:  # pylint: disable=invalid-name

@@ -3,13 +3,29 @@ variable (initializer, ``Saver.restore``, ``assign``), its value is copied to
 the other stage devices' mirrored copies and, in a Horovod job, broadcast from
 rank 0 (see ``data_parallel``)."""
 from tensorflow.python.framework import dtypes, ops
+from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import array_ops, control_flow_ops, state_ops
 from tensorflow.python.ops import gen_resource_variable_ops
 
 from tfpar.rewriters import graph_edit
 from tfpar.rewriters.select import GraphIndex, variable_writers
 
-__all__ = ["add_replica_sync", "sync_new_writers"]
+__all__ = ["add_replica_sync", "assign_value", "read_value", "sync_new_writers"]
+
+
+def read_value(var: ops.Operation) -> tensor_lib.Tensor:
+    """The value of the variable made by ``var`` (resource or reference)."""
+    if var.type == "VarHandleOp":
+        return gen_resource_variable_ops.read_variable_op(
+            var.outputs[0], dtypes.as_dtype(var.get_attr("dtype")))
+    return array_ops.identity(var.outputs[0])
+
+
+def assign_value(var: ops.Operation, value: tensor_lib.Tensor) -> ops.Operation:
+    """An op writing ``value`` into the variable made by ``var``."""
+    if var.type == "VarHandleOp":
+        return gen_resource_variable_ops.assign_variable_op(var.outputs[0], value)
+    return state_ops.assign(var.outputs[0], value).op
 
 
 def add_replica_sync(rw, writer: ops.Operation, readers) -> None:
@@ -17,23 +33,17 @@ def add_replica_sync(rw, writer: ops.Operation, readers) -> None:
     (and, in a Horovod job, from rank 0 to every process)."""
     assigns = []
     for var in (t.op for t in writer.inputs if t.op in set(rw.selection.variables)):
-        dtype = dtypes.as_dtype(var.get_attr("dtype"))
+        copies = rw.replica_versions(var)
+        if rw.processes is None and len(copies) == 1:
+            continue  # one copy (a ZeRO slot on its owner)
         with ops.device(rw.placement.device(var)), ops.control_dependencies([writer]):
-            if var.type == "VarHandleOp":
-                value = gen_resource_variable_ops.read_variable_op(var.outputs[0], dtype)
-            else:
-                value = array_ops.identity(var.outputs[0])
+            value = read_value(var)
             if rw.processes is not None:
                 value = rw.processes.broadcast(value)
-        copies = rw.replica_versions(var)
         for j, copy in enumerate(copies if rw.processes is not None else copies[1:],
                                  start=0 if rw.processes is not None else 1):
             with ops.device(rw.placement.device(var, j)):
-                if var.type == "VarHandleOp":
-                    assigns.append(gen_resource_variable_ops.assign_variable_op(
-                        copy.outputs[0], value))
-                else:
-                    assigns.append(state_ops.assign(copy.outputs[0], value).op)
+                assigns.append(assign_value(copy, value))
     sync = control_flow_ops.group(writer, *assigns, name="sync")
     for reader in readers:
         graph_edit.add_control_input(reader, sync)
@@ -42,7 +52,8 @@ def add_replica_sync(rw, writer: ops.Operation, readers) -> None:
 
 def sync_new_writers(graph: ops.Graph, rw, new_ops) -> None:
     """Add replica syncs for mirrored-variable writers among ``new_ops`` (ops
-    built after the rewrite, e.g. a Saver made after the first run)."""
+    built after the rewrite, e.g. a Saver made after the first run), and make
+    new ops waiting on a writer wait on its sync."""
     if not rw.synced or not new_ops:
         return
     fresh = set(new_ops)
@@ -53,3 +64,8 @@ def sync_new_writers(graph: ops.Graph, rw, new_ops) -> None:
                 if writer in fresh and writer not in rw.sync_ops:
                     readers = [c for c in index.control_consumers.get(writer, ()) if c in fresh]
                     add_replica_sync(rw, writer, readers)
+    for op in new_ops:  # new ops waiting on an old writer (Keras' initializer group)
+        for dep in op.control_inputs:
+            sync = rw.sync_ops.get(dep)
+            if sync is not None and sync is not op:
+                graph_edit.add_control_input(op, sync)

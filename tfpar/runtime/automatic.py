@@ -17,6 +17,7 @@ from tfpar.ir.taskgraph import Phase, Strategy, TaskGraphSpec
 from tfpar.planner.auto import choose, search_all
 from tfpar.planner.balance import balance_stages
 from tfpar.planner.from_annotations import plan_from_annotations
+from tfpar.planner.memory import Techniques
 from tfpar.planner.partition import partition_stages
 from tfpar.planner.sharding import STATE_BYTES
 from tfpar.planner.step_model import in_flight
@@ -256,7 +257,8 @@ def estimate_of(candidate, rt: Runtime) -> Dict[str, Any]:
             "comm_bytes": candidate.comm_bytes,
             "memory_techniques": candidate.techniques.names,
             **({"recompute": candidate.techniques.recompute}
-               if candidate.techniques.recompute != "none" else {})}
+               if candidate.techniques.recompute != "none" else {}),
+            **({"zero": candidate.techniques.zero} if candidate.techniques.zero else {})}
 
 
 def planned_config(rt: Runtime, automatic: Optional[Automatic]):
@@ -276,19 +278,22 @@ def _chosen_pipeline(candidate) -> Dict[str, Any]:
 def unapplied(techniques: Sequence[str]) -> List[str]:
     """Of memory ``techniques`` (``auto.memory_techniques`` names), those
     tfpar cannot apply to a graph: all but offload
-    (``memory.offload_optimizer``) and recomputation (``runtime.engine``)."""
-    return sorted(set(techniques) - {"offload", "recompute"})
+    (``memory.offload_optimizer``), ZeRO (``memory.zero``) and recomputation
+    (``runtime.engine``)."""
+    return sorted(set(techniques) - {"offload", "recompute", "zero"})
 
 
-def planned_techniques(automatic: Optional[Automatic], rt: Runtime) -> Tuple[List[str], str]:
-    """The memory techniques (``auto.memory_techniques`` names) the plan that
-    runs needs, and its recomputation mode: the search's pick's, or a pinned
-    plan's (its estimate's: a plan the planning pass or ``tfpar plan``
-    wrote)."""
+def planned_techniques(automatic: Optional[Automatic], rt: Runtime) -> Techniques:
+    """The memory techniques the plan that runs needs: the search's pick's, or
+    a pinned plan's (its estimate's: a plan the planning pass or ``tfpar
+    plan`` wrote)."""
     if automatic is not None and automatic.runnable is not None:
-        return automatic.runnable.techniques.names, automatic.runnable.techniques.recompute
+        return automatic.runnable.techniques
     estimate = (rt.config.plan or {}).get("estimate", {})
-    return list(estimate.get("memory_techniques", [])), estimate.get("recompute", "none")
+    names = estimate.get("memory_techniques", [])
+    return Techniques(recompute=estimate.get("recompute", "none"),
+                      zero=estimate.get("zero", int("zero" in names)),
+                      mixed_precision="mixed_precision" in names, offload="offload" in names)
 
 
 def refuse_planning_only(automatic: Optional[Automatic], rt: Runtime) -> None:
@@ -304,7 +309,7 @@ def refuse_planning_only(automatic: Optional[Automatic], rt: Runtime) -> None:
                         f"{needs.techniques.describe()}, which tfpar cannot apply to a graph "
                         "yet: auto.memory_techniques is for planning (tfpar plan); remove "
                         "them from it to train")
-    pinned = unapplied(planned_techniques(automatic, rt)[0])
+    pinned = unapplied(planned_techniques(automatic, rt).names)
     if pinned:
         raise PlanError(f"tfpar: the pinned plan needs {', '.join(pinned)} (its estimate's "
                         "memory_techniques), which tfpar cannot apply to a graph yet; plan "

@@ -486,6 +486,16 @@ def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
     return capture.rewrite
 
 
+def _planned_zero(techniques, reducer) -> int:
+    """The plan's ZeRO stage, if its replicas mirror variables: replicas
+    sharing one copy of each (the CPUs of one process) have nothing to shard."""
+    if techniques.zero and not reducer.mirrors_variables:
+        log.info("tfpar: the plan's ZeRO-%d is not needed: its replicas share one copy of "
+                 "each variable", techniques.zero)
+        return 0
+    return techniques.zero
+
+
 def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
     """Plan ``graph`` and rewrite it (``capture.plan``, ``capture.rewrite``)."""
     if rt.config.get("memory.recompute"):
@@ -495,9 +505,9 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
     plan, index, stage_of = _planned(graph, capture, rt)
     automatic = capture.automatic[1] if capture.automatic is not None else None
     refuse_planning_only(automatic, rt)
-    techniques, recompute = planned_techniques(automatic, rt)
-    if recompute != "none":
-        _recompute_planned(graph, capture, index, recompute)
+    techniques = planned_techniques(automatic, rt)
+    if techniques.recompute != "none":
+        _recompute_planned(graph, capture, index, techniques.recompute)
         plan, index, stage_of = _planned(graph, capture, rt)  # the copies' stages too
     warn_unbuilt_sharding(capture)
     _check_forced_units(capture, rt)
@@ -536,8 +546,9 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
                             HorovodProcesses(cfg.get("io.shard_dataset")) if horovod else None,
                             functions=cfg.get("pipeline.task_functions"),
                             shares=plan.batch_shares,
-                            offload=cfg.get("memory.offload_optimizer")
-                            or "offload" in techniques)
+                            offload=cfg.get("memory.offload_optimizer") or techniques.offload,
+                            zero=cfg.get("memory.zero") or _planned_zero(
+                                techniques, reducer_for(placement.stage_devices[0])))
     capture.plan = plan
     capture.rewrite = FetchTranslator(graph, rewrite)
     log.info("tfpar rewrote the graph:\n%s", plan.summary())
