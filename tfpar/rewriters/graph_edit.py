@@ -9,8 +9,8 @@ from tensorflow.core.framework import attr_value_pb2, graph_pb2
 from tensorflow.python.framework import importer, ops
 from tensorflow.python.framework import tensor as tensor_lib
 
-__all__ = ["add_control_input", "clear_colocation", "clone_ops", "remove_control_input", "reroute", "set_device",
-           "unfinalized", "update_input"]
+__all__ = ["add_control_input", "clear_colocation", "clone_ops", "remove_control_input",
+           "reroute", "set_device", "unfinalized", "update_input"]
 
 _VARIABLE_TYPES = ("VarHandleOp", "VariableV2", "Variable")
 
