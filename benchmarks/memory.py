@@ -31,15 +31,27 @@ run to run with the executor's order (recompute at the default size: 125 to
 173 MiB seen); the estimates leave out the gradients in flight inside a
 block's backward pass (attention's s x s ones) and count every weight's
 gradient at once (the step applies each as it comes).
-Logical CPU devices share one allocator, so per-device peaks of
-multi-device plans cannot be told apart here (optimizer offload moves
-state between them, so it is not a row); ZeRO and mixed precision are not
-yet applied to graphs, so they are not rows either.
+
+A second table: ZeRO (``memory.zero`` 0, 1, 2) on 2 mirrored replicas
+(``communication.backend`` "collective"), the same GPT with an unknown
+batch dimension. Logical CPU devices share one allocator, so it holds both
+replicas: "allocator" is what it holds after initialization and one step,
+minus what it held before (the weights and Adam's slots of both replicas,
+and what the step leaves behind); "estimate" is the planner's state
+summed over the replicas (``planner.memory.state_bytes``: weights,
+gradients, 2 slots per weight, ZeRO dividing the slots, and at stage 2 the
+gradients, among the replicas); "largest device" is the weights and slots
+the rewritten graph places on its fullest device, next to the planner's
+weights and slots for one. Target: allocator within 25% of the estimate
+per row. Optimizer offload moves state between
+devices of the one allocator, so it is not a row; mixed precision is not
+yet applied to graphs, so it is not a row either.
 
     python benchmarks/memory.py [--check] [--json] [--quick] [--layers N] [--batch N]
 
-(2 cores: about 20 s; ``--quick``: 2 layers, 5 s.)
+(2 cores: about 40 s; ``--quick``: 2 layers, 10 s.)
 """
+import collections
 import dataclasses
 import os
 import sys
@@ -51,7 +63,7 @@ import tensorflow as tf  # noqa: E402
 
 import tfpar as wh  # noqa: E402
 from tfpar.hooks.capture import capture_for  # noqa: E402
-from tfpar.planner.memory import recomputation  # noqa: E402
+from tfpar.planner.memory import SLOTS, recomputation, state_bytes  # noqa: E402
 from tfpar.rewriters.model_view import model_view  # noqa: E402
 from tfpar.rewriters.select import GraphIndex  # noqa: E402
 
@@ -92,6 +104,36 @@ def measure(layers, batch, recompute):
             batch * _activations(every_output, mode) + gradients)
 
 
+def measure_zero(layers, batch, zero):
+    """(allocator bytes held after init and a step, {device: weight and slot
+    bytes placed there}, weight bytes) for 2 mirrored replicas at ZeRO
+    stage ``zero``."""
+    graph = tf.Graph()
+    with graph.as_default():
+        wh.init({"cluster.num_devices": 2, "communication.backend": "collective",
+                 "memory.zero": zero})
+        train_op = gpt_train_op(layers, HIDDEN, SEQ, VOCAB)
+        weights = sum(_num_bytes(v.op) for v in v1.trainable_variables())
+        ids = np.random.RandomState(0).randint(0, VOCAB, size=(batch, SEQ)).astype(np.int32)
+        feed = {graph.get_tensor_by_name("ids:0"): ids, graph.get_tensor_by_name("labels:0"): ids}
+        with v1.Session() as session:
+            before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+            session.run(v1.global_variables_initializer())
+            session.run(train_op, feed)
+            held = tf.config.experimental.get_memory_info("CPU:0")["current"] - before
+        placed = collections.Counter()
+        for op in graph.get_operations():
+            if op.type == "VarHandleOp":
+                placed[op.device] += _num_bytes(op)
+        wh.reset()
+    return held, placed, weights
+
+
+def _num_bytes(var_op):
+    return (tf.TensorShape(var_op.get_attr("shape")).num_elements()
+            * tf.as_dtype(var_op.get_attr("dtype")).size)
+
+
 def _activations(view, mode):
     """Bytes per row kept for the backward pass, and rebuilt at once, in ``mode``."""
     terms = recomputation(view)
@@ -99,6 +141,8 @@ def _activations(view, mode):
 
 
 def print_table(rows, found, args):
+    zero_rows = [r for r in rows if "zero" in r]
+    rows = [r for r in rows if "zero" not in r]
     print(f"tfpar memory (GPT {args.layers} blocks, hidden {HIDDEN}, sequence {SEQ}, batch "
           f"{args.batch}, float32, one CPU device): peak of a step above its start")
     print(f"{'technique':<10} {'measured MiB':>12} {'search MiB':>10} {'search/meas':>11} "
@@ -106,6 +150,14 @@ def print_table(rows, found, args):
     for r in rows:
         print(f"{r['technique']:<10} {r['measured_mib']:>12.1f} {r['search_mib']:>10.1f} "
               f"{r['search_ratio']:>11.3f} {r['every_mib']:>16.1f} {r['every_ratio']:>10.3f}")
+    print(f"\nZeRO over 2 mirrored replicas (same GPT, batch {args.batch} split in 2): "
+          "weights and Adam slots")
+    print(f"{'stage':<6} {'allocator MiB':>13} {'estimate MiB':>12} {'alloc/est':>9} "
+          f"{'largest device MiB':>18} {'weights+slots est':>17}")
+    for r in zero_rows:
+        print(f"{r['zero']:<6} {r['allocator_mib']:>13.1f} {r['estimate_mib']:>12.1f} "
+              f"{r['ratio']:>9.3f} {r['largest_device_mib']:>18.1f} "
+              f"{r['estimate_device_mib']:>17.1f}")
     for name, value, limit in found:
         print(f"{name:<40} {cell(value, '.3f'):>7}  <= {limit:<4}  "
               f"{'met' if meets(value, limit) else 'NOT MET'}")
@@ -124,6 +176,15 @@ def main(argv):
               TOLERANCE) for r in rows]
     found.append(("recompute / plain measured peak",
                   rows[1]["measured_mib"] / rows[0]["measured_mib"], 1.0))
+    for zero in (0, 1, 2):
+        held, placed, weights = measure_zero(args.layers, args.batch, zero)
+        estimate = 2 * state_bytes(weights, 2, zero)
+        placed_estimate = weights + SLOTS * weights / (2 if zero else 1)
+        rows.append({"zero": zero, "allocator_mib": held / MIB, "estimate_mib": estimate / MIB,
+                     "ratio": held / estimate, "largest_device_mib": max(placed.values()) / MIB,
+                     "estimate_device_mib": placed_estimate / MIB})
+        found.append((f"ZeRO-{zero}: |allocator / estimate - 1|", abs(held / estimate - 1),
+                      TOLERANCE))
     return report(rows, found, args, SIZES, print_table, checks_ok=True)
 
 

@@ -12,6 +12,7 @@ import tensorflow as tf
 from equivalence import (assert_equivalent, assert_same_variables, checkpoint_session, fed_graph,
                          make_data, plan_of, traced_first_step, train, variable_values)
 import tfpar as wh
+from test_expert_plans import gpt_loss
 from test_memory_techniques import adam, blocks
 from tfpar.runtime.step_trace import executed_ops
 
@@ -78,6 +79,64 @@ def test_zero_shards_each_stage_of_two_pipelines_over_its_replicas():
     build = blocks(3, adam)
     assert_equivalent(train(build, DATA), train(build, DATA, config), rtol=1e-5)
     assert_sharded(config, build, 2, CPUS, stages=(0, 1))
+
+
+def momentum_gpt(x, y):
+    """test_expert_plans' GPT-2 graph (2 blocks, hidden 32, 4 heads, 50
+    tokens; v1 dense layers on 3-D activations, an embedding), momentum (a
+    slot per weight; Adam would turn the float noise in the attention keys'
+    bias gradients, zero but for rounding, into visible steps)."""
+    del y
+    with v1.variable_scope("", initializer=v1.glorot_uniform_initializer(seed=1)):
+        loss = gpt_loss(2, 32, 4, vocab=50)(x)
+    return loss, v1.train.MomentumOptimizer(0.1, 0.9).minimize(loss)
+
+
+GPT_DATA = (np.random.RandomState(0).randint(0, 50, size=(3, 8, 16)).astype(np.int32),
+            np.zeros((3, 8), np.int64))
+
+
+@pytest.mark.parametrize("functions", [True, False], ids=["task functions", "copies"])
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_a_gpt_on_mirrored_replicas(zero, functions):
+    """A GPT with an unknown batch dimension on 2 mirrored replicas, with and
+    without ZeRO: plain TF's numbers. The replicas' copies of the weight
+    gradients of dense layers on 3-D inputs lost the static shape Tensordot
+    sets, and the all-reduce refused them (before tfpar gave them back)."""
+    config = {**MIRRORED, "memory.zero": zero, "pipeline.task_functions": functions}
+    assert_equivalent(train(momentum_gpt, GPT_DATA), train(momentum_gpt, GPT_DATA, config),
+                      rtol=1e-4)
+
+
+def embedded(x, y):
+    """The labels' embedding (an IndexedSlices gradient) next to the features,
+    a 3-class head, Adam."""
+    table = v1.get_variable("table", initializer=np.random.RandomState(3).randn(3, 4)
+                            .astype(np.float32))
+    h = tf.concat([x, tf.nn.embedding_lookup(table, y)], 1)
+    kernel = v1.get_variable("kernel", initializer=np.random.RandomState(4).randn(10, 3)
+                             .astype(np.float32) / 3)
+    loss = v1.losses.sparse_softmax_cross_entropy(y, tf.matmul(h, kernel))
+    return loss, adam().minimize(loss)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_with_an_embedding(stage):
+    """The embedding's sparse gradient is concatenated on the table's owner
+    (a gather collective would wait forever on the device whose update does
+    not run): plain TF's numbers; the table's slots on one device, the
+    kernel's on the other, the slots' sparse updates ran on their device only."""
+    config = {**MIRRORED, "memory.zero": stage, "communication.timeout_s": 30}
+    assert_equivalent(train(embedded, DATA), train(embedded, DATA, config), rtol=1e-5)
+    graph_ops, ran = traced_step(config, embedded)
+    slots = {name: op.device for name, op in graph_ops.items() if name.endswith(ADAM_SLOTS)
+             and op.type == "VarHandleOp"}
+    assert len(slots) == 4 and set(slots.values()) == set(CPUS[:2]), slots
+    writers = {name: ran[name] for name, op in graph_ops.items() if name in ran
+               and any(t.op.name.startswith("table/Adam") for t in op.inputs)
+               and op.type.startswith("Resource")}  # the slots' scatter updates
+    assert writers and all(devices == {slots["table/Adam"]} for devices in writers.values()), \
+        writers
 
 
 def clipped_adam():

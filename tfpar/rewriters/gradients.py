@@ -149,46 +149,62 @@ def reduce_gradients(rw, raw, reducer_for) -> None:
 
 
 def _reduce_group_gradients(rw, devices, grads, reducer) -> None:
-    dense = [g for g, _ in grads if not isinstance(g, indexed_slices.IndexedSlices)]
-    sparse = [g for g, _ in grads if isinstance(g, indexed_slices.IndexedSlices)]
-    owners = [rw.zero.gradient_owner(var) if rw.zero is not None else None
-              for g, var in grads if not isinstance(g, indexed_slices.IndexedSlices)]
+    dense = [(g, var) for g, var in grads if not isinstance(g, indexed_slices.IndexedSlices)]
+    sparse = [(g, var) for g, var in grads if isinstance(g, indexed_slices.IndexedSlices)]
+    zero = rw.zero
+    dense_owners = [zero.gradient_owner(var) if zero is not None else None for _, var in dense]
+    sparse_owners = [zero.owner.get(var) if zero is not None else None for _, var in sparse]
     dense_local, sparse_local = [], []
     for j, device in enumerate(devices):
         with ops.device(device):
-            dense_local.append([_sum(_device_terms(rw, g, j)) for g in dense])
+            dense_local.append([_with_shape(_sum(_device_terms(rw, g, j)), g) for g, _ in dense])
             sparse_local.append(
-                [array_ops.concat(_device_terms(rw, g.values, j), 0) for g in sparse]
-                + [array_ops.concat(_device_terms(rw, g.indices, j, weigh=False), 0)
-                   for g in sparse])
+                [_concat(_device_terms(rw, g.values, j)) for g, _ in sparse]
+                + [_concat(_device_terms(rw, g.indices, j, weigh=False)) for g, _ in sparse])
     if len(devices) > 1 or getattr(reducer, "cross_process", False):
-        dense_local = _sum_dense(devices, dense_local, owners, reducer) if dense else dense_local
-        sparse_local = reducer.gather(sparse_local) if sparse else sparse_local
-    for i, g in enumerate(dense):
+        dense_local = _across_devices(devices, dense_local, dense_owners, reducer.sum, _sum)
+        sparse_local = _across_devices(devices, sparse_local, sparse_owners * 2, reducer.gather,
+                                       _concat)
+    for i, (g, _) in enumerate(dense):
         rw.reduced[g] = [local[i] for local in dense_local]
-    for i, g in enumerate(sparse):
+    for i, (g, _) in enumerate(sparse):
         rw.reduced[g.values] = [local[i] for local in sparse_local]
         rw.reduced[g.indices] = [local[len(sparse) + i] for local in sparse_local]
 
 
-def _sum_dense(devices, local, owners, reducer):
-    """``local[j][i]``, device j's gradient i, summed across devices: on
-    ``owners[i]`` alone where one is given (ZeRO-2: every device reads that
-    sum, only the owner's update does), else by ``reducer``."""
-    all_reduced = [i for i, owner in enumerate(owners) if owner is None]
+def _across_devices(devices, local, owners, collective, combine):
+    """``local[j][i]``, device j's term i, combined across devices: on
+    ``owners[i]`` alone by ``combine`` where one is given (ZeRO: every device
+    reads that result, only the owner's update does: dense gradients with
+    stage 2, sparse ones always, which a gather collective would leave waiting
+    on devices that never read them), else by ``collective``."""
+    shared = [i for i, owner in enumerate(owners) if owner is None]
     result = [list(row) for row in local]
-    if all_reduced:
-        summed = reducer.sum([[row[i] for i in all_reduced] for row in local])
-        for row, sums in zip(result, summed):
-            for i, total in zip(all_reduced, sums):
-                row[i] = total
+    if shared:
+        combined = collective([[row[i] for i in shared] for row in local])
+        for row, values in zip(result, combined):
+            for i, value in zip(shared, values):
+                row[i] = value
     for i, owner in enumerate(owners):
         if owner is not None:
             with ops.device(devices[owner]):
-                total = _sum([row[i] for row in local])
+                value = combine([row[i] for row in local])
             for row in result:
-                row[i] = total
+                row[i] = value
     return result
+
+
+def _concat(terms: List[tensor_lib.Tensor]) -> tensor_lib.Tensor:
+    return array_ops.concat(terms, 0)
+
+
+def _with_shape(t: tensor_lib.Tensor, raw: tensor_lib.Tensor) -> tensor_lib.Tensor:
+    """``t``, a copy of gradient ``raw``, knowing ``raw``'s static shape: a
+    copy (imported ops, a function's result) infers shapes again without the
+    ``set_shape`` the script's ops made (Tensordot's on 3-D inputs), and
+    collectives need them."""
+    t.set_shape(raw.shape)
+    return t
 
 
 def _sum(terms: List[tensor_lib.Tensor]) -> tensor_lib.Tensor:

@@ -14,7 +14,8 @@ of the weights, as a ring all-gather does.
 Stage 2 (gradients): a dense gradient is summed on its variable's owner (R - 1
 copies of it, each device sending (R - 1) / R of the gradients, as a ring
 reduce-scatter does) instead of all-reduced, so other devices never hold it
-reduced. Sparse gradients (IndexedSlices) are gathered as without ZeRO.
+reduced. A sparse gradient (IndexedSlices) of a sharded variable is
+concatenated on the owner at either stage: only its update reads it.
 
 Shared optimizer state (Adam's beta powers, Keras' iteration count) stays
 mirrored: every device updates its copy.
