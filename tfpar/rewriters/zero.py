@@ -146,7 +146,7 @@ def _owned(var, var_slots, feeding, updates_set):
             if readers and all(c in group for c in readers):
                 group.add(op)
                 changed = True
-    return [op for op in var.graph.get_operations() if op in group]
+    return sorted(group, key=lambda op: op.name)
 
 
 def _owners(groups, by_var, placement: Placement) -> Dict[ops.Operation, int]:
@@ -203,8 +203,9 @@ def shard_updates(graph: ops.Graph, rw, input_map) -> None:
                 if j != o:
                     with ops.device(placement.device(var, j)):
                         zero.copies[var].append(assign_value(copy, value))
+        members = set(group)
         for op in waiting:
-            if any(dep in group for dep in op.control_inputs):
+            if any(dep in members for dep in op.control_inputs):
                 for copy in zero.copies[var]:
                     graph_edit.add_control_input(op, copy)
 
