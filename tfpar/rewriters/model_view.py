@@ -15,16 +15,16 @@ nothing per sample, and neither do scalars (a batch mean is one value).
 import math
 from typing import Dict, List, Optional, Tuple
 
-from tensorflow.python.framework import config, dtypes, ops, tensor_shape, tensor_util
+from tensorflow.python.framework import config, dtypes, ops, tensor_util
 from tensorflow.python.framework import tensor as tensor_lib
-from tensorflow.python.ops import handle_data_util
 
 from tfpar.hooks.capture import GraphCapture
 from tfpar.ir.taskgraph import Phase
 from tfpar.planner.auto import ModelView
 from tfpar.planner.pruning import block_labels
 from tfpar.rewriters.select import (INPUT_TYPES, VARIABLE_TYPES, GraphIndex, ancestors,
-                                    data_ancestors, gradient_tensors, is_input, is_variable)
+                                    data_ancestors, gradient_tensors, is_input, is_variable,
+                                    variable_bytes)
 
 __all__ = ["model_view"]
 
@@ -322,19 +322,8 @@ def _weight_bytes(graph: _Read) -> List[float]:
                 # A read's output is the variable (attributes are dearer to read).
                 elements = outs[0].shape.num_elements() if kind == "ReadVariableOp" else None
                 if elements is None:
-                    shape, dtype = _variable_shape(t)
-                    total += (shape.num_elements() or 0) * dtype.size
+                    total += variable_bytes(t)
                 else:
                     total += elements * outs[0].dtype.size
         owned.append(total)
     return owned
-
-
-def _variable_shape(handle: tensor_lib.Tensor):
-    """(shape, dtype) of the variable behind ``handle``: its op's attributes,
-    or, captured by a tf.function, the handle's resource data."""
-    op = handle.op
-    if op.type != "Placeholder":
-        return tensor_shape.TensorShape(op.get_attr("shape")), dtypes.as_dtype(op.get_attr("dtype"))
-    shape_and_type = handle_data_util.get_resource_handle_data(handle).shape_and_type[0]
-    return tensor_shape.TensorShape(shape_and_type.shape), dtypes.as_dtype(shape_and_type.dtype)

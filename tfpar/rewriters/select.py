@@ -7,13 +7,15 @@ import functools
 import weakref
 from typing import Dict, Iterable, List, Optional, Set
 
-from tensorflow.python.framework import indexed_slices, ops
+from tensorflow.python.framework import dtypes, indexed_slices, ops, tensor_shape
+from tensorflow.python.framework import tensor as tensor_lib
+from tensorflow.python.ops import handle_data_util
 
 from tfpar.hooks.capture import GraphCapture
 from tfpar.ir.taskgraph import Phase
 
 __all__ = ["GraphIndex", "Selection", "gradient_tensors", "is_input", "is_resource_variable",
-           "is_variable", "select_replication", "variable_writers"]
+           "is_variable", "select_replication", "variable_bytes", "variable_writers"]
 
 INPUT_TYPES = frozenset({"Placeholder", "PlaceholderWithDefault", "IteratorGetNext",
                          "IteratorGetNextSync", "OptionalGetValue", "QueueDequeueV2",
@@ -135,6 +137,19 @@ def data_ancestors(roots: Iterable[ops.Operation], within) -> Set[ops.Operation]
             found.add(op)
             stack.extend(t.op for t in op.inputs if within(t.op))
     return found
+
+
+def variable_bytes(handle: tensor_lib.Tensor) -> int:
+    """Bytes of the variable behind ``handle`` (0 if its shape is unknown):
+    its op's attributes, or, captured by a tf.function, the handle's
+    resource data."""
+    op = handle.op
+    if op.type != "Placeholder":
+        shape, dtype = op.get_attr("shape"), op.get_attr("dtype")
+    else:
+        shape_and_type = handle_data_util.get_resource_handle_data(handle).shape_and_type[0]
+        shape, dtype = shape_and_type.shape, shape_and_type.dtype
+    return (tensor_shape.TensorShape(shape).num_elements() or 0) * dtypes.as_dtype(dtype).size
 
 
 def variable_writers(var_op: ops.Operation) -> List[ops.Operation]:

@@ -24,12 +24,13 @@ import collections
 import dataclasses
 from typing import Dict, List, Set
 
-from tensorflow.python.framework import dtypes, ops, tensor_shape
+from tensorflow.python.framework import ops
 
 from tfpar.errors import PlanError
 from tfpar.rewriters import graph_edit
 from tfpar.rewriters.replica_sync import assign_value, read_value
-from tfpar.rewriters.select import Selection, data_ancestors, is_variable, variable_writers
+from tfpar.rewriters.select import (Selection, data_ancestors, is_variable, variable_bytes,
+                                    variable_writers)
 from tfpar.rewriters.stages import Placement
 
 __all__ = ["Sharding", "plan_sharding", "refuse_unshardable", "shard_updates"]
@@ -153,19 +154,13 @@ def _owners(groups, by_var, placement: Placement) -> Dict[ops.Operation, int]:
     """Greedy balance of slot bytes over each stage's devices."""
     load = collections.defaultdict(float)
     owner = {}
-    sizes = {var: sum(_num_bytes(s) for s in by_var[var]) for var in groups}
+    sizes = {var: sum(variable_bytes(s.outputs[0]) for s in by_var[var]) for var in groups}
     for var in sorted(groups, key=lambda v: (-sizes[v], v.name)):
         stage = placement.stage(var)
         width = len(placement.stage_devices[stage])
         owner[var] = min(range(width), key=lambda j: (load[stage, j], j))
         load[stage, owner[var]] += sizes[var]
     return owner
-
-
-def _num_bytes(var: ops.Operation) -> float:
-    shape = tensor_shape.TensorShape(var.get_attr("shape"))
-    count = shape.num_elements() if shape.is_fully_defined() else 0
-    return count * dtypes.as_dtype(var.get_attr("dtype")).size
 
 
 def shard_updates(graph: ops.Graph, rw, input_map) -> None:
@@ -176,6 +171,7 @@ def shard_updates(graph: ops.Graph, rw, input_map) -> None:
     on the copies too."""
     zero, placement = rw.zero, rw.placement
     owned = zero.owned_ops
+    remaps = {}  # (stage, owner) -> input_map(stage, owner), one per device
     waiting = [op for op in graph.get_operations() if op not in owned
                and any(dep in owned for dep in op.control_inputs)]
     for var, o in zero.owner.items():
@@ -183,7 +179,9 @@ def shard_updates(graph: ops.Graph, rw, input_map) -> None:
         device = placement.device(var, o)
         group = zero.updates[var]
         if o:
-            remap = input_map(stage, o)
+            if (stage, o) not in remaps:
+                remaps[stage, o] = input_map(stage, o)
+            remap = remaps[stage, o]
             for op in group:
                 for k, t in enumerate(op.inputs):
                     new = remap(t)

@@ -486,10 +486,11 @@ def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
     return capture.rewrite
 
 
-def _planned_zero(techniques, reducer) -> int:
-    """The plan's ZeRO stage, if its replicas mirror variables: replicas
-    sharing one copy of each (the CPUs of one process) have nothing to shard."""
-    if techniques.zero and not reducer.mirrors_variables:
+def _planned_zero(techniques, reducer_for, devices) -> int:
+    """The plan's ZeRO stage, if its replicas (on ``devices``) mirror
+    variables: replicas sharing one copy of each (the CPUs of one process)
+    have nothing to shard."""
+    if techniques.zero and not reducer_for(devices).mirrors_variables:
         log.info("tfpar: the plan's ZeRO-%d is not needed: its replicas share one copy of "
                  "each variable", techniques.zero)
         return 0
@@ -548,7 +549,7 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
                             shares=plan.batch_shares,
                             offload=cfg.get("memory.offload_optimizer") or techniques.offload,
                             zero=cfg.get("memory.zero") or _planned_zero(
-                                techniques, reducer_for(placement.stage_devices[0])))
+                                techniques, reducer_for, placement.stage_devices[0]))
     capture.plan = plan
     capture.rewrite = FetchTranslator(graph, rewrite)
     log.info("tfpar rewrote the graph:\n%s", plan.summary())
