@@ -423,12 +423,18 @@ def test_on_one_device_the_step_runs_as_traced():
     assert [(tg.strategy, len(tg.devices)) for tg in plans[0].task_graphs] == [("replicate", 1)]
 
 
-def test_offloading_the_optimizer_of_a_tf2_step_is_refused_by_name():
+@pytest.mark.parametrize("setting,refusal", [
+    ('"memory.offload_optimizer": True',
+     "memory.offload_optimizer cannot move the variables of a tf.function step"),
+    ('"memory.zero": 1', "memory.zero cannot place the optimizer state of a tf.function step"),
+], ids=["offload", "zero"])
+def test_placing_the_optimizer_state_of_a_tf2_step_is_refused_by_name(setting, refusal):
     """A tf.function step's variables were made eagerly before tfpar rewrote
-    the step, so they cannot move to the host: memory.offload_optimizer
-    raises, naming why, instead of training with them where they are."""
+    the step, so their optimizer state cannot move to the host or be sharded
+    over replicas: memory.offload_optimizer and memory.zero raise, naming
+    why, instead of training with the state where it is."""
     out = run_eager("""
-wh.init({"cluster.num_devices": 2, "memory.offload_optimizer": True})
+wh.init({"cluster.num_devices": 2, %s})
 layer = tf.keras.layers.Dense(2)
 optimizer = tf.keras.optimizers.SGD(0.1)
 
@@ -444,7 +450,6 @@ try:
     print("TRAINED")
 except wh.PlanError as error:
     print("REFUSED", error)
-""")
-    assert "REFUSED tfpar: memory.offload_optimizer cannot move the variables of a " \
-           "tf.function step" in out, out
+""" % setting)
+    assert f"REFUSED tfpar: {refusal}" in out, out
     assert "TRAINED" not in out
