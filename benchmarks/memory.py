@@ -23,7 +23,10 @@ Rows:
 
   * plain: tfpar on one device, nothing recomputed;
   * recompute: ``memory.recompute`` on every block (the planner's ``full``
-    mode: a block keeps its input only).
+    mode: a block keeps its input only);
+  * bf16: ``memory.mixed_precision`` "bf16" (where oneDNN computes bf16):
+    the estimates count activations at ``planner.memory.MIXED_ACTIVATIONS``
+    of their float32 bytes, as the search does.
 
 Targets (``--check``): the "search" estimate within 25% of measured per
 row; recomputation lowers the measured peak. The measured peak varies from
@@ -44,8 +47,7 @@ gradients, among the replicas); "largest device" is the weights and slots
 the rewritten graph places on its fullest device, next to the planner's
 weights and slots for one. Target: allocator within 25% of the estimate
 per row. Optimizer offload moves state between
-devices of the one allocator, so it is not a row; mixed precision is not
-yet applied to graphs, so it is not a row either.
+devices of the one allocator, so it is not a row.
 
     python benchmarks/memory.py [--check] [--json] [--quick] [--layers N] [--batch N]
 
@@ -63,9 +65,11 @@ import tensorflow as tf  # noqa: E402
 
 import tfpar as wh  # noqa: E402
 from tfpar.hooks.capture import capture_for  # noqa: E402
-from tfpar.planner.memory import SLOTS, recomputation, state_bytes  # noqa: E402
+from tfpar.planner.memory import (  # noqa: E402
+    MIXED_ACTIVATIONS, SLOTS, recomputation, state_bytes)
 from tfpar.rewriters.model_view import model_view  # noqa: E402
 from tfpar.rewriters.select import GraphIndex  # noqa: E402
+from tfpar.runtime.precision import _onednn_computes_bf16 as onednn_computes_bf16  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_args import cell, meets, parse_sizes, report  # noqa: E402
@@ -76,14 +80,16 @@ SIZES = {"layers": (4, 2, "GPT blocks"), "batch": (8, 4, "sequences a step")}
 HIDDEN, SEQ, VOCAB = 256, 256, 2048
 MIB = 2 ** 20
 TOLERANCE = 0.25
+ROWS = (("plain", False, None), ("recompute", True, None), ("bf16", False, "bf16"))
 
 
-def measure(layers, batch, recompute):
+def measure(layers, batch, recompute, precision=None):
     """Peak bytes of one step above what the step starts with: measured, and
-    the "search" and "every output" estimates."""
+    the "search" and "every output" estimates (activations in half the bytes
+    with mixed ``precision``, as the search counts them)."""
     graph = tf.Graph()
     with graph.as_default():
-        wh.init({"cluster.num_devices": 1,
+        wh.init({"cluster.num_devices": 1, "memory.mixed_precision": precision,
                  "memory.recompute": [f"layer_{i}" for i in range(layers)] if recompute else []})
         train_op = gpt_train_op(layers, HIDDEN, SEQ, VOCAB, batch=batch)
         _, view = model_view(GraphIndex(graph), capture_for(graph))
@@ -100,8 +106,9 @@ def measure(layers, batch, recompute):
     mode = "full" if recompute else "none"
     every_output = dataclasses.replace(view, kept_bytes=None)
     gradients = sum(view.param_bytes)
-    return (measured, batch * _activations(view, mode) + gradients,
-            batch * _activations(every_output, mode) + gradients)
+    rows = batch * (MIXED_ACTIVATIONS if precision else 1.0)
+    return (measured, rows * _activations(view, mode) + gradients,
+            rows * _activations(every_output, mode) + gradients)
 
 
 def measure_zero(layers, batch, zero):
@@ -144,7 +151,7 @@ def print_table(rows, found, args):
     zero_rows = [r for r in rows if "zero" in r]
     rows = [r for r in rows if "zero" not in r]
     print(f"tfpar memory (GPT {args.layers} blocks, hidden {HIDDEN}, sequence {SEQ}, batch "
-          f"{args.batch}, float32, one CPU device): peak of a step above its start")
+          f"{args.batch}, float32 weights, one CPU device): peak of a step above its start")
     print(f"{'technique':<10} {'measured MiB':>12} {'search MiB':>10} {'search/meas':>11} "
           f"{'every output MiB':>16} {'every/meas':>10}")
     for r in rows:
@@ -167,8 +174,11 @@ def main(argv):
     _, args = parse_sizes(__doc__.splitlines()[0], SIZES, argv,
                           "exit 1 unless every target is met")
     rows = []
-    for name, recompute in (("plain", False), ("recompute", True)):
-        measured, search, every = measure(args.layers, args.batch, recompute)
+    for name, recompute, precision in ROWS:
+        if precision == "bf16" and not onednn_computes_bf16():
+            print("bf16: TensorFlow's oneDNN kernels compute no bf16 on this CPU: no row")
+            continue
+        measured, search, every = measure(args.layers, args.batch, recompute, precision)
         rows.append({"technique": name, "measured_mib": measured / MIB,
                      "search_mib": search / MIB, "search_ratio": search / measured,
                      "every_mib": every / MIB, "every_ratio": every / measured})

@@ -427,13 +427,19 @@ def test_on_one_device_the_step_runs_as_traced():
     ('"memory.offload_optimizer": True',
      "memory.offload_optimizer cannot move the variables of a tf.function step"),
     ('"memory.zero": 1', "memory.zero cannot place the optimizer state of a tf.function step"),
-], ids=["offload", "zero"])
-def test_placing_the_optimizer_state_of_a_tf2_step_is_refused_by_name(setting, refusal):
+    ('"memory.mixed_precision": "fp16"',
+     "memory.mixed_precision 'fp16' cannot loss-scale a tf.function step"),
+], ids=["offload", "zero", "fp16"])
+def test_what_tfpar_builds_into_the_graph_of_a_tf2_step_is_refused_by_name(setting, refusal):
     """A tf.function step's variables were made eagerly before tfpar rewrote
     the step, so their optimizer state cannot move to the host or be sharded
-    over replicas: memory.offload_optimizer and memory.zero raise, naming
-    why, instead of training with the state where it is."""
+    over replicas; fp16's loss scaling is built into graphs as they are
+    built: memory.offload_optimizer, memory.zero and fp16 raise, naming why,
+    instead of training without them (fp16 with the CPU's refusal lifted,
+    as ``test_mixed_precision`` tests its loss scaling)."""
     out = run_eager("""
+from tfpar.runtime import precision
+precision.check_supported = lambda *args: None
 wh.init({"cluster.num_devices": 2, %s})
 layer = tf.keras.layers.Dense(2)
 optimizer = tf.keras.optimizers.SGD(0.1)

@@ -27,12 +27,17 @@ def init(config: Any = None) -> Config:
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     from tfpar.hooks import capture, tf_patches  # pylint: disable=import-outside-toplevel
     from tfpar.runtime import context, engine, planning_pass  # pylint: disable=import-outside-toplevel
+    from tfpar.runtime import precision  # pylint: disable=import-outside-toplevel
 
     caller = sys._getframe(1).f_globals  # pylint: disable=protected-access
     cfg = planning_pass.pinned_by_planning_pass(Config.load(config), caller)
     if cfg.get("communication.backend") == "horovod":
         _start_horovod()
     devices, device_type = _discover_devices(cfg)
+    low = precision.applied(cfg, device_type)
+    precision.check_supported(low, device_type)
+    if low is not None and tf.executing_eagerly():
+        precision.in_functions(precision.rewrite_option(low, device_type))
     if device_type == "CPU" and tf.executing_eagerly():
         _make_eager_cpus(len(devices))
     previous = context.active()
@@ -59,10 +64,11 @@ def init(config: Any = None) -> Config:
 def reset() -> None:
     """Remove every tfpar hook and forget all state (for tests and notebooks)."""
     from tfpar.hooks import capture, tf_patches  # pylint: disable=import-outside-toplevel
-    from tfpar.runtime import context  # pylint: disable=import-outside-toplevel
+    from tfpar.runtime import context, precision  # pylint: disable=import-outside-toplevel
 
     tf_patches.uninstall()
     context.deactivate()
+    precision.restore_functions()
     capture.reset_captures()
 
 

@@ -102,9 +102,7 @@ SCHEMA = {
     "auto.memory_techniques": Option(
         "list", [], ("a list of 'recompute', 'zero', 'mixed_precision', 'offload'",
                      lambda v: set(v) <= {"recompute", "zero", "mixed_precision", "offload"}),
-        "memory techniques the planner may choose ('offload', 'recompute' and 'zero' are "
-        "applied to the graph; 'mixed_precision' is for plans only: tfpar cannot apply it "
-        "to a graph yet)"),
+        "memory techniques the planner may choose"),
     "auto.split_heads": Option("bool", False, (),
                                "tensor groups may split attention cores by heads (Megatron's "
                                "attention; for plans only: tfpar cannot build it yet)"),
@@ -124,6 +122,11 @@ SCHEMA = {
         "ZeRO stage over mirrored replicas: 1, each variable's optimizer slots and update "
         "live on one replica, which sends the new value to the others; 2, its gradient is "
         "also summed there only"),
+    "memory.mixed_precision": Option(
+        "str|None", None, _one_of("fp16", "bf16"),
+        "compute what TensorFlow's auto mixed precision allows in 16 bits, variables and "
+        "checkpoints in float32: fp16 (GPUs; emulated on CPUs) with dynamic loss scaling, "
+        "bf16 (oneDNN CPUs with AVX-512)"),
     "balance.hardware_aware": Option("bool", True, (),
                                      "pipeline stages in order on cluster.hardware devices by "
                                      "memory, most first (Whale §3.3.2); false: device order"),

@@ -10,6 +10,8 @@
   ``OptimizerV2.apply_gradients`` (``tf.keras.optimizers.legacy``, used by
   ``model.fit`` in graph mode): APPLY; recorded (keras' ``iterations`` counts
   as the global step).
+* With fp16 mixed precision, gradient seeds, gradients and updates are
+  loss-scaled there (``loss_scaling``).
 * ``SparseTensor.__init__``: a SparseTensor made of fed placeholders
   (``sparse_placeholder``) is recorded, so the batch split cuts it by rows.
 * ``BaseSession.__init__``: tfpar's devices are merged into the ConfigProto.
@@ -50,6 +52,7 @@ from tensorflow.python.util import nest
 
 from tfpar.hooks import batch_shapes
 from tfpar.hooks import capture as cap_lib
+from tfpar.hooks import loss_scaling
 from tfpar.hooks.patching import PatchSet
 from tfpar.hooks.keras_patches import add_keras_patches
 from tfpar.hooks.keras_scopes import add_keras_scope_patches
@@ -97,6 +100,8 @@ def install(runtime: Any) -> None:
         before TensorFlow makes it a function (it may rewrite the graph).
       retraces_relaxed: FuncGraph -> whether to trace its function again
         with the batch dimension of its arguments unknown.
+      loss_scaled: graph -> whether its gradients are loss-scaled (fp16; may
+        raise).
     """
     global _runtime
     _runtime = runtime
@@ -199,6 +204,9 @@ def _wrap_gradients(original):
         try:
             with cap.phase(Phase.BACKWARD):
                 grads = original(ys, xs, *args, **kwargs)
+                scale = _loss_scale(graph)
+                if scale is not None:
+                    grads = scale.unscaled(grads)
             seeds = _seeds.value
         finally:
             _seeds.value = outer
@@ -217,6 +225,7 @@ def _wrap_tape_gradient(original):
             if _runtime is not None:
                 _runtime.function_gradients(graph)
             return original(self, target, sources, output_gradients, unconnected_gradients)
+        _loss_scale(graph)  # raises: not in tf.function steps
         cap = cap_lib.capture_for(graph)
         targets = nest.flatten(target)
         with cap.phase(Phase.BACKWARD):
@@ -297,6 +306,9 @@ def _wrap_default_grad_ys(original):
     def _DefaultGradYs(*args, **kwargs):  # pylint: disable=invalid-name
         grad_ys = original(*args, **kwargs)
         if getattr(_seeds, "value", None) is not None:
+            scale = _loss_scale(ops.get_default_graph())
+            if scale is not None:
+                grad_ys = scale.scaled(grad_ys)
             _seeds.value = list(grad_ys)
         return grad_ys
     return _DefaultGradYs
@@ -312,10 +324,12 @@ def _recorded_apply(grads_and_vars, global_step, apply):
     cap = cap_lib.capture_for(graph)
     grads_and_vars = tuple(grads_and_vars)
     nested = getattr(cap, "_applying", False)
+    scale = None if nested else _loss_scale(graph)
     cap._applying = True  # pylint: disable=protected-access
     try:
         with cap.phase(Phase.APPLY):
-            result = apply(grads_and_vars)
+            result = apply(grads_and_vars) if scale is None else scale.gated_apply(
+                grads_and_vars, apply)
     finally:
         cap._applying = nested  # pylint: disable=protected-access
     if not nested:
@@ -324,6 +338,18 @@ def _recorded_apply(grads_and_vars, global_step, apply):
             global_step=_handle_in(graph, global_step() if callable(global_step) else global_step),
             train_op=result))
     return result
+
+
+def _loss_scale(graph):
+    """The loss scale of ``graph`` (made on first use) if its gradients are
+    loss-scaled (fp16 mixed precision), else None."""
+    if _runtime is None or not _runtime.loss_scaled(graph):
+        return None
+    cap = cap_lib.capture_for(graph)
+    if cap.loss_scale is None:
+        with cap.phase(None):
+            cap.loss_scale = loss_scaling.LossScale(graph)
+    return cap.loss_scale
 
 
 def _handle_in(graph, x):

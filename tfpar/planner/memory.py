@@ -39,6 +39,13 @@ __all__ = ["HOST_LINK_BYTES_S", "HOST_MEMORY_BYTES_S", "RECOMPUTE", "Recomputati
 
 RECOMPUTE = ("none", "selective", "full")
 SLOTS = 2  # optimizer slots per weight (Adam's m and v)
+# Bytes of activations (kept, transient, sent) under mixed precision per
+# float32 byte: grappler's rewrite computes in 16 bits what its allow and
+# infer lists hold (contractions, element-wise ops between them), and keeps
+# in float32 what its deny list does (softmax, normalization statistics, the
+# loss): a GPT's step peak fell to 0.65 of float32's, not 0.5
+# (benchmarks/memory.py, bf16 on a oneDNN CPU).
+MIXED_ACTIVATIONS = 0.65
 # A device's link to its host (PCIe 3.0 x16, one way, as measured) and the
 # host memory bandwidth its update streams at (a share of a server's DRAM).
 HOST_LINK_BYTES_S = 12e9

@@ -47,7 +47,8 @@ import math
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 from tfpar.planner.comm import LATENCY_S, Cost
-from tfpar.planner.memory import RECOMPUTE, Techniques, offload_seconds, state_bytes
+from tfpar.planner.memory import (MIXED_ACTIVATIONS, RECOMPUTE, Techniques, offload_seconds,
+                                  state_bytes)
 
 __all__ = ["KERNELS_PER_OP", "LAUNCH_S", "SCHEDULE_TOLERANCE", "SEARCHED_SCHEDULES", "Setting",
            "Space", "StageModel", "best_setting", "in_flight", "micro_batch_counts",
@@ -237,11 +238,11 @@ def _settings(stages: Sequence[StageModel], data: int, rows_per_replica: float, 
     """One setting per schedule of ``space`` (one, 1F1B, without a pipeline)."""
     rows = rows_per_replica / micro
     mode = RECOMPUTE.index(tech.recompute)
-    speed, scale = (speed_up, 0.5) if tech.mixed_precision else (1.0, 1.0)
+    speed, scale = (speed_up, MIXED_ACTIVATIONS) if tech.mixed_precision else (1.0, 1.0)
     times = [stage.seconds(rows, mode, speed, scale) for stage in stages]
     p = len(stages)
     transfer = LATENCY_S + cut_bytes * rows * scale / (p - 1) / bandwidth if p > 1 else 0.0
-    grads = [stage.grads * scale for stage in stages]
+    grads = [stage.grads for stage in stages]  # float32: the variables' dtype
     state = tuple(state_bytes(stage.param_bytes, data, tech.zero, tech.offload)
                   for stage in stages)
     sent = sum(stage.collective_bytes * rows * scale * micro + g.bytes

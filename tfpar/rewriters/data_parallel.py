@@ -103,6 +103,8 @@ class DataParallelRewrite:
         (``horovod_backend.HorovodProcesses``), or None.
       zero: which device owns each variable's optimizer state
         (``zero.Sharding``, ``memory.zero``), or None.
+      precision: the grappler option computing in 16 bits, which task
+        function calls turn on (``runtime.precision``), or None.
       edits: number of in-place edits of original ops.
     """
 
@@ -132,6 +134,7 @@ class DataParallelRewrite:
     task_ops: Dict[tuple, List[ops.Operation]] = dataclasses.field(default_factory=dict)
     processes: Any = None
     zero: Optional[Sharding] = None
+    precision: Optional[str] = None
     edits: int = 0
     _copies: Dict[tuple, Dict] = dataclasses.field(default_factory=dict)
 
@@ -217,7 +220,8 @@ class DataParallelRewrite:
 def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placement: Placement,
               num_micro_batch: int, reducer_for, schedule,
               processes=None, functions: bool = True, shares=(),
-              offload: bool = False, zero: int = 0) -> DataParallelRewrite:
+              offload: bool = False, zero: int = 0,
+              precision: Optional[str] = None) -> DataParallelRewrite:
     """Rewrite ``graph`` (see module docstring).
 
     Args:
@@ -233,6 +237,8 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
         (``Plan.batch_shares``; empty: even; one process only).
       offload: ``memory.offload_optimizer`` (``offload_optimizer``).
       zero: ``memory.zero``, the ZeRO stage (0: none; ``zero``).
+      precision: the grappler option computing in 16 bits
+        (``runtime.precision``), which task function calls turn on.
     """
     global_steps = {v.op for v in graph.get_collection(ops.GraphKeys.GLOBAL_STEP)}
     global_steps |= {c.global_step.op for c in capture.apply_calls if c.global_step is not None}
@@ -247,7 +253,8 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
         device_maps=[[{} for _ in placement.stage_devices[s]] for s in stages],
         mirrored=(reducer_for(placement.stage_devices[0]).mirrors_variables
                   and max(map(len, placement.stage_devices)) > 1), processes=processes,
-        weight_tasks=any(task.kind == "W" for tasks in schedule for task in tasks))
+        weight_tasks=any(task.kind == "W" for tasks in schedule for task in tasks),
+        precision=precision)
     for op in sel.step_ops + sel.update_ops + sel.variables:
         if op.type != "Placeholder":  # a tf.function's variable stays where it was made
             graph_edit.set_device(op, placement.device(op))

@@ -9,6 +9,8 @@ inferred here, in graph order:
   the op it copies;
 * an op colocated with a staged op (optimizer slots) joins that stage;
 * an op reading a staged variable (optimizer updates) joins the variable's;
+* a ``Switch`` (fp16 loss scaling gates gradients) joins the stage of what
+  it passes;
 * a backward op joins the stage of the forward op it differentiates;
 * anything else joins the latest stage among its inputs, so an unscoped loss
   after the last stage runs in the last stage;
@@ -159,6 +161,8 @@ def _inferred_stage(op: ops.Operation, stage_of, by_name) -> Optional[int]:
         if target is not None and target is not op and target in stage_of:
             return stage_of[target]
     inputs = [t.op for t in op.inputs]
+    if op.type == "Switch" and inputs[0] in stage_of:  # a gradient gated by loss scaling
+        return stage_of[inputs[0]]
     variables = [x for x in inputs if is_variable(x) and x in stage_of]
     if variables:
         return stage_of[variables[0]]

@@ -26,11 +26,12 @@ the calls. Its only effect is that XLA's auto-clustering leaves the calls
 alone.
 """
 import dataclasses
+import functools
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import networkx as nx
 from tensorflow.core.framework import attr_value_pb2, function_pb2
-from tensorflow.core.protobuf import config_pb2
+from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 from tensorflow.python.eager import context
 from tensorflow.python.framework import dtypes, function, ops
 from tensorflow.python.framework import tensor as tensor_lib
@@ -143,18 +144,24 @@ def _function_def(name: str, task: Sequence[ops.Operation], inside: Set[ops.Oper
     return definition
 
 
-def _call_config(optimize: bool) -> bytes:
+@functools.lru_cache(maxsize=None)
+def _call_config(optimize: bool, precision: Optional[str]) -> bytes:
     """The ConfigProto of calls: with ``optimize``, TensorFlow's graph
     optimizer runs on the body when a call is instantiated (once per function
     and device: tfpar sessions then skip it on the step graph, see
-    ``runtime.engine.session_config``); otherwise not, the session's graph
-    optimizer having optimized the library with the step graph."""
+    ``runtime.engine.session_config``), with the ``precision`` rewrite option
+    (``runtime.precision``) on if set; otherwise the ``precision`` rewrite
+    only, if set (a tf.function's calls: the step's own optimizer leaves
+    their bodies to them), else nothing, the session's graph optimizer
+    having optimized the library with the step graph."""
     config = config_pb2.ConfigProto()
-    config.graph_options.rewrite_options.disable_meta_optimizer = not optimize
+    rewriting = config.graph_options.rewrite_options
+    rewriting.disable_meta_optimizer = not optimize and precision is None
+    if precision is not None:
+        setattr(rewriting, precision, rewriter_config_pb2.RewriterConfig.ON)
+        if not optimize:
+            rewriting.optimizers.append(precision)
     return config.SerializeToString()
-
-
-_CALL_CONFIGS = {optimize: _call_config(optimize) for optimize in (False, True)}
 
 
 def _output_refs(op: ops.Operation) -> List[str]:
@@ -170,10 +177,11 @@ def _output_refs(op: ops.Operation) -> List[str]:
 
 def call_task(graph: ops.Graph, fn: TaskFunction, arguments: Sequence[tensor_lib.Tensor],
               controls: Sequence[ops.Operation], device: str, name: str,
-              optimize: bool = False) -> Dict[tensor_lib.Tensor, tensor_lib.Tensor]:
+              optimize: bool = False, precision: Optional[str] = None
+              ) -> Dict[tensor_lib.Tensor, tensor_lib.Tensor]:
     """One call of ``fn`` on ``device`` reading ``arguments`` (one per
     ``fn.arguments``), after ``controls``, optimizing the body when
-    instantiated if ``optimize`` (``_call_config``); returns result tensor of
+    instantiated if ``optimize``, in ``precision`` (``_call_config``); returns result tensor of
     version 0 -> the call's tensor, and the call op under the key None.
 
     TensorFlow infers a call's result shapes through its body, which takes
@@ -195,7 +203,7 @@ def call_task(graph: ops.Graph, fn: TaskFunction, arguments: Sequence[tensor_lib
                 "Tout": attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(
                     type=[t.dtype.as_datatype_enum for t in fn.results])),
                 "config": attr_value_pb2.AttrValue(s=b""),
-                "config_proto": attr_value_pb2.AttrValue(s=_CALL_CONFIGS[optimize]),
+                "config_proto": attr_value_pb2.AttrValue(s=_call_config(optimize, precision)),
                 "executor_type": attr_value_pb2.AttrValue(s=b""),
                 "_disable_call_shape_inference": attr_value_pb2.AttrValue(b=known is not None)})
     if known is None:
@@ -258,7 +266,7 @@ def call_tasks(graph: ops.Graph, rw, tasks: Dict[Key, List[ops.Operation]], orde
             values = call_task(
                 graph, fn, [_counterpart(rw, x, stage, v, j) for x in fn.arguments],
                 _call_controls(rw, outside, stage, v) + _marker(graph, device, markers),
-                device, f"{rw.prefix(stage, j)}/micro_{m}/{kind}", optimize)
+                device, f"{rw.prefix(stage, j)}/micro_{m}/{kind}", optimize, rw.precision)
             call = values.pop(None)
             rw.version_values[stage][v].update(values)
             rw.version_maps[stage][v].update((op, call) for op in members if op in step)

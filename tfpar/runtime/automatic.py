@@ -25,6 +25,7 @@ from tfpar.rewriters.model_view import model_view
 from tfpar.rewriters.select import GraphIndex
 from tfpar.runtime.context import Runtime
 from tfpar.runtime.gc_paused import gc_paused
+from tfpar.runtime.precision import applied
 
 __all__ = ["DEFAULT_BATCH", "Automatic", "automatic_plan", "cluster_hardware", "estimate_of",
            "part_estimate", "pinned_sharding", "planned_config", "planned_techniques",
@@ -275,12 +276,14 @@ def _chosen_pipeline(candidate) -> Dict[str, Any]:
             "pipeline.schedule": candidate.schedule, "pipeline.group_size": candidate.group_size}
 
 
-def unapplied(techniques: Sequence[str]) -> List[str]:
+def unapplied(techniques: Sequence[str], mixed_precision: bool = False) -> List[str]:
     """Of memory ``techniques`` (``auto.memory_techniques`` names), those
-    tfpar cannot apply to a graph: all but offload
-    (``memory.offload_optimizer``), ZeRO (``memory.zero``) and recomputation
-    (``runtime.engine``)."""
-    return sorted(set(techniques) - {"offload", "recompute", "zero"})
+    tfpar cannot apply to the graph: none but mixed precision, unless the
+    graph computes in 16 bits (``mixed_precision``, ``runtime.precision``:
+    grappler's options are set when a session is made, before the search
+    runs; a plan pinned before the graph is built sets them)."""
+    return sorted(set(techniques) - {"offload", "recompute", "zero"} - (
+        {"mixed_precision"} if mixed_precision else set()))
 
 
 def planned_techniques(automatic: Optional[Automatic], rt: Runtime) -> Techniques:
@@ -298,22 +301,22 @@ def planned_techniques(automatic: Optional[Automatic], rt: Runtime) -> Technique
 
 def refuse_planning_only(automatic: Optional[Automatic], rt: Runtime) -> None:
     """A plan that needs memory techniques (``auto.memory_techniques``) tfpar
-    does not apply to graphs (``unapplied``) or splits attention heads
+    does not apply to the graph (``unapplied``) or splits attention heads
     (``auto.split_heads``) cannot train here: raise, naming them; a pinned
     plan too."""
     chosen = [c for c in (automatic.best, automatic.runnable) if c is not None] \
         if automatic is not None else []
-    needs = next((c for c in chosen if unapplied(c.techniques.names)), None)
+    low = applied(rt.config, rt.device_type) is not None
+    needs = next((c for c in chosen if unapplied(c.techniques.names, low)), None)
     if needs is not None:
         raise PlanError(f"tfpar: the planner's plan ({needs.describe()}) needs "
-                        f"{needs.techniques.describe()}, which tfpar cannot apply to a graph "
-                        "yet: auto.memory_techniques is for planning (tfpar plan); remove "
-                        "them from it to train")
-    pinned = unapplied(planned_techniques(automatic, rt).names)
+                        f"{needs.techniques.describe()}, which the graph's sessions were made "
+                        "without: set memory.mixed_precision, or let the planning pass "
+                        "(auto.planning_pass) pin the plan before the graph is built")
+    pinned = unapplied(planned_techniques(automatic, rt).names, low)
     if pinned:
         raise PlanError(f"tfpar: the pinned plan needs {', '.join(pinned)} (its estimate's "
-                        "memory_techniques), which tfpar cannot apply to a graph yet; plan "
-                        "without them (auto.memory_techniques) to train")
+                        "memory_techniques), which tfpar cannot apply here")
     heads = [scope for c in chosen for scope, how in c.split_scopes if how == "heads"]
     heads += [scope for scope, how in pinned_sharding(rt).get("layers", {}).items()
               if how == "heads"]

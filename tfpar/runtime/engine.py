@@ -27,6 +27,7 @@ from tfpar.rewriters.horovod_backend import HorovodProcesses, HorovodReducer
 from tfpar.rewriters.select import GraphIndex, is_input, is_resource_variable, is_variable
 from tfpar.rewriters.model_view import model_view
 from tfpar.rewriters.recompute import recompute_ops, recompute_scopes
+from tfpar.runtime.precision import applied, rewrite_option
 from tfpar.rewriters.stages import Placement, assign_stages, canonical_device, split_op_devices
 from tfpar.rewriters.fetch_translation import FetchTranslator
 from tfpar.rewriters.function_outputs import rewire_outputs
@@ -38,8 +39,9 @@ from tfpar.runtime.balanced import batch_shares
 from tfpar.runtime.context import Runtime, active
 from tfpar.runtime.gc_paused import gc_paused
 
-__all__ = ["before_run", "make_iterator", "make_split_context", "plan_for", "ran_before_rewrite",
-           "rewrites_next", "run_failed", "run_options", "session_config", "session_target", "setup_capture"]
+__all__ = ["before_run", "loss_scaled", "make_iterator", "make_split_context", "plan_for",
+           "ran_before_rewrite", "rewrites_next", "run_failed", "run_options", "session_config",
+           "session_target", "setup_capture"]
 
 log = logging.getLogger("tfpar")
 # Graphs already checked for training built before wh.init (warned once each).
@@ -65,10 +67,13 @@ def session_config(config: Optional[config_pb2.ConfigProto],
         merged.device_count["CPU"] = max(merged.device_count.get("CPU", 1), len(rt.devices))
     merged.allow_soft_placement = True
     rewriting = merged.graph_options.rewrite_options
+    plain = rewriting == rewriter_config_pb2.RewriterConfig()
+    precision = rewrite_option(applied(rt.config, rt.device_type), rt.device_type)
+    if precision is not None:
+        setattr(rewriting, precision, rewriter_config_pb2.RewriterConfig.ON)
     if not rt.config.get("pipeline.task_functions"):
         return merged
-    if _calls_optimize(graph if graph is not None else ops.get_default_graph(), rt,
-                       rewriting == rewriter_config_pb2.RewriterConfig()):
+    if _calls_optimize(graph if graph is not None else ops.get_default_graph(), rt, plain):
         rewriting.disable_meta_optimizer = True
     elif not rewriting.function_optimization:
         # Grappler's function optimizer reads the body of every call (one per
@@ -422,6 +427,23 @@ def _plan_changes_nothing(rt: Runtime) -> bool:
             and rt.config.get("pipeline.num_micro_batch") == 1)
 
 
+def loss_scaled(graph: ops.Graph) -> bool:
+    """Whether ``graph``'s gradients are loss-scaled: fp16 mixed precision
+    (``hooks.loss_scaling``), in graphs, not tf.function steps.
+
+    Raises:
+      PlanError: fp16 in a tf.function step.
+    """
+    rt = active()
+    if rt is None or applied(rt.config, rt.device_type) != "fp16":
+        return False
+    if graph.building_function:
+        raise PlanError("tfpar: memory.mixed_precision 'fp16' cannot loss-scale a tf.function "
+                        "step (tfpar builds loss scaling into graphs as they are built); use "
+                        "'bf16', or a Keras LossScaleOptimizer with mixed_float16 layers")
+    return True
+
+
 def retraces_relaxed(graph: ops.Graph) -> bool:
     """Whether the tf.function just traced into ``graph`` trains with a static
     batch size: it is traced again with its arguments' batch dimension unknown."""
@@ -549,7 +571,9 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
                             shares=plan.batch_shares,
                             offload=cfg.get("memory.offload_optimizer") or techniques.offload,
                             zero=cfg.get("memory.zero") or _planned_zero(
-                                techniques, reducer_for, placement.stage_devices[0]))
+                                techniques, reducer_for, placement.stage_devices[0]),
+                            precision=rewrite_option(applied(cfg, rt.device_type),
+                                                     rt.device_type))
     capture.plan = plan
     capture.rewrite = FetchTranslator(graph, rewrite)
     log.info("tfpar rewrote the graph:\n%s", plan.summary())
