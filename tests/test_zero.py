@@ -159,9 +159,9 @@ def test_zero_with_global_norm_clipping(stage):
     assert_sharded(config, build, stage, CPUS[:2])
 
 
-def keras_fit(config, optimizer):
+def keras_fit(config, optimizer, data=DATA):
     """Keras model.fit in graph mode: (losses, weights, {slot name: device})."""
-    features, labels = DATA[0].reshape(-1, 6), DATA[1].reshape(-1)
+    features, labels = data[0].reshape(-1, 6), data[1].reshape(-1)
     graph = tf.Graph()
     with graph.as_default():
         if config:

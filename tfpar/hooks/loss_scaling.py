@@ -17,7 +17,7 @@ S and its count of finite steps are variables of no collection: checkpoints
 keep the script's names, and a new session starts S anew (read as 2**15 until
 the first step writes it).
 """
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 from tensorflow.python.framework import constant_op, dtypes, indexed_slices, ops
 from tensorflow.python.framework import tensor as tensor_lib
@@ -55,9 +55,13 @@ class LossScale:
             return g * math_ops.cast(1.0 / self.value, g.dtype) if _floating(g) else g
         return [unscale(g) for g in grads]
 
-    def gated_apply(self, grads_and_vars, apply: Callable[[Any], Any]) -> ops.Operation:
+    def gated_apply(self, grads_and_vars, apply: Callable[[Any], Any],
+                    counted: Optional[Callable[[], Any]] = None) -> ops.Operation:
         """``apply(grads_and_vars)`` run only if every gradient is finite, then
-        S updated; returns an op that completes either way."""
+        S updated; returns an op that completes either way. ``counted``
+        gives the step counter a skipped step still increments (Keras'
+        ``iterations``, as Keras' LossScaleOptimizer does; TensorFlow's
+        skips the global step with the update)."""
         grads = [g for g, _ in grads_and_vars if g is not None]
         with ops.name_scope("tfpar_loss_scale"):
             finite = math_ops.reduce_all(array_ops_stack.stack(
@@ -69,7 +73,12 @@ class LossScale:
             skipped, ran = gen_control_flow_ops.switch(finite, finite)
             with ops.control_dependencies([applied]):
                 ran = array_ops.identity(ran)
-            done = control_flow_ops.merge([ran, array_ops.identity(skipped)])[0]
+            skipped = array_ops.identity(skipped)  # dead, and what waits on it, if it ran
+            if counted is not None:
+                with ops.control_dependencies([skipped]):
+                    skipped = control_flow_ops.with_dependencies(
+                        [counted().assign_add(1, read_value=False)], skipped)
+            done = control_flow_ops.merge([ran, skipped])[0]
             return control_flow_ops.group(done, *self._updated(finite))
 
     def _updated(self, finite: tensor_lib.Tensor) -> List[ops.Operation]:

@@ -317,7 +317,8 @@ def _wrap_default_grad_ys(original):
 def _recorded_apply(grads_and_vars, global_step, apply):
     """Run ``apply(grads_and_vars)`` in the APPLY phase; record the outermost call.
     ``global_step``: the variable, or a function giving it after ``apply`` ran
-    (keras creates its ``iterations`` inside its own name scope there)."""
+    (keras creates its ``iterations`` inside its own name scope there, and
+    counts a step whose loss-scaled update was skipped)."""
     graph = ops.get_default_graph()
     if not _recorded(graph):
         return apply(grads_and_vars)
@@ -329,7 +330,7 @@ def _recorded_apply(grads_and_vars, global_step, apply):
     try:
         with cap.phase(Phase.APPLY):
             result = apply(grads_and_vars) if scale is None else scale.gated_apply(
-                grads_and_vars, apply)
+                grads_and_vars, apply, global_step if callable(global_step) else None)
     finally:
         cap._applying = nested  # pylint: disable=protected-access
     if not nested:

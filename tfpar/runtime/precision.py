@@ -72,14 +72,14 @@ def check_supported(precision: Optional[str], device_type: str) -> None:
                         "in float32; use 'fp16' (emulated on CPUs) or no mixed precision")
 
 
-# Options turned on in the eager context -> their value before.
+# Options turned on in the eager context -> their value before (None: unset).
 _before: Dict[str, Any] = {}
 
 
 def in_functions(option: str) -> None:
     """Turn grappler's ``option`` on for tf.functions (the eager context's)."""
     ctx = context.context()
-    _before.setdefault(option, ctx.get_optimizer_experimental_options().get(option, False))
+    _before.setdefault(option, ctx.get_optimizer_experimental_options().get(option))
     ctx.set_optimizer_experimental_options({option: True})
 
 
