@@ -69,7 +69,7 @@ from tfpar.planner.memory import (  # noqa: E402
     MIXED_ACTIVATIONS, SLOTS, recomputation, state_bytes)
 from tfpar.rewriters.model_view import model_view  # noqa: E402
 from tfpar.rewriters.select import GraphIndex  # noqa: E402
-from tfpar.runtime.precision import _onednn_computes_bf16 as onednn_computes_bf16  # noqa: E402
+from tfpar.runtime.precision import onednn_computes_bf16  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_args import cell, meets, parse_sizes, report  # noqa: E402
@@ -85,8 +85,9 @@ ROWS = (("plain", False, None), ("recompute", True, None), ("bf16", False, "bf16
 
 def measure(layers, batch, recompute, precision=None):
     """Peak bytes of one step above what the step starts with: measured, and
-    the "search" and "every output" estimates (activations in half the bytes
-    with mixed ``precision``, as the search counts them)."""
+    the "search" and "every output" estimates (activations at
+    ``MIXED_ACTIVATIONS`` of their bytes with mixed ``precision``, as the
+    search counts them)."""
     graph = tf.Graph()
     with graph.as_default():
         wh.init({"cluster.num_devices": 1, "memory.mixed_precision": precision,

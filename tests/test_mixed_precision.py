@@ -38,7 +38,7 @@ PLANS = {
     "pipeline, stage copies": {"cluster.num_devices": 2, "auto.num_task_graph": 2,
                                "pipeline.num_micro_batch": 2, "pipeline.task_functions": False},
 }
-BF16 = precision._onednn_computes_bf16()  # pylint: disable=protected-access
+BF16 = precision.onednn_computes_bf16()
 needs_bf16 = pytest.mark.skipif(not BF16, reason="oneDNN computes no bf16 on this CPU (see "
                                 "test_bf16_is_refused_where_onednn_computes_none)")
 
@@ -59,7 +59,12 @@ def cast_devices(config, build, kind):
     ``kind`` ("Bf16") that grappler's mixed precision inserts."""
     with fed_graph(config) as (_, x, y):
         _, train_op = build(x, y)
-        ran = executed_ops(traced_first_step(train_op, {x: DATA[0][0], y: DATA[1][0]}))
+        return devices_casting(
+            executed_ops(traced_first_step(train_op, {x: DATA[0][0], y: DATA[1][0]})), kind)
+
+
+def devices_casting(ran, kind):
+    """Of ``ran`` (op name -> devices it ran on), the devices that ran casts to ``kind``."""
     return {d for name, devices in ran.items() if f"CastTo{kind}" in name for d in devices}
 
 
@@ -198,7 +203,7 @@ def test_gpu_sessions_and_task_calls_turn_on_the_fp16_rewrite():
     assert call.graph_options.rewrite_options.auto_mixed_precision == on
 
 
-def _gpu_free_build(x, y):
+def _two_layers(x, y):
     h = dense(x, 64, "l0", seed=1, activation=tf.nn.relu)
     loss = v1.losses.sparse_softmax_cross_entropy(y, dense(h, 10, "out", seed=2))
     return loss, v1.train.AdamOptimizer(1e-3).minimize(loss)
@@ -213,30 +218,29 @@ def test_the_planners_mixed_precision_is_applied_when_pinned_before_the_graph():
     device = {"name": "gpu", "tflops": 10, "memory_gb": 16, "tflops_fp16": 80}
     config = {"auto.auto_parallel": True, "cluster.num_devices": 2, "cluster.hardware": [device],
               "auto.memory_techniques": ["mixed_precision"]}
-    plan = plan_of(_gpu_free_build, config, shape=(64, 32))
+    plan = plan_of(_two_layers, config, shape=(64, 32))
     assert "needs: mixed_precision" in plan.summary()
     data = make_data(steps=2, batch=64, features=32)
     with pytest.raises(wh.PlanError, match="which the graph's sessions were made without"):
-        train(_gpu_free_build, data, config, static_batch=True)
+        train(_two_layers, data, config, static_batch=True)
     wh.reset()
     pinned = {**config, "plan": plan.to_dict()}
     if not BF16:
         with pytest.raises(wh.PlanError, match="do not compute in bf16 on this CPU"):
-            train(_gpu_free_build, data, pinned, static_batch=True)
+            train(_two_layers, data, pinned, static_batch=True)
         return
     with tensorflow_bf16():
-        reference = train(_gpu_free_build, data, static_batch=True)
-    assert_equivalent(reference, train(_gpu_free_build, data, pinned, static_batch=True),
+        reference = train(_two_layers, data, static_batch=True)
+    assert_equivalent(reference, train(_two_layers, data, pinned, static_batch=True),
                       rtol=2e-2, atol=2e-2)
     graph = tf.Graph()
     with graph.as_default():
         wh.init(pinned)
         x, y = v1.placeholder(tf.float32, [64, 32]), v1.placeholder(tf.int64, [64])
-        ran = executed_ops(traced_first_step(_gpu_free_build(x, y)[1],
+        ran = executed_ops(traced_first_step(_two_layers(x, y)[1],
                                              {x: data[0][0], y: data[1][0]}))
         wh.reset()
-    assert {d for name, devices in ran.items() if "CastToBf16" in name for d in devices} == \
-        set(CPUS)
+    assert devices_casting(ran, "Bf16") == set(CPUS)
 
 
 @needs_bf16
@@ -252,7 +256,6 @@ def trained(config=None):
     layer = tf.keras.layers.Dense(64, kernel_initializer=tf.keras.initializers.GlorotUniform(1))
     hidden = tf.keras.layers.Dense(1, kernel_initializer=tf.keras.initializers.GlorotUniform(2))
     optimizer = tf.keras.optimizers.SGD(0.1)
-    variables = None
 
     @tf.function
     def step(x):

@@ -125,8 +125,8 @@ SCHEMA = {
     "memory.mixed_precision": Option(
         "str|None", None, _one_of("fp16", "bf16"),
         "compute what TensorFlow's auto mixed precision allows in 16 bits, variables and "
-        "checkpoints in float32: fp16 (GPUs; emulated on CPUs) with dynamic loss scaling, "
-        "bf16 (oneDNN CPUs with AVX-512)"),
+        "checkpoints in float32: fp16 (GPUs) with dynamic loss scaling, bf16 (oneDNN CPUs "
+        "with AVX-512)"),
     "balance.hardware_aware": Option("bool", True, (),
                                      "pipeline stages in order on cluster.hardware devices by "
                                      "memory, most first (Whale §3.3.2); false: device order"),

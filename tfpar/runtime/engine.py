@@ -27,7 +27,7 @@ from tfpar.rewriters.horovod_backend import HorovodProcesses, HorovodReducer
 from tfpar.rewriters.select import GraphIndex, is_input, is_resource_variable, is_variable
 from tfpar.rewriters.model_view import model_view
 from tfpar.rewriters.recompute import recompute_ops, recompute_scopes
-from tfpar.runtime.precision import applied, rewrite_option
+from tfpar.runtime.precision import applied, applied_option
 from tfpar.rewriters.stages import Placement, assign_stages, canonical_device, split_op_devices
 from tfpar.rewriters.fetch_translation import FetchTranslator
 from tfpar.rewriters.function_outputs import rewire_outputs
@@ -51,9 +51,11 @@ _warned_unseen: "weakref.WeakSet[ops.Graph]" = weakref.WeakSet()
 def session_config(config: Optional[config_pb2.ConfigProto],
                    graph: Optional[ops.Graph] = None) -> config_pb2.ConfigProto:
     """The user's ConfigProto plus tfpar's devices (N logical CPUs on a CPU
-    host). A session of a ``graph`` whose tasks will be function calls runs
-    grappler off (unless the user set its options): the step graph holds
-    little but calls, and each call optimizes its body when instantiated."""
+    host), and grappler's mixed precision if the graphs compute in 16 bits
+    (``runtime.precision``). A session of a ``graph`` whose tasks will be
+    function calls runs grappler off (unless the user set its options): the
+    step graph holds little but calls, and each call optimizes its body when
+    instantiated."""
     rt = active()
     merged = config_pb2.ConfigProto()
     # Like tf.compat.v1.Session: no ConfigProto means the settings made through tf.config.
@@ -68,7 +70,7 @@ def session_config(config: Optional[config_pb2.ConfigProto],
     merged.allow_soft_placement = True
     rewriting = merged.graph_options.rewrite_options
     plain = rewriting == rewriter_config_pb2.RewriterConfig()
-    precision = rewrite_option(applied(rt.config, rt.device_type), rt.device_type)
+    precision = applied_option(rt.config, rt.device_type)
     if precision is not None:
         setattr(rewriting, precision, rewriter_config_pb2.RewriterConfig.ON)
     if not rt.config.get("pipeline.task_functions"):
@@ -572,8 +574,7 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
                             offload=cfg.get("memory.offload_optimizer") or techniques.offload,
                             zero=cfg.get("memory.zero") or _planned_zero(
                                 techniques, reducer_for, placement.stage_devices[0]),
-                            precision=rewrite_option(applied(cfg, rt.device_type),
-                                                     rt.device_type))
+                            precision=applied_option(cfg, rt.device_type))
     capture.plan = plan
     capture.rewrite = FetchTranslator(graph, rewrite)
     log.info("tfpar rewrote the graph:\n%s", plan.summary())

@@ -26,12 +26,11 @@ from tensorflow.python.eager import context
 
 from tfpar.errors import PlanError
 
-__all__ = ["applied", "check_supported", "in_functions", "restore_functions", "rewrite_option"]
+__all__ = ["applied", "applied_option", "check_supported", "in_functions",
+           "onednn_computes_bf16", "restore_functions", "rewrite_option"]
 
 _OPTIONS = {("fp16", "GPU"): "auto_mixed_precision",
             ("bf16", "CPU"): "auto_mixed_precision_onednn_bfloat16"}
-
-
 _LOW = {"GPU": "fp16", "CPU": "bf16"}
 
 
@@ -46,6 +45,12 @@ def applied(config: Any, device_type: str) -> Optional[str]:
     estimate = (config.plan or {}).get("estimate", {})
     return _LOW.get(device_type) if "mixed_precision" in estimate.get(
         "memory_techniques", []) else None
+
+
+def applied_option(config: Any, device_type: str) -> Optional[str]:
+    """The grappler option the graphs of ``device_type`` devices compute in
+    (``rewrite_option`` of what is ``applied``), or None for float32."""
+    return rewrite_option(applied(config, device_type), device_type)
 
 
 def rewrite_option(precision: Optional[str], device_type: str) -> Optional[str]:
@@ -65,11 +70,12 @@ def check_supported(precision: Optional[str], device_type: str) -> None:
             if precision == "bf16" else
             "CPUs have no fp16 kernels, and TensorFlow 2.15's emulation of the GPU rewrite on "
             "them (auto_mixed_precision_cpu) aborts the process on common graphs; use 'bf16'"))
-    if precision == "bf16" and not _onednn_computes_bf16():
+    if precision == "bf16" and not onednn_computes_bf16():
         raise PlanError("tfpar: memory.mixed_precision 'bf16': TensorFlow's oneDNN kernels "
                         "do not compute in bf16 on this CPU (they need AVX-512 and "
                         "TF_ENABLE_ONEDNN_OPTS not 0), so its rewrite would leave the graph "
-                        "in float32; use 'fp16' (emulated on CPUs) or no mixed precision")
+                        "in float32; train without mixed precision here, or with 'fp16' on "
+                        "GPUs")
 
 
 # Options turned on in the eager context -> their value before (None: unset).
@@ -90,7 +96,7 @@ def restore_functions() -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _onednn_computes_bf16() -> bool:
+def onednn_computes_bf16() -> bool:
     """Whether grappler's bf16 rewrite changes a MatMul here: run one in a
     graph of its own and look for the cast it inserts (TensorFlow decides by
     the CPU's features and its oneDNN build, and says nothing if it declines)."""
