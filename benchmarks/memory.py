@@ -49,6 +49,16 @@ weights and slots for one. Target: allocator within 25% of the estimate
 per row. Optimizer offload moves state between
 devices of the one allocator, so it is not a row.
 
+A third table, simulated (the planner's models, nothing run): Whale's
+hardware-aware balance on mixed devices, each as the step of even work over
+the step of balanced work (Whale reports 1.3-1.4x): replicas taking batch
+rows by speed on a V100 and a P100 (``planner.balance.balance_load``); a
+split layer of 16 columns cut by speed there (``patterns.sharded.slice_offsets``
+with the devices' shares); 48 layers in 4 stages on 2 V100s and 2 P100s, 32
+micro-batches of 1F1B (``balance_stages``); and the zero-bubble schedule's
+bubble next to 1F1B's, 4 stages and 8 micro-batches (1F1B's is (p-1)/(m+p-1)
+= 27.3%). Target: zero-bubble's bubble at most half of 1F1B's.
+
     python benchmarks/memory.py [--check] [--json] [--quick] [--layers N] [--batch N]
 
 (2 cores: about 40 s; ``--quick``: 2 layers, 10 s.)
@@ -64,9 +74,15 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfpar as wh  # noqa: E402
+from tfpar.cluster.hardware import CATALOG  # noqa: E402
 from tfpar.hooks.capture import capture_for  # noqa: E402
+from tfpar.patterns.sharded import slice_offsets  # noqa: E402
+from tfpar.planner.balance import (  # noqa: E402
+    balance_load, balance_stages, integer_shares, step_time)
 from tfpar.planner.memory import (  # noqa: E402
     MIXED_ACTIVATIONS, SLOTS, recomputation, state_bytes)
+from tfpar.planner.schedule import build_schedule  # noqa: E402
+from tfpar.planner.simulate import simulate  # noqa: E402
 from tfpar.rewriters.model_view import model_view  # noqa: E402
 from tfpar.rewriters.select import GraphIndex  # noqa: E402
 from tfpar.runtime.precision import onednn_computes_bf16  # noqa: E402
@@ -148,9 +164,40 @@ def _activations(view, mode):
     return sum(terms.kept[mode]) + terms.transient_bytes(mode, range(len(view.flops)))
 
 
+def simulated_rows():
+    """Rows of the simulated table (see the module docstring): baseline and
+    tfpar step times (or bubbles) and baseline / tfpar."""
+    v100, p100 = CATALOG["V100-32GB"], CATALOG["P100-16GB"]
+    pair = [v100.flops_per_s("fp32"), p100.flops_per_s("fp32")]
+    rows_by_speed = balance_load(pair, [32 * 2 ** 30, 16 * 2 ** 30], batch_bytes=2 ** 30).ratios
+    columns = slice_offsets(16, 2, integer_shares(pair)) + [16]
+    four = [v100.flops_per_s("fp32")] * 2 + [p100.flops_per_s("fp32")] * 2
+    stages, _ = balance_stages([1.0] * 48, [0.0] * 48, [0.0] * 48, [4, 3, 2, 1], four,
+                               [32.0, 32.0, 16.0, 16.0])
+
+    def pipeline(sizes):
+        forward = [1e12 * n / speed for n, speed in zip(sizes, four)]
+        return simulate(build_schedule("1f1b", 4, 32), forward,
+                        [2 * f for f in forward]).length
+
+    bubble = {name: simulate(build_schedule(name, 4, 8), [1.0] * 4, [2.0] * 4).bubble_fraction
+              for name in ("1f1b", "zero_bubble")}
+    pairs = [
+        ("replicas by speed, V100 + P100", step_time([0.5, 0.5], pair, 1e12),
+         step_time(rows_by_speed, pair, 1e12)),
+        ("split shards by speed, V100 + P100", step_time([0.5, 0.5], pair, 1e12),
+         step_time([(b - a) / 16 for a, b in zip(columns, columns[1:])], pair, 1e12)),
+        ("stages by speed, 2 V100 + 2 P100", pipeline([12] * 4),
+         pipeline([stages.count(i) for i in range(4)])),
+        ("bubble, 1f1b vs zero_bubble", bubble["1f1b"], bubble["zero_bubble"])]
+    return [{"simulated": name, "baseline": base, "tfpar": ours, "ratio": base / ours}
+            for name, base, ours in pairs]
+
+
 def print_table(rows, found, args):
     zero_rows = [r for r in rows if "zero" in r]
-    rows = [r for r in rows if "zero" not in r]
+    simulated = [r for r in rows if "simulated" in r]
+    rows = [r for r in rows if "zero" not in r and "simulated" not in r]
     print(f"tfpar memory (GPT {args.layers} blocks, hidden {HIDDEN}, sequence {SEQ}, batch "
           f"{args.batch}, float32 weights, one CPU device): peak of a step above its start")
     print(f"{'technique':<10} {'measured MiB':>12} {'search MiB':>10} {'search/meas':>11} "
@@ -166,9 +213,15 @@ def print_table(rows, found, args):
         print(f"{r['zero']:<6} {r['allocator_mib']:>13.1f} {r['estimate_mib']:>12.1f} "
               f"{r['ratio']:>9.3f} {r['largest_device_mib']:>18.1f} "
               f"{r['estimate_device_mib']:>17.1f}")
+    print("\nsimulated (the planner's models): even work (or 1F1B) vs tfpar's")
+    print(f"{'':<36} {'baseline':>10} {'tfpar':>10} {'ratio':>6}")
+    for r in simulated:
+        print(f"{r['simulated']:<36} {r['baseline']:>10.4g} {r['tfpar']:>10.4g} "
+              f"{r['ratio']:>6.2f}")
     for name, value, limit in found:
-        print(f"{name:<40} {cell(value, '.3f'):>7}  <= {limit:<4}  "
-              f"{'met' if meets(value, limit) else 'NOT MET'}")
+        judged = "" if limit is None else (
+            f"<= {limit:<4}  {'met' if meets(value, limit) else 'NOT MET'}")
+        print(f"{name:<48} {cell(value, '.3f'):>7}  {judged}".rstrip())
 
 
 def main(argv):
@@ -196,6 +249,10 @@ def main(argv):
                      "estimate_device_mib": placed_estimate / MIB})
         found.append((f"ZeRO-{zero}: |allocator / estimate - 1|", abs(held / estimate - 1),
                       TOLERANCE))
+    simulated = simulated_rows()
+    rows += simulated
+    found += [(f"{r['simulated']}: speed-up", r["ratio"], None) for r in simulated[:3]]
+    found.append(("zero_bubble / 1f1b bubble", 1 / simulated[3]["ratio"], 0.5))
     return report(rows, found, args, SIZES, print_table, checks_ok=True)
 
 

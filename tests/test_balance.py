@@ -1,11 +1,14 @@
-"""Whale's hardware-aware balance inside a TaskGraph (§3.3.1, Algorithm 1): the
-load ratios, and replicas on mixed devices taking rows in proportion."""
+"""Whale's hardware-aware balance (§3.3, Algorithm 1): the load ratios, replicas
+on mixed devices taking rows in proportion, split TaskGraphs cutting shards in
+proportion, and pipeline stages cut by speed within memory."""
+import numpy as np
 import pytest
 import tensorflow as tf
 
-from equivalence import (assert_equivalent, deep_mlp, fed_graph, make_data, mlp_classifier,
-                         traced_first_step, train)
+from equivalence import (assert_equivalent, deep_mlp, fed_graph, make_data,
+                         mlp_classifier, plan_of, traced_first_step, train)
 from test_pipeline import mlp_stages
+from test_split import DATA as SPLIT_DATA, embedding_model, gshard_moe, megatron_mlp, moe_model
 import tfpar as wh
 from tfpar.cluster.hardware import CATALOG
 from tfpar.ir.plan import Plan
@@ -215,3 +218,94 @@ def test_stages_on_a_v100_and_a_p100_are_cut_by_speed_and_compute_the_same_numbe
     assert [devices[f"layer{i}"] for i in range(10)] == ["CPU:1"] * 7 + ["CPU:0"] * 3
     _, even = layer_devices({**config, "balance.hardware_aware": False}, build)
     assert [even[f"layer{i}"] for i in range(10)] == ["CPU:0"] * 5 + ["CPU:1"] * 5
+
+
+# ---------------------------------------------------------------- split TaskGraphs
+
+MIXED = {"cluster.num_devices": 2, "cluster.hardware": ["V100-32GB", "P100-16GB"]}
+
+
+def shard_widths(build, config, features=6, dtype=tf.float32):
+    """{variable: [width of each slice along its split axis, by device]} as
+    ``build`` makes them under ``config``."""
+    graph = tf.Graph()
+    try:
+        with graph.as_default():
+            wh.init(config)
+            build(v1.placeholder(dtype, [None, features]), v1.placeholder(tf.int64, [None]))
+            slices = {}
+            for v in v1.global_variables():
+                info = v._save_slice_info  # pylint: disable=protected-access
+                if info is not None:
+                    axis = next(i for i, (a, b) in enumerate(zip(info.var_shape,
+                                                                 info.full_shape)) if a != b)
+                    slices.setdefault(info.full_name, []).append(
+                        (v.device.rsplit(":", 1)[-1], info.var_shape[axis]))
+    finally:
+        wh.reset()
+    return {name: [width for _, width in sorted(parts)] for name, parts in slices.items()}
+
+
+def test_split_shards_follow_device_speed_and_compute_the_same_numbers():
+    """Whale §3.3.1 inside a split TaskGraph: on a V100 and a P100 every
+    dimension a shard cuts goes 62.8% / 37.2% (16 columns: 10 / 6), so each
+    device's part of a layer takes as long; the numbers are the single
+    device's, and each device computes its own width's gradient in a traced step."""
+    assert_equivalent(train(megatron_mlp(False), SPLIT_DATA),
+                      train(megatron_mlp(True), SPLIT_DATA, MIXED))
+    widths = shard_widths(megatron_mlp(True), MIXED)
+    expected = {"fc1/kernel": [10, 6], "fc1/bias": [10, 6], "fc2/kernel": [10, 6],
+                "logits/kernel": [6, 4], "logits/bias": [6, 4]}
+    assert widths == {**expected, **{f"{name}/Momentum": w for name, w in expected.items()}}
+    plan = plan_of(megatron_mlp(True), MIXED)
+    assert plan.task_graphs[0].shard_shares == (1000, 592)
+    assert "split_0 shards per device (hardware-aware, Whale §3.3.1): 62.8% 37.2%" in str(plan)
+    with fed_graph(MIXED) as (graph, x, y):
+        _, train_op = megatron_mlp(True)(x, SPLIT_DATA[1][0])
+        metadata = traced_first_step(train_op, {x: SPLIT_DATA[0][0]})
+    columns = {device.device.split("device:")[-1]: int(node.output[0].tensor_description.shape
+                                                      .dim[-1].size)
+               for device in metadata.step_stats.dev_stats for node in device.node_stats
+               if node.node_name.startswith("gradients/fc1/MatMul")  # the kernel's gradient
+               and node.node_name.endswith("/MatMul_1") and node.output}
+    assert columns == {"CPU:0": 10, "CPU:1": 6}
+    # The simulated compute of a layer so cut vs even shards (Whale: 1.3-1.4x).
+    speeds = [V100.flops_per_s("fp32"), P100.flops_per_s("fp32")]
+    ratio = step_time([0.5, 0.5], speeds, 1e12) / step_time([10 / 16, 6 / 16], speeds, 1e12)
+    assert ratio == pytest.approx(1.33, abs=0.01)
+
+
+def test_even_shards_with_the_balance_off_or_like_devices():
+    for config in ({**MIXED, "balance.hardware_aware": False},
+                   {"cluster.num_devices": 2, "cluster.hardware": ["P100-16GB"] * 2}):
+        assert shard_widths(megatron_mlp(True), config)["fc1/kernel"] == [8, 8]
+        assert plan_of(megatron_mlp(True), config).task_graphs[0].shard_shares == ()
+
+
+def test_pinned_plans_keep_their_shard_shares():
+    plan = plan_of(megatron_mlp(True), MIXED).to_dict()
+    plan["task_graphs"][0]["shard_shares"] = [3, 1]
+    pinned = {"cluster.num_devices": 2, "plan": plan}
+    assert shard_widths(megatron_mlp(True), pinned)["fc1/kernel"] == [12, 4]
+    assert_equivalent(train(megatron_mlp(False), SPLIT_DATA),
+                      train(megatron_mlp(True), SPLIT_DATA, pinned))
+    plan["task_graphs"][0]["shard_shares"] = [3, 1, 1]
+    with pytest.raises(wh.PlanError, match=r"shard_shares \[3, 1, 1\] of TaskGraph 'split_0' "
+                                           r"must be one int >= 1 per device \(2\)"):
+        shard_widths(megatron_mlp(True), pinned)
+
+
+def test_uneven_vocabulary_shards_and_experts_compute_the_same_numbers():
+    """A 20-row table cut 12 / 8 (lookups mask by each shard's rows); Whale
+    Example 5 and routed experts with token rows cut by speed too (their
+    replicated gating takes rows by speed as well)."""
+    rng = np.random.RandomState(3)
+    ids = (rng.randint(0, 20, size=(3, 8, 2)).astype(np.int64),
+           rng.randint(0, 3, size=(3, 8)).astype(np.int64))
+    assert_equivalent(train(embedding_model(False), ids),
+                      train(embedding_model(True, 2), ids, MIXED))
+    assert shard_widths(embedding_model(True, 2), MIXED, 2, tf.int64)["table"] == [12, 8]
+    data = make_data(steps=3, batch=8, classes=3)
+    for build in (moe_model, gshard_moe):
+        assert_equivalent(train(build(False), data), train(build(True, 2), data, MIXED))
+

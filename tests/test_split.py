@@ -307,19 +307,22 @@ def test_whale_example_5_as_written_with_dispatch_outside_the_split():
                       train(dispatched_moe(True), data, {"cluster.num_devices": 4}))
 
 
-def test_checkpoints_restore_between_split_and_single_device(tmp_path):
-    """Split weights are saved as slices of their single-device names and shapes."""
+@pytest.mark.parametrize("model,config", [
+    (classifier, {"cluster.num_devices": 4}),
+    (megatron_mlp, {"cluster.num_devices": 2, "cluster.hardware": ["V100-32GB", "P100-16GB"]})],
+    ids=["even", "by-speed"])
+def test_checkpoints_restore_between_split_and_single_device(tmp_path, model, config):
+    """Split weights are saved as slices of their single-device names and
+    shapes, of any width (shards by speed on a V100 and a P100: 10 / 6)."""
     first, second = (DATA[0][:1], DATA[1][:1]), (DATA[0][1:], DATA[1][1:])
-    config = {"cluster.num_devices": 4}
     single, split = str(tmp_path / "single"), str(tmp_path / "split")
-    checkpoint_session(classifier(False), None, single, None, first)
-    checkpoint_session(classifier(True), None, split, config, first)
+    checkpoint_session(model(False), None, single, None, first)
+    checkpoint_session(model(True), None, split, config, first)
     assert sorted(tf.train.list_variables(single)) == sorted(tf.train.list_variables(split))
-    reference = checkpoint_session(classifier(False), single, None, None, second)
-    assert_equivalent(reference, checkpoint_session(classifier(True), single, None, config,
-                                                    second))
-    assert_equivalent(reference, checkpoint_session(classifier(False), split, None, None,
-                                                    second), parallel=False)
+    reference = checkpoint_session(model(False), single, None, None, second)
+    assert_equivalent(reference, checkpoint_session(model(True), single, None, config, second))
+    assert_equivalent(reference, checkpoint_session(model(False), split, None, None, second),
+                      parallel=False)
 
 
 def test_default_initializers_in_a_split_scope():

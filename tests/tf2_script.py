@@ -22,7 +22,8 @@ validation data and the ModelCheckpoint, EarlyStopping and TensorBoard
 callbacks, evaluate, predict); ``split`` / ``split_gradients`` (a custom loop
 with tf.GradientTape / tf.gradients whose 8-class head and cross-entropy are
 called in ``wh.split()``), ``split_fit`` (``fit`` on a subclassed model calling
-its head in ``wh.split()``), ``pipeline_fit`` (``fit`` on a subclassed model
+its head in ``wh.split()``; ``split_mixed_fit`` on a V100 and a P100, shards
+by speed), ``pipeline_fit`` (``fit`` on a subclassed model
 calling its two layers in two ``wh.replicate(1)`` stages, 4 micro-batches),
 ``auto`` (``tape_adam`` with ``auto.auto_parallel``), ``next_in_step``
 (``tape_adam`` reading each batch with ``next(iterator)`` inside the step).
@@ -203,6 +204,7 @@ SCENARIOS = {
     "pipeline_fit": lambda d: keras_fit(d, stages=True),
     "functional_pipeline_fit": lambda d: keras_fit(d, build=functional),
     "functional_split_fit": lambda d: keras_fit(d, split=True, build=functional),
+    "split_mixed_fit": lambda d: keras_fit(d, split=True),
     "made_in_stages": lambda d: custom_loop(True, tf.keras.optimizers.Adam, d,
                                             build=made_in_stages),
     "auto": lambda d: custom_loop(True, tf.keras.optimizers.Adam, d),
@@ -212,7 +214,8 @@ SCENARIOS = {
 CONFIGS = {"pipeline": {"pipeline.num_micro_batch": 4},
            "pipeline_fit": {"pipeline.num_micro_batch": 4},
            "functional_pipeline_fit": {"pipeline.num_micro_batch": 4},
-           "made_in_stages": {"pipeline.num_micro_batch": 4}, "auto": {"auto.auto_parallel": True}}
+           "made_in_stages": {"pipeline.num_micro_batch": 4}, "auto": {"auto.auto_parallel": True},
+           "split_mixed_fit": {"cluster.hardware": ["V100-32GB", "P100-16GB"]}}
 
 
 def working_devices(metadata) -> list:
@@ -238,6 +241,8 @@ def main(scenario: str, devices: int, late_init: bool, directory: str,
             "slot_devices": slot_devices(_OPTIMIZERS[0] if _OPTIMIZERS else net.optimizer),
             "shard_devices": [[shard.device for shard in layer.kernel] for layer in dense(net)
                               if not isinstance(layer.kernel, tf.Variable)],
+            "shard_widths": [[int(shard.shape[-1]) for shard in layer.kernel]
+                             for layer in dense(net) if not isinstance(layer.kernel, tf.Variable)],
             "devices": working_devices(context.context().export_run_metadata()),
             "planned": planned_devices() if devices and not late_init else [],
             "strategies": strategies() if devices and not late_init else []}

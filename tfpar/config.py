@@ -128,8 +128,10 @@ SCHEMA = {
         "checkpoints in float32: fp16 (GPUs) with dynamic loss scaling, bf16 (oneDNN CPUs "
         "with AVX-512)"),
     "balance.hardware_aware": Option("bool", True, (),
-                                     "pipeline stages in order on cluster.hardware devices by "
-                                     "memory, most first (Whale §3.3.2); false: device order"),
+                                     "on mixed cluster.hardware: batch rows, split shards and "
+                                     "stage cuts by device speed (Whale §3.3.1, Algorithm 1), "
+                                     "stages on devices by memory, most first (§3.3.2); false: "
+                                     "even, in device order"),
     "communication.backend": Option(
         "str", "auto", _one_of("auto", "collective", "horovod"),
         "auto: one-process CPUs share variables and sum on one device; else collective"),

@@ -18,6 +18,9 @@ do not cover, the original TensorFlow function runs.
   TensorFlow builds each slice here; the slice goes to its shard's device and is
   recorded in the SplitContext's side table (shard identity comes from the
   slice's offset, never from its name);
+* ``variable_scope._iter_slices``: the slices of a sharded variable are its
+  SplitContext's widths (in proportion to its devices' speeds when they are
+  mixed), not TensorFlow's even cut;
 * ``gen_array_ops.gather_v2`` (``tf.gather``, ``tf.nn.embedding_lookup``) on a
   row-split table: vocabulary-sharded lookup;
 * ``gen_math_ops.mat_mul`` (``tf.matmul``) and ``gen_linalg_ops.einsum``
@@ -49,7 +52,8 @@ from tfpar.patterns import moe
 from tfpar.patterns.embedding import vocab_lookup
 from tfpar.patterns.dense import choose_dense
 from tfpar.patterns.matcher import choose
-from tfpar.patterns.sharded import ShardedVariable, shard_being_created, sharded_variable
+from tfpar.patterns.sharded import (ShardedVariable, creation_slices, shard_being_created,
+                                    sharded_variable)
 from tfpar.patterns.split_weights import split_weight
 from tfpar.hooks.step_graphs import is_step_function
 from tfpar.patterns.weights import regularization_loss
@@ -69,6 +73,7 @@ def add_split_patches(patches: PatchSet) -> None:
     patches.add(variable_scope.VariableScope, "get_variable", _wrap_get_variable)
     store = variable_scope._VariableStore  # pylint: disable=protected-access
     patches.add(store, "_get_single_variable", _wrap_get_single_variable)
+    patches.add(variable_scope, "_iter_slices", _wrap_iter_slices)
     patches.add(gen_array_ops, "gather_v2", _wrap_gather)
     patches.add(gen_math_ops, "mat_mul", _wrap_mat_mul)
     patches.add(gen_linalg_ops, "einsum", _wrap_einsum)
@@ -274,6 +279,16 @@ def _wrap_get_single_variable(original):
         creation.record(variable, index)
         return variable
     return _get_single_variable
+
+
+def _wrap_iter_slices(original):
+    """The slices of a sharded variable being made are its SplitContext's
+    (uneven on mixed devices), not TensorFlow's even ones."""
+    def iter_slices(full_shape, num_slices, slice_dim):
+        slices = creation_slices(full_shape, slice_dim, num_slices)
+        return iter(slices) if slices is not None else original(full_shape, num_slices,
+                                                                  slice_dim)
+    return iter_slices
 
 
 def _wrap_gather(original):

@@ -28,6 +28,9 @@ class TaskGraphPlan:
       estimate: the planner's ``time_s`` (busy per step), ``memory_bytes``
         (per device) and ``comm_bytes`` (sent per step) for this TaskGraph;
         empty for annotated plans.
+      shard_shares: a split TaskGraph's per-device integer weight in the
+        dimensions it cuts (mixed devices, ``balance.hardware_aware``: Whale
+        §3.3.1); empty: even shards. Decided as the model is built.
     """
 
     name: str
@@ -38,6 +41,7 @@ class TaskGraphPlan:
     num_ops: int = 0
     param_bytes: int = 0
     estimate: Dict[str, float] = dataclasses.field(default_factory=dict)
+    shard_shares: Tuple[int, ...] = ()
 
     @property
     def devices(self) -> List[str]:
@@ -91,6 +95,7 @@ class Plan:
                     "devices": tg.devices,
                     "replicas": [list(r) for r in tg.replicas],
                     "patterns": dict(tg.patterns),
+                    "shard_shares": list(tg.shard_shares),
                     "num_ops": tg.num_ops,
                     "param_bytes": tg.param_bytes,
                     "estimate": dict(tg.estimate),
@@ -122,6 +127,7 @@ class Plan:
                 device_count=tg["device_count"],
                 replicas=tuple(tuple(r) for r in replicas),
                 patterns=dict(tg.get("patterns", {})),
+                shard_shares=tuple(tg.get("shard_shares", ())),
                 num_ops=tg.get("num_ops", 0), param_bytes=tg.get("param_bytes", 0),
                 estimate=dict(tg.get("estimate", {}))))
         return cls(task_graphs=tuple(tgs),
@@ -188,10 +194,13 @@ class Plan:
             lines.append(f"sharded layers (tensor degree {self.sharding['tensor_degree']}): "
                          + ", ".join(numbered([f"{scope} -> {how}" for scope, how
                                                in self.sharding["layers"].items()])))
+        for tg in self.task_graphs:
+            if tg.shard_shares:
+                lines.append(f"{tg.name} shards per device (hardware-aware, Whale §3.3.1): "
+                             + _percentages(tg.shard_shares))
         if self.batch_shares:
-            total = sum(self.batch_shares)
-            lines.append("batch rows per replica (hardware-aware, Whale §3.3.1): " + " ".join(
-                f"{share / total:.1%}" for share in self.batch_shares))
+            lines.append("batch rows per replica (hardware-aware, Whale §3.3.1): "
+                         + _percentages(self.batch_shares))
         est = self.estimate
         if est:
             step = est.get("step_time_s")
@@ -236,6 +245,10 @@ def _alike(task_graphs: Sequence[TaskGraphPlan], estimated: bool
         names = numbered([tg.name for tg in run])
         groups += [(names[0], run)] if len(names) == 1 else [(tg.name, [tg]) for tg in run]
     return groups
+
+
+def _percentages(shares: Sequence[int]) -> str:
+    return " ".join(f"{share / sum(shares):.1%}" for share in shares)
 
 
 def _human_bytes(n: float) -> str:

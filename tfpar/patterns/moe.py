@@ -17,6 +17,7 @@ in a split scope; Whale Example 5).
 
 Costs: float32 bytes of the einsum's output crossing devices.
 """
+import itertools
 from typing import Dict, List, Optional, Tuple
 
 from tensorflow.python.framework import dtypes, ops
@@ -99,24 +100,21 @@ def combine_token(equation: str, split_operand: int, letter: str) -> Optional[st
     return kept[0] if kept else None
 
 
-def expert_widths(experts: int, devices: int) -> List[int]:
-    """TensorFlow's partition sizes: the first ``experts % devices`` get one more."""
-    return [experts // devices + (1 if i < experts % devices else 0) for i in range(devices)]
-
-
 def _token_rows(ctx, x, axis: int) -> List:
-    """``x`` cut into one block of token rows per device (uneven allowed)."""
+    """``x`` cut into one block of token rows per device, in proportion to
+    the devices' shares (uneven allowed)."""
     n = array_ops.shape(x, out_type=dtypes.int32)[axis]
-    k = ctx.size
-    sizes = array_ops_stack.stack([(n * (i + 1)) // k - (n * i) // k for i in range(k)])
-    return array_ops.split(x, sizes, num=k, axis=axis)
+    bounds = list(itertools.accumulate(ctx.shares or [1] * ctx.size, initial=0))
+    sizes = array_ops_stack.stack([(n * b) // bounds[-1] - (n * a) // bounds[-1]
+                                   for a, b in zip(bounds, bounds[1:])])
+    return array_ops.split(x, sizes, num=ctx.size, axis=axis)
 
 
 def tokens_dispatch(ctx, equation: str, a, b, token: str, expert: str):
     specs, output = equation.split("->")[0].split(","), equation.split("->")[1]
     rows_a = _token_rows(ctx, a, specs[0].index(token))
     rows_b = _token_rows(ctx, b, specs[1].index(token))
-    widths = expert_widths(int(a.shape[specs[0].index(expert)]), ctx.size)
+    widths = ctx.widths(int(a.shape[specs[0].index(expert)]))
     chunks = []
     for i, device in enumerate(ctx.devices):
         with ops.device(device):

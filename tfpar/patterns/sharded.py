@@ -26,7 +26,7 @@ from tfpar.ir.sharding import ShardingInfo
 from tfpar.patterns.weights import NO_REGULARIZER, check_constraint, regularization_loss
 
 __all__ = ["ShardCreation", "ShardedTensor", "ShardedVariable", "SplitContext",
-           "check_shardable", "shard_being_created", "sharded_variable",
+           "check_shardable", "creation_slices", "shard_being_created", "sharded_variable",
            "slice_offsets"]
 
 
@@ -53,16 +53,19 @@ class SplitContext:
       devices: its devices; shard i goes to ``devices[i]``.
       forced: ShardingUnit name -> pattern name (``split.patterns`` config).
       decisions: ShardingUnit name -> chosen pattern, in build order.
+      shares: per device, its integer weight in every split dimension (mixed
+        devices: Whale §3.3.1); empty: even, as TensorFlow partitions.
     """
 
     def __init__(self, name: str, devices: Sequence[str], forced: Optional[Dict[str, str]],
-                 registry: Optional[Dict] = None):
+                 registry: Optional[Dict] = None, shares: Sequence[int] = ()):
         """``registry``: full view (its ``ref()``) -> (devices, ShardedTensor),
         shared by the split TaskGraphs of a graph, so one on the same devices reads another's shards
         directly (Whale: a gather followed by a partition along the same
         dimension is fused away)."""
         self.name = name
         self.devices = list(devices)
+        self.shares = tuple(shares)
         self.forced = dict(forced or {})
         self.decisions: Dict[str, str] = {}
         self._sharded = registry if registry is not None else {}
@@ -87,6 +90,11 @@ class SplitContext:
     @property
     def size(self) -> int:
         return len(self.devices)
+
+    def widths(self, size: int) -> List[int]:
+        """The sizes of the shards a dimension of ``size`` is cut into."""
+        bounds = slice_offsets(size, self.size, self.shares) + [size]
+        return [b - a for a, b in zip(bounds, bounds[1:])]
 
     def unit_name(self, base: str) -> str:
         """A unique ShardingUnit name from a layer / op name."""
@@ -176,8 +184,21 @@ class ShardCreation:
         self.ctx = ctx
         self.shape = [int(d) for d in shape]
         self.axis = axis
-        self.offsets = slice_offsets(self.shape[axis], ctx.size)
+        self.offsets = slice_offsets(self.shape[axis], ctx.size, ctx.shares)
         self.created: List[variables_lib.Variable] = []
+
+    def slices(self, full_shape: Sequence[int], slice_dim: int, count: int):
+        """(offset, shape) of each slice, as TensorFlow's ``_iter_slices``
+        yields them, when TensorFlow is slicing this variable; else None."""
+        if ([int(d) for d in full_shape] != self.shape or slice_dim != self.axis
+                or count != len(self.offsets)):
+            return None
+        result = []
+        for offset, width in zip(self.offsets, self.ctx.widths(self.shape[self.axis])):
+            start, shape = [0] * len(self.shape), list(self.shape)
+            start[self.axis], shape[self.axis] = offset, width
+            result.append((start, shape))
+        return result
 
     def index_of(self, partition_info) -> Optional[int]:
         """The shard a slice with TensorFlow's ``partition_info`` is (None when
@@ -195,6 +216,16 @@ class ShardCreation:
 
 
 _creations: List[ShardCreation] = []
+
+
+def creation_slices(full_shape: Sequence[int], slice_dim: int, count: int):
+    """The slices of the sharded variable TensorFlow is slicing (its
+    ``ShardCreation.slices``), or None when it slices another."""
+    for creation in reversed(_creations):
+        found = creation.slices(full_shape, slice_dim, count)
+        if found is not None:
+            return found
+    return None
 
 
 def shard_being_created(partition_info):
@@ -216,13 +247,23 @@ def check_shardable(name: str, shape: Sequence[int], axis: int, count: int) -> N
             f"along axis {axis}: it has {shape[axis]}; split over at most {shape[axis]} devices")
 
 
-def slice_offsets(size: int, count: int) -> List[int]:
-    """Offsets of ``count`` slices of ``size`` as TensorFlow's partitioned
-    variables cut them (the first ``size % count`` one longer)."""
-    offsets, offset = [], 0
-    for i in range(count):
-        offsets.append(offset)
-        offset += size // count + (1 if i < size % count else 0)
+def slice_offsets(size: int, count: int, shares: Sequence[int] = ()) -> List[int]:
+    """Offsets of ``count`` slices of ``size``: as TensorFlow's partitioned
+    variables cut them (the first ``size % count`` one longer), or, with
+    ``shares``, slice i about ``size * shares[i] / sum(shares)`` long (each
+    at least 1 when ``size >= count``)."""
+    if not shares:
+        offsets, offset = [], 0
+        for i in range(count):
+            offsets.append(offset)
+            offset += size // count + (1 if i < size % count else 0)
+        return offsets
+    total, before, offsets = sum(shares), 0, []
+    for i, share in enumerate(shares):
+        cut = size * before // total
+        lowest = offsets[-1] + 1 if offsets else 0
+        offsets.append(min(max(cut, lowest), max(size - (count - i), lowest)))
+        before += share
     return offsets
 
 

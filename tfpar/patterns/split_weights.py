@@ -81,7 +81,7 @@ def split_weight(ctx, name: str, initial: np.ndarray, axis: int, dtype, trainabl
     each keeps ``constraint``."""
     size = initial.shape[axis]
     check_shardable(name, initial.shape, axis, ctx.size)
-    bounds = slice_offsets(size, ctx.size) + [size]
+    bounds = slice_offsets(size, ctx.size, ctx.shares) + [size]
     shards = []
     with ops.init_scope():
         for index, device in enumerate(ctx.devices):

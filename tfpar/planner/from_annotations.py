@@ -27,7 +27,7 @@ def plan_from_annotations(specs: Sequence[TaskGraphSpec], devices: Sequence[str]
       config: tfpar config (pipeline settings, sharing, a pinned plan).
       stats: per TaskGraph, ``num_ops`` and ``param_bytes`` (trainable, one copy);
         ``split`` maps a split TaskGraph's index to (the devices its shards were
-        built on, its chosen patterns).
+        built on, its chosen patterns, its shard shares).
 
     Raises:
       PlanError: the annotations need a feature this build does not provide yet,
@@ -54,8 +54,8 @@ def plan_from_annotations(specs: Sequence[TaskGraphSpec], devices: Sequence[str]
         raise PlanError(f"tfpar: the plan's batch_shares {list(shares)} must be one int >= 1 per "
                         f"replica of the model ({r})")
     # Per device: its stage's weights + gradients (a split TaskGraph's shard).
-    memory = {d: 2 * tg.param_bytes // (tg.device_count if tg.strategy == "split" else 1)
-              for tg in tgs for d in tg.devices}
+    memory = {d: 2 * tg.param_bytes * share // total for tg in tgs
+              for group in tg.replicas for d, share, total in _parts(tg, group)}
     estimate = {
         "step_time_s": None,  # no cost model for annotated plans yet
         "memory_bytes_per_device": [memory[d] for d in sorted(memory)],
@@ -68,6 +68,15 @@ def plan_from_annotations(specs: Sequence[TaskGraphSpec], devices: Sequence[str]
                 schedule=schedule, group_size=group_size, estimate=estimate,
                 sharding=dict(pinned.sharding) if pinned is not None else {},
                 batch_shares=shares)
+
+
+def _parts(tg: TaskGraphPlan, group: Sequence[str]):
+    """(device, its part, parts) of one copy of ``tg`` on ``group``: a split
+    TaskGraph's shard shares (even if empty), a replica's whole."""
+    if tg.strategy != "split":
+        return [(d, 1, 1) for d in group]
+    shares = tg.shard_shares or (1,) * len(group)
+    return [(d, share, sum(shares)) for d, share in zip(group, shares)]
 
 
 def _annotated_task_graphs(specs, devices, config, split) -> List[TaskGraphPlan]:
@@ -83,7 +92,7 @@ def _annotated_task_graphs(specs, devices, config, split) -> List[TaskGraphPlan]
     tgs = []
     for spec, vds in zip(specs, assignment.virtual_devices):
         if spec.strategy == Strategy.SPLIT:
-            built, patterns = split.get(spec.index, (list(vds[0]), {}))
+            built, patterns, shares = split.get(spec.index, (list(vds[0]), {}, ()))
             if list(vds[0]) != list(built):
                 raise PlanError(
                     f"tfpar: split TaskGraph '{spec.name}' was built on {list(built)}, but the "
@@ -91,7 +100,7 @@ def _annotated_task_graphs(specs, devices, config, split) -> List[TaskGraphPlan]
                     "cluster.colocate_split_and_replicate or reorder the scopes")
             tgs.append(TaskGraphPlan(name=spec.name, strategy=spec.strategy.value,
                                      device_count=len(vds[0]), replicas=tuple(vds),
-                                     patterns=dict(patterns)))
+                                     patterns=dict(patterns), shard_shares=tuple(shares)))
         else:
             tgs.append(TaskGraphPlan(name=spec.name, strategy=spec.strategy.value,
                                      device_count=len(vds[0]),
@@ -139,5 +148,6 @@ def _pinned_task_graphs(plan: Plan, specs: Sequence[TaskGraphSpec], devices: Seq
         if tg.strategy != spec.strategy.value:
             raise PlanError(f"tfpar: pinned plan TaskGraph '{tg.name}' has strategy "
                             f"'{tg.strategy}' but the model's is '{spec.strategy.value}'")
-    return [dataclasses.replace(tg, patterns=dict(split[spec.index][1]))
+    return [dataclasses.replace(tg, patterns=dict(split[spec.index][1]),
+                                shard_shares=tuple(split[spec.index][2]))
             if spec.index in split else tg for tg, spec in zip(plan.task_graphs, specs)]

@@ -1,18 +1,21 @@
-"""A plan's batch shares on mixed devices (``balance.hardware_aware``; Whale
-§3.3.1 intra-TaskGraph balance, ``planner.balance``)."""
+"""A plan's batch shares and a split TaskGraph's shard shares on mixed devices
+(``balance.hardware_aware``; Whale §3.3.1 intra-TaskGraph balance,
+``planner.balance``)."""
 from typing import List, Sequence, Tuple
 
 from tfpar.cluster.hardware import Hardware, device_hardware, slowest
+from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture
 from tfpar.ir.plan import Plan
 from tfpar.planner.auto import stage_costs
 from tfpar.planner.balance import balance_load, integer_shares
 from tfpar.rewriters.model_view import model_view
 from tfpar.rewriters.select import GraphIndex
+from tfpar.rewriters.stages import canonical_device
 from tfpar.runtime.automatic import planning_batch
 from tfpar.runtime.context import Runtime
 
-__all__ = ["batch_shares"]
+__all__ = ["batch_shares", "shard_shares"]
 
 
 def batch_shares(index: GraphIndex, capture: GraphCapture, rt: Runtime, plan: Plan
@@ -43,6 +46,28 @@ def batch_shares(index: GraphIndex, capture: GraphCapture, rt: Runtime, plan: Pl
         costs = stage_costs(view, [0] * len(order), 1, rows, slowest(hardware))
         batch_bytes, fixed_bytes = costs.activation_bytes[0], costs.fixed_bytes[0]
     return integer_shares(balance_load(speeds, memory, batch_bytes, fixed_bytes).ratios)
+
+
+def shard_shares(rt: Runtime, index: int, devices: Sequence[str]) -> Tuple[int, ...]:
+    """Each device's weight in every dimension split TaskGraph ``index`` on
+    ``devices`` cuts: a pinned plan's ``shard_shares`` for it, else its
+    single-precision FLOP rate, so every shard of a layer takes as long
+    (Whale §3.3.1, Formula 1's ratios). Shards are made as the model is
+    built, before its size is known, so memory does not move them. Empty
+    (even shards) on like devices or with the balance off."""
+    pinned = rt.config.plan["task_graphs"] if rt.config.plan is not None else []
+    shares = tuple(pinned[index].get("shard_shares", ())) if index < len(pinned) else ()
+    if shares:
+        if len(shares) != len(devices) or not all(isinstance(w, int) and w >= 1 for w in shares):
+            raise PlanError(f"tfpar: the plan's shard_shares {list(shares)} of TaskGraph "
+                            f"'{pinned[index]['name']}' must be one int >= 1 per device "
+                            f"({len(devices)})")
+        return shares
+    hardware = device_hardware(rt.config.get("cluster.hardware"), len(rt.devices))
+    if hardware is None or not rt.config.get("balance.hardware_aware"):
+        return ()
+    by_device = {canonical_device(d): hw for d, hw in zip(rt.devices, hardware)}
+    return integer_shares([by_device[canonical_device(d)].flops_per_s("fp32") for d in devices])
 
 
 def _replica_devices(plan: Plan, replica: int, by_device) -> List[List[List[Hardware]]]:

@@ -35,7 +35,7 @@ from tfpar.runtime.automatic import (Automatic, automatic_plan, cluster_hardware
                                      part_estimate, pinned_sharding, planned_config,
                                      planned_techniques, planning_batch, refuse_planning_only,
                                      sharded_plan, warn_unbuilt_sharding)
-from tfpar.runtime.balanced import batch_shares
+from tfpar.runtime.balanced import batch_shares, shard_shares
 from tfpar.runtime.context import Runtime, active
 from tfpar.runtime.gc_paused import gc_paused
 
@@ -204,7 +204,9 @@ def make_split_context(capture: GraphCapture, spec: TaskGraphSpec, rt: Runtime,
                        planned: Optional[Dict[str, str]] = None):
     """The SplitContext of a split TaskGraph: its shard devices, fixed now
     because its variables are built sharded: ``devices``, or its
-    VirtualDevice given the TaskGraphs opened so far (Whale §3.2.1).
+    VirtualDevice given the TaskGraphs opened so far (Whale §3.2.1); on
+    mixed devices, shards in proportion to their speeds, or as a pinned plan
+    says (``shard_shares``).
     ``planned`` (a pinned plan's layer -> candidate) forces its column / row
     choices on the dense units named after those layers, unless
     ``split.patterns`` names them."""
@@ -215,7 +217,8 @@ def make_split_context(capture: GraphCapture, spec: TaskGraphSpec, rt: Runtime,
     forced = {scope.rsplit("/", 1)[-1]: how for scope, how in (planned or {}).items()
               if how in ("column", "row")}
     forced.update(rt.config.get("split.patterns") or {})
-    return SplitContext(spec.name, devices, forced, capture.sharded_tensors)
+    return SplitContext(spec.name, devices, forced, capture.sharded_tensors,
+                        shard_shares(rt, spec.index, devices))
 
 
 def setup_capture(capture: GraphCapture) -> None:
@@ -351,7 +354,8 @@ def _stats(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, stage_of,
     for op, v in _trainable_variables(graph):
         if v.shape.is_fully_defined():
             param_bytes[stage_of.get(op, 0)] += v.shape.num_elements() * v.dtype.size
-    split = {i: (ctx.devices, ctx.decisions) for i, ctx in capture.split_contexts.items()}
+    split = {i: (ctx.devices, ctx.decisions, ctx.shares)
+             for i, ctx in capture.split_contexts.items()}
     return {"num_ops": num_ops, "param_bytes": param_bytes, "split": split}
 
 
