@@ -23,6 +23,7 @@ from test_memory_techniques import adam, blocks
 from test_tf2 import run_eager
 from test_zero import keras_fit
 from tfpar.hooks import loss_scaling
+from tfpar.planner.step_model import technique_space
 from tfpar.rewriters import task_functions
 from tfpar.runtime import context, engine, precision
 from tfpar.runtime.step_trace import executed_ops
@@ -241,6 +242,36 @@ def test_the_planners_mixed_precision_is_applied_when_pinned_before_the_graph():
                                              {x: data[0][0], y: data[1][0]}))
         wh.reset()
     assert devices_casting(ran, "Bf16") == set(CPUS)
+
+
+@needs_bf16
+def test_the_planner_costs_every_plan_in_16_bits_when_the_config_sets_it():
+    """memory.mixed_precision with auto_parallel: the graph computes in bf16
+    whatever the plan, so the search costs every candidate so, even without
+    "mixed_precision" among auto.memory_techniques; its plan then trains at
+    the first run with TensorFlow's bf16 numbers (before: it was costed in
+    float32, its memory and time over-estimated)."""
+    config = {"auto.auto_parallel": True, "cluster.num_devices": 2,
+              "memory.mixed_precision": "bf16"}
+    low, full = (plan_of(_two_layers, c, shape=(64, 32))
+                 for c in (config, {k: v for k, v in config.items()
+                                    if k != "memory.mixed_precision"}))
+    assert "needs: mixed_precision" in low.summary()
+    assert "mixed_precision" not in full.estimate.get("memory_techniques", [])
+    assert max(low.estimate["memory_bytes_per_device"]) < max(
+        full.estimate["memory_bytes_per_device"])
+    data = make_data(steps=2, batch=64, features=32)
+    with tensorflow_bf16():
+        reference = train(_two_layers, data, static_batch=True)
+    assert_equivalent(reference, train(_two_layers, data, config, static_batch=True),
+                      rtol=2e-2, atol=2e-2)
+
+
+def test_a_fixed_precision_is_the_only_one_searched():
+    assert {t.mixed_precision for t in technique_space(["mixed_precision", "zero"], 2, True)} \
+        == {False, True}
+    assert {t.mixed_precision for t in technique_space(["zero"], 2, False, True)} == {True}
+    assert {t.mixed_precision for t in technique_space([], 2, True, True)} == {True}
 
 
 @needs_bf16

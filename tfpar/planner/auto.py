@@ -171,7 +171,8 @@ def search_all(model: ModelView, num_devices: int, hardware: Hardware, global_ba
                opt_level: str = "O2", batch_known: bool = True,
                techniques: Sequence = (), split_heads: bool = False,
                schedules: Sequence[str] = SEARCHED_SCHEDULES,
-               group_size: Optional[int] = None) -> List[Candidate]:
+               group_size: Optional[int] = None,
+               precision: Optional[bool] = None) -> List[Candidate]:
     """A candidate per mesh, planned within ``time_limit_s`` in all, each
     with its best micro-batch count (``num_micro_batch``, or searched when
     None), memory techniques (of ``techniques``: "recompute", "zero",
@@ -181,13 +182,15 @@ def search_all(model: ModelView, num_devices: int, hardware: Hardware, global_ba
     ``batch_known``: ``global_batch`` is the real one, not an assumed size,
     so meshes that leave a replica without rows are left out.
     ``split_heads``: tensor groups may split attention cores by heads
-    (``sharding``'s ``heads``)."""
+    (``sharding``'s ``heads``). ``precision``: True when the graph computes
+    in 16 bits whatever the plan (``memory.mixed_precision``): every
+    candidate is costed so; None: mixed precision is one of ``techniques``."""
     meshes = _meshes(model, num_devices, pipeline, hardware)
     meshes = _feasible(meshes, model, num_devices, global_batch if batch_known else None,
                        num_micro_batch or 1, progress)
     search = _Search(model, num_devices, hardware, global_batch, num_micro_batch, opt_level,
                      techniques, any(t > 1 for t, _ in meshes), split_heads,
-                     (tuple(schedules), group_size))
+                     (tuple(schedules), group_size), precision)
     start = time.monotonic()
     deadline = start + time_limit_s
     candidates = []
@@ -313,14 +316,15 @@ class _Search:
     def __init__(self, model: ModelView, num_devices: int, hardware: Hardware,
                  global_batch: int, num_micro_batch: Optional[int], opt_level: str,
                  techniques: Sequence, tensors: bool, split_heads: bool,
-                 schedules: Tuple[Tuple[str, ...], Optional[int]]):
+                 schedules: Tuple[Tuple[str, ...], Optional[int]],
+                 precision: Optional[bool] = None):
         self.speed_up = low_precision_speed_up(model.flops, model.traffic_bytes, hardware,
                                                model.compute_dtype)
         model = timed(model, hardware)
         self.model, self.num_devices, self.hardware = model, num_devices, hardware
         self.global_batch, self.num_micro_batch = global_batch, num_micro_batch
         self.opt_level, self.techniques = opt_level, tuple(techniques)
-        self.split_heads = split_heads
+        self.split_heads, self.precision = split_heads, precision
         self.schedules, self.group_size = schedules
         self.layers = layer_graph(model) if tensors else None
         self.recompute = recomputation(model)
@@ -354,7 +358,8 @@ class _Search:
                  cut: float, bandwidth: float) -> Setting:
         pinned = [t for t in self.techniques if isinstance(t, Techniques)]
         space = Space(tuple(counts),
-                      tuple(pinned or technique_space(self.techniques, d, self.speed_up > 1)),
+                      tuple(pinned or technique_space(self.techniques, d, self.speed_up > 1,
+                                                      self.precision)),
                       self.schedules, self.group_size)
         return best_setting(stages, d, rows, space, cut, bandwidth, self.speed_up, self.capacity)
 

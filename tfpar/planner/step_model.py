@@ -130,16 +130,18 @@ def micro_batch_counts(rows_per_replica: int, given: Optional[int]) -> List[int]
     return [m for m in range(1, rows_per_replica + 1) if rows_per_replica % m == 0]
 
 
-def technique_space(allowed: Sequence[str], data: int, mixed_precision_helps: bool
-                    ) -> List[Techniques]:
+def technique_space(allowed: Sequence[str], data: int, mixed_precision_helps: bool,
+                    precision: Optional[bool] = None) -> List[Techniques]:
     """Every combination of the ``allowed`` techniques ("recompute", "zero",
     "mixed_precision", "offload"; ZeRO only with replicas, mixed precision
     only when the model computes in 32 bits, offload only without replicas,
-    which would mirror the weights), the one without any first."""
+    which would mirror the weights), the one without any first.
+    ``precision``: whether the graph computes in 16 bits whatever the plan
+    (``memory.mixed_precision`` set: True), None when the search decides."""
     modes = RECOMPUTE if "recompute" in allowed else ("none",)
     zeros = (0, 1, 2) if "zero" in allowed and data > 1 else (0,)
-    precisions = (False, True) if "mixed_precision" in allowed and mixed_precision_helps \
-        else (False,)
+    precisions = (precision,) if precision is not None else (False, True) if (
+        "mixed_precision" in allowed and mixed_precision_helps) else (False,)
     offloads = (False, True) if "offload" in allowed and data == 1 else (False,)
     return [Techniques(*combination) for combination in
             itertools.product(modes, zeros, precisions, offloads)]
