@@ -8,7 +8,8 @@ import tensorflow as tf
 from equivalence import (assert_equivalent, deep_mlp, fed_graph, make_data,
                          mlp_classifier, plan_of, traced_first_step, train)
 from test_pipeline import mlp_stages
-from test_split import DATA as SPLIT_DATA, embedding_model, gshard_moe, megatron_mlp, moe_model
+from test_split import DATA as SPLIT_DATA, classifier as split_classifier
+from test_split import embedding_model, gshard_moe, megatron_mlp, moe_model
 import tfpar as wh
 from tfpar.cluster.hardware import CATALOG
 from tfpar.ir.plan import Plan
@@ -280,6 +281,20 @@ def test_even_shards_with_the_balance_off_or_like_devices():
                    {"cluster.num_devices": 2, "cluster.hardware": ["P100-16GB"] * 2}):
         assert shard_widths(megatron_mlp(True), config)["fc1/kernel"] == [8, 8]
         assert plan_of(megatron_mlp(True), config).task_graphs[0].shard_shares == ()
+
+
+def test_a_split_stage_on_mixed_devices_keeps_the_devices_it_was_built_on():
+    """Whale Example 2 as a pipeline on 2 V100s and 2 P100s: replicate(2),
+    then a split(2) head, built on CPU:2 (V100) and CPU:3 (P100) and cut by
+    speed there. Before: stages were reordered by memory after the head was
+    built, and the plan raised that its scopes moved it."""
+    config = {"cluster.num_devices": 4,
+              "cluster.hardware": ["V100-32GB", "P100-16GB", "V100-32GB", "P100-16GB"]}
+    assert_equivalent(train(split_classifier(False), SPLIT_DATA),
+                      train(split_classifier(True, devices=2), SPLIT_DATA, config))
+    assert shard_widths(split_classifier(True, devices=2), config)["logits/kernel"] == [6, 4]
+    assert plan_of(split_classifier(True, devices=2), config).task_graphs[1].devices == [
+        f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in (2, 3)]
 
 
 def test_pinned_plans_keep_their_shard_shares():

@@ -215,12 +215,18 @@ def test_zero_checkpoints_keep_single_device_names(tmp_path):
         build, plain_saved, None, {**MIRRORED, "memory.zero": 2}, DATA)[1])
 
 
-def test_zero_without_mirrored_variables_is_refused():
-    """Replicas on the CPUs of one process share one copy of each variable:
-    nothing to shard, so an explicit memory.zero raises rather than doing
+@pytest.mark.parametrize("config,why", [
+    ({"cluster.num_devices": 2}, "share one copy of each variable"),
+    ({"communication.backend": "horovod"}, "a Horovod job runs a graph per process")],
+    ids=["shared", "horovod"])
+def test_zero_without_mirrored_variables_is_refused(config, why):
+    """Replicas on the CPUs of one process share one copy of each variable,
+    and a Horovod process holds its own copy: nothing to shard among a
+    graph's devices, so an explicit memory.zero raises rather than doing
     nothing."""
-    with pytest.raises(wh.PlanError, match="share one copy of each variable"):
-        train(blocks(1, adam), DATA, {"cluster.num_devices": 2, "memory.zero": 1})
+    with pytest.raises(wh.PlanError, match=why):
+        train(blocks(1, adam), DATA, {**config, "memory.zero": 1})
+    wh.reset()
 
 
 def test_the_planner_shards_the_optimizer_when_memory_forces_it(caplog):

@@ -86,7 +86,10 @@ def _annotated_task_graphs(specs, devices, config, split) -> List[TaskGraphPlan]
     share = config.get("cluster.colocate_split_and_replicate")
     assignment = assign_devices(requests, devices, share)
     hardware = device_hardware(config.get("cluster.hardware"), len(devices))
-    if hardware is not None and len(specs) > 1 and config.get("balance.hardware_aware"):
+    # A split TaskGraph's devices are fixed as it is built (its variables are
+    # made sharded there), before the scopes after it are known: kept.
+    if (hardware is not None and len(specs) > 1 and config.get("balance.hardware_aware")
+            and not split):
         devices = _by_memory_for_stages(devices, hardware, assignment)
         assignment = assign_devices(requests, devices, share)
     tgs = []
