@@ -72,7 +72,7 @@ def plan_from_annotations(specs: Sequence[TaskGraphSpec], devices: Sequence[str]
 
 def _parts(tg: TaskGraphPlan, group: Sequence[str]):
     """(device, its part, parts) of one copy of ``tg`` on ``group``: a split
-    TaskGraph's shard shares (even if empty), a replica's whole."""
+    TaskGraph's shard shares (even ones when it has none), a replica's whole."""
     if tg.strategy != "split":
         return [(d, 1, 1) for d in group]
     shares = tg.shard_shares or (1,) * len(group)
