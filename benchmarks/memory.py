@@ -84,7 +84,7 @@ from tfpar.planner.memory import (  # noqa: E402
 from tfpar.planner.schedule import build_schedule  # noqa: E402
 from tfpar.planner.simulate import simulate  # noqa: E402
 from tfpar.rewriters.model_view import model_view  # noqa: E402
-from tfpar.rewriters.select import GraphIndex  # noqa: E402
+from tfpar.rewriters.select import GraphIndex, variable_bytes  # noqa: E402
 from tfpar.runtime.precision import onednn_computes_bf16  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -137,7 +137,7 @@ def measure_zero(layers, batch, zero):
         wh.init({"cluster.num_devices": 2, "communication.backend": "collective",
                  "memory.zero": zero})
         train_op = gpt_train_op(layers, HIDDEN, SEQ, VOCAB)
-        weights = sum(_num_bytes(v.op) for v in v1.trainable_variables())
+        weights = sum(variable_bytes(v.op.outputs[0]) for v in v1.trainable_variables())
         ids = np.random.RandomState(0).randint(0, VOCAB, size=(batch, SEQ)).astype(np.int32)
         feed = {graph.get_tensor_by_name("ids:0"): ids, graph.get_tensor_by_name("labels:0"): ids}
         with v1.Session() as session:
@@ -148,14 +148,9 @@ def measure_zero(layers, batch, zero):
         placed = collections.Counter()
         for op in graph.get_operations():
             if op.type == "VarHandleOp":
-                placed[op.device] += _num_bytes(op)
+                placed[op.device] += variable_bytes(op.outputs[0])
         wh.reset()
     return held, placed, weights
-
-
-def _num_bytes(var_op):
-    return (tf.TensorShape(var_op.get_attr("shape")).num_elements()
-            * tf.as_dtype(var_op.get_attr("dtype")).size)
 
 
 def _activations(view, mode):

@@ -193,10 +193,11 @@ class ShardCreation:
         if ([int(d) for d in full_shape] != self.shape or slice_dim != self.axis
                 or count != len(self.offsets)):
             return None
+        bounds = self.offsets + [self.shape[self.axis]]
         result = []
-        for offset, width in zip(self.offsets, self.ctx.widths(self.shape[self.axis])):
+        for offset, end in zip(bounds, bounds[1:]):
             start, shape = [0] * len(self.shape), list(self.shape)
-            start[self.axis], shape[self.axis] = offset, width
+            start[self.axis], shape[self.axis] = offset, end - offset
             result.append((start, shape))
         return result
 

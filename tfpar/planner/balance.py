@@ -11,7 +11,8 @@ import dataclasses
 import itertools
 from typing import List, Sequence, Tuple
 
-__all__ = ["Balance", "balance_load", "balance_stages", "integer_shares", "step_time"]
+__all__ = ["Balance", "balance_load", "balance_stages", "integer_shares", "step_time",
+           "well_formed_shares"]
 
 RESOLUTION = 1000  # integer batch weights: parts per RESOLUTION of the fastest device's
 BISECTIONS = 60  # of the slowest stage's time, from the whole model on the slowest device
@@ -75,6 +76,12 @@ def integer_shares(ratios: Sequence[float]) -> Tuple[int, ...]:
     largest = max(ratios)
     weights = tuple(max(1, round(RESOLUTION * r / largest)) for r in ratios)
     return () if len(set(weights)) == 1 else weights
+
+
+def well_formed_shares(shares: Sequence, count: int) -> bool:
+    """Whether pinned ``shares`` are integer weights (>= 1), one for each of
+    ``count`` parts."""
+    return len(shares) == count and all(isinstance(w, int) and w >= 1 for w in shares)
 
 
 def step_time(ratios: Sequence[float], flops_per_s: Sequence[float], flops: float) -> float:

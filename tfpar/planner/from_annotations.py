@@ -9,6 +9,7 @@ from tfpar.config import Config
 from tfpar.errors import PlanError
 from tfpar.ir.plan import Plan, TaskGraphPlan
 from tfpar.ir.taskgraph import Strategy, TaskGraphSpec
+from tfpar.planner.balance import well_formed_shares
 from tfpar.planner.schedule import SCHEDULES
 
 __all__ = ["plan_from_annotations"]
@@ -50,7 +51,7 @@ def plan_from_annotations(specs: Sequence[TaskGraphSpec], devices: Sequence[str]
     # each copy's rows further (bridge layers between it and its neighbours).
     r = math.gcd(*(len(tg.replicas) for tg in tgs))
     shares = pinned.batch_shares if pinned is not None else ()
-    if shares and (len(shares) != r or not all(isinstance(w, int) and w >= 1 for w in shares)):
+    if shares and not well_formed_shares(shares, r):
         raise PlanError(f"tfpar: the plan's batch_shares {list(shares)} must be one int >= 1 per "
                         f"replica of the model ({r})")
     # Per device: its stage's weights + gradients (a split TaskGraph's shard).

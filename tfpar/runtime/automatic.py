@@ -112,7 +112,7 @@ def _plan(index: GraphIndex, capture: GraphCapture, rt: Runtime, auto: bool,
                                     cfg.get("auto.opt_level"), batch_known=known,
                                     techniques=cfg.get("auto.memory_techniques"),
                                     split_heads=cfg.get("auto.split_heads"),
-                                    precision=True if cfg.get("memory.mixed_precision") else None,
+                                    precision=True if applied(cfg, rt.device_type) else None,
                                     **_searched_schedules(cfg))
             pick = choose(candidates, hardware)
             rt.searches[same_model] = (

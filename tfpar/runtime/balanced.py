@@ -8,7 +8,7 @@ from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture
 from tfpar.ir.plan import Plan
 from tfpar.planner.auto import stage_costs
-from tfpar.planner.balance import balance_load, integer_shares
+from tfpar.planner.balance import balance_load, integer_shares, well_formed_shares
 from tfpar.rewriters.model_view import model_view
 from tfpar.rewriters.select import GraphIndex
 from tfpar.rewriters.stages import canonical_device
@@ -58,7 +58,7 @@ def shard_shares(rt: Runtime, index: int, devices: Sequence[str]) -> Tuple[int, 
     pinned = rt.config.plan["task_graphs"] if rt.config.plan is not None else []
     shares = tuple(pinned[index].get("shard_shares", ())) if index < len(pinned) else ()
     if shares:
-        if len(shares) != len(devices) or not all(isinstance(w, int) and w >= 1 for w in shares):
+        if not well_formed_shares(shares, len(devices)):
             raise PlanError(f"tfpar: the plan's shard_shares {list(shares)} of TaskGraph "
                             f"'{pinned[index]['name']}' must be one int >= 1 per device "
                             f"({len(devices)})")
