@@ -65,7 +65,7 @@ def test_defaults():
         "cluster": {"num_devices": None, "hardware": None, "devices_per_node": None,
                     "colocate_split_and_replicate": False},
         "pipeline": {"num_micro_batch": 1, "schedule": "auto", "task_functions": True,
-                     "group_size": 1},
+                     "group_size": 1, "retune_steps": 100, "retune_tolerance": 0.05},
         "split": {"patterns": None},
         "auto": {"auto_parallel": False, "num_task_graph": None, "opt_level": "O2",
                  "global_batch": None, "search_time_limit_s": 60.0, "memory_techniques": [],

@@ -155,6 +155,25 @@ FIXTURES: Dict[str, Dict[str, str]] = {
             feed="{x: rng.randn(16, 32), y: rng.randint(0, 10, 16)}",
             expected={"replicate_0": ["CPU:0"], "replicate_1": ["CPU:1"]}),
     },
+    "retuned_pipeline": {
+        "before": "import numpy as np\nimport tensorflow as tf\nimport tfpar as wh\n"
+                  "tf.compat.v1.disable_eager_execution()\n",
+        "after_init": "x = tf.compat.v1.placeholder(tf.float32, [None, 16])\n"
+                      "y = tf.compat.v1.placeholder(tf.int64, [None])\n"
+                      "h = x\n"
+                      "for s in range(4):\n"
+                      "    with wh.replicate(1):\n"
+                      "        h = tf.compat.v1.layers.dense(h, 16, tf.nn.tanh)\n"
+                      "loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(\n"
+                      "    y, tf.compat.v1.layers.dense(h, 10))\n"
+                      "sgd = tf.compat.v1.train.GradientDescentOptimizer(0.1)\n"
+                      "train_op = sgd.minimize(loss)\n",
+        "after": "rng = np.random.RandomState(0)\n"
+                 "assert isinstance(wh.current_plan().group_size, int)\n" + GRAPH_CHECK.format(
+            fetch="train_op",
+            feed="{x: rng.randn(32, 16), y: rng.randint(0, 10, 32)}",
+            expected={f"replicate_{s}": [f"CPU:{s}"] for s in range(4)}),
+    },
 }
 
 

@@ -88,6 +88,13 @@ SCHEMA = {
         "bool", True, (), "run each micro-batch's stage tasks as calls of one graph function "
         "per task (off: a copy of the stage per micro-batch)"),
     "pipeline.group_size": Option("int|str", 1, _GROUP_SIZE, "k of kFkB, or 'auto' (Ada-Grouper)"),
+    "pipeline.retune_steps": Option(
+        "int", 100, _at_least(0), "with group_size 'auto', every this many Session.run "
+        "training steps one is profiled and k moves to the best for the measured stage and "
+        "transfer times (Ada-Grouper's online tuning); 0: k stays as planned"),
+    "pipeline.retune_tolerance": Option(
+        "float", 0.05, _at_least(0), "online tuning keeps the smallest k whose predicted step "
+        "is at most this fraction longer than the shortest (fewer activations alive)"),
     "split.patterns": Option("dict|None", None, (),
                              "ShardingUnit name -> sharding pattern the matcher must use"),
     "auto.auto_parallel": Option("bool", False, (), "let the planner choose TaskGraphs"),

@@ -60,6 +60,8 @@ class GraphCapture:
         self.gradient_calls: List[GradientCall] = []
         self.apply_calls: List[ApplyCall] = []
         self.rewrite: Any = None
+        # Ada-Grouper's online tuner of k (``runtime.retune``), if it applies.
+        self.retuner: Any = None
         # fp16 mixed precision: the graph's ``loss_scaling.LossScale``.
         self.loss_scale: Any = None
         # The search's sharded plan of a graph built unsharded (it runs the best

@@ -36,6 +36,7 @@ from typing import Any
 
 from keras.src.optimizers import optimizer as keras_optimizer
 from keras.src.optimizers.legacy import optimizer_v2 as keras_optimizer_v2
+from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.client import pywrap_tf_session as c_session
 from tensorflow.python.client import session as tf_session
 from tensorflow.python.data.ops import dataset_ops
@@ -82,7 +83,10 @@ def install(runtime: Any) -> None:
       session_target: target -> target for new sessions (a cluster's server).
       before_run: graph -> fetch translator (or None); called before each run,
         before a keras callable is made and before a graph is finalized.
-      run_options: RunOptions-or-None -> RunOptions for each run (a deadline).
+      run_options: (RunOptions-or-None, graph) -> RunOptions for each run (a
+        deadline, a trace to profile the step);
+      after_run: (graph, RunMetadata-or-None) -> None, after each run that succeeded;
+      made_callable: graph -> None, after a callable's fetches were translated;
       run_failed: called with the TensorFlow error a run raised (may raise a
         clearer one).
       rewrites_next: graph -> whether its next run rewrites it.
@@ -498,6 +502,7 @@ def _wrap_make_callable(original):
         translate = _before_run(self)
         if translate is not None:
             callable_options = _translated_options(callable_options, translate)
+            _runtime.made_callable(self.graph)
         return original(self, callable_options)
     return _make_callable_from_options
 
@@ -507,10 +512,11 @@ def _translated_options(options, translate):
     parallel versions (names in, names out)."""
     translated = type(options)()
     translated.CopyFrom(options)
+    fetch, target = translate([list(options.fetch), list(options.target)])  # one translation
     del translated.fetch[:]
-    translated.fetch.extend(translate(list(options.fetch)))
+    translated.fetch.extend(fetch)
     del translated.target[:]
-    translated.target.extend(translate(list(options.target)))
+    translated.target.extend(target)
     return translated
 
 
@@ -523,11 +529,16 @@ def _wrap_session_run(original):
         if translate is not None:
             fetches = translate(fetches)
         if _runtime is not None:
-            options = _runtime.run_options(options)
+            options = _runtime.run_options(options, self.graph)
+            if run_metadata is None and options is not None and options.trace_level:
+                run_metadata = config_pb2.RunMetadata()  # a step the runtime profiles
         try:
-            return original(self, fetches, feed_dict, options, run_metadata)
+            result = original(self, fetches, feed_dict, options, run_metadata)
         except tf_errors.OpError as error:
             if _runtime is not None:
                 _runtime.run_failed(error)
             raise
+        if _runtime is not None:
+            _runtime.after_run(self.graph, run_metadata)
+        return result
     return run

@@ -11,7 +11,7 @@ from typing import Dict, List, Sequence, Tuple, Union
 
 from tfpar.planner.schedule import Task, validate_schedule
 
-__all__ = ["TimedTask", "Transfer", "SimulationResult", "measured", "simulate"]
+__all__ = ["TimedTask", "Transfer", "SimulationResult", "measured", "simulate", "task_dependencies"]
 
 Times = Union[float, Sequence[float]]
 _Key = Tuple[int, str, int]  # (stage, kind, micro_batch)
@@ -135,7 +135,7 @@ def _non_negative(name: str, value) -> float:
     return float(value)
 
 
-def _dependencies(stage: int, task: Task, num_stages: int) -> List[Tuple[_Key, bool]]:
+def task_dependencies(stage: int, task: Task, num_stages: int) -> List[Tuple[_Key, bool]]:
     """``(key, crosses_stages)`` of each task that must end before ``task`` starts."""
     m = task.micro_batch
     if task.kind == "F":
@@ -154,7 +154,7 @@ def _place_ready_tasks(schedule, placed, ends, durations, delay) -> bool:
     for stage, stage_tasks in enumerate(schedule):
         while len(placed[stage]) < len(stage_tasks):
             task = stage_tasks[len(placed[stage])]
-            deps = _dependencies(stage, task, len(schedule))
+            deps = task_dependencies(stage, task, len(schedule))
             if any(key not in ends for key, _ in deps):
                 break
             ready = max([ends[key] + (delay if cross else 0.0) for key, cross in deps], default=0.0)
@@ -174,7 +174,7 @@ def _deadlock_message(schedule, placed, ends) -> str:
             continue
         task = stage_tasks[len(placed[stage])]
         missing = [f"{kind}{m} on stage {s}"
-                   for (s, kind, m), _ in _dependencies(stage, task, len(schedule))
+                   for (s, kind, m), _ in task_dependencies(stage, task, len(schedule))
                    if (s, kind, m) not in ends]
         stuck.append(f"stage {stage} at {task} (waits for {', '.join(missing)})")
     return "infeasible pipeline schedule (deadlock): " + "; ".join(stuck)

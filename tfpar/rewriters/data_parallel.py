@@ -99,6 +99,8 @@ class DataParallelRewrite:
         (``pipeline.stage_tasks``).
       task_ops: (stage device j, stage, "F"/"B"/"W", micro-batch) -> the ops of
         that pipeline task (``pipeline.task_ops``).
+      schedule_edges: the control edges (op, op it waits for) that order the
+        tasks as the schedule says (``pipeline.order_tasks``).
       processes: the Horovod job this process is part of
         (``horovod_backend.HorovodProcesses``), or None.
       zero: which device owns each variable's optimizer state
@@ -132,6 +134,7 @@ class DataParallelRewrite:
     weight_tasks: bool = False
     stage_tasks: Dict[tuple, List[ops.Operation]] = dataclasses.field(default_factory=dict)
     task_ops: Dict[tuple, List[ops.Operation]] = dataclasses.field(default_factory=dict)
+    schedule_edges: Set[tuple] = dataclasses.field(default_factory=set)
     processes: Any = None
     zero: Optional[Sharding] = None
     precision: Optional[str] = None

@@ -1,6 +1,7 @@
 """Translate what the user fetches into what the parallel graph computes."""
 import collections
-from typing import Any, Dict
+import contextlib
+from typing import Any, Dict, Optional
 
 from tensorflow.python.framework import ops
 from tensorflow.python.framework import tensor as tensor_lib
@@ -10,6 +11,7 @@ from tfpar.hooks.capture import recording_paused
 from tfpar.rewriters import graph_edit
 from tfpar.rewriters.data_parallel import DataParallelRewrite
 from tfpar.rewriters.replica_sync import sync_new_writers
+from tfpar.rewriters.schedule_versions import ScheduleVersion
 
 __all__ = ["FetchTranslator"]
 
@@ -26,9 +28,16 @@ class FetchTranslator:
     Ops the user builds after the rewrite (between runs) are adopted first: those
     writing mirrored variables get replica syncs, and those reading step tensors
     or raw gradients read the merged / reduced ones instead.
+
+    A pipeline may run another kFkB group size than the rewrite's
+    (``use_group_size``): fetches then go to that version's copies.
+
+    Attributes:
+      stepped: the last translated fetches run the training step.
     """
 
-    def __init__(self, graph: ops.Graph, rewrite: DataParallelRewrite) -> None:
+    def __init__(self, graph: ops.Graph, rewrite: DataParallelRewrite,
+                 group_size: Optional[int] = None) -> None:
         self._graph = graph
         self.rewrite = rewrite
         self._step = rewrite.selection.step_ops_set
@@ -36,17 +45,47 @@ class FetchTranslator:
         self._groups: Dict[ops.Operation, ops.Operation] = {}
         self._known_ops = len(graph.get_operations())
         self._version = graph.version
+        self.versions: Dict[Optional[int], Optional[ScheduleVersion]] = {group_size: None}
+        self._current: Optional[ScheduleVersion] = None
+        self.stepped = False
 
     def __call__(self, fetches: Any) -> Any:
+        self.stepped = False
         if self.rewrite.trivial:
             return fetches
-        with graph_edit.unfinalized(self._graph), self._graph.as_default(), recording_paused():
+        with self._editing():
             if self._graph.version != self._version:
                 self._adopt(self._graph.get_operations()[self._known_ops:])
             translated = _map_fetches(self._translate, fetches)
             self._known_ops = len(self._graph.get_operations())
             self._version = self._graph.version
         return translated
+
+    def use_group_size(self, group_size: int, schedule) -> bool:
+        """Run the pipeline as kFkB with ``group_size`` from now on (its
+        ``schedule``); its version is built the first time. True if built."""
+        built = group_size not in self.versions
+        if built:
+            with self._editing():
+                self.versions[group_size] = ScheduleVersion(
+                    self._graph, self.rewrite, schedule, f"tfpar_k{group_size}")
+                self._known_ops = len(self._graph.get_operations())
+                self._version = self._graph.version
+        self._current = self.versions[group_size]
+        return built
+
+    @property
+    def task_ops(self) -> Dict[tuple, list]:
+        """The pipeline tasks that run now (``DataParallelRewrite.task_ops``)."""
+        return self._current.task_ops if self._current else self.rewrite.task_ops
+
+    def copied_ops(self) -> Dict[ops.Operation, ops.Operation]:
+        """Copy -> op of the rewrite, over every version built."""
+        return {copy: op for version in self.versions.values() if version is not None
+                for op, copy in version.copies.items()}
+
+    def _editing(self):
+        return _editing(self._graph)
 
     def _translate(self, fetch: Any) -> Any:
         if isinstance(fetch, (str, bytes)):
@@ -56,6 +95,13 @@ class FetchTranslator:
                 return fetch
             new = self._translate(element)
             return fetch if new is element else new.name
+        new = self._translate_element(fetch)
+        return self._current.element(new) if self._current is not None else new
+
+    def _translate_element(self, fetch: Any) -> Any:
+        if isinstance(fetch, (ops.Operation, tensor_lib.Tensor)):
+            op = fetch if isinstance(fetch, ops.Operation) else fetch.op
+            self.stepped |= op in self._step or op in self._update
         if isinstance(fetch, ops.Operation):
             return self._translate_op(fetch)
         if isinstance(fetch, tensor_lib.Tensor):
@@ -85,6 +131,13 @@ class FetchTranslator:
                     graph_edit.update_input(op, k, self.rewrite.reduced[t][0])
                 elif t.op in self._step:
                     graph_edit.update_input(op, k, self.rewrite.merged_tensor(t))
+
+
+@contextlib.contextmanager
+def _editing(graph: ops.Graph):
+    """Adding ops to the (maybe finalized) graph, unrecorded."""
+    with graph_edit.unfinalized(graph), graph.as_default(), recording_paused():
+        yield
 
 
 def _map_fetches(fn, fetches):

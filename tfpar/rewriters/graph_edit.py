@@ -74,15 +74,19 @@ class unfinalized:  # pylint: disable=invalid-name
 def clone_ops(graph: ops.Graph, op_list: Sequence[ops.Operation], prefix: str,
               device: Union[None, str, Callable[[ops.Operation], str]],
               input_map: Mapping[tensor_lib.Tensor, tensor_lib.Tensor],
-              inputs_of: Callable[[ops.Operation], Sequence[tensor_lib.Tensor]] = None
+              inputs_of: Callable[[ops.Operation], Sequence[tensor_lib.Tensor]] = None,
+              controls_of: Callable[[ops.Operation], Sequence[ops.Operation]] = None,
+              control_map: Mapping[ops.Operation, ops.Operation] = None
               ) -> Dict[ops.Operation, ops.Operation]:
     """Copy ``op_list`` into ``graph`` under a fresh name scope ``prefix``, on
     ``device`` (a name, a function of the original op, or None: unchanged).
-    ``inputs_of(op)`` gives the data inputs to copy (default: ``op.inputs``).
+    ``inputs_of(op)`` / ``controls_of(op)`` give the data / control inputs to
+    copy (default: ``op.inputs`` / ``op.control_inputs``).
 
     Edges between copied ops point at the copies. A data input from outside the
-    set reads ``input_map[t]`` when given, else the original tensor ``t``;
-    control inputs from outside keep pointing at the original op. Variables get
+    set reads ``input_map[t]`` when given, else the original tensor ``t``; a
+    control input from outside waits for ``control_map[op]`` when given, else
+    the original op. Variables get
     a ``shared_name`` of their own so a copy is a distinct variable. Colocation
     constraints follow the copies.
 
@@ -105,11 +109,11 @@ def clone_ops(graph: ops.Graph, op_list: Sequence[ops.Operation], prefix: str,
             node.input.append(t.name)
             if t.op.name not in names:
                 external[t.name] = input_map.get(t, t)
-        for dep in op.control_inputs:
+        for dep in (controls_of(op) if controls_of is not None else op.control_inputs):
             if dep.name in names:
                 node.input.append("^" + dep.name)
             else:
-                outside_controls.append((op.name, dep))
+                outside_controls.append((op.name, (control_map or {}).get(dep, dep)))
         _retarget_colocation(node, names)
         if op.type in _VARIABLE_TYPES:
             shared = op.get_attr("shared_name").decode() or op.name

@@ -12,7 +12,7 @@ task's sources wait for, so every op of a task runs after every op of the one
 before it (tasks that are one function call each: the later call waits on the
 earlier one). With one micro-batch there is nothing to order.
 """
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Sequence, Set, Tuple
 
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import control_flow_ops
@@ -22,32 +22,44 @@ from tfpar.rewriters import graph_edit
 from tfpar.rewriters.select import GraphIndex
 from tfpar.rewriters.stages import backward_dependent
 
-__all__ = ["lower_schedule", "stage_tasks", "task_ops"]
+__all__ = ["lower_schedule", "order_tasks", "stage_tasks", "task_ops"]
 
 TaskKey = Tuple[int, int, str, int]  # (stage device j, stage, "F", "B" or "W", micro-batch)
 
 
 def lower_schedule(rw, capture: GraphCapture, index: GraphIndex,
                    schedule: Sequence[Sequence]) -> None:
-    """Order every stage device's tasks as ``schedule`` says; fills ``rw.task_ops``.
+    """Order every stage device's tasks as ``schedule`` says; fills
+    ``rw.task_ops`` and ``rw.schedule_edges``.
 
     Args:
       rw: the ``DataParallelRewrite`` after its units were cloned.
       schedule: ``schedule[s]``: stage s's tasks (``kind``, ``micro_batch``).
     """
     rw.task_ops = task_ops(rw, capture, index)
-    if rw.num_micro_batch == 1:
-        return
-    for s, tasks in enumerate(schedule):
-        for j, device in enumerate(rw.placement.stage_devices[s]):
+    if rw.num_micro_batch > 1:
+        rw.schedule_edges = order_tasks(rw.task_ops, schedule, rw.placement.stage_devices)
+
+
+def order_tasks(tasks: Dict[TaskKey, List[ops.Operation]], schedule: Sequence[Sequence],
+                stage_devices: Sequence[Sequence[str]], scope: str = "pipeline"
+                ) -> Set[Tuple[ops.Operation, ops.Operation]]:
+    """Chain the ``tasks`` of every stage device in ``schedule`` order
+    (barriers named ``scope/before_...``); returns the control edges added,
+    (op, the op it now waits for)."""
+    edges: Set[Tuple[ops.Operation, ops.Operation]] = set()
+    for s, stage_schedule in enumerate(schedule):
+        for j, device in enumerate(stage_devices[s]):
             previous = None
-            for task in tasks:
-                members = rw.task_ops.get((j, s, task.kind, task.micro_batch))
+            for task in stage_schedule:
+                members = tasks.get((j, s, task.kind, task.micro_batch))
                 if not members:
                     continue
                 if previous is not None:
-                    _chain(previous, members, device, f"s{s}_d{j}_{task.kind}{task.micro_batch}")
+                    edges |= _chain(previous, members, device,
+                                    f"{scope}/before_s{s}_d{j}_{task.kind}{task.micro_batch}")
                 previous = members
+    return edges
 
 
 def stage_tasks(rw, capture: GraphCapture, index: GraphIndex
@@ -114,19 +126,29 @@ def task_ops(rw, capture: GraphCapture, index: GraphIndex) -> Dict[TaskKey, List
 
 
 def _chain(before: List[ops.Operation], after: List[ops.Operation], device: str,
-           name: str) -> None:
+           name: str) -> Set[Tuple[ops.Operation, ops.Operation]]:
     """Make every op of ``after`` run after every op of ``before``: directly
-    when both are one op (a task function's call), else through a barrier."""
+    when both are one op (a task function's call), else through a barrier;
+    returns the control edges added."""
     if len(before) == len(after) == 1:
-        graph_edit.add_control_input(after[0], before[0])
-        return
+        return _waits(after[0], before[0])
     inside = set(before)
     sinks = [op for op in before
              if not any(c in inside for t in op.outputs for c in t.consumers())]
     with ops.device(device), ops.control_dependencies(sinks):
-        barrier = control_flow_ops.no_op(name=f"pipeline/before_{name}")
+        barrier = control_flow_ops.no_op(name=name)
     inside = set(after)
+    edges: Set[Tuple[ops.Operation, ops.Operation]] = set()
     for op in after:
         if not any(t.op in inside for t in op.inputs) and not any(
                 c in inside for c in op.control_inputs):
-            graph_edit.add_control_input(op, barrier)
+            edges |= _waits(op, barrier)
+    return edges
+
+
+def _waits(op: ops.Operation, dep: ops.Operation) -> Set[Tuple[ops.Operation, ops.Operation]]:
+    """Make ``op`` wait for ``dep``; the edge, if it is new."""
+    if dep in op.control_inputs:
+        return set()
+    graph_edit.add_control_input(op, dep)
+    return {(op, dep)}

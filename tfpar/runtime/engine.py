@@ -38,10 +38,12 @@ from tfpar.runtime.automatic import (Automatic, automatic_plan, cluster_hardware
 from tfpar.runtime.balanced import batch_shares, shard_shares
 from tfpar.runtime.context import Runtime, active
 from tfpar.runtime.gc_paused import gc_paused
+from tfpar.runtime.retune import GroupRetuner
+from tfpar.runtime.step_trace import step_timeline
 
-__all__ = ["before_run", "loss_scaled", "make_iterator", "make_split_context", "plan_for",
-           "ran_before_rewrite", "rewrites_next", "run_failed", "run_options", "session_config",
-           "session_target", "setup_capture"]
+__all__ = ["after_run", "before_run", "loss_scaled", "made_callable", "make_iterator",
+           "make_split_context", "plan_for", "ran_before_rewrite", "rewrites_next", "run_failed",
+           "run_options", "session_config", "session_target", "setup_capture"]
 
 log = logging.getLogger("tfpar")
 # Graphs already checked for training built before wh.init (warned once each).
@@ -115,17 +117,59 @@ def session_target(target: str) -> str:
     return target
 
 
-def run_options(options: Optional[config_pb2.RunOptions]) -> Optional[config_pb2.RunOptions]:
-    """In a cluster every step gets a deadline of ``communication.timeout_s``
-    (unless the caller set one), so a lost worker fails the step, never hangs it."""
+def run_options(options: Optional[config_pb2.RunOptions],
+                graph: Optional[ops.Graph] = None) -> Optional[config_pb2.RunOptions]:
+    """The options of a run of ``graph``, whose fetches were just translated:
+    in a cluster every step gets a deadline of ``communication.timeout_s``
+    (unless the caller set one), so a lost worker fails the step, never hangs
+    it; a training step Ada-Grouper's online tuning profiles is traced."""
     rt = active()
-    if rt is None or rt.cluster is None or (options is not None and options.timeout_in_ms):
-        return options
     bounded = config_pb2.RunOptions()
     if options is not None:
         bounded.CopyFrom(options)
-    bounded.timeout_in_ms = int(rt.config.get("communication.timeout_s") * 1000)
-    return bounded
+    changed = False
+    if rt is not None and rt.cluster is not None and not bounded.timeout_in_ms:
+        bounded.timeout_in_ms = int(rt.config.get("communication.timeout_s") * 1000)
+        changed = True
+    capture = existing_capture(graph) if rt is not None and graph is not None else None
+    if (capture is not None and capture.retuner is not None and capture.rewrite.stepped
+            and capture.retuner.profile_due()):
+        bounded.trace_level = config_pb2.RunOptions.FULL_TRACE
+        changed = True
+    return bounded if changed else options
+
+
+def made_callable(graph: ops.Graph) -> None:
+    """A callable (Keras in graph mode) fixes its fetches: online tuning
+    cannot move the k of the steps it runs, and is turned off, saying so."""
+    capture = existing_capture(graph)
+    if capture is not None and capture.retuner is not None and capture.rewrite.stepped:
+        log.warning("tfpar: pipeline.retune_steps: k stays %d: the training step runs "
+                    "through a Session callable (Keras), whose fetches are fixed; online "
+                    "tuning follows Session.run steps (set pipeline.retune_steps to 0 to "
+                    "silence this)", capture.retuner.group_size)
+        capture.retuner = None
+
+
+def after_run(graph: ops.Graph, run_metadata: Optional[config_pb2.RunMetadata]) -> None:
+    """A run of ``graph`` ended: a step profiled for Ada-Grouper's online
+    tuning may move k (``runtime.retune``), building that k's pipeline once."""
+    capture = existing_capture(graph)
+    retuner = capture.retuner if capture is not None else None
+    if retuner is None or not retuner.pending or run_metadata is None:
+        return
+    tasks = step_timeline(run_metadata, graph=graph).tasks
+    if len(tasks) < 2 * retuner.num_stages * retuner.num_micro_batch:
+        return  # not a whole training step: the next one is profiled
+    group_size = retuner.profiled(tasks)
+    if group_size is None:
+        return
+    schedule = build_schedule("kfkb", retuner.num_stages, retuner.num_micro_batch, group_size)
+    built = capture.rewrite.use_group_size(group_size, schedule)
+    log.info("tfpar: Ada-Grouper moved k %d -> %d after step %d (%s)",
+             capture.plan.group_size, group_size, retuner.steps,
+             "its pipeline built now, once" if built else "its pipeline was built before")
+    capture.plan = dataclasses.replace(capture.plan, group_size=group_size)
 
 
 def make_iterator(ds, make):
@@ -333,14 +377,45 @@ def _check_forced_units(capture: GraphCapture, rt: Runtime) -> None:
 def _group_size(index: GraphIndex, capture: GraphCapture, rt: Runtime, plan: Plan,
                 stage_of) -> int:
     """Ada-Grouper's k for this pipeline, from the cost model (``planner.grouper``)."""
-    count = len(plan.task_graphs)
+    costs, memory_limit = _group_costs(index, capture, rt, plan, stage_of)
+    return tune_group_size(plan.num_micro_batch, costs.forward_s, costs.backward_s,
+                           costs.transfer_s, costs.fixed_bytes, costs.activation_bytes,
+                           memory_limit)
+
+
+def _group_costs(index: GraphIndex, capture: GraphCapture, rt: Runtime, plan: Plan, stage_of):
+    """The pipeline's stage costs for choosing k, and the memory per device."""
     order, view = model_view(index, capture)
     rows = planning_batch(rt, view) / plan.data_parallel_degree / plan.num_micro_batch
     hardware = cluster_hardware(rt)
-    costs = stage_costs(view, [stage_of.get(op, 0) for op in order], count, rows, hardware)
-    return tune_group_size(plan.num_micro_batch, costs.forward_s, costs.backward_s,
-                           costs.transfer_s, costs.fixed_bytes, costs.activation_bytes,
-                           hardware.memory_gb * 2 ** 30)
+    costs = stage_costs(view, [stage_of.get(op, 0) for op in order], len(plan.task_graphs),
+                        rows, hardware)
+    return costs, hardware.memory_gb * 2 ** 30
+
+
+def _retuner(graph: ops.Graph, capture: GraphCapture, rt: Runtime, plan: Plan,
+             index: GraphIndex, stage_of) -> Optional[GroupRetuner]:
+    """Ada-Grouper's online tuner (``runtime.retune``), for a kFkB pipeline
+    whose k is 'auto' and ``pipeline.retune_steps`` is not 0."""
+    cfg = rt.config
+    every = cfg.get("pipeline.retune_steps")
+    if not (every and plan.schedule == "kfkb" and cfg.get("pipeline.group_size") == "auto"
+            and plan.num_micro_batch > 1 and len(plan.task_graphs) > 1):
+        return None
+    why = None
+    if graph.building_function:
+        why = ("the step is a tf.function, which online tuning does not re-trace; it tunes "
+               "steps run by Session.run (TF1 loops, MonitoredTrainingSession, Estimator)")
+    elif cfg.get("communication.backend") == "horovod":
+        why = "each Horovod process runs its own session, and they would each choose a k"
+    if why is not None:
+        log.warning("tfpar: pipeline.retune_steps: k stays %d as planned: %s (set "
+                    "pipeline.retune_steps to 0 to silence this)", plan.group_size, why)
+        return None
+    costs, memory_limit = _group_costs(index, capture, rt, plan, stage_of)
+    return GroupRetuner(plan.num_micro_batch, len(plan.task_graphs), plan.group_size,
+                        costs.fixed_bytes, costs.activation_bytes, memory_limit, every,
+                        cfg.get("pipeline.retune_tolerance"))
 
 
 def _stats(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, stage_of,
@@ -580,5 +655,6 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
                                 techniques, reducer_for, placement.stage_devices[0]),
                             precision=applied_option(cfg, rt.device_type))
     capture.plan = plan
-    capture.rewrite = FetchTranslator(graph, rewrite)
+    capture.rewrite = FetchTranslator(graph, rewrite, plan.group_size)
+    capture.retuner = _retuner(graph, capture, rt, plan, index, stage_of)
     log.info("tfpar rewrote the graph:\n%s", plan.summary())

@@ -44,7 +44,7 @@ def step_devices(run_metadata: config_pb2.RunMetadata,
     capture = existing_capture(graph)
     owner: Dict[str, str] = {}
     if capture is not None and capture.rewrite is not None:
-        owner = _task_graph_of_ops(capture.rewrite.rewrite)
+        owner = _task_graph_of_ops(capture.rewrite)
     counts: Dict[str, Dict[str, int]] = collections.defaultdict(collections.Counter)
     for name, devices in executed_ops(run_metadata).items():
         if capture is None or capture.rewrite is None:
@@ -56,14 +56,18 @@ def step_devices(run_metadata: config_pb2.RunMetadata,
     return {key: dict(sorted(per.items())) for key, per in sorted(counts.items())}
 
 
-def _task_graph_of_ops(rw) -> Dict[str, str]:
-    """Op name -> TaskGraph name, for every op of the step and its copies."""
+def _task_graph_of_ops(translator) -> Dict[str, str]:
+    """Op name -> TaskGraph name, for every op of the step and its copies
+    (those of other group sizes' versions too)."""
+    rw = translator.rewrite
     placement = rw.placement
     owner = {op.name: placement.task_graph_names[placement.stage(op)]
              for op in rw.selection.step_ops + rw.selection.update_ops}
     for stage, name in enumerate(placement.task_graph_names):
         for copies in list(rw.version_maps[stage]) + list(rw.device_maps[stage]):
             owner.update((op.name, name) for op in copies.values())
+    owner.update((copy.name, owner[op.name])
+                 for copy, op in translator.copied_ops().items() if op.name in owner)
     return owner
 
 
@@ -91,7 +95,7 @@ def step_timeline(run_metadata: config_pb2.RunMetadata, path: Optional[str] = No
             times[node.node_name] = (node.all_start_micros,
                                      node.all_start_micros + node.all_end_rel_micros)
     tasks = []
-    for (device, stage, kind, micro_batch), members in sorted(rewrite.task_ops.items()):
+    for (device, stage, kind, micro_batch), members in sorted(capture.rewrite.task_ops.items()):
         spans = [times[op.name] for op in members if op.name in times]
         if device == 0 and spans:
             tasks.append(TimedTask(stage, Task(kind, micro_batch), min(a for a, _ in spans),
