@@ -13,6 +13,7 @@ import overhead  # noqa: E402
 import plan_quality  # noqa: E402
 import plan_scale  # noqa: E402
 import planner  # noqa: E402
+import retune  # noqa: E402
 import split  # noqa: E402
 
 
@@ -162,3 +163,26 @@ def test_plan_scale_counts_llama_flops_as_mfu_does():
     gpt = plan_scale.TABLE["1.7B"]  # Eq. 3
     assert plan_scale.model_flops(gpt) == pytest.approx(
         96 * 512 * 2048 * 24 * 2304 ** 2 * (1 + 2048 / (6 * 2304) + 51200 / (16 * 24 * 2304)))
+
+
+def retune_results(online=70.0, build=0.2, back=0.1, same_loss=True):
+    sim = [{"one_f_one_b_ms": 100.0, "once_ms": 80.0, "online_ms": online}]
+    real = {"startup_s": 1.0, "step_s": 0.1, "new_fetches_s": 0.5, "build_s": build,
+            "first_k2_s": 0.5, "first_back_s": back, "same_loss": same_loss}
+    return sim, real
+
+
+@pytest.mark.parametrize("results, code", [
+    (retune_results(), 0),
+    (retune_results(online=95.0), 1),  # online tuning not 10% faster than 1F1B
+    (retune_results(build=0.6), 1),  # moving k costs more than starting again
+    (retune_results(back=0.4), 1),  # going back to a built k builds again
+    (retune_results(same_loss=False), 1),  # a moved step computes other numbers
+])
+def test_retune_check_fails_when_a_target_is_missed(results, code):
+    sim, real = results
+    found = retune.targets(sim, real)
+    assert bench_args.report({"simulated": sim, "measured": real}, found, args(), {}, None,
+                             checks_ok=real["same_loss"]) == code
+    assert retune.TARGETS == {"online_1f1b": 0.9, "online_once": 1.0, "build_startup": 1.0,
+                              "back_step": 3.0}

@@ -375,6 +375,8 @@ def test_wrong_types(key, value, fragment):
     ("auto.num_task_graph", 0, "must be >= 1, got 0"),
     ("pipeline.group_size", 0, "must be >= 1 or 'auto', got 0"),
     ("pipeline.group_size", "max", "must be >= 1 or 'auto', got 'max'"),
+    ("pipeline.retune_steps", 1, "must be 0 or >= 2, got 1"),
+    ("pipeline.retune_tolerance", -0.1, "must be >= 0, got -0.1"),
     ("communication.fusion_mb", 0, "must be > 0, got 0"),
     ("communication.timeout_s", -1.5, "must be > 0, got -1.5"),
     ("auto.search_time_limit_s", 0.0, "must be > 0, got 0.0"),

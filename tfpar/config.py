@@ -89,9 +89,10 @@ SCHEMA = {
         "per task (off: a copy of the stage per micro-batch)"),
     "pipeline.group_size": Option("int|str", 1, _GROUP_SIZE, "k of kFkB, or 'auto' (Ada-Grouper)"),
     "pipeline.retune_steps": Option(
-        "int", 100, _at_least(0), "with group_size 'auto', every this many Session.run "
-        "training steps one is profiled and k moves to the best for the measured stage and "
-        "transfer times (Ada-Grouper's online tuning); 0: k stays as planned"),
+        "int", 100, ("0 or >= 2", lambda v: v == 0 or v >= 2), "with group_size 'auto', "
+        "every this many Session.run training steps one is profiled and k moves to the best "
+        "for the measured stage and transfer times (Ada-Grouper's online tuning); 0: k stays "
+        "as planned"),
     "pipeline.retune_tolerance": Option(
         "float", 0.05, _at_least(0), "online tuning keeps the smallest k whose predicted step "
         "is at most this fraction longer than the shortest (fewer activations alive)"),

@@ -158,9 +158,13 @@ def after_run(graph: ops.Graph, run_metadata: Optional[config_pb2.RunMetadata]) 
     retuner = capture.retuner if capture is not None else None
     if retuner is None or not retuner.pending or run_metadata is None:
         return
-    tasks = step_timeline(run_metadata, graph=graph).tasks
+    retuner.pending = False
+    try:
+        tasks = step_timeline(run_metadata, graph=graph).tasks
+    except PlanError:  # the trace holds none of the tasks (the run fetched no step)
+        return
     if len(tasks) < 2 * retuner.num_stages * retuner.num_micro_batch:
-        return  # not a whole training step: the next one is profiled
+        return  # not a whole training step (a forward-only fetch): no profile this time
     group_size = retuner.profiled(tasks)
     if group_size is None:
         return

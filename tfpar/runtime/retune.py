@@ -50,7 +50,8 @@ class GroupRetuner:
       group_size: the planned k.
       fixed_bytes / activation_bytes / memory_limit: the memory model of the
         planned k (``planner.grouper.tune_group_size``).
-      every: profile one training step in this many.
+      every: profile one training step in this many (at least 2: the first
+        step of a new k builds its executor, and is not profiled).
       tolerance: ``pipeline.retune_tolerance``.
 
     Attributes:
@@ -64,7 +65,7 @@ class GroupRetuner:
         self.num_stages = num_stages
         self.group_size = group_size
         self._memory = (tuple(fixed_bytes), tuple(activation_bytes), memory_limit)
-        self._every = max(every, 2)  # the first step of a new version builds its executor
+        self._every = every
         self._tolerance = tolerance
         self._since = 0
         self.steps = 0
@@ -72,17 +73,19 @@ class GroupRetuner:
         self.history: List[Retuning] = []
 
     def profile_due(self) -> bool:
-        """Count a training step about to run; True if it is to be profiled."""
+        """Count a training step about to run; True if it is to be profiled
+        (one in ``every``: a step that yields no profile is not retried)."""
         self.steps += 1
         self._since += 1
         self.pending = self._since >= self._every
+        if self.pending:
+            self._since = 0
         return self.pending
 
     def profiled(self, tasks: Sequence[TimedTask]) -> Optional[int]:
         """The profiled step's timed tasks (first device of every stage); the
         new k, or None if k stays."""
         self.pending = False
-        self._since = 0
         profile = profile_pipeline(tasks, self.num_stages)
         fixed, activations, limit = self._memory
         lengths = group_lengths(self.num_micro_batch, profile.forward, profile.backward,
