@@ -237,3 +237,44 @@ def test_keras_fit_keeps_the_planned_k_and_says_so(retuners, tfpar_log):
     entry_points.test_keras_fit_and_evaluate("pipeline")
     assert "k stays" in tfpar_log.getvalue() and "callable" in tfpar_log.getvalue()
     assert all(not t.history for t in retuners if t is not None)
+
+
+def test_horovod_keeps_the_planned_k_and_says_so(retuners, tfpar_log):
+    """Each Horovod process runs its own session: they would each choose a k."""
+    losses, _ = train(mlp_stages(2, True), DATA, {**RETUNED, "communication.backend": "horovod"})
+    assert "k stays" in tfpar_log.getvalue() and "Horovod" in tfpar_log.getvalue()
+    assert retuners == [None]
+    np.testing.assert_allclose(losses, train(mlp_stages(2, False), DATA)[0], rtol=1e-5)
+
+
+@pytest.mark.parametrize("functions", [True, False])
+def test_another_k_computes_the_same_numbers_and_follows_its_schedule(functions):
+    """The pipeline of another k, built after steps ran (as the tuner builds
+    it), with task functions or a copy of each stage per micro-batch: a
+    traced step runs its kFkB schedule, every step the single-device numbers,
+    and going back to the first k builds nothing."""
+    config = {**RETUNED, "pipeline.num_micro_batch": 4, "pipeline.group_size": 1,
+              "pipeline.task_functions": functions}
+    xs, ys = DATA
+    graph = tf.Graph()
+    with graph.as_default():
+        wh.init(config)
+        x = v1.placeholder(tf.float32, [None, 6])
+        y = v1.placeholder(tf.int64, [None])
+        loss, train_op = mlp_stages(2, True)(x, y)
+        variables = v1.global_variables()
+        traced, metadata, losses = v1.RunOptions(trace_level=v1.RunOptions.FULL_TRACE), \
+            v1.RunMetadata(), []
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            translator = existing_capture(graph).rewrite
+            for step, k in enumerate([1, 4, 1]):
+                built = translator.use_group_size(k, build_schedule("kfkb", 2, 4, k))
+                assert built == (step == 1)
+                losses.append(sess.run([loss, train_op], {x: xs[step], y: ys[step]},
+                                       options=traced, run_metadata=metadata)[0])
+                assert_follows(wh.step_timeline(metadata, graph=graph),
+                               build_schedule("kfkb", 2, 4, k))
+            values = {v.op.name: value for v, value in zip(variables, sess.run(variables))}
+    wh.reset()
+    assert_equivalent(train(mlp_stages(2, False), DATA), (losses, values))
