@@ -13,10 +13,10 @@ previous phase's k). Memory fits k up to half the micro-batches.
 Measured (TensorFlow, 4 logical CPU devices): a ``--layers``-layer transformer
 (``benchmarks/startup.py``'s, hidden ``--hidden``) in 4 ``wh.replicate(1)``
 stages with 8 micro-batches, kFkB with k = 1: its start-up (session, rewrite,
-first step) and step; the first run of the train op alone (TensorFlow makes
-an executor for every new set of fetches: what any new fetch costs once); then
-what moving to k = 2 costs, as the tuner does it
-(``FetchTranslator.use_group_size``): building the k = 2 pipeline, its first
+first step), step and traced step (what a profiled step costs); the first run
+of the train op alone (TensorFlow makes an executor for every new set of
+fetches: what any new fetch costs once); then what moving to k = 2 costs, as
+the tuner does it (``FetchTranslator.use_group_size``): building the k = 2 pipeline, its first
 step, its step; and the first step back at k = 1 (built before: nothing to
 build). The losses of the moved steps must equal those of the same steps
 without moving (a second run at k = 1 throughout, rtol 1e-5).
@@ -117,19 +117,22 @@ def _run(args, config, data, move):
         init = v1.global_variables_initializer()
     feed, losses = {x: data[0], target: data[1]}, []
 
-    def step():
+    def step(**traced):
         begin = time.perf_counter()
-        losses.append(float(sess.run([loss, train], feed)[0]))
+        losses.append(float(sess.run([loss, train], feed, **traced)[0]))
         return time.perf_counter() - begin
 
-    def steady():
-        return statistics.median(step() for _ in range(args.steps))
+    def steady(**traced):
+        return statistics.median(step(**traced) for _ in range(args.steps))
 
     start = time.perf_counter()
     sess = v1.Session(graph=graph, config=v1.ConfigProto(device_count={"CPU": 4}))
     sess.run(init)
     step()
     times = {"startup_s": time.perf_counter() - start, "step_s": steady()}
+    times["traced_step_s"] = steady(  # what a profiled step costs
+        options=v1.RunOptions(trace_level=v1.RunOptions.FULL_TRACE),
+        run_metadata=v1.RunMetadata())
     begin = time.perf_counter()
     sess.run(train, feed)  # another fetch set: TensorFlow makes it an executor
     times["new_fetches_s"] = time.perf_counter() - begin
@@ -160,6 +163,7 @@ def targets(sim, real):
              TARGETS["build_startup"]),
             ("its first step / train_op's first run", ratio(real["first_k2_s"],
                                                              real["new_fetches_s"]), None),
+            ("traced (profiled) step / step", ratio(real["traced_step_s"], real["step_s"]), None),
             ("first step back / step", ratio(real["first_back_s"], real["step_s"]),
              TARGETS["back_step"])]
 
@@ -178,6 +182,7 @@ def print_table(rows, found, args):
     print(f"measured: transformer {args.layers}x{args.hidden}, seq {args.seq}, batch "
           f"{args.batch}, 4 stages, 8 micro-batches, 4 logical CPUs")
     for title, key in (("start-up (k=1)", "startup_s"), ("step (k=1)", "step_s"),
+                       ("traced step (k=1)", "traced_step_s"),
                        ("first run of train_op alone", "new_fetches_s"),
                        ("build the k=2 pipeline", "build_s"), ("its first step", "first_k2_s"),
                        ("step (k=2)", "step_k2_s"), ("first step back at k=1", "first_back_s")):

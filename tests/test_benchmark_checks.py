@@ -167,7 +167,8 @@ def test_plan_scale_counts_llama_flops_as_mfu_does():
 
 def retune_results(online=70.0, build=0.2, back=0.1, same_loss=True):
     sim = [{"one_f_one_b_ms": 100.0, "once_ms": 80.0, "online_ms": online}]
-    real = {"startup_s": 1.0, "step_s": 0.1, "new_fetches_s": 0.5, "build_s": build,
+    real = {"startup_s": 1.0, "step_s": 0.1, "traced_step_s": 0.2, "new_fetches_s": 0.5,
+            "build_s": build,
             "first_k2_s": 0.5, "first_back_s": back, "same_loss": same_loss}
     return sim, real
 
