@@ -24,17 +24,17 @@ def stage(tfpar: bool, devices: int = 1):
 
 
 def mlp_stages(num_stages, tfpar, optimizer=lambda: v1.train.GradientDescentOptimizer(0.5),
-               widths=None):
-    """build(x, y): a tanh MLP with one hidden layer per stage (stage s a
-    replicate(widths[s]) scope); the logits and the loss are built in the last
-    stage, the optimizer outside every scope."""
+               widths=None, units=8):
+    """build(x, y): a tanh MLP with one hidden layer of ``units`` per stage
+    (stage s a replicate(widths[s]) scope); the logits and the loss are built
+    in the last stage, the optimizer outside every scope."""
     widths = widths or [1] * num_stages
 
     def build(x, y):
         h = x
         for s in range(num_stages):
             with stage(tfpar, widths[s]):
-                h = dense(h, 8, f"stage{s}", seed=s, activation=tf.nn.tanh)
+                h = dense(h, units, f"stage{s}", seed=s, activation=tf.nn.tanh)
                 if s == num_stages - 1:
                     logits = dense(h, 3, "logits", seed=99)
                     loss = v1.losses.sparse_softmax_cross_entropy(y, logits)

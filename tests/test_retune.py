@@ -9,7 +9,7 @@ import tensorflow as tf
 from tensorflow.python.framework import ops
 
 import test_entry_points as entry_points
-from equivalence import assert_equivalent, dense, make_data, train
+from equivalence import assert_equivalent, make_data, train
 from proof import TRACER
 from test_pipeline import DATA, assert_follows, mlp_stages
 
@@ -74,17 +74,10 @@ def test_the_retuner_follows_the_network():
 
 
 def wide_stages(tfpar):
-    """build(x, y): a 4-stage tanh MLP (stage s a replicate(1) scope under tfpar)."""
-    def build(x, y):
-        h = x
-        for s in range(STAGES):
-            with wh.replicate(1) if tfpar else ops.NullContextmanager():
-                h = dense(h, WIDTH, f"stage{s}", seed=s, activation=tf.nn.tanh)
-                if s == STAGES - 1:
-                    logits = dense(h, 3, "logits", seed=99)
-                    loss = v1.losses.sparse_softmax_cross_entropy(y, logits)
-        return loss, v1.train.GradientDescentOptimizer(0.1).minimize(loss)
-    return build
+    """build(x, y): a 4-stage tanh MLP of WIDTH units per stage, wide enough
+    that a stage computes for longer than a transfer between CPU devices takes."""
+    return mlp_stages(STAGES, tfpar, lambda: v1.train.GradientDescentOptimizer(0.1),
+                      units=WIDTH)
 
 
 class SlowLink:

@@ -124,19 +124,22 @@ def run_options(options: Optional[config_pb2.RunOptions],
     (unless the caller set one), so a lost worker fails the step, never hangs
     it; a training step Ada-Grouper's online tuning profiles is traced."""
     rt = active()
+    if rt is None:
+        return options
+    deadline = rt.cluster is not None and not (options is not None and options.timeout_in_ms)
+    capture = existing_capture(graph) if graph is not None else None
+    profiled = (capture is not None and capture.retuner is not None
+                and capture.rewrite.stepped and capture.retuner.profile_due())
+    if not (deadline or profiled):
+        return options
     bounded = config_pb2.RunOptions()
     if options is not None:
         bounded.CopyFrom(options)
-    changed = False
-    if rt is not None and rt.cluster is not None and not bounded.timeout_in_ms:
+    if deadline:
         bounded.timeout_in_ms = int(rt.config.get("communication.timeout_s") * 1000)
-        changed = True
-    capture = existing_capture(graph) if rt is not None and graph is not None else None
-    if (capture is not None and capture.retuner is not None and capture.rewrite.stepped
-            and capture.retuner.profile_due()):
+    if profiled:
         bounded.trace_level = config_pb2.RunOptions.FULL_TRACE
-        changed = True
-    return bounded if changed else options
+    return bounded
 
 
 def made_callable(graph: ops.Graph) -> None:
@@ -307,7 +310,7 @@ def plan_for(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> Plan:
     """The plan for ``graph``: as annotated, or as the planner chose (no
     rewrite; a plan that shards layers even when this graph was built before
     it was known, so that it can be pinned)."""
-    plan, index, _ = _planned(graph, capture, rt)
+    plan, index, _, _ = _planned(graph, capture, rt)
     automatic = capture.automatic[1] if capture.automatic is not None else None
     if automatic is not None and automatic.best is not automatic.runnable:
         return sharded_plan(automatic, rt, index, capture)
@@ -316,7 +319,8 @@ def plan_for(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> Plan:
 
 def _planned(graph: ops.Graph, capture: GraphCapture, rt: Runtime):
     """The plan, with the graph index and the stage of every op it rests on
-    (the rewrite uses the same ones)."""
+    (the rewrite uses the same ones), and, when Ada-Grouper chose k, the
+    costs it chose by (``_group_costs``; else None)."""
     index = GraphIndex(graph)
     automatic = automatic_plan(index, capture, rt)
     specs = task_graph_specs(capture, rt, automatic)
@@ -329,12 +333,17 @@ def _planned(graph: ops.Graph, capture: GraphCapture, rt: Runtime):
         plan = dataclasses.replace(plan, estimate=estimate_of(runnable, rt), task_graphs=tuple(
             dataclasses.replace(tg, estimate=part_estimate([part]))
             for tg, part in zip(plan.task_graphs, runnable.parts)))
+    group_costs = None
     if plan.schedule == "kfkb" and plan.group_size == "auto":
-        plan = dataclasses.replace(plan, group_size=_group_size(index, capture, rt, plan, stage_of))
+        group_costs = _group_costs(index, capture, rt, plan, stage_of)
+        costs, memory_limit = group_costs
+        plan = dataclasses.replace(plan, group_size=tune_group_size(
+            plan.num_micro_batch, costs.forward_s, costs.backward_s, costs.transfer_s,
+            costs.fixed_bytes, costs.activation_bytes, memory_limit))
     shares = batch_shares(index, capture, rt, plan)
     if shares:
         plan = dataclasses.replace(plan, batch_shares=shares)
-    return plan, index, stage_of
+    return plan, index, stage_of, group_costs
 
 
 def _check_recompute(rt: Runtime) -> None:
@@ -378,17 +387,9 @@ def _check_forced_units(capture: GraphCapture, rt: Runtime) -> None:
             f"numbered _1, _2...): {', '.join(sorted(known)) or 'none (no wh.split scope)'}")
 
 
-def _group_size(index: GraphIndex, capture: GraphCapture, rt: Runtime, plan: Plan,
-                stage_of) -> int:
-    """Ada-Grouper's k for this pipeline, from the cost model (``planner.grouper``)."""
-    costs, memory_limit = _group_costs(index, capture, rt, plan, stage_of)
-    return tune_group_size(plan.num_micro_batch, costs.forward_s, costs.backward_s,
-                           costs.transfer_s, costs.fixed_bytes, costs.activation_bytes,
-                           memory_limit)
-
-
 def _group_costs(index: GraphIndex, capture: GraphCapture, rt: Runtime, plan: Plan, stage_of):
-    """The pipeline's stage costs for choosing k, and the memory per device."""
+    """The pipeline's stage costs for choosing Ada-Grouper's k
+    (``planner.grouper``), and the memory per device."""
     order, view = model_view(index, capture)
     rows = planning_batch(rt, view) / plan.data_parallel_degree / plan.num_micro_batch
     hardware = cluster_hardware(rt)
@@ -398,9 +399,10 @@ def _group_costs(index: GraphIndex, capture: GraphCapture, rt: Runtime, plan: Pl
 
 
 def _retuner(graph: ops.Graph, capture: GraphCapture, rt: Runtime, plan: Plan,
-             index: GraphIndex, stage_of) -> Optional[GroupRetuner]:
+             index: GraphIndex, stage_of, group_costs) -> Optional[GroupRetuner]:
     """Ada-Grouper's online tuner (``runtime.retune``), for a kFkB pipeline
-    whose k is 'auto' and ``pipeline.retune_steps`` is not 0."""
+    whose k is 'auto' and ``pipeline.retune_steps`` is not 0; ``group_costs``:
+    what ``_planned`` tuned k by (None: a pinned plan's k, costed here)."""
     cfg = rt.config
     every = cfg.get("pipeline.retune_steps")
     if not (every and plan.schedule == "kfkb" and cfg.get("pipeline.group_size") == "auto"
@@ -416,7 +418,7 @@ def _retuner(graph: ops.Graph, capture: GraphCapture, rt: Runtime, plan: Plan,
         log.warning("tfpar: pipeline.retune_steps: k stays %d as planned: %s (set "
                     "pipeline.retune_steps to 0 to silence this)", plan.group_size, why)
         return None
-    costs, memory_limit = _group_costs(index, capture, rt, plan, stage_of)
+    costs, memory_limit = group_costs or _group_costs(index, capture, rt, plan, stage_of)
     return GroupRetuner(plan.num_micro_batch, len(plan.task_graphs), plan.group_size,
                         costs.fixed_bytes, costs.activation_bytes, memory_limit, every,
                         cfg.get("pipeline.retune_tolerance"))
@@ -610,13 +612,13 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
         _check_recompute(rt)
         with graph_edit.unfinalized(graph), recording_paused():
             recompute_scopes(graph, capture, rt.config.get("memory.recompute"))
-    plan, index, stage_of = _planned(graph, capture, rt)
+    plan, index, stage_of, group_costs = _planned(graph, capture, rt)
     automatic = capture.automatic[1] if capture.automatic is not None else None
     refuse_planning_only(automatic, rt)
     techniques = planned_techniques(automatic, rt)
     if techniques.recompute != "none":
         _recompute_planned(graph, capture, index, techniques.recompute)
-        plan, index, stage_of = _planned(graph, capture, rt)  # the copies' stages too
+        plan, index, stage_of, group_costs = _planned(graph, capture, rt)  # copies' stages too
     warn_unbuilt_sharding(capture)
     _check_forced_units(capture, rt)
     if automatic is not None and automatic.best is not automatic.runnable:
@@ -660,5 +662,5 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
                             precision=applied_option(cfg, rt.device_type))
     capture.plan = plan
     capture.rewrite = FetchTranslator(graph, rewrite, plan.group_size)
-    capture.retuner = _retuner(graph, capture, rt, plan, index, stage_of)
+    capture.retuner = _retuner(graph, capture, rt, plan, index, stage_of, group_costs)
     log.info("tfpar rewrote the graph:\n%s", plan.summary())
