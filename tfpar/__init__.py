@@ -11,13 +11,13 @@ imported on first use, so ``tfpar config`` and ``tfpar simulate`` start fast.
 import importlib
 
 from tfpar.config import Config
-from tfpar.errors import (AnnotationError, ClusterError, ConfigError, PlanError, ShardingError,
-                          TfparError)
+from tfpar.errors import (AnnotationError, ClusterError, ConfigError, FallbackWarning, PlanError,
+                          ShardingError, TfparError)
 from tfpar.ir.plan import Plan
 
-__all__ = ["AnnotationError", "ClusterError", "Config", "ConfigError", "Plan", "PlanError",
-           "ShardingError", "TfparError", "current_plan", "init", "replicate", "reset",
-           "set_default_strategy", "split", "step_devices", "step_timeline"]
+__all__ = ["AnnotationError", "ClusterError", "Config", "ConfigError", "FallbackWarning", "Plan",
+           "PlanError", "ShardingError", "TfparError", "current_plan", "init", "replicate",
+           "reset", "set_default_strategy", "split", "step_devices", "step_timeline"]
 __version__ = "0.1.0"
 
 _LAZY = {  # public name -> the module defining it, imported on first use

@@ -4,6 +4,7 @@ import logging
 import sys
 from typing import Any, Optional
 
+from tfpar import fallback
 from tfpar.config import Config
 from tfpar.errors import AnnotationError, ConfigError, PlanError
 from tfpar.ir.plan import Plan
@@ -31,6 +32,7 @@ def init(config: Any = None) -> Config:
 
     caller = sys._getframe(1).f_globals  # pylint: disable=protected-access
     cfg = planning_pass.pinned_by_planning_pass(Config.load(config), caller)
+    fallback.configure(cfg.get("strict"))
     if cfg.get("communication.backend") == "horovod":
         _start_horovod()
     devices, device_type = _discover_devices(cfg)
@@ -70,6 +72,7 @@ def reset() -> None:
     context.deactivate()
     precision.restore_functions()
     capture.reset_captures()
+    fallback.reset()
 
 
 def _start_horovod() -> None:

@@ -147,6 +147,8 @@ SCHEMA = {
     "communication.timeout_s": Option("float", 60.0, _POSITIVE, "collective timeout"),
     "io.shard_dataset": Option("bool", False, (), "shard input datasets across replicas"),
     "plan": Option("dict|None", None, (), "plan JSON (dict or text) that pins the plan"),
+    "strict": Option("bool", False, (), "every fallback (tfpar running something other than "
+                     "what was asked, a tfpar.FallbackWarning) raises PlanError instead"),
 }
 
 ALIASES = {  # Whale paper flat names

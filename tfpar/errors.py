@@ -1,7 +1,7 @@
 """Typed errors raised by tfpar. Every one is a ValueError subclass."""
 
 __all__ = ["TfparError", "ConfigError", "AnnotationError", "PlanError", "ShardingError",
-           "ClusterError"]
+           "ClusterError", "FallbackWarning"]
 
 
 class TfparError(ValueError):
@@ -32,3 +32,10 @@ class ShardingError(ConfigError, PlanError):
 
 class ClusterError(TfparError):
     """A worker of a multi-worker cluster is missing or was lost."""
+
+
+class FallbackWarning(UserWarning):
+    """tfpar runs something other than what the script or config asked (what
+    was asked, what runs instead, how to get what was asked). Escalate with
+    ``warnings.simplefilter("error", tfpar.FallbackWarning)``, or make every
+    fallback a ``PlanError`` with ``strict: true`` (``tfpar.fallback``)."""

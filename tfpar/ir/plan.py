@@ -66,6 +66,8 @@ class Plan:
       batch_shares: per replica of the model, its integer weight in the global
         batch (rows in proportion, ``balance.hardware_aware`` on mixed
         devices: Whale §3.3.1); empty: even rows.
+      notes: what tfpar runs other than what the script or config asked
+        (``tfpar.fallback``), each as it was warned.
     """
 
     task_graphs: Tuple[TaskGraphPlan, ...]
@@ -76,6 +78,7 @@ class Plan:
     estimate: Dict[str, Any] = dataclasses.field(default_factory=dict)
     sharding: Dict[str, Any] = dataclasses.field(default_factory=dict)
     batch_shares: Tuple[int, ...] = ()
+    notes: Tuple[str, ...] = ()
 
     def to_dict(self) -> Dict[str, Any]:
         """The plan as the JSON-ready dict of DESIGN.md."""
@@ -105,6 +108,7 @@ class Plan:
             "estimate": dict(self.estimate),
             "sharding": dict(self.sharding),
             "batch_shares": list(self.batch_shares),
+            "notes": list(self.notes),
         }
 
     def to_json(self, indent: Optional[int] = 2) -> str:
@@ -137,7 +141,8 @@ class Plan:
                    group_size=pipeline.get("group_size", 1),
                    estimate=dict(data.get("estimate", {})),
                    sharding=dict(data.get("sharding", {})),
-                   batch_shares=tuple(data.get("batch_shares", ())))
+                   batch_shares=tuple(data.get("batch_shares", ())),
+                   notes=tuple(data.get("notes", ())))
 
     def simulate(self, forward_time=None, backward_time=None, transfer_time: float = 0.0):
         """Simulate one step of the plan's pipeline schedule (one replica).
@@ -214,6 +219,7 @@ class Plan:
             if step is None:
                 lines.append("  (only auto.auto_parallel plans are costed; "
                              "plans from scopes or config are not)")
+        lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -8,6 +8,7 @@ from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 from tensorflow.python.eager import context
 from tensorflow.python.framework import ops
 
+from tfpar import fallback
 from tfpar.cluster.virtual_device import assign_devices
 from tfpar.errors import ClusterError, ConfigError, PlanError
 from tfpar.hooks.batch_shapes import relaxed_dataset
@@ -343,7 +344,7 @@ def _planned(graph: ops.Graph, capture: GraphCapture, rt: Runtime):
     shares = batch_shares(index, capture, rt, plan)
     if shares:
         plan = dataclasses.replace(plan, batch_shares=shares)
-    return plan, index, stage_of, group_costs
+    return dataclasses.replace(plan, notes=fallback.notes(graph)), index, stage_of, group_costs
 
 
 def _check_recompute(rt: Runtime) -> None:
@@ -660,7 +661,7 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
                             zero=cfg.get("memory.zero") or _planned_zero(
                                 techniques, reducer_for, placement.stage_devices[0]),
                             precision=applied_option(cfg, rt.device_type))
-    capture.plan = plan
+    capture.plan = dataclasses.replace(plan, notes=fallback.notes(graph))  # the rewrite's too
     capture.rewrite = FetchTranslator(graph, rewrite, plan.group_size)
     capture.retuner = _retuner(graph, capture, rt, plan, index, stage_of, group_costs)
     log.info("tfpar rewrote the graph:\n%s", plan.summary())
