@@ -40,6 +40,7 @@ from tensorflow.python.framework import dtypes, ops
 from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.util import nest
 
+from tfpar import fallback
 from tfpar.analysis.batch_axes import BatchAxes
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture
@@ -51,10 +52,10 @@ from tfpar.rewriters.layout import Layout
 from tfpar.rewriters.merge import merge_step_tensor
 from tfpar.rewriters.pipeline import lower_schedule, stage_tasks, task_ops
 from tfpar.rewriters.replica_sync import add_replica_sync
-from tfpar.rewriters.select import (GraphIndex, Selection, gradient_tensors, is_resource_variable,
-                                   select_replication)
+from tfpar.rewriters.select import GraphIndex, Selection, gradient_tensors, select_replication
 from tfpar.rewriters.stages import Placement, host_device
 from tfpar.rewriters.task_functions import call_tasks, task_order
+from tfpar.rewriters.tied_weights import reduce_per_stage
 from tfpar.rewriters.zero import Sharding, plan_sharding, refuse_unshardable, shard_updates
 
 __all__ = ["DataParallelRewrite", "offload_optimizer", "replicate"]
@@ -88,6 +89,9 @@ class DataParallelRewrite:
         versions' values are already multiplied by the version weight.
       summed_grads: raw gradients of batch-sum losses, whose versions weigh 1
         (when gradients, not seeds, are weighted).
+      gradient_terms: raw gradient tensor that is one stage's term of a
+        variable's gradient summed across stages -> that gradient's tensor
+        (``tied_weights``).
       original_inputs: step op -> its inputs as the script built them (the
         rewrite reroutes the originals' to their rows and stages).
       original_controls: step op -> its control inputs as the script built them.
@@ -126,6 +130,8 @@ class DataParallelRewrite:
     merged: Dict[tensor_lib.Tensor, tensor_lib.Tensor] = dataclasses.field(default_factory=dict)
     seed_weighted: Set[ops.Operation] = dataclasses.field(default_factory=set)
     summed_grads: Set[tensor_lib.Tensor] = dataclasses.field(default_factory=set)
+    gradient_terms: Dict[tensor_lib.Tensor, tensor_lib.Tensor] = dataclasses.field(
+        default_factory=dict)
     original_inputs: Dict[ops.Operation, List[tensor_lib.Tensor]] = dataclasses.field(
         default_factory=dict)
     original_controls: Dict[ops.Operation, List[ops.Operation]] = dataclasses.field(
@@ -247,7 +253,8 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
     global_steps |= {c.global_step.op for c in capture.apply_calls if c.global_step is not None}
     shared = {v.op for key in (ops.GraphKeys.LOCAL_VARIABLES, ops.GraphKeys.METRIC_VARIABLES)
               for v in graph.get_collection(key)}
-    sel = select_replication(graph, capture, index, global_steps, shared)
+    sel, terms = reduce_per_stage(select_replication(graph, capture, index, global_steps, shared),
+                                  placement.stage)
     layout = Layout(placement.num_replicas, num_micro_batch, placement.widths)
     stages = range(placement.num_stages)
     rw = DataParallelRewrite(
@@ -257,7 +264,7 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
         mirrored=(reducer_for(placement.stage_devices[0]).mirrors_variables
                   and max(map(len, placement.stage_devices)) > 1), processes=processes,
         weight_tasks=any(task.kind == "W" for tasks in schedule for task in tasks),
-        precision=precision)
+        precision=precision, gradient_terms=terms)
     for op in sel.step_ops + sel.update_ops + sel.variables:
         if op.type != "Placeholder":  # a tf.function's variable stays where it was made
             graph_edit.set_device(op, placement.device(op))
@@ -308,7 +315,7 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
         if rw.mirrored:
             _clone_variables(graph, rw)
         tasks = stage_tasks(rw, capture, index)
-        order = task_order(rw, tasks) if functions and _passable(sel, placement) else None
+        order = _task_order_or_say(graph, rw, tasks) if functions else None
         seeds = scale_seeds(rw, capture, index)
         if order is not None:
             rw.functions = True
@@ -467,10 +474,18 @@ def _clone_stage(graph: ops.Graph, rw: DataParallelRewrite, stage: int) -> None:
             functools.partial(placement.device, index=j), imap)
 
 
-def _passable(sel: Selection, placement: Placement) -> bool:
-    """Whether tasks can be functions: no split stage (its ops span a device
-    group), every variable a resource variable (a reference cannot be passed)."""
-    return not placement.split_groups and all(map(is_resource_variable, sel.variables))
+def _task_order_or_say(graph: ops.Graph, rw: DataParallelRewrite, tasks) -> Optional[list]:
+    """The order to define the task functions in (``task_functions.task_order``);
+    where tasks cannot be functions, None, said (``fallback``) when copies are
+    many: a stage with more than one version."""
+    order, why = task_order(rw, tasks)
+    if order is None and max(map(rw.layout.num_versions, range(rw.placement.num_stages))) > 1:
+        fallback.fall_back(
+            "pipeline.task_functions: each replica and micro-batch of a TaskGraph as a call of "
+            "its task functions",
+            f"they are copies of its ops (graph size and start-up grow with them), because {why}",
+            "To ask for copies (and silence this), set pipeline.task_functions to false", graph)
+    return order
 
 
 def _variable_copies(rw: DataParallelRewrite, stage: int, device: int) -> Dict:

@@ -50,6 +50,8 @@ def scale_seeds(rw, capture: GraphCapture, index: GraphIndex) -> List[tensor_lib
                             f"TaskGraphs of different widths {rw.layout.widths}")
         rw.summed_grads = {t for call in capture.gradient_calls if id(call) in summed
                            for g in call.grads if g is not None for t in gradient_tensors(g)}
+        rw.summed_grads |= {t for t, whole in rw.gradient_terms.items()
+                            if whole in rw.summed_grads}
         return []
     rw.seed_weighted = downstream
     unweighted = {s for call in capture.gradient_calls if id(call) in summed for s in call.seeds}

@@ -2,8 +2,12 @@
 
 A stage is a TaskGraph (Whale §3.1.2: TaskGraphs in creation order form the
 pipeline). Ops the user built under a scope carry its TaskGraph; the hooks give
-backward ops the TaskGraph of the forward op they differentiate. The rest is
-inferred here, in graph order:
+backward ops the TaskGraph of the forward op they differentiate, and other
+backward ops that of their first input. A sum ``tf.gradients`` made of a
+tensor's gradient contributions (an ``AddN`` outside every gradient function)
+joins the earliest stage among its inputs instead: from a later one (a skip
+connection across stages), the two stages' backward tasks would wait on each
+other. The rest is inferred here, in graph order:
 
 * a recomputed copy of a forward op (``memory.recompute``) joins the stage of
   the op it copies;
@@ -17,6 +21,13 @@ inferred here, in graph order:
 * an op none of these place (a constant, a gradient seed built from
   constants, an input) joins the earliest stage among its consumers, else the
   latest among its inputs, else stage 0.
+
+Then optimizer state and updates join their variable's stage, whatever scope
+built them (an optimizer built inside the last stage's scope; a variable made
+outside every scope and read by several stages): an apply-phase op joins the
+stage of the op it is colocated with (a slot: its variable's), else of the
+first variable it reads (an update); and so does a variable's gradient that
+sums contributions of several stages (tied weights, ``tied_weights``).
 """
 import dataclasses
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -28,6 +39,7 @@ from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture
 from tfpar.ir.taskgraph import Phase
 from tfpar.rewriters.select import GraphIndex, is_variable
+from tfpar.rewriters.tied_weights import stage_terms
 
 __all__ = ["Placement", "assign_stages", "backward_dependent", "canonical_device",
            "host_device", "split_op_devices"]
@@ -133,7 +145,9 @@ def assign_stages(index: GraphIndex, capture: GraphCapture, num_stages: int,
     unplaced = []
     for op in index.ops:
         by_name[op.name] = op
-        stage = tagged.get(op.name)
+        stage = _gradient_sum_stage(op, capture, stage_of)
+        if stage is None:
+            stage = tagged.get(op.name)
         if stage is None:  # a recomputed copy: its original's
             stage = stage_of.get(by_name.get(capture.copied_from.get(op.name)))
         if stage is None:
@@ -151,8 +165,41 @@ def assign_stages(index: GraphIndex, capture: GraphCapture, num_stages: int,
     for op in unplaced:  # the rest follow their inputs, as placed by now
         stage_of[op] = resolved.get(op, max(
             (stage_of[t.op] for t in op.inputs if t.op in stage_of), default=0))
+    _follow_variables(index, capture, stage_of, by_name)
     _check_order(index, capture, stage_of, names)
     return stage_of
+
+
+def _follow_variables(index: GraphIndex, capture: GraphCapture, stage_of, by_name) -> None:
+    """Optimizer state, updates and tied gradient sums join their variable's
+    stage (module docstring)."""
+    for op in index.ops:
+        if capture.op_phase.get(op.name) != Phase.APPLY:
+            continue
+        owners = [by_name.get(name) for name in _colocation(op)]
+        owners += [t.op for t in op.inputs if is_variable(t.op)]
+        owner = next((x for x in owners if x in stage_of and x is not op), None)
+        if owner is not None:
+            stage_of[op] = stage_of[owner]
+    for call in capture.gradient_calls:
+        for x, g in zip(call.xs, call.grads):
+            var = getattr(x, "op", None)
+            found = (stage_terms(g, stage_of.get)
+                     if g is not None and var in stage_of and is_variable(var) else None)
+            for op in found[1] if found else ():
+                stage_of[op] = stage_of[var]
+
+
+def _gradient_sum_stage(op: ops.Operation, capture: GraphCapture, stage_of) -> Optional[int]:
+    """The earliest stage among the inputs of a sum ``tf.gradients`` made of a
+    tensor's gradient contributions (an ``AddN`` outside any gradient
+    function), else None. Tagged by its first input, it could sit in a later
+    stage than another input's, and the backward tasks of the two stages
+    would wait on each other (a skip connection across stages)."""
+    if (op.type != "AddN" or capture.op_phase.get(op.name) != Phase.BACKWARD
+            or op.name in capture.differentiates):
+        return None
+    return min((stage_of[t.op] for t in op.inputs if t.op in stage_of), default=None)
 
 
 def _inferred_stage(op: ops.Operation, stage_of, by_name) -> Optional[int]:

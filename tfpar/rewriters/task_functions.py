@@ -38,6 +38,7 @@ from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import gen_resource_variable_ops, gen_state_ops
 
 from tfpar.rewriters.gradients import scale_seed
+from tfpar.rewriters.select import is_resource_variable
 
 __all__ = ["TaskFunction", "call_task", "call_tasks", "define_task", "task_order"]
 
@@ -216,10 +217,24 @@ def call_task(graph: ops.Graph, fn: TaskFunction, arguments: Sequence[tensor_lib
     return result
 
 
-def task_order(rw, tasks: Dict[Key, List[ops.Operation]]) -> Optional[List[Key]]:
-    """The tasks in an order where each comes after every task it reads from
-    (data or control), or None when they read from each other both ways
-    (a task is called whole, so such tasks cannot be functions)."""
+def task_order(rw, tasks: Dict[Key, List[ops.Operation]]) -> Tuple[Optional[List[Key]], str]:
+    """(the tasks in an order where each comes after every task it reads from
+    (data or control), "") or, when they cannot be functions, (None, why,
+    naming the culprit): a split stage (its ops span a device group), a
+    reference variable (a call cannot take one), tasks reading from each
+    other both ways (a task is called whole)."""
+    placement = rw.placement
+    if placement.split_groups:
+        stage = min(placement.split_groups)
+        return None, (f"TaskGraph '{placement.task_graph_names[stage]}' is split: its ops span "
+                      "a group of devices, which one call cannot (split TaskGraphs have no "
+                      "task functions yet)")
+    reference = next((v for v in rw.selection.variables if not is_resource_variable(v)), None)
+    if reference is not None:
+        return None, (f"variable '{reference.name}' is a reference variable, which a call cannot "
+                      "take (make variables resource variables: "
+                      "tf.compat.v1.enable_resource_variables() before building, or "
+                      "get_variable(..., use_resource=True))")
     owner = {op: key for key, members in tasks.items() for op in members}
     dag = nx.DiGraph()
     dag.add_nodes_from(tasks)
@@ -227,10 +242,24 @@ def task_order(rw, tasks: Dict[Key, List[ops.Operation]]) -> Optional[List[Key]]
         for op in members:
             for src in [t.op for t in rw.built_inputs(op)] + rw.built_controls(op):
                 if owner.get(src, key) != key:
-                    dag.add_edge(owner[src], key)
-    if not nx.is_directed_acyclic_graph(dag):
-        return None
-    return list(nx.lexicographical_topological_sort(dag))
+                    dag.add_edge(owner[src], key, reads=(op, src))
+    try:
+        cycle = nx.find_cycle(dag)
+    except nx.NetworkXNoCycle:
+        return list(nx.lexicographical_topological_sort(dag)), ""
+    (source, target), through = cycle[0][:2], [edge[1] for edge in cycle[1:-1]]
+    reader, read = dag.edges[source, target]["reads"]
+    return None, (f"'{reader.name}' in {_task_name(rw, target)} reads '{read.name}' from "
+                  f"{_task_name(rw, source)}, which needs {_task_name(rw, target)} first"
+                  + (f" (through {', '.join(_task_name(rw, key) for key in through)})"
+                     if through else "") + " (build each stage's ops under its own scope, so that "
+                  "tensors flow one way between stages: forward to later stages, gradients back)")
+
+
+def _task_name(rw, key: Key) -> str:
+    stage, kind = key
+    what = {"F": "forward", "B": "backward", "W": "weight gradients"}[kind]
+    return f"the {what} of TaskGraph '{rw.placement.task_graph_names[stage]}'"
 
 
 def call_tasks(graph: ops.Graph, rw, tasks: Dict[Key, List[ops.Operation]], order: List[Key],
