@@ -1,11 +1,20 @@
 """VirtualDevice generation (Whale §3.2.1).
 
 Each TaskGraph i asks for d_i devices. Devices are taken in order, disjoint
-when ``sum(d_i) <= K``; when the requests add up to more than the K devices but
-each fits (Whale Example 2 gives both scopes ``total_gpu``), or when sharing is
-forced, every TaskGraph takes its devices from the start of the list. When K is
-a multiple of the devices one model copy uses, the whole model is replicated
-``K // used`` times (nested data parallelism) on the following devices.
+when ``sum(d_i) <= K``. When the requests add up to more than the K devices
+but each fits, TaskGraphs share devices (Whale lets VirtualDevices overlap):
+
+* all asking for the same d (more ``replicate(1)`` stages than devices): the
+  devices form ``K // d`` groups of d, and consecutive TaskGraphs share a
+  group, TaskGraph i of n taking group ``i * groups // n``, so a pipeline
+  still spans every group (5 stages on 4 devices: the first two share one);
+  Whale Example 2 (both scopes ``total_gpu``) is the case of one group;
+* else every TaskGraph takes its devices from the start of the list.
+
+Sharing is forced by ``cluster.colocate_split_and_replicate``: every TaskGraph
+from the start. When K is a multiple of the devices one model copy uses, the
+whole model is replicated ``K // used`` times (nested data parallelism) on
+the following devices; otherwise the devices past ``used`` stay idle.
 """
 import dataclasses
 from typing import Optional, Sequence, Tuple
@@ -55,14 +64,15 @@ def assign_devices(requests: Sequence[Tuple[str, Optional[int]]], devices: Seque
                 f"TaskGraph '{name}' asks for {count} devices but only {k} exist "
                 f"({', '.join(devices)}); lower device_count or set cluster.num_devices")
         counts.append(count)
-    shared = share or sum(counts) > k
-    used = max(counts) if shared else sum(counts)
+    if share or sum(counts) <= k or len(set(counts)) > 1:
+        shared = share or sum(counts) > k
+        used = max(counts) if shared else sum(counts)
+        starts = [0 if shared else sum(counts[:i]) for i in range(len(counts))]
+    else:  # consecutive TaskGraphs share groups of counts[0] devices
+        groups = k // counts[0]
+        used = groups * counts[0]
+        starts = [i * groups // len(counts) * counts[0] for i in range(len(counts))]
     nested = k // used if k % used == 0 else 1
-    per_tg = []
-    offset = 0
-    for count in counts:
-        start = 0 if shared else offset
-        per_tg.append(tuple(tuple(devices[j * used + start: j * used + start + count])
-                            for j in range(nested)))
-        offset += count
-    return DeviceAssignment(nested_dp=nested, virtual_devices=tuple(per_tg))
+    per_tg = tuple(tuple(tuple(devices[j * used + start: j * used + start + count])
+                         for j in range(nested)) for start, count in zip(starts, counts))
+    return DeviceAssignment(nested_dp=nested, virtual_devices=per_tg)

@@ -1,12 +1,14 @@
 """Plan from the user's scopes (no search): VirtualDevices + simple estimates."""
 import dataclasses
 import math
-from typing import Dict, List, Sequence
+from typing import Any, Dict, List, Sequence
 
+from tfpar import fallback
 from tfpar.cluster.hardware import device_hardware
 from tfpar.cluster.virtual_device import assign_devices
 from tfpar.config import Config
 from tfpar.errors import PlanError
+from tfpar.ir.compact import device_ranges
 from tfpar.ir.plan import Plan, TaskGraphPlan
 from tfpar.ir.taskgraph import Strategy, TaskGraphSpec
 from tfpar.planner.balance import well_formed_shares
@@ -16,7 +18,8 @@ __all__ = ["plan_from_annotations"]
 
 
 def plan_from_annotations(specs: Sequence[TaskGraphSpec], devices: Sequence[str],
-                          config: Config, stats: Dict[str, Sequence[int]]) -> Plan:
+                          config: Config, stats: Dict[str, Sequence[int]],
+                          graph: Any = None) -> Plan:
     """Turn annotated TaskGraphs into a Plan: one TaskGraph is data parallelism
     (with gradient accumulation when micro-batched); several form a pipeline,
     one stage per TaskGraph in creation order (Whale §3.1.2), replicated whole
@@ -29,6 +32,8 @@ def plan_from_annotations(specs: Sequence[TaskGraphSpec], devices: Sequence[str]
       stats: per TaskGraph, ``num_ops`` and ``param_bytes`` (trainable, one copy);
         ``split`` maps a split TaskGraph's index to (the devices its shards were
         built on, its chosen patterns, its shard shares).
+      graph: the graph planned: devices the scopes' TaskGraphs share without
+        asking, or leave idle, are said of it (``fallback``).
 
     Raises:
       PlanError: the annotations need a feature this build does not provide yet,
@@ -41,6 +46,8 @@ def plan_from_annotations(specs: Sequence[TaskGraphSpec], devices: Sequence[str]
                                                  pinned.group_size)
     else:
         tgs = _annotated_task_graphs(specs, devices, config, stats.get("split", {}))
+        if graph is not None:
+            _say_devices(tgs, devices, config.get("cluster.colocate_split_and_replicate"), graph)
         num_micro_batch = config.get("pipeline.num_micro_batch")
         schedule, group_size = config.get("pipeline.schedule"), config.get("pipeline.group_size")
         schedule = "1f1b" if schedule == "auto" else schedule
@@ -110,6 +117,37 @@ def _annotated_task_graphs(specs, devices, config, split) -> List[TaskGraphPlan]
                                      device_count=len(vds[0]),
                                      replicas=tuple((d,) for vd in vds for d in vd)))
     return tgs
+
+
+def _say_devices(tgs: Sequence[TaskGraphPlan], devices: Sequence[str], share: bool,
+                 graph: Any) -> None:
+    """Say (``fallback``) that TaskGraphs share devices they asked for one by
+    one (their requests add up to more than exist), and which devices no
+    TaskGraph uses."""
+    k, counts = len(devices), [tg.device_count for tg in tgs]
+    if not share and sum(counts) > k and min(counts) < k:
+        runs: List[List[TaskGraphPlan]] = []
+        for tg in tgs:
+            if runs and runs[-1][-1].devices == tg.devices:
+                runs[-1].append(tg)
+            else:
+                runs.append([tg])
+        fallback.fall_back(
+            f"{len(tgs)} TaskGraphs asking for {sum(counts)} devices in all, on {k}",
+            "they share devices: " + "; ".join(
+                ", ".join(f"'{tg.name}'" for tg in run) + f" on {device_ranges(run[0].devices)}"
+                for run in runs),
+            f"For devices of their own, use {sum(counts)} devices (cluster.num_devices) or "
+            "fewer scopes", graph)
+    used = {d for tg in tgs for d in tg.devices}
+    idle = [d for d in devices if d not in used]
+    if idle:
+        fallback.fall_back(
+            f"{k} devices", f"{device_ranges(idle)} left idle: one copy of the model uses "
+            f"{len(used)}, and {k} is not a multiple of {len(used)}, so the model is not "
+            "replicated on the rest (nested data parallelism)",
+            f"Use a multiple of {len(used)} devices (cluster.num_devices), or ask for the idle "
+            "ones in a scope (a larger replicate(n))", graph)
 
 
 def _by_memory_for_stages(devices: Sequence[str], hardware, assignment) -> List[str]:

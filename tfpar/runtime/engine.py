@@ -328,7 +328,7 @@ def _planned(graph: ops.Graph, capture: GraphCapture, rt: Runtime):
     stage_of = assign_stages(index, capture, len(specs), [s.name for s in specs],
                              automatic.tags if automatic is not None else None)
     plan = plan_from_annotations(specs, rt.devices, planned_config(rt, automatic),
-                                 _stats(graph, capture, index, stage_of, len(specs)))
+                                 _stats(graph, capture, index, stage_of, len(specs)), graph)
     if automatic is not None and automatic.runnable is not None:
         runnable = automatic.runnable
         plan = dataclasses.replace(plan, estimate=estimate_of(runnable, rt), task_graphs=tuple(
