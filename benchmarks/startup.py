@@ -11,7 +11,13 @@ step), is trained in each configuration:
     attention and feed-forward blocks split evenly, 3 layers each by default;
     the loss in the last; the optimizer outside every scope) on 4 devices,
     default schedule (1F1B), ``pipeline.num_micro_batch`` 4, 8, 32;
-  * ``ga_m32``: gradient accumulation, no scopes, 1 device, 32 micro-batches.
+  * ``ga_m32``: gradient accumulation, no scopes, 1 device, 32 micro-batches;
+  * ``gpt_plain``, ``gpt4_m8``, ``gpt4_m32``: a GPT with tied embeddings (issue 48
+    item 6): token ids in, ``--vocab`` x ``--hidden`` token and position
+    embeddings, the same blocks with a causal mask, the output projection
+    ``matmul(h, wte, transpose_b=True)`` and a next-token cross-entropy; plain TF,
+    then 4 ``wh.replicate(1)`` stages (the embeddings in the first, the tied
+    projection and the loss in the last) with 8 and 32 micro-batches.
 
 Every configuration runs in its own fresh process (no TF caches shared), given
 ``--timeout`` seconds; one that times out or fails reports n/a and misses its
@@ -28,11 +34,13 @@ targets. Each process measures, with 4 logical CPU devices where it uses 4:
     first step, i.e. after the rewrite;
   * the losses of steps 0 and 1, which must match plain TF's (rtol 1e-4).
 
-The ratios come from one run (every configuration once, in the order above).
-Targets (``TARGETS``, at most): pipe4_m8 start-up / plain 3; pipe4_m32 /
-pipe4_m8 start-up 1.5; pipe4_m8 step / plain 1.3; pipe4_m32 / pipe4_m8 ops
-1.10. ``--check`` prints PASS/FAIL per target and exits 1 when one is missed or
-a configuration's losses differ from plain TF's. Progress goes to stderr.
+The ratios come from one run (every configuration once, in the order above),
+each against the plain TF run of its model. Targets (``TARGETS``, at most):
+pipe4_m8 start-up / plain 3; pipe4_m32 / pipe4_m8 start-up 1.5; pipe4_m8 step /
+plain 1.3; pipe4_m32 / pipe4_m8 ops 1.10; gpt4_m8 start-up / gpt_plain 3;
+gpt4_m32 / gpt4_m8 ops 1.10. ``--check`` prints PASS/FAIL per target and exits
+1 when one is missed or a configuration's losses differ from its plain run's.
+Progress goes to stderr.
 
     python benchmarks/startup.py [--quick] [--check] [--json]
 
@@ -60,19 +68,23 @@ from overhead import _dense, layer_norm  # noqa: E402
 v1 = tf.compat.v1
 
 HEADS, STAGES, WARMUP, RTOL = 4, 4, 2, 1e-4
-# name: (tfpar config or None for plain TF, logical CPU devices, pipeline stages)
+# name: (tfpar config or None for plain TF, logical CPU devices, pipeline stages, model)
 CONFIGS = {
-    "plain": (None, 1, 0),
-    "dp4": ({"cluster.num_devices": 4}, 4, 0),
-    **{f"pipe4_m{m}": ({"cluster.num_devices": 4, "pipeline.num_micro_batch": m}, 4, STAGES)
-       for m in (4, 8, 32)},
-    "ga_m32": ({"cluster.num_devices": 1, "pipeline.num_micro_batch": 32}, 1, 0),
+    "plain": (None, 1, 0, "transformer"),
+    "dp4": ({"cluster.num_devices": 4}, 4, 0, "transformer"),
+    **{f"pipe4_m{m}": ({"cluster.num_devices": 4, "pipeline.num_micro_batch": m}, 4, STAGES,
+                       "transformer") for m in (4, 8, 32)},
+    "ga_m32": ({"cluster.num_devices": 1, "pipeline.num_micro_batch": 32}, 1, 0, "transformer"),
+    "gpt_plain": (None, 1, 0, "gpt"),
+    **{f"gpt4_m{m}": ({"cluster.num_devices": 4, "pipeline.num_micro_batch": m}, 4, STAGES,
+                      "gpt") for m in (8, 32)},
 }
 TARGETS = {"startup_m8_plain": 3.0, "startup_m32_m8": 1.5, "step_m8_plain": 1.3,
-           "ops_m32_m8": 1.10}
+           "ops_m32_m8": 1.10, "gpt_startup_m8_plain": 3.0, "gpt_ops_m32_m8": 1.10}
 SIZES = {"layers": (12, 2, f"transformer layers (>= {STAGES // 2})"),
          "hidden": (256, 32, f"hidden size (a multiple of {HEADS} heads)"),
          "seq": (64, 8, "sequence length"), "batch": (64, 32, "global batch (a multiple of 32)"),
+         "vocab": (4096, 64, "the GPT's vocabulary"),
          "steps": (5, 3, "timed steps per configuration"),
          "timeout": (900, 300, "seconds a configuration may take before it is abandoned")}
 COLUMNS = [("config", "config", ""), ("start-up s", "startup_s", ".2f"),
@@ -82,55 +94,99 @@ COLUMNS = [("config", "config", ""), ("start-up s", "startup_s", ".2f"),
            ("same loss", "same_loss", "")]
 
 
-def build(args, stages):
-    """(x, target, loss, train_op) in the default graph: the transformer, its 2 x
-    ``--layers`` residual blocks (attention, feed-forward) split evenly over ``stages``
-    ``wh.replicate(1)`` scopes (none when 0), the loss in the last one."""
+def attention(h, i, args, causal=False):
+    """A pre-LN self-attention block ``attn_{i}`` with a residual; ``causal``
+    masks later positions."""
     hidden, seq, dh = args.hidden, args.seq, args.hidden // HEADS
-    x = v1.placeholder(tf.float32, [None, seq, hidden], name="x")
-    target = v1.placeholder(tf.float32, [None, seq, hidden], name="target")
 
     def heads_first(t):  # [B, S, H] -> [B, heads, S, dh]
         return tf.transpose(tf.reshape(t, [-1, seq, HEADS, dh]), [0, 2, 1, 3])
 
-    def attention(h, i):
-        with v1.variable_scope(f"attn_{i}"):
-            a = layer_norm(h, "ln")
-            q, k, v = (heads_first(_dense(a, hidden, n, seed=10 * i + j))
-                       for j, n in enumerate(("q", "k", "v")))
-            att = tf.nn.softmax(tf.matmul(q, k, transpose_b=True) / math.sqrt(dh))
-            ctx = tf.reshape(tf.transpose(tf.matmul(att, v), [0, 2, 1, 3]), [-1, seq, hidden])
-            return h + _dense(ctx, hidden, "out", seed=10 * i + 3)
+    with v1.variable_scope(f"attn_{i}"):
+        a = layer_norm(h, "ln")
+        q, k, v = (heads_first(_dense(a, hidden, n, seed=10 * i + j))
+                   for j, n in enumerate(("q", "k", "v")))
+        scores = tf.matmul(q, k, transpose_b=True) / math.sqrt(dh)
+        if causal:
+            mask = tf.linalg.band_part(tf.ones([seq, seq]), -1, 0)
+            scores = scores * mask - 1e9 * (1 - mask)
+        ctx = tf.reshape(tf.transpose(tf.matmul(tf.nn.softmax(scores), v), [0, 2, 1, 3]),
+                         [-1, seq, hidden])
+        return h + _dense(ctx, hidden, "out", seed=10 * i + 3)
 
-    def feed_forward(h, i):
-        with v1.variable_scope(f"ffn_{i}"):
-            f = _dense(layer_norm(h, "ln"), 4 * hidden, "in", seed=10 * i + 4,
-                       activation=tf.nn.gelu)
-            return h + _dense(f, hidden, "out", seed=10 * i + 5)
 
-    h, groups, blocks = x, max(stages, 1), 2 * args.layers
+def feed_forward(h, i, args):
+    """A pre-LN feed-forward block ``ffn_{i}`` (4x wide, gelu) with a residual."""
+    with v1.variable_scope(f"ffn_{i}"):
+        f = _dense(layer_norm(h, "ln"), 4 * args.hidden, "in", seed=10 * i + 4,
+                   activation=tf.nn.gelu)
+        return h + _dense(f, args.hidden, "out", seed=10 * i + 5)
+
+
+def staged_blocks(args, stages, start, finish, causal=False):
+    """``finish`` of the 2 x ``--layers`` blocks (attention, feed-forward) on
+    ``start()``, split evenly over ``stages`` ``wh.replicate(1)`` scopes (none
+    when 0): ``start()`` runs in the first scope, ``finish`` (the loss) in the
+    last."""
+    groups, blocks = max(stages, 1), 2 * args.layers
     for s in range(groups):
         with wh.replicate(1) if stages else contextlib.nullcontext():
+            h = start() if s == 0 else h
             for b in range(s * blocks // groups, (s + 1) * blocks // groups):
-                h = (attention, feed_forward)[b % 2](h, b // 2)
+                h = (attention(h, b // 2, args, causal) if b % 2 == 0
+                     else feed_forward(h, b // 2, args))
             if s == groups - 1:
-                loss = tf.reduce_mean(tf.square(layer_norm(h, "ln_final") - target))
-    return x, target, loss, v1.train.AdamOptimizer(1e-4).minimize(loss)
+                result = finish(h)
+    return result
+
+
+def build(args, stages):
+    """(feeds of a batch, loss, train_op) in the default graph: the
+    transformer, float inputs and targets, MSE loss."""
+    x = v1.placeholder(tf.float32, [None, args.seq, args.hidden], name="x")
+    target = v1.placeholder(tf.float32, [None, args.seq, args.hidden], name="target")
+    loss = staged_blocks(args, stages, lambda: x, lambda h: tf.reduce_mean(
+        tf.square(layer_norm(h, "ln_final") - target)))
+    rng = np.random.RandomState(0)
+    feed = {t: rng.randn(args.batch, args.seq, args.hidden).astype(np.float32)
+            for t in (x, target)}
+    return feed, loss, v1.train.AdamOptimizer(1e-4).minimize(loss)
+
+
+def build_gpt(args, stages):
+    """(feeds of a batch, loss, train_op): the GPT with tied embeddings (module
+    doc), the embeddings in the first scope, the tied projection in the last."""
+    ids = v1.placeholder(tf.int64, [None, args.seq], name="ids")
+    embedding = {}
+
+    def embed():
+        embedding["wte"] = v1.get_variable("wte", [args.vocab, args.hidden],
+                                           initializer=v1.random_normal_initializer(0, 0.02, 1))
+        wpe = v1.get_variable("wpe", [args.seq, args.hidden],
+                              initializer=v1.random_normal_initializer(0, 0.01, 2))
+        return tf.gather(embedding["wte"], ids) + wpe
+
+    def loss_of(h):
+        flat = tf.reshape(layer_norm(h, "ln_final"), [-1, args.hidden])
+        logits = tf.reshape(tf.matmul(flat, embedding["wte"], transpose_b=True),
+                            [-1, args.seq, args.vocab])
+        return v1.losses.sparse_softmax_cross_entropy(ids[:, 1:], logits[:, :-1])
+
+    loss = staged_blocks(args, stages, embed, loss_of, causal=True)
+    feed = {ids: np.random.RandomState(0).randint(0, args.vocab, (args.batch, args.seq))}
+    return feed, loss, v1.train.AdamOptimizer(1e-4).minimize(loss)
 
 
 def run_worker(name, args):
     """Build and train configuration ``name`` in this process; its measurements as a dict."""
-    tfpar_config, devices, stages = CONFIGS[name]
+    tfpar_config, devices, stages, model = CONFIGS[name]
     v1.disable_eager_execution()
-    rng = np.random.RandomState(0)
-    data = [rng.randn(args.batch, args.seq, args.hidden).astype(np.float32) for _ in range(2)]
     graph = tf.Graph()
     with graph.as_default():
         if tfpar_config is not None:
             wh.init(tfpar_config)
-        x, target, loss, train = build(args, stages)
+        feed, loss, train = (build_gpt if model == "gpt" else build)(args, stages)
         init = v1.global_variables_initializer()
-    feed = {x: data[0], target: data[1]}
     start = time.perf_counter()
     sess = v1.Session(graph=graph, config=v1.ConfigProto(device_count={"CPU": devices}))
     sess.run(init)
@@ -161,31 +217,47 @@ def same_loss(r, plain) -> bool:
         math.isclose(a, b, rel_tol=RTOL) for a, b in zip(r["losses"], plain["losses"]))
 
 
+def plain_of(name):
+    """The plain TF configuration of ``name``'s model."""
+    return "gpt_plain" if CONFIGS[name][3] == "gpt" else "plain"
+
+
 def rows_of(results):
-    """Table rows: the measurements, their ratios to plain TF and the loss check."""
-    plain = results["plain"]
-    return [{"config": name, **r, "startup_plain": ratio(r["startup_s"], plain["startup_s"]),
-             "step_ms": r["step_s"] and 1e3 * r["step_s"],
-             "step_plain": ratio(r["step_s"], plain["step_s"]),
-             "graphdef_mb": r["graphdef_bytes"] and r["graphdef_bytes"] / 2 ** 20,
-             "same_loss": same_loss(r, plain)} for name, r in results.items()]
+    """Table rows: the measurements, their ratios to plain TF on the same model
+    and the loss check."""
+    rows = []
+    for name, r in results.items():
+        plain = results[plain_of(name)]
+        rows.append({"config": name, **r, "startup_plain": ratio(r["startup_s"], plain["startup_s"]),
+                     "step_ms": r["step_s"] and 1e3 * r["step_s"],
+                     "step_plain": ratio(r["step_s"], plain["step_s"]),
+                     "graphdef_mb": r["graphdef_bytes"] and r["graphdef_bytes"] / 2 ** 20,
+                     "same_loss": same_loss(r, plain)})
+    return rows
 
 
 def targets(results):
     """(name, measured value, limit) per target of ``TARGETS``."""
     m8, m32, plain = results["pipe4_m8"], results["pipe4_m32"], results["plain"]
+    g8, g32 = results["gpt4_m8"], results["gpt4_m32"]
     return [("pipe4_m8 start-up / plain", ratio(m8["startup_s"], plain["startup_s"]),
              TARGETS["startup_m8_plain"]),
             ("pipe4_m32 / pipe4_m8 start-up", ratio(m32["startup_s"], m8["startup_s"]),
              TARGETS["startup_m32_m8"]),
             ("pipe4_m8 step / plain", ratio(m8["step_s"], plain["step_s"]),
              TARGETS["step_m8_plain"]),
-            ("pipe4_m32 / pipe4_m8 ops", ratio(m32["ops"], m8["ops"]), TARGETS["ops_m32_m8"])]
+            ("pipe4_m32 / pipe4_m8 ops", ratio(m32["ops"], m8["ops"]), TARGETS["ops_m32_m8"]),
+            ("gpt4_m8 start-up / gpt_plain",
+             ratio(g8["startup_s"], results["gpt_plain"]["startup_s"]),
+             TARGETS["gpt_startup_m8_plain"]),
+            ("gpt4_m32 / gpt4_m8 ops", ratio(g32["ops"], g8["ops"]), TARGETS["gpt_ops_m32_m8"])]
 
 
 def print_table(rows, found, args):
     print(f"tfpar start-up (transformer {args.layers}x{args.hidden}, {HEADS} heads, seq "
-          f"{args.seq}, Adam; global batch {args.batch}; step: median of {args.steps} steps)")
+          f"{args.seq}, Adam; gpt: the same with tied {args.vocab}-token embeddings; global "
+          f"batch {args.batch}; step: median of {args.steps} steps; / plain: against plain TF "
+          "on the same model)")
     widths = [max(len(title), 8) for title, _, _ in COLUMNS]
     print("  ".join(f"{title:>{w}}" for (title, _, _), w in zip(COLUMNS, widths)))
     for r in rows:
