@@ -165,6 +165,7 @@ def assign_stages(index: GraphIndex, capture: GraphCapture, num_stages: int,
     for op in unplaced:  # the rest follow their inputs, as placed by now
         stage_of[op] = resolved.get(op, max(
             (stage_of[t.op] for t in op.inputs if t.op in stage_of), default=0))
+    _forward_valued_to_readers(index, capture, stage_of)
     _follow_variables(index, capture, stage_of, by_name)
     _check_order(index, capture, stage_of, names)
     return stage_of
@@ -188,6 +189,28 @@ def _follow_variables(index: GraphIndex, capture: GraphCapture, stage_of, by_nam
                      if g is not None and var in stage_of and is_variable(var) else None)
             for op in found[1] if found else ():
                 stage_of[op] = stage_of[var]
+
+
+def _forward_valued_to_readers(index: GraphIndex, capture: GraphCapture, stage_of) -> None:
+    """Backward ops computed from forward values only (not from a seed),
+    made outside any gradient function ``tf.gradients`` records (a
+    ``tf.GradientTape``'s gradient functions take the shape of a forward
+    input: the tape says not which op they differentiate, and their first
+    input tags them with the stage before), join the earliest stage among
+    their readers."""
+    phase = capture.op_phase
+    seeds = {getattr(s, "op", None) for call in capture.gradient_calls for s in call.seeds}
+    forward_valued = set()
+    for op in index.ops:
+        if (phase.get(op.name) == Phase.BACKWARD and op.name not in capture.differentiates
+                and op not in seeds
+                and all(phase.get(t.op.name) != Phase.BACKWARD or t.op in forward_valued
+                        for t in op.inputs)):
+            forward_valued.add(op)
+    for op in reversed(index.ops):
+        readers = [stage_of[c] for t in op.outputs for c in t.consumers() if c in stage_of]
+        if op in forward_valued and readers:
+            stage_of[op] = min(readers)
 
 
 def _gradient_sum_stage(op: ops.Operation, capture: GraphCapture, stage_of) -> Optional[int]:
