@@ -17,7 +17,9 @@ step), is trained in each configuration:
     embeddings, the same blocks with a causal mask, the output projection
     ``matmul(h, wte, transpose_b=True)`` and a next-token cross-entropy; plain TF,
     then 4 ``wh.replicate(1)`` stages (the embeddings in the first, the tied
-    projection and the loss in the last) with 8 and 32 micro-batches.
+    projection and the loss in the last) with 8 and 32 micro-batches;
+  * ``gpt5_m8``: the GPT in 5 scopes on 4 devices, the embeddings in a scope of
+    their own (the first two scopes share a device), 8 micro-batches.
 
 Every configuration runs in its own fresh process (no TF caches shared), given
 ``--timeout`` seconds; one that times out or fails reports n/a and misses its
@@ -38,7 +40,7 @@ The ratios come from one run (every configuration once, in the order above),
 each against the plain TF run of its model. Targets (``TARGETS``, at most):
 pipe4_m8 start-up / plain 3; pipe4_m32 / pipe4_m8 start-up 1.5; pipe4_m8 step /
 plain 1.3; pipe4_m32 / pipe4_m8 ops 1.10; gpt4_m8 start-up / gpt_plain 3;
-gpt4_m32 / gpt4_m8 ops 1.10. ``--check`` prints PASS/FAIL per target and exits
+gpt4_m32 / gpt4_m8 ops 1.10; gpt5_m8 start-up / gpt_plain 3. ``--check`` prints PASS/FAIL per target and exits
 1 when one is missed or a configuration's losses differ from its plain run's.
 Progress goes to stderr.
 
@@ -78,9 +80,11 @@ CONFIGS = {
     "gpt_plain": (None, 1, 0, "gpt"),
     **{f"gpt4_m{m}": ({"cluster.num_devices": 4, "pipeline.num_micro_batch": m}, 4, STAGES,
                       "gpt") for m in (8, 32)},
+    "gpt5_m8": ({"cluster.num_devices": 4, "pipeline.num_micro_batch": 8}, 4, STAGES, "gpt5"),
 }
 TARGETS = {"startup_m8_plain": 3.0, "startup_m32_m8": 1.5, "step_m8_plain": 1.3,
-           "ops_m32_m8": 1.10, "gpt_startup_m8_plain": 3.0, "gpt_ops_m32_m8": 1.10}
+           "ops_m32_m8": 1.10, "gpt_startup_m8_plain": 3.0, "gpt_ops_m32_m8": 1.10,
+           "gpt5_startup_m8_plain": 3.0}
 SIZES = {"layers": (12, 2, f"transformer layers (>= {STAGES // 2})"),
          "hidden": (256, 32, f"hidden size (a multiple of {HEADS} heads)"),
          "seq": (64, 8, "sequence length"), "batch": (64, 32, "global batch (a multiple of 32)"),
@@ -123,15 +127,19 @@ def feed_forward(h, i, args):
         return h + _dense(f, args.hidden, "out", seed=10 * i + 5)
 
 
-def staged_blocks(args, stages, start, finish, causal=False):
+def staged_blocks(args, stages, start, finish, causal=False, start_alone=False):
     """``finish`` of the 2 x ``--layers`` blocks (attention, feed-forward) on
     ``start()``, split evenly over ``stages`` ``wh.replicate(1)`` scopes (none
-    when 0): ``start()`` runs in the first scope, ``finish`` (the loss) in the
-    last."""
+    when 0): ``start()`` runs in the first scope (``start_alone``: in a scope
+    of its own before them), ``finish`` (the loss) in the last."""
     groups, blocks = max(stages, 1), 2 * args.layers
+    h = None
+    if start_alone:
+        with wh.replicate(1):
+            h = start()
     for s in range(groups):
         with wh.replicate(1) if stages else contextlib.nullcontext():
-            h = start() if s == 0 else h
+            h = start() if h is None else h
             for b in range(s * blocks // groups, (s + 1) * blocks // groups):
                 h = (attention(h, b // 2, args, causal) if b % 2 == 0
                      else feed_forward(h, b // 2, args))
@@ -153,9 +161,10 @@ def build(args, stages):
     return feed, loss, v1.train.AdamOptimizer(1e-4).minimize(loss)
 
 
-def build_gpt(args, stages):
+def build_gpt(args, stages, embedding_alone=False):
     """(feeds of a batch, loss, train_op): the GPT with tied embeddings (module
-    doc), the embeddings in the first scope, the tied projection in the last."""
+    doc), the embeddings in the first scope (``embedding_alone``: in a scope
+    of their own), the tied projection in the last."""
     ids = v1.placeholder(tf.int64, [None, args.seq], name="ids")
     embedding = {}
 
@@ -172,7 +181,7 @@ def build_gpt(args, stages):
                             [-1, args.seq, args.vocab])
         return v1.losses.sparse_softmax_cross_entropy(ids[:, 1:], logits[:, :-1])
 
-    loss = staged_blocks(args, stages, embed, loss_of, causal=True)
+    loss = staged_blocks(args, stages, embed, loss_of, True, embedding_alone)
     feed = {ids: np.random.RandomState(0).randint(0, args.vocab, (args.batch, args.seq))}
     return feed, loss, v1.train.AdamOptimizer(1e-4).minimize(loss)
 
@@ -185,7 +194,8 @@ def run_worker(name, args):
     with graph.as_default():
         if tfpar_config is not None:
             wh.init(tfpar_config)
-        feed, loss, train = (build_gpt if model == "gpt" else build)(args, stages)
+        feed, loss, train = (build(args, stages) if model == "transformer"
+                             else build_gpt(args, stages, model == "gpt5"))
         init = v1.global_variables_initializer()
     start = time.perf_counter()
     sess = v1.Session(graph=graph, config=v1.ConfigProto(device_count={"CPU": devices}))
@@ -219,7 +229,7 @@ def same_loss(r, plain) -> bool:
 
 def plain_of(name):
     """The plain TF configuration of ``name``'s model."""
-    return "gpt_plain" if CONFIGS[name][3] == "gpt" else "plain"
+    return "plain" if CONFIGS[name][3] == "transformer" else "gpt_plain"
 
 
 def rows_of(results):
@@ -250,7 +260,10 @@ def targets(results):
             ("gpt4_m8 start-up / gpt_plain",
              ratio(g8["startup_s"], results["gpt_plain"]["startup_s"]),
              TARGETS["gpt_startup_m8_plain"]),
-            ("gpt4_m32 / gpt4_m8 ops", ratio(g32["ops"], g8["ops"]), TARGETS["gpt_ops_m32_m8"])]
+            ("gpt4_m32 / gpt4_m8 ops", ratio(g32["ops"], g8["ops"]), TARGETS["gpt_ops_m32_m8"]),
+            ("gpt5_m8 start-up / gpt_plain",
+             ratio(results["gpt5_m8"]["startup_s"], results["gpt_plain"]["startup_s"]),
+             TARGETS["gpt5_startup_m8_plain"])]
 
 
 def print_table(rows, found, args):
