@@ -22,12 +22,14 @@ other. The rest is inferred here, in graph order:
   constants, an input) joins the earliest stage among its consumers, else the
   latest among its inputs, else stage 0.
 
-Then optimizer state and updates join their variable's stage, whatever scope
-built them (an optimizer built inside the last stage's scope; a variable made
-outside every scope and read by several stages): an apply-phase op joins the
-stage of the op it is colocated with (a slot: its variable's), else of the
-first variable it reads (an update); and so does a variable's gradient that
-sums contributions of several stages (tied weights, ``tied_weights``).
+Then backward ops that a ``tf.GradientTape`` computed from forward values
+only (a shape) join the earliest stage reading them; and optimizer state and
+updates join their variable's stage, whatever scope built them (an optimizer
+built inside the last stage's scope; a variable made outside every scope and
+read by several stages): an apply-phase op joins the stage of the op it is
+colocated with (a slot: its variable's), else of the first variable it reads
+(an update); and so does a variable's gradient that sums contributions of
+several stages (tied weights, ``tied_weights``).
 """
 import dataclasses
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -208,8 +210,9 @@ def _forward_valued_to_readers(index: GraphIndex, capture: GraphCapture, stage_o
                         for t in op.inputs)):
             forward_valued.add(op)
     for op in reversed(index.ops):
-        readers = [stage_of[c] for t in op.outputs for c in t.consumers() if c in stage_of]
-        if op in forward_valued and readers:
+        readers = [stage_of[c] for t in op.outputs for c in t.consumers()
+                   if c in stage_of] if op in forward_valued else ()
+        if readers:
             stage_of[op] = min(readers)
 
 
