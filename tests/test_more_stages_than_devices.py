@@ -46,16 +46,19 @@ def fallbacks(run):
     return result, [str(w.message) for w in said if issubclass(w.category, wh.FallbackWarning)]
 
 
-def ops_after_rewrite(scopes, config):
-    """Ops of ``gpt(scopes)`` once tfpar rewrote it (at its initializer)."""
+def built(scopes, config, rewrite=True):
+    """(the graph of ``gpt(scopes)`` built under ``config``, its plan), the graph
+    rewritten (at its initializer) if ``rewrite``."""
     graph = tf.Graph()
     with graph.as_default():
         wh.init(config)
         gpt(scopes)(v1.placeholder(tf.int64, [None, DATA[0].shape[-1]]), None)
-        with v1.Session() as sess:
-            sess.run(v1.global_variables_initializer())
+        if rewrite:
+            with v1.Session() as sess:
+                sess.run(v1.global_variables_initializer())
+        plan = wh.current_plan()
     wh.reset()
-    return len(graph.get_operations())
+    return graph, plan
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +82,9 @@ def test_a_tied_gpt_in_five_scopes_on_four_devices(reference):
         "(cluster.num_devices) or fewer scopes"]
     assert entry.rewrite.functions and entry.plan.notes == tuple(said)
     assert_equivalent(reference, result, rtol=1e-4)
-    grown = ops_after_rewrite(FIVE, {**config, "pipeline.num_micro_batch": 8}) - \
-        ops_after_rewrite(FIVE, config)
+    ops = [len(built(FIVE, {**config, "pipeline.num_micro_batch": m})[0].get_operations())
+           for m in (4, 8)]
+    grown = ops[1] - ops[0]
     assert 0 < grown <= 4 * 10 * 2
 
 
@@ -94,14 +98,6 @@ def test_three_stages_on_four_devices_leave_one_idle_and_say_so(reference):
         "ones in a scope (a larger replicate(n))"]
     assert_equivalent(reference, result, rtol=1e-4)
     # On 6 devices the pipeline runs twice (nested data parallelism), silently.
-    plan, said = fallbacks(lambda: plan_of_gpt(THREE, {**config, "cluster.num_devices": 6}))
+    (_, plan), said = fallbacks(lambda: built(THREE, {**config, "cluster.num_devices": 6},
+                                              rewrite=False))
     assert plan.data_parallel_degree == 2 and not said and not plan.notes
-
-
-def plan_of_gpt(scopes, config):
-    with tf.Graph().as_default():
-        wh.init(config)
-        gpt(scopes)(v1.placeholder(tf.int64, [None, DATA[0].shape[-1]]), None)
-        plan = wh.current_plan()
-    wh.reset()
-    return plan
