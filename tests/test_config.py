@@ -76,6 +76,7 @@ def test_defaults():
         "communication": {"backend": "auto", "fusion_mb": 64.0, "timeout_s": 60.0},
         "io": {"shard_dataset": False},
         "plan": None,
+        "strict": False,
     }
 
 
@@ -272,6 +273,7 @@ def test_hardware_aware_puts_the_first_stage_on_more_memory(aware, stage_devices
     ("TFPAR_CLUSTER_NUM_DEVICES", " 8 ", "cluster.num_devices", 8),
     ("TFPAR_CLUSTER_HARDWARE", '["T4", "T4"]', "cluster.hardware", ["T4", "T4"]),
     ("TFPAR_PLAN", '{"task_graphs": []}', "plan", {"task_graphs": []}),
+    ("TFPAR_STRICT", "true", "strict", True),
 ])
 def test_env_override(monkeypatch, var, text, key, value):
     monkeypatch.setenv(var, text)

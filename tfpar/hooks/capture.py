@@ -84,6 +84,9 @@ class GraphCapture:
         # Batch sources declared with a static batch, built with it relaxed
         # (``batch_shapes``): op or iterator name -> the declared size.
         self.declared_batch: Dict[str, int] = {}
+        # Variable op name -> its declared tf.VariableAggregation name ('SUM',
+        # 'MEAN', 'ONLY_FIRST_REPLICA'), where declared (``variable_aggregation``).
+        self.aggregations: Dict[str, str] = {}
         # (indices, values, dense shape) of SparseTensors made of fed
         # placeholders (``sparse_placeholder``): split by rows, as one input.
         self.sparse_feeds: List[Any] = []

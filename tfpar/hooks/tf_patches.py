@@ -24,6 +24,8 @@
   the training function is built before they run the session (``keras_patches``).
 * keras ``Layer.__init__`` / ``__call__``: a layer made or called in a scope
   entered in TF2 eager code is called in that scope in each step (``keras_scopes``).
+* ``ResourceVariable.__init__``: a variable's declared aggregation is
+  recorded (``variable_aggregation``).
 * keras optimizers' slot variables and checkpoint children: slots of split
   weights are numbered as for the whole weight (``optimizer_slots``);
   checkpoint restores, which learn that a whole weight became split
@@ -61,6 +63,7 @@ from tfpar.hooks.optimizer_slots import add_optimizer_slot_patches
 from tfpar.hooks.checkpoint_bindings import add_checkpoint_binding_patches
 from tfpar.hooks.split_patches import add_split_patches
 from tfpar.hooks.step_graphs import is_step_function
+from tfpar.hooks.variable_aggregation import add_variable_aggregation_patches
 from tfpar.ir.taskgraph import Phase
 
 __all__ = ["install", "installed", "uninstall"]
@@ -138,6 +141,7 @@ def install(runtime: Any) -> None:
     add_keras_scope_patches(_patches)
     add_optimizer_slot_patches(_patches)
     add_checkpoint_binding_patches(_patches)
+    add_variable_aggregation_patches(_patches)
 
 
 def uninstall() -> None:

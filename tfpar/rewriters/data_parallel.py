@@ -44,6 +44,8 @@ from tfpar.analysis.batch_axes import BatchAxes
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture
 from tfpar.rewriters import graph_edit
+from tfpar.rewriters.averaged_variables import (average_local_copies, make_local_copies,
+                                               reroute_to_local_copies)
 from tfpar.rewriters.batch_split import split_batch, split_sources
 from tfpar.rewriters.bridge import Bridges
 from tfpar.rewriters.gradients import reduce_gradients, scale_seed, scale_seeds
@@ -107,6 +109,8 @@ class DataParallelRewrite:
         (``zero.Sharding``, ``memory.zero``), or None.
       precision: the grappler option computing in 16 bits, which task
         function calls turn on (``runtime.precision``), or None.
+      local_copies: (stage, version) -> averaged variable's handle -> the
+        handle of the version's local copy (``averaged_variables``).
       edits: number of in-place edits of original ops.
     """
 
@@ -138,6 +142,8 @@ class DataParallelRewrite:
     processes: Any = None
     zero: Optional[Sharding] = None
     precision: Optional[str] = None
+    local_copies: Dict[tuple, Dict[tensor_lib.Tensor, tensor_lib.Tensor]] = dataclasses.field(
+        default_factory=dict)
     edits: int = 0
     _copies: Dict[tuple, Dict] = dataclasses.field(default_factory=dict)
 
@@ -307,6 +313,7 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
         _reroute_batch_inputs(rw, step)
         if rw.mirrored:
             _clone_variables(graph, rw)
+        make_local_copies(graph, rw)
         tasks = stage_tasks(rw, capture, index)
         order = task_order(rw, tasks) if functions and _passable(sel, placement) else None
         seeds = scale_seeds(rw, capture, index)
@@ -325,11 +332,13 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
         else:
             for s in stages:
                 _clone_stage(graph, rw, s)
+            reroute_to_local_copies(rw)
             _connect_stages(rw, crossing, crossing_controls)
             lower_schedule(rw, capture, index, schedule)
             for seed in seeds:
                 scale_seed(rw, seed, range(len(rw.versions(seed.op))))
         reduce_gradients(rw, raw, reducer_for)
+        average_local_copies(graph, rw, reducer_for, control_readers)
         if rw.mirrored:
             _copy_updates(graph, rw)
         if rw.zero is not None:
@@ -462,6 +471,7 @@ def _clone_stage(graph: ops.Graph, rw: DataParallelRewrite, stage: int) -> None:
                 for i in range(len(sel.batch_inputs))}
         if rw.mirrored:
             imap.update(rw.variable_copies(stage, j))
+        imap.update(rw.local_copies.get((stage, v), {}))
         rw.version_maps[stage][v] = graph_edit.clone_ops(
             graph, stage_ops, f"{rw.prefix(stage, j)}/micro_{m}",
             functools.partial(placement.device, index=j), imap)

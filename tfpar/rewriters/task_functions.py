@@ -37,6 +37,7 @@ from tensorflow.python.framework import dtypes, function, ops
 from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import gen_resource_variable_ops, gen_state_ops
 
+from tfpar.rewriters.averaged_variables import local_copy
 from tfpar.rewriters.gradients import scale_seed
 
 __all__ = ["TaskFunction", "call_task", "call_tasks", "define_task", "task_order"]
@@ -293,7 +294,8 @@ def _read_variables(graph: ops.Graph, rw) -> Set[ops.Operation]:
     values, not variable handles: TensorFlow's placer inspects the body of
     every call that takes a resource, once per call. Returns the reads moved."""
     reads = {op for op in rw.selection.step_ops if op.type == "ReadVariableOp"
-             and op.inputs[0].op in rw.selection.variables and not op.control_inputs}
+             and op.inputs[0].op in rw.selection.variables and not op.control_inputs
+             and op.inputs[0].op not in rw.selection.averaged}  # read per version
     for read in sorted(reads, key=lambda op: op.name):
         stage = rw.placement.stage(read)
         handle = read.inputs[0]
@@ -330,6 +332,8 @@ def _counterpart(rw, x: tensor_lib.Tensor, stage: int, version: int,
     """What version ``version`` (on stage device ``device``) of a task of
     ``stage`` reads where version 0 reads ``x``."""
     made = rw.bridges.counterpart(x, stage, version)
+    if made is None:
+        made = local_copy(rw, x, stage, version)
     if made is not None:
         return made
     if x.op in rw.selection.step_ops_set:

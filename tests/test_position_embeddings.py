@@ -1,0 +1,61 @@
+"""Position embeddings (a Keras ``Embedding`` looked up with
+``tf.range(seq_len)``) under replicas and micro-batches (issue 48, item 3).
+
+Before: the lookup's gradient is an IndexedSlices whose row count the graph
+fixes (the sequence length), the update ops are built for that count, and
+tfpar concatenated the versions' slices: ``Cannot update edge, incompatible
+shapes: [24] and [12]``. Now such slices are summed row by row (every version
+looks up the same rows, which a run-time check makes sure of).
+"""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfpar as wh
+from equivalence import assert_equivalent, variable_values
+from text_classifier import reviews, text_classifier
+
+v1 = tf.compat.v1
+
+
+def fit(config, stages=False):
+    """(per-epoch losses and accuracies, every variable) of the Keras example
+    trained by ``fit`` in graph mode."""
+    x, y = reviews()
+    with tf.Graph().as_default():
+        if config is not None:
+            wh.init(config)
+        model = text_classifier(stages)
+        model.compile(tf.keras.optimizers.legacy.Adam(0.01), "sparse_categorical_crossentropy",
+                      metrics=["accuracy"])
+        history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+        values = variable_values(v1.keras.backend.get_session(),
+                                 model.weights + model.optimizer.weights)
+    if config is not None:
+        wh.reset()
+    return np.array(history["loss"] + history["accuracy"]), values
+
+
+@pytest.mark.parametrize("config,stages", [
+    ({"cluster.num_devices": 2}, False),
+    ({"cluster.num_devices": 2, "pipeline.num_micro_batch": 4}, True)],
+    ids=["replicas", "pipeline"])
+def test_text_classifier_with_position_embeddings_trains_as_on_one_device(config, stages):
+    assert_equivalent(fit(None), fit(config, stages), rtol=1e-5, atol=1e-6)
+
+
+def test_fixed_rows_that_differ_between_replicas_are_refused_at_run_time():
+    """A lookup of a fixed number of rows that depend on the batch (the first
+    row's ids): summing the replicas' slices row by row would be wrong."""
+    with tf.Graph().as_default():
+        wh.init({"cluster.num_devices": 2})
+        ids = v1.placeholder(tf.int32, [None, 3])
+        table = v1.get_variable("table", [10, 2])
+        loss = tf.reduce_mean(tf.gather(table, ids[0]))
+        train_op = v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            with pytest.raises(tf.errors.InvalidArgumentError,
+                               match="sparse gradient of .{1,3}table.{1,3} has 3 rows .* look up different"):
+                sess.run(train_op, {ids: [[1, 2, 3], [4, 5, 6]]})
+    wh.reset()
