@@ -3,13 +3,15 @@
 before its first op; the suite runs in graph mode), and imported by it for
 the same model in graph mode.
 
-    python batch_norm_script.py {tfpar,mirrored} DEVICES
+    python batch_norm_script.py {tfpar,mirrored,plain} DEVICES {mobilenet_v2,synchronized}
 
 ``tfpar``: ``wh.init({"cluster.num_devices": DEVICES})`` first; ``mirrored``:
 ``tf.distribute.MirroredStrategy`` over DEVICES logical CPUs, the reference
-whose BatchNorm rule tfpar follows. Prints one JSON line: the losses and
-accuracies, every variable of the model (moving statistics included), the
-optimizer's slots, and the devices that ran the training step's work.
+whose BatchNorm rule tfpar follows; ``plain``: one device. ``synchronized``:
+a small convolutional model whose BatchNormalization is Keras'
+``synchronized=True`` one. Prints one JSON line: the losses and accuracies,
+every variable of the model (moving statistics included), the optimizer's
+slots, and the devices that ran the training step's work.
 """
 import contextlib
 import json
@@ -44,6 +46,21 @@ def mobilenet_v2():
     return model
 
 
+def synchronized():
+    """A convolution, Keras' synchronized BatchNormalization, a head."""
+    tf.keras.utils.set_random_seed(1)
+    model = tf.keras.Sequential([
+        tf.keras.Input((32, 32, 3)), tf.keras.layers.Conv2D(4, 3, strides=4, use_bias=False),
+        tf.keras.layers.BatchNormalization(synchronized=True), tf.keras.layers.ReLU(),
+        tf.keras.layers.GlobalAveragePooling2D(), tf.keras.layers.Dense(CLASSES, "softmax")])
+    model.compile(tf.keras.optimizers.legacy.SGD(0.05, momentum=0.9),
+                  tf.keras.losses.SparseCategoricalCrossentropy(), metrics=["accuracy"])
+    return model
+
+
+MODELS = {"mobilenet_v2": mobilenet_v2, "synchronized": synchronized}
+
+
 def trained(model, values):
     """Fit two steps (one epoch); what ``test_batch_norm`` compares. ``values(variables)``
     reads variables (eagerly, or through the graph's session)."""
@@ -56,12 +73,12 @@ def trained(model, values):
             "slots": [value.tolist() for value in values(slots)]}
 
 
-def main(how: str, devices: int) -> dict:
+def main(how: str, devices: int, model_name: str) -> dict:
+    scope = contextlib.nullcontext()
     if how == "tfpar":
         import tfpar as wh  # pylint: disable=import-outside-toplevel
         wh.init({"cluster.num_devices": devices})
-        scope = contextlib.nullcontext()
-    else:
+    elif how == "mirrored":
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(
             cpu, [tf.config.LogicalDeviceConfiguration()] * devices)
@@ -69,7 +86,7 @@ def main(how: str, devices: int) -> dict:
     context.context().enable_run_metadata()
     context.context().enable_graph_collection()
     with scope:
-        model = mobilenet_v2()
+        model = MODELS[model_name]()
     result = trained(model, lambda variables: [v.numpy() for v in variables])
     metadata = context.context().export_run_metadata()
     result["devices"] = sorted({node.device for function in metadata.function_graphs
@@ -79,4 +96,4 @@ def main(how: str, devices: int) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1], int(sys.argv[2]))))
+    print(json.dumps(main(sys.argv[1], int(sys.argv[2]), sys.argv[3])))

@@ -39,33 +39,50 @@ def test_mobilenet_v2_statistics_follow_mirrored_strategy_in_tf2_and_graph_mode(
     mode) trained by ``fit`` on 2 devices: in TF2 and in graph mode, losses,
     accuracy, every variable (moving statistics included) and every momentum
     slot are MirroredStrategy's on 2 devices."""
-    runs = {how: subprocess.Popen([sys.executable, SCRIPT, how, "2"], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
-            for how in ("mirrored", "tfpar")}
+    runs = started({"mirrored": ("mirrored", "2", "mobilenet_v2"),
+                    "tfpar": ("tfpar", "2", "mobilenet_v2")})
     with tf.Graph().as_default():
         wh.init({"cluster.num_devices": 2})
         graph_mode = trained(mobilenet_v2(), tf.keras.backend.batch_get_value)
     wh.reset()
     assert_parallel()
-    results = {}
-    for how, run in runs.items():
-        out, err = run.communicate(timeout=300)
-        assert run.returncode == 0, err[-3000:]
-        results[how] = json.loads(out.strip().splitlines()[-1])
+    results = finished(runs)
     reference = results["mirrored"]
     assert {f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(2)} <= set(
         results["tfpar"]["devices"]), "the TF2 step did not run on both devices"
     moving = [name for name in reference["variables"] if "moving_mean" in name]
     assert len(moving) == 52
     for got in (results["tfpar"], graph_mode):
-        np.testing.assert_allclose(got["losses"], reference["losses"], rtol=1e-5)
-        assert got["accuracy"] == reference["accuracy"]
-        assert list(got["variables"]) == list(reference["variables"])
-        for name, value in reference["variables"].items():
-            np.testing.assert_allclose(got["variables"][name], value, rtol=1e-4, atol=1e-6,
-                                       err_msg=name)
-        for got_slot, slot in zip(got["slots"], reference["slots"]):
-            np.testing.assert_allclose(got_slot, slot, rtol=1e-4, atol=1e-6)
+        assert_same_fit(reference, got)
+
+
+def started(runs):
+    """``batch_norm_script.py`` runs, by name, started side by side."""
+    return {name: subprocess.Popen([sys.executable, SCRIPT, *args], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+            for name, args in runs.items()}
+
+
+def finished(runs):
+    """What each run of ``started`` printed, once it ended."""
+    results = {}
+    for name, run in runs.items():
+        out, err = run.communicate(timeout=300)
+        assert run.returncode == 0, err[-3000:]
+        results[name] = json.loads(out.strip().splitlines()[-1])
+    return results
+
+
+def assert_same_fit(reference, got):
+    """Same losses, accuracy, variables and slots."""
+    np.testing.assert_allclose(got["losses"], reference["losses"], rtol=1e-5)
+    assert got["accuracy"] == reference["accuracy"]
+    assert list(got["variables"]) == list(reference["variables"])
+    for name, value in reference["variables"].items():
+        np.testing.assert_allclose(got["variables"][name], value, rtol=1e-4, atol=1e-6,
+                                   err_msg=name)
+    for got_slot, slot in zip(got["slots"], reference["slots"]):
+        np.testing.assert_allclose(got_slot, slot, rtol=1e-4, atol=1e-6)
 
 
 # --- graph mode against ghost batch norm -------------------------------------------------
@@ -233,4 +250,39 @@ def test_a_variable_written_inside_a_cond_without_a_declared_aggregation_is_said
         with pytest.raises(wh.PlanError, match="'running' is written inside If"):
             with v1.Session() as sess:
                 sess.run(v1.global_variables_initializer())
+    wh.reset()
+
+
+# --- synchronized batch norm ---------------------------------------------------------------
+
+@pytest.mark.parametrize("config", [
+    {"cluster.num_devices": GHOSTS, "batch_norm.sync": True},
+    {"cluster.num_devices": GHOSTS, "batch_norm.sync": True, "communication.backend": "collective"},
+    {"cluster.num_devices": 2, "batch_norm.sync": True, "pipeline.num_micro_batch": 1}],
+    ids=["replicas", "mirrored replicas", "two replicas"])
+def test_synchronized_batch_norm_gives_one_devices_numbers(config):
+    """``batch_norm.sync``: statistics over every replica's rows, their
+    gradients summed over the replicas too; losses, weights, statistics and
+    slots are one device's. A layer asked to be fused computes unfused, as
+    Keras' synchronized layers do (its moving variance is then the batch's
+    variance, not the fused kernel's n / (n - 1) times it)."""
+    reference = train(keras_batch_norm(1, fused=False), None)
+    assert_equivalent(reference, train(keras_batch_norm(1, fused=True), config))
+
+
+def test_a_keras_synchronized_layer_in_tf2_gives_one_devices_numbers():
+    """Keras' own ``BatchNormalization(synchronized=True)``, trained by ``fit``
+    in TF2 on 2 devices: its statistics are over both replicas' rows, as
+    under MirroredStrategy, which on one device's batch is one device's."""
+    results = finished(started({"plain": ("plain", "1", "synchronized"),
+                                "tfpar": ("tfpar", "2", "synchronized")}))
+    assert {f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(2)} <= set(
+        results["tfpar"]["devices"]), "the TF2 step did not run on both devices"
+    assert_same_fit(results["plain"], results["tfpar"])
+
+
+def test_synchronized_batch_norm_with_micro_batches_is_refused():
+    with pytest.raises(wh.PlanError, match="need pipeline.num_micro_batch 1, not 2"):
+        train(keras_batch_norm(1), {"cluster.num_devices": 2, "batch_norm.sync": True,
+                                    "pipeline.num_micro_batch": 2})
     wh.reset()

@@ -73,6 +73,7 @@ def test_defaults():
         "memory": {"recompute": [], "offload_optimizer": False, "zero": 0,
                    "mixed_precision": None},
         "balance": {"hardware_aware": True},
+        "batch_norm": {"sync": False},
         "communication": {"backend": "auto", "fusion_mb": 64.0, "timeout_s": 60.0},
         "io": {"shard_dataset": False},
         "plan": None,

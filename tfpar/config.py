@@ -140,6 +140,10 @@ SCHEMA = {
                                      "stage cuts by device speed (Whale §3.3.1, Algorithm 1), "
                                      "stages on devices by memory, most first (§3.3.2); false: "
                                      "even, in device order"),
+    "batch_norm.sync": Option(
+        "bool", False, (), "every Keras BatchNormalization layer computes its batch statistics "
+        "over the rows of all replicas (as synchronized=True layers do): one device's numbers "
+        "with one micro-batch"),
     "communication.backend": Option(
         "str", "auto", _one_of("auto", "collective", "horovod"),
         "auto: one-process CPUs share variables and sum on one device; else collective"),

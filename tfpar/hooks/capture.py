@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 import threading
 import weakref
-from typing import Any, Callable, Container, Dict, List, Optional, Tuple
+from typing import Any, Callable, Container, Dict, List, Optional, Set, Tuple
 
 from tfpar.ir.taskgraph import Phase, Strategy, TaskGraphSpec
 
@@ -87,6 +87,9 @@ class GraphCapture:
         # Variable op name -> its declared tf.VariableAggregation name ('SUM',
         # 'MEAN', 'ONLY_FIRST_REPLICA'), where declared (``variable_aggregation``).
         self.aggregations: Dict[str, str] = {}
+        # Names of the identities whose value the rewrite sums over the replicas
+        # of a micro-batch (``sync_batch_norm.replica_sum``, forward and backward).
+        self.replica_sums: Set[str] = set()
         # (indices, values, dense shape) of SparseTensors made of fed
         # placeholders (``sparse_placeholder``): split by rows, as one input.
         self.sparse_feeds: List[Any] = []

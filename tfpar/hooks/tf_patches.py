@@ -26,6 +26,9 @@
   entered in TF2 eager code is called in that scope in each step (``keras_scopes``).
 * ``ResourceVariable.__init__``: a variable's declared aggregation is
   recorded (``variable_aggregation``).
+* keras ``BatchNormalization``: synchronized layers (every one with
+  ``batch_norm.sync``) sum their statistics over tfpar's replicas
+  (``sync_batch_norm``).
 * keras optimizers' slot variables and checkpoint children: slots of split
   weights are numbered as for the whole weight (``optimizer_slots``);
   checkpoint restores, which learn that a whole weight became split
@@ -63,6 +66,7 @@ from tfpar.hooks.optimizer_slots import add_optimizer_slot_patches
 from tfpar.hooks.checkpoint_bindings import add_checkpoint_binding_patches
 from tfpar.hooks.split_patches import add_split_patches
 from tfpar.hooks.step_graphs import is_step_function
+from tfpar.hooks.sync_batch_norm import add_sync_batch_norm_patches
 from tfpar.hooks.variable_aggregation import add_variable_aggregation_patches
 from tfpar.ir.taskgraph import Phase
 
@@ -109,6 +113,8 @@ def install(runtime: Any) -> None:
         with the batch dimension of its arguments unknown.
       loss_scaled: graph -> whether its gradients are loss-scaled (fp16; may
         raise).
+      sync_batch_norm: () -> whether every BatchNormalization layer made now
+        is synchronized (``batch_norm.sync``).
     """
     global _runtime
     _runtime = runtime
@@ -142,6 +148,8 @@ def install(runtime: Any) -> None:
     add_optimizer_slot_patches(_patches)
     add_checkpoint_binding_patches(_patches)
     add_variable_aggregation_patches(_patches)
+    add_sync_batch_norm_patches(_patches, lambda: _runtime is not None
+                                and _runtime.sync_batch_norm())
 
 
 def uninstall() -> None:

@@ -52,6 +52,7 @@ from tfpar.rewriters.gradients import reduce_gradients, scale_seed, scale_seeds
 from tfpar.rewriters.layout import Layout
 from tfpar.rewriters.merge import merge_step_tensor
 from tfpar.rewriters.pipeline import lower_schedule, stage_tasks, task_ops
+from tfpar.rewriters.replica_sums import marked_sums, sum_across_replicas
 from tfpar.rewriters.replica_sync import add_replica_sync
 from tfpar.rewriters.select import (GraphIndex, Selection, gradient_tensors, is_resource_variable,
                                    select_replication)
@@ -315,7 +316,9 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
             _clone_variables(graph, rw)
         make_local_copies(graph, rw)
         tasks = stage_tasks(rw, capture, index)
-        order = task_order(rw, tasks) if functions and _passable(sel, placement) else None
+        marks = marked_sums(rw, capture)
+        order = (task_order(rw, tasks) if functions and _passable(sel, placement) and not marks
+                 else None)
         seeds = scale_seeds(rw, capture, index)
         if order is not None:
             rw.functions = True
@@ -334,6 +337,7 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
                 _clone_stage(graph, rw, s)
             reroute_to_local_copies(rw)
             _connect_stages(rw, crossing, crossing_controls)
+            sum_across_replicas(rw, marks, reducer_for)
             lower_schedule(rw, capture, index, schedule)
             for seed in seeds:
                 scale_seed(rw, seed, range(len(rw.versions(seed.op))))

@@ -44,7 +44,7 @@ from tfpar.runtime.step_trace import step_timeline
 
 __all__ = ["after_run", "before_run", "loss_scaled", "made_callable", "make_iterator",
            "make_split_context", "plan_for", "ran_before_rewrite", "rewrites_next", "run_failed",
-           "run_options", "session_config", "session_target", "setup_capture"]
+           "run_options", "session_config", "session_target", "setup_capture", "sync_batch_norm"]
 
 log = logging.getLogger("tfpar")
 # Graphs already checked for training built before wh.init (warned once each).
@@ -513,6 +513,13 @@ def _plan_changes_nothing(rt: Runtime) -> bool:
     return (len(rt.devices) == 1 and rt.cluster is None
             and rt.config.get("communication.backend") != "horovod"
             and rt.config.get("pipeline.num_micro_batch") == 1)
+
+
+def sync_batch_norm() -> bool:
+    """``batch_norm.sync``: every BatchNormalization layer made now sums its
+    statistics over the replicas."""
+    rt = active()
+    return rt is not None and rt.config.get("batch_norm.sync")
 
 
 def loss_scaled(graph: ops.Graph) -> bool:
