@@ -33,11 +33,12 @@ import functools
 import inspect
 
 from keras.src import backend as keras_backend
+from keras.src import initializers as keras_initializers
 from keras.src.layers.core import dense as keras_dense
 from keras.src.legacy_tf_layers import base as legacy_layers
-from tensorflow.python.framework import ops, tensor_util
+from tensorflow.python.framework import dtypes, ops, tensor_util
 from tensorflow.python.ops import gen_array_ops, gen_linalg_ops, gen_math_ops, gen_nn_ops
-from tensorflow.python.ops import math_ops, special_math_ops, variable_scope
+from tensorflow.python.ops import init_ops, math_ops, special_math_ops, variable_scope
 
 from tfpar.hooks import capture as cap_lib
 from tfpar.errors import ShardingError
@@ -132,6 +133,7 @@ def _layer_getter(ctx, layer, made):
     def getter(name, shape, dtype, initializer, axis, regularizer=None, constraint=None):
         if name in made:
             return made[name]
+        initializer = _add_weight_default(initializer, dtype)
         if ops.get_default_graph().building_function:  # a TF2 step: eager weights
             made[name] = _eager_weight(ctx, layer, name, shape, dtype, initializer, axis,
                                        regularizer, constraint)
@@ -164,6 +166,18 @@ def _layer_getter(ctx, layer, made):
                                              axis, name if legacy else f"{layer.name}/{name}"))
         return variable
     return getter
+
+
+def _add_weight_default(initializer, dtype):
+    """The initializer keras' ``add_weight`` uses where a layer gives None (a
+    ``tf.compat.v1.layers`` kernel by default): the variable scope's, else
+    keras' glorot uniform for floats, zeros for the rest."""
+    if initializer is None:
+        initializer = variable_scope.get_variable_scope().initializer
+    if initializer is None:
+        initializer = (keras_initializers.get("glorot_uniform") if dtypes.as_dtype(dtype).is_floating
+                       else init_ops.zeros_initializer())
+    return initializer
 
 
 def _eager_weight(ctx, layer, name, shape, dtype, initializer, axis, regularizer, constraint):
