@@ -9,7 +9,7 @@ from typing import List, Set
 
 from tensorflow.python.framework import indexed_slices, ops
 from tensorflow.python.framework import tensor as tensor_lib
-from tensorflow.python.ops import array_ops, math_ops
+from tensorflow.python.ops import array_ops, check_ops, math_ops
 
 from tfpar.analysis.batch_reductions import loss_scaling
 from tfpar.errors import PlanError
@@ -149,27 +149,63 @@ def reduce_gradients(rw, raw, reducer_for) -> None:
 
 
 def _reduce_group_gradients(rw, devices, grads, reducer) -> None:
+    fixed = [(g, var) for g, var in grads if _fixed_rows(g)]
     dense = [(g, var) for g, var in grads if not isinstance(g, indexed_slices.IndexedSlices)]
-    sparse = [(g, var) for g, var in grads if isinstance(g, indexed_slices.IndexedSlices)]
+    sparse = [(g, var) for g, var in grads
+              if isinstance(g, indexed_slices.IndexedSlices) and not _fixed_rows(g)]
     zero = rw.zero
-    dense_owners = [zero.gradient_owner(var) if zero is not None else None for _, var in dense]
+    dense_owners = [zero.gradient_owner(var) if zero is not None else None
+                    for _, var in dense + fixed]
     sparse_owners = [zero.owner.get(var) if zero is not None else None for _, var in sparse]
-    dense_local, sparse_local = [], []
+    dense_local, sparse_local, fixed_indices = [], [], []
     for j, device in enumerate(devices):
         with ops.device(device):
-            dense_local.append([_with_shape(_sum(_device_terms(rw, g, j)), g) for g, _ in dense])
+            dense_local.append([_with_shape(_sum(_device_terms(rw, g, j)), g) for g, _ in dense]
+                               + [_with_shape(_sum(_device_terms(rw, g.values, j)), g.values)
+                                  for g, _ in fixed])
             sparse_local.append(
                 [_concat(_device_terms(rw, g.values, j)) for g, _ in sparse]
                 + [_concat(_device_terms(rw, g.indices, j, weigh=False)) for g, _ in sparse])
+            fixed_indices.append([_same_rows(rw, g.indices, j, var) for g, var in fixed])
     if len(devices) > 1 or getattr(reducer, "cross_process", False):
         dense_local = _across_devices(devices, dense_local, dense_owners, reducer.sum, _sum)
         sparse_local = _across_devices(devices, sparse_local, sparse_owners * 2, reducer.gather,
                                        _concat)
     for i, (g, _) in enumerate(dense):
         rw.reduced[g] = [local[i] for local in dense_local]
+    for i, (g, _) in enumerate(fixed):
+        rw.reduced[g.values] = [local[len(dense) + i] for local in dense_local]
+        rw.reduced[g.indices] = [local[i] for local in fixed_indices]
     for i, (g, _) in enumerate(sparse):
         rw.reduced[g.values] = [local[i] for local in sparse_local]
         rw.reduced[g.indices] = [local[len(sparse) + i] for local in sparse_local]
+
+
+def _fixed_rows(g) -> bool:
+    """An IndexedSlices gradient whose row count the graph fixed (a position
+    embedding looked up with ``tf.range(seq_len)``): the update ops were built
+    for that count, so the versions' slices are summed row by row, not
+    concatenated (they read the same rows: ``_same_rows``)."""
+    return (isinstance(g, indexed_slices.IndexedSlices) and g.indices.shape.rank == 1
+            and g.indices.shape[0] is not None)
+
+
+def _same_rows(rw, indices: tensor_lib.Tensor, device: int, var) -> tensor_lib.Tensor:
+    """The rows of a fixed-row sparse gradient (``_fixed_rows``) on stage
+    device ``device``: its first version's, checked at run time to equal
+    every other version's when they depend on the batch (which rows a
+    replica looks up could then differ, and summing would be wrong)."""
+    terms = _device_terms(rw, indices, device, weigh=False)
+    first = rw.version_tensor(indices, 0)
+    if indices.op not in rw.selection.batch_dependent:
+        return terms[0]
+    checks = [check_ops.assert_equal(
+        t, first, message=f"tfpar: the sparse gradient of '{var.name}' has {indices.shape[0]} "
+        "rows in every replica / micro-batch, but they look up different rows; tfpar sums "
+        "such gradients row by row. Give the lookup ids an unknown leading dimension") for t in terms
+        if t is not first]
+    with ops.control_dependencies(checks):
+        return array_ops.identity(terms[0])
 
 
 def _across_devices(devices, local, owners, collective, combine):
