@@ -47,18 +47,20 @@ class TokenAndPositionEmbedding(tf.keras.layers.Layer):
         return self.tokens(ids) + self.positions(positions)
 
 
-def text_classifier(heads, block_scope=contextlib.nullcontext):
+def text_classifier(heads, block_scope=contextlib.nullcontext, other_scope=contextlib.nullcontext):
     """The compiled model; its transformer block is made and called in
-    ``block_scope()``."""
+    ``block_scope()``, the layers before and after it in ``other_scope()``s."""
     ids = tf.keras.layers.Input(shape=(SEQUENCE,))
-    x = TokenAndPositionEmbedding(SEQUENCE, VOCABULARY, WIDTH)(ids)
+    with other_scope():
+        x = TokenAndPositionEmbedding(SEQUENCE, VOCABULARY, WIDTH)(ids)
     with block_scope():
         x = TransformerBlock(WIDTH, heads, FEED_FORWARD)(x)
-    x = tf.keras.layers.GlobalAveragePooling1D()(x)
-    x = tf.keras.layers.Dropout(0.0)(x)
-    x = tf.keras.layers.Dense(20, activation="relu")(x)
-    x = tf.keras.layers.Dropout(0.0)(x)
-    probabilities = tf.keras.layers.Dense(2, activation="softmax")(x)
+    with other_scope():
+        x = tf.keras.layers.GlobalAveragePooling1D()(x)
+        x = tf.keras.layers.Dropout(0.0)(x)
+        x = tf.keras.layers.Dense(20, activation="relu")(x)
+        x = tf.keras.layers.Dropout(0.0)(x)
+        probabilities = tf.keras.layers.Dense(2, activation="softmax")(x)
     model = tf.keras.Model(inputs=ids, outputs=probabilities)
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     return model

@@ -48,9 +48,9 @@ def graph_mode_fit(tfpar, heads):
     with graph.as_default():
         if tfpar:
             wh.init({"cluster.num_devices": 2})
-            wh.set_default_strategy(wh.replicate(2))
         tf.keras.utils.set_random_seed(1)
-        model = text_classifier(heads, (lambda: wh.split(2)) if tfpar else contextlib.nullcontext)
+        model = text_classifier(heads, *((lambda: wh.split(2), lambda: wh.replicate(2))
+                                         if tfpar else ()))
         losses = fit(model)
         variables = v1.global_variables()
         values = whole_slots(variable_values(v1.keras.backend.get_session(), variables),
@@ -59,10 +59,11 @@ def graph_mode_fit(tfpar, heads):
         devices = [sorted(part.device for part in layer.kernel) for layer in (
             attention._query_dense, attention._key_dense, attention._value_dense,
             attention._output_dense)] if tfpar else []
-        patterns = wh.current_plan().task_graphs[1].patterns if tfpar else {}
+        plan = wh.current_plan().task_graphs if tfpar else ()
     if tfpar:
         wh.reset()
-    return (np.array(losses), values), patterns, devices
+    return (np.array(losses), values), [(tg.strategy, len(tg.devices), tg.patterns)
+                                        for tg in plan], devices
 
 
 def test_keras_transformer_block_in_a_split_scope_fits_like_one_device_in_graph_mode():
@@ -70,9 +71,9 @@ def test_keras_transformer_block_in_a_split_scope_fits_like_one_device_in_graph_
     projection ``abc,cde->abde`` was taken for a mixture-of-experts dispatch
     with the batch as its expert axis)."""
     reference, _, _ = graph_mode_fit(False, heads=3)
-    result, patterns, devices = graph_mode_fit(True, heads=3)
+    result, task_graphs, devices = graph_mode_fit(True, heads=3)
     assert_equivalent(reference, result, rtol=1e-5)
-    assert patterns == PATTERNS
+    assert task_graphs == [("replicate", 2, {}), ("split", 2, PATTERNS), ("replicate", 2, {})]
     assert devices == [[f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in (0, 1)]] * 4
 
 
@@ -126,7 +127,8 @@ def test_einsum_dense_layers_split_where_their_equations_allow_and_say_what_runs
         "multi_head_attention": "gather", "attention_output": "column", "einsum": "sharded"}
     texts = [str(w.message) for w in said if w.category is wh.FallbackWarning]
     assert len(texts) == 2, texts
-    assert "EinsumDense layer 'einsum_dense_2' ('abc,c->abc', kernel [6]): it runs whole" in texts[0]
+    assert ("EinsumDense layer 'einsum_dense_2' ('abc,c->abc', kernel [6]): it runs whole"
+            in texts[0])
     assert "attention of layer 'multi_head_attention' by heads: it runs once" in texts[1]
 
 
@@ -149,10 +151,15 @@ def tf2_fits(tmp_path, devices, heads):
 
 def test_keras_transformer_block_in_a_split_scope_fits_like_one_device_in_tf2(tmp_path):
     """``fit`` on the functional model built in eager code, its block made in
-    ``wh.split()``: the losses and every value a checkpoint of the model and
-    its optimizer holds (split weights and their slots whole under their
-    single-device keys) are the plain run's; the attention kernels are one
-    shard per device, and both devices ran the step."""
+    ``wh.split()``, the rest in ``wh.replicate()``: the losses and every value
+    a checkpoint of the model and its optimizer holds (split weights and their
+    slots whole under their single-device keys) are the plain run's; the
+    attention kernels are one shard per device, and both devices ran the step.
+    Before: TypeError int(None), as in graph mode; with the split fixed,
+    PlanError "'gradient_tape/model/global_average_pooling1d/Shape:0' ... flows
+    between TaskGraphs 'split_1' (1 replicas) and 'replicate_2' (2)": a tape's
+    backward ops joined the TaskGraph of the gradient they read first, the
+    next one's, instead of their forward op's."""
     plain, split = tf2_fits(tmp_path, (0, 2), heads=2)
     np.testing.assert_allclose(split["losses"], plain["losses"], rtol=1e-5)
     assert sorted(split["saved"]) == sorted(plain["saved"])
@@ -160,6 +167,7 @@ def test_keras_transformer_block_in_a_split_scope_fits_like_one_device_in_tf2(tm
     for key, value in plain["saved"].items():
         np.testing.assert_allclose(split["saved"][key], value, rtol=1e-5, atol=1e-6, err_msg=key)
     assert split["patterns"] == [PATTERNS]
+    assert split["strategies"] == [["replicate", 2], ["split", 2], ["replicate", 2]]
     devices = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in (0, 1)]
     assert split["shards"] == [devices] * 4
     assert split["devices"] == split["planned"] == devices

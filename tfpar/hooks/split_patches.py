@@ -197,7 +197,8 @@ def _add_weight_default(initializer, dtype):
     if initializer is None:
         initializer = variable_scope.get_variable_scope().initializer
     if initializer is None:
-        initializer = (keras_initializers.get("glorot_uniform") if dtypes.as_dtype(dtype).is_floating
+        floating = dtypes.as_dtype(dtype).is_floating
+        initializer = (keras_initializers.get("glorot_uniform") if floating
                        else init_ops.zeros_initializer())
     return initializer
 
