@@ -12,6 +12,9 @@
   as the global step).
 * With fp16 mixed precision, gradient seeds, gradients and updates are
   loss-scaled there (``loss_scaling``).
+* ``backprop._gradient_function`` (a GradientTape's gradient of one op, in a
+  tf.function step): built under ``_original_op(forward op)``, as
+  ``tf.gradients`` builds it.
 * ``SparseTensor.__init__``: a SparseTensor made of fed placeholders
   (``sparse_placeholder``) is recorded, so the batch split cuts it by rows.
 * ``BaseSession.__init__``: tfpar's devices are merged into the ConfigProto.
@@ -42,6 +45,7 @@ from typing import Any
 from keras.src.optimizers import optimizer as keras_optimizer
 from keras.src.optimizers.legacy import optimizer_v2 as keras_optimizer_v2
 from tensorflow.core.protobuf import config_pb2
+from tensorflow.python import pywrap_tfe
 from tensorflow.python.client import pywrap_tf_session as c_session
 from tensorflow.python.client import session as tf_session
 from tensorflow.python.data.ops import dataset_ops
@@ -139,6 +143,8 @@ def install(runtime: Any) -> None:
     _patches.add(func_graph, "func_graph_from_py_func", _wrap_func_graph_from_py_func)
     _patches.add(sparse_tensor.SparseTensor, "__init__", _wrap_sparse_tensor_init)
     _patches.add(backprop.GradientTape, "gradient", _wrap_tape_gradient)
+    _patches.add(backprop, "_gradient_function", _wrap_gradient_function)
+    pywrap_tfe.TFE_Py_RegisterGradientFunction(backprop._gradient_function)
     _patches.add(dataset_ops.DatasetV2, "__iter__", _wrap_eager_iter)
     for name in ("_make_one_shot_iterator", "_make_initializable_iterator"):
         _patches.add(dataset_ops.DatasetV1, name, _wrap_make_iterator)
@@ -155,6 +161,7 @@ def install(runtime: Any) -> None:
 def uninstall() -> None:
     global _runtime
     _patches.remove()
+    pywrap_tfe.TFE_Py_RegisterGradientFunction(backprop._gradient_function)
     cap_lib.set_capture_setup(None)
     _runtime = None
 
@@ -255,6 +262,37 @@ def _wrap_tape_gradient(original):
             ys=targets, xs=xs, grads=nest.flatten(grads), seeds=seeds))
         return grads
     return gradient
+
+
+def _wrap_gradient_function(original):
+    """A GradientTape builds each op's gradient without telling the graph
+    which op it differentiates (tf.gradients does: ``_original_op``). In a
+    step tfpar records, it is told here, so that backward ops join their
+    forward op's TaskGraph as in graph mode (not that of the gradient they
+    read first, which comes from the next TaskGraph)."""
+    def gradient_function(op_name, attr_tuple, num_inputs, inputs, outputs, out_grads,
+                          skip_input_indices, forward_pass_name_scope):
+        graph = ops.get_default_graph()
+        forward = (_taped_op(graph, op_name, inputs, outputs)
+                   if _runtime is not None and is_step_function(graph) else None)
+        with graph._original_op(forward) if forward is not None else contextlib.nullcontext():
+            return original(op_name, attr_tuple, num_inputs, inputs, outputs, out_grads,
+                            skip_input_indices, forward_pass_name_scope)
+    return gradient_function
+
+
+def _taped_op(graph, op_type: str, inputs, outputs):
+    """The op of ``graph`` the tape recorded: that of its outputs the tape
+    kept, else the one op of ``op_type`` reading all its inputs the tape kept
+    (each op's gradient keeps what it needs), else None."""
+    def kept(tensors):
+        return [t for t in tensors or () if isinstance(t, tensor_lib.Tensor)
+                and getattr(t, "graph", None) is graph]
+    if kept(outputs):
+        return kept(outputs)[0].op
+    readers = [{c for c in t.consumers() if c.type == op_type} for t in kept(inputs)]
+    common = set.intersection(*readers) if readers else set()
+    return common.pop() if len(common) == 1 else None
 
 
 # The FuncGraph being traced again with its arguments' batch relaxed
