@@ -47,15 +47,17 @@ class TokenAndPositionEmbedding(tf.keras.layers.Layer):
         return self.tokens(ids) + self.positions(positions)
 
 
-def text_classifier(heads, block_scope=contextlib.nullcontext, other_scope=contextlib.nullcontext):
+def text_classifier(heads, block_scope=contextlib.nullcontext, other_scope=contextlib.nullcontext,
+                    head_scope=None):
     """The compiled model; its transformer block is made and called in
-    ``block_scope()``, the layers before and after it in ``other_scope()``s."""
+    ``block_scope()``, the layers before and after it in ``other_scope()``s
+    (after it: in ``head_scope()`` if given)."""
     ids = tf.keras.layers.Input(shape=(SEQUENCE,))
     with other_scope():
         x = TokenAndPositionEmbedding(SEQUENCE, VOCABULARY, WIDTH)(ids)
     with block_scope():
         x = TransformerBlock(WIDTH, heads, FEED_FORWARD)(x)
-    with other_scope():
+    with (head_scope or other_scope)():
         x = tf.keras.layers.GlobalAveragePooling1D()(x)
         x = tf.keras.layers.Dropout(0.0)(x)
         x = tf.keras.layers.Dense(20, activation="relu")(x)
