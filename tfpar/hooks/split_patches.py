@@ -248,7 +248,7 @@ def _wrap_compute_attention(original):
             return original(self, query, key, value, attention_mask, training)
         unit = attention_unit(ctx, self, query, key, value)
         by_heads = choose(ctx, unit, ATTENTION_PATTERNS) is HEADS
-        if not by_heads and unit.name not in ctx.forced:
+        if not by_heads and ctx.forced_pattern(unit.name) is None:
             fall_back(f"wh.split asked to split the attention of layer '{self.name}' by heads",
                       f"it runs once on {ctx.devices[0]}, on its query, key and value gathered "
                       "(they are not all split by heads: fewer heads than devices, or other "

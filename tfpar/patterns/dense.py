@@ -131,7 +131,7 @@ def choose_dense(ctx, layer, x):
     ``split.patterns`` forces."""
     unit = dense_unit(ctx, layer, x)
     free = dataclasses.replace(unit, sizes={k: v for k, v in unit.sizes.items() if k != "whole"})
-    forced = ctx.forced.get(unit.name)
+    forced = ctx.forced_pattern(unit.name)
     ruled_out = [p for p in DENSE_PATTERNS if p.matches(free) and not p.matches(unit)
                  and (forced is None or forced == p.name)]
     if ruled_out and (forced is not None or not any(p.matches(unit) for p in DENSE_PATTERNS)):

@@ -258,7 +258,7 @@ def choose_einsum_dense(ctx, layer, x) -> _Chosen:
     is said by ``fall_back``."""
     unit = einsum_dense_unit(ctx, layer, x)
     pattern = choose(ctx, unit, EINSUM_DENSE_PATTERNS)
-    if pattern is WHOLE and unit.name not in ctx.forced:
+    if pattern is WHOLE and ctx.forced_pattern(unit.name) is None:
         fall_back(f"wh.split asked to shard EinsumDense layer '{layer.name}' "
                   f"('{layer.equation}', kernel {unit.sizes['kernel']})",
                   f"it runs whole on {ctx.devices[0]} (its equation has no output-only or "

@@ -52,13 +52,16 @@ class SplitContext:
       name: the TaskGraph's name.
       devices: its devices; shard i goes to ``devices[i]``.
       forced: ShardingUnit name -> pattern name (``split.patterns`` config).
+      planned: a pinned plan's sharded layers, name scope -> pattern, matched
+        to units by ``forced_pattern``.
       decisions: ShardingUnit name -> chosen pattern, in build order.
       shares: per device, its integer weight in every split dimension (mixed
         devices: Whale §3.3.1); empty: even, as TensorFlow partitions.
     """
 
     def __init__(self, name: str, devices: Sequence[str], forced: Optional[Dict[str, str]],
-                 registry: Optional[Dict] = None, shares: Sequence[int] = ()):
+                 registry: Optional[Dict] = None, shares: Sequence[int] = (),
+                 planned: Optional[Dict[str, str]] = None):
         """``registry``: full view (its ``ref()``) -> (devices, ShardedTensor),
         shared by the split TaskGraphs of a graph, so one on the same devices reads another's shards
         directly (Whale: a gather followed by a partition along the same
@@ -67,6 +70,7 @@ class SplitContext:
         self.devices = list(devices)
         self.shares = tuple(shares)
         self.forced = dict(forced or {})
+        self.planned = dict(planned or {})
         self.decisions: Dict[str, str] = {}
         self._sharded = registry if registry is not None else {}
         self._units: Dict[str, int] = {}
@@ -95,6 +99,26 @@ class SplitContext:
         """The sizes of the shards a dimension of ``size`` is cut into."""
         bounds = slice_offsets(size, self.size, self.shares) + [size]
         return [b - a for a, b in zip(bounds, bounds[1:])]
+
+    def forced_pattern(self, unit: str) -> Optional[str]:
+        """The pattern forced on ShardingUnit ``unit``: by ``split.patterns``,
+        else by the pinned plan's layer of that name scope (the whole scope,
+        or the one scope ending with the unit's name or ending it: a TF2
+        step's ops are named inside its model's scope).
+
+        Raises:
+          ShardingError: several planned layers end with the unit's name.
+        """
+        if unit in self.forced:
+            return self.forced[unit]
+        if unit in self.planned:
+            return self.planned[unit]
+        found = [scope for scope in self.planned
+                 if scope.endswith("/" + unit) or unit.endswith("/" + scope)]
+        if len(found) > 1:
+            raise ShardingError(f"tfpar: ShardingUnit '{unit}' could be the pinned plan's layer "
+                                f"{' or '.join(map(repr, found))}; name its layers uniquely")
+        return self.planned[found[0]] if found else None
 
     def unit_name(self, base: str) -> str:
         """A unique ShardingUnit name from a layer / op name."""

@@ -34,7 +34,7 @@ def plan_from_annotations(specs: Sequence[TaskGraphSpec], devices: Sequence[str]
       PlanError: the annotations need a feature this build does not provide yet,
         or a pinned plan does not fit the model / devices.
     """
-    pinned = Plan.from_dict(config.plan) if config.plan is not None else None
+    pinned = config.pinned_plan()
     if pinned is not None:
         tgs = _pinned_task_graphs(pinned, specs, devices, stats.get("split", {}))
         num_micro_batch, schedule, group_size = (pinned.num_micro_batch, pinned.schedule,

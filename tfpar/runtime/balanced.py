@@ -55,12 +55,13 @@ def shard_shares(rt: Runtime, index: int, devices: Sequence[str]) -> Tuple[int, 
     (Whale §3.3.1, Formula 1's ratios). Shards are made as the model is
     built, before its size is known, so memory does not move them. Empty
     (even shards) on like devices or with the balance off."""
-    pinned = rt.config.plan["task_graphs"] if rt.config.plan is not None else []
-    shares = tuple(pinned[index].get("shard_shares", ())) if index < len(pinned) else ()
+    plan = rt.config.pinned_plan()
+    pinned = plan.task_graphs if plan is not None else ()
+    shares = pinned[index].shard_shares if index < len(pinned) else ()
     if shares:
         if not well_formed_shares(shares, len(devices)):
             raise PlanError(f"tfpar: the plan's shard_shares {list(shares)} of TaskGraph "
-                            f"'{pinned[index]['name']}' must be one int >= 1 per device "
+                            f"'{pinned[index].name}' must be one int >= 1 per device "
                             f"({len(devices)})")
         return shares
     hardware = device_hardware(rt.config.get("cluster.hardware"), len(rt.devices))

@@ -266,11 +266,10 @@ def make_split_context(capture: GraphCapture, spec: TaskGraphSpec, rt: Runtime,
         devices = assign_devices([(s.name, s.device_count) for s in capture.task_graphs],
                                  rt.devices, rt.config.get("cluster.colocate_split_and_replicate")
                                  ).virtual_devices[-1][0]
-    forced = {scope.rsplit("/", 1)[-1]: how for scope, how in (planned or {}).items()
-              if how in ("column", "row")}
-    forced.update(rt.config.get("split.patterns") or {})
-    return SplitContext(spec.name, devices, forced, capture.sharded_tensors,
-                        shard_shares(rt, spec.index, devices))
+    return SplitContext(spec.name, devices, rt.config.get("split.patterns"),
+                        capture.sharded_tensors, shard_shares(rt, spec.index, devices),
+                        {scope: how for scope, how in (planned or {}).items()
+                         if how in ("column", "row")})
 
 
 def setup_capture(capture: GraphCapture) -> None:
@@ -281,13 +280,13 @@ def setup_capture(capture: GraphCapture) -> None:
     if not sharding.get("layers"):
         return
     stages = sharding.get("stages") or {}
-    task_graphs = rt.config.plan["task_graphs"]
+    task_graphs = rt.config.pinned_plan().task_graphs
 
     def context(cap: GraphCapture, spec: TaskGraphSpec):
-        if spec.index >= len(task_graphs) or task_graphs[spec.index]["strategy"] != "split":
+        if spec.index >= len(task_graphs) or task_graphs[spec.index].strategy != "split":
             raise PlanError(f"tfpar: the pinned plan has no split TaskGraph {spec.index} for the "
                             f"layers being built; the model differs from the one planned")
-        return make_split_context(cap, spec, rt, task_graphs[spec.index]["replicas"][0],
+        return make_split_context(cap, spec, rt, task_graphs[spec.index].replicas[0],
                                   sharding["layers"])
     capture.plan_split_layers({scope: stages.get(scope, 0) for scope in sharding["layers"]},
                               sharding["tensor_degree"], context, pipelined=bool(stages))

@@ -42,7 +42,8 @@ def applied(config: Any, device_type: str) -> Optional[str]:
     chosen = config.get("memory.mixed_precision")
     if chosen:
         return chosen
-    estimate = (config.plan or {}).get("estimate", {})
+    pinned = config.pinned_plan()
+    estimate = pinned.estimate if pinned is not None else {}
     return _LOW.get(device_type) if "mixed_precision" in estimate.get(
         "memory_techniques", []) else None
 
