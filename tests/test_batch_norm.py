@@ -282,7 +282,15 @@ def test_a_keras_synchronized_layer_in_tf2_gives_one_devices_numbers():
 
 
 def test_synchronized_batch_norm_with_micro_batches_is_refused():
+    """By the config, and by the rewrite for Keras' own synchronized layers."""
+    with pytest.raises(wh.ConfigError, match="'batch_norm.sync' .* needs pipeline.num_micro"):
+        wh.Config({"batch_norm.sync": True, "pipeline.num_micro_batch": 2})
+
+    def synchronized(x, y):
+        h = tf.keras.layers.BatchNormalization(synchronized=True)(v1.layers.dense(x, 4),
+                                                                  training=True)
+        loss = v1.losses.sparse_softmax_cross_entropy(y, v1.layers.dense(h, 3))
+        return loss, v1.train.GradientDescentOptimizer(0.1).minimize(loss)
     with pytest.raises(wh.PlanError, match="need pipeline.num_micro_batch 1, not 2"):
-        train(keras_batch_norm(1), {"cluster.num_devices": 2, "batch_norm.sync": True,
-                                    "pipeline.num_micro_batch": 2})
+        train(synchronized, {"cluster.num_devices": 2, "pipeline.num_micro_batch": 2})
     wh.reset()

@@ -1,5 +1,6 @@
 """Public API: init, replicate, split, set_default_strategy, current_plan."""
 import contextlib
+import dataclasses
 import logging
 import sys
 from typing import Any, Optional
@@ -276,4 +277,5 @@ def current_plan() -> Plan:
     if unseen is not None:
         raise PlanError(built_before_init_message(unseen))
     capture = capture_for(graph)
-    return capture.sharded_plan or getattr(capture, "plan", None) or plan_for(graph, capture, rt)
+    plan = capture.sharded_plan or getattr(capture, "plan", None) or plan_for(graph, capture, rt)
+    return dataclasses.replace(plan, notes=fallback.notes(graph))  # said since, too

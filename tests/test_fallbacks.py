@@ -1,0 +1,55 @@
+"""Saying what ran instead of what was asked (issue 44): every fallback is a
+``tfpar.FallbackWarning`` and a note of the plan, and a ``PlanError`` under
+``strict: true``; what cannot run correctly is refused."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfpar as wh
+from equivalence import dense
+
+v1 = tf.compat.v1
+
+
+def fetch_after_a_step(config, fetch):
+    """``fetch(x)`` of an MLP's step fetched with its train op; returns (the
+    value, the plan's notes)."""
+    with tf.Graph().as_default():
+        wh.init(config)
+        x = v1.placeholder(tf.float32, [None, 6])
+        y = v1.placeholder(tf.int64, [None])
+        loss = v1.losses.sparse_softmax_cross_entropy(y, dense(x, 3, "logits", 2))
+        train_op = v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+        fetched = fetch(x)
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            value = sess.run([fetched, train_op], {x: np.ones((8, 6)), y: np.zeros(8)})[0]
+        notes = wh.current_plan().notes
+    wh.reset()
+    return value, notes
+
+
+def sampled(x):
+    """A forward value drawn by a stateful op from the batch's mean: it cannot
+    be recomputed on the merged batch."""
+    return tf.random.poisson([2], tf.reduce_mean(tf.abs(x)), seed=1)
+
+
+def test_a_fetch_that_cannot_be_recomputed_is_averaged_and_said():
+    """Before: a warning in the tfpar log only."""
+    with pytest.warns(wh.FallbackWarning, match="is its replicas' and micro-batches' values "
+                      "averaged by their batch shares .*'random_poisson.*is stateful"):
+        value, notes = fetch_after_a_step({"cluster.num_devices": 2}, sampled)
+    assert value.shape == (2,) and len(notes) == 1 and "fetching 'random_poisson" in notes[0]
+    with pytest.raises(wh.PlanError, match="averaged by their batch shares"):
+        fetch_after_a_step({"cluster.num_devices": 2, "strict": True}, sampled)
+    wh.reset()
+
+
+def test_an_integer_fetch_that_cannot_be_recomputed_is_refused():
+    """Before: replica 0's count, under a warning that said it was merged by
+    batch shares."""
+    with pytest.raises(wh.PlanError, match="cannot give its single-device value"):
+        fetch_after_a_step({"cluster.num_devices": 2}, lambda x: tf.random.categorical(
+            tf.reduce_mean(x, 0, keepdims=True), 3, seed=1))
+    wh.reset()
