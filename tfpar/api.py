@@ -169,10 +169,11 @@ class _Scope:
 
         if self._capture is None:
             if not keras_scopes.exit_eagerly(self) and exc[0] is None:
-                log.warning("tfpar: %s was entered in eager code and no Keras layer was made "
-                            "or called in it, so it changes nothing; eager ops run in it as "
-                            "without tfpar (put the scope around building or calling the "
-                            "model's layers, or inside the tf.function step)", self._describe())
+                fallback.fall_back(
+                    f"{self._describe()} around eager code", "no Keras layer was made or called "
+                    "in it, so it changes nothing: eager ops run in it as without tfpar",
+                    "Put the scope around building or calling the model's layers, or inside "
+                    "the tf.function step")
         else:
             self._capture.close_scope()
 

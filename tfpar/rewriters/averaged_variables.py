@@ -83,7 +83,8 @@ def average_local_copies(graph: ops.Graph, rw, reducer_for, control_readers) -> 
     the script made wait for it."""
     for var, averaged in rw.selection.averaged.items():
         stage = rw.placement.stage(var)
-        devices = [rw.placement.device(var, j) for j in range(len(rw.placement.stage_devices[stage]))]
+        devices = [rw.placement.device(var, j)
+                   for j in range(len(rw.placement.stage_devices[stage]))]
         terms: List[List[tensor_lib.Tensor]] = [[] for _ in devices]
         for v in range(rw.layout.num_versions(stage)):
             j = rw.layout.slot(stage, v)[0]

@@ -4,13 +4,13 @@ batch (through its seeds, or its gradients for higher-order gradients), summed
 over a device's micro-batches, then across the devices holding the same
 variable by the reducer of ``allreduce`` (or Horovod's)."""
 import collections
-import logging
 from typing import List, Set
 
 from tensorflow.python.framework import indexed_slices, ops
 from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import array_ops, check_ops, math_ops
 
+from tfpar import fallback
 from tfpar.analysis.batch_reductions import loss_scaling
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture
@@ -18,8 +18,6 @@ from tfpar.rewriters import graph_edit
 from tfpar.rewriters.select import GraphIndex, gradient_tensors
 
 __all__ = ["loss_weights", "reduce_gradients", "scale_seed", "scale_seeds"]
-
-log = logging.getLogger("tfpar")
 
 
 def scale_seeds(rw, capture: GraphCapture, index: GraphIndex) -> List[tensor_lib.Tensor]:
@@ -96,9 +94,11 @@ def loss_weights(rw, capture: GraphCapture) -> Set[int]:
                     f"{scaling.culprit}. Make it a mean over the batch (divide the sum by the "
                     "batch size) or make the other term a sum over the rows too")
             if scaling.kind is None:
-                log.warning("tfpar: cannot tell whether the loss '%s' is a mean or a sum over "
-                            "the batch (%s); its replicas are weighted as for a mean", y.name,
-                            scaling.culprit)
+                fallback.fall_back(
+                    f"the loss '{y.name}' split over replicas / micro-batches", "tfpar cannot "
+                    f"tell whether it is a mean or a sum over the batch ({scaling.culprit}), and "
+                    "weights its replicas as for a mean", "Write it as a reduce_mean or "
+                    "reduce_sum over the rows", y.graph)
             kinds.add(scaling.kind or "mean")
         if kinds == {"sum"}:
             summed.add(id(call))

@@ -187,7 +187,8 @@ def _may_write(op: ops.Operation, handle: tensor_lib.Tensor) -> bool:
     for attr in attrs:
         value = op.get_attr(attr)
         for fn in value if isinstance(value, list) else [value]:
-            body = getattr(op.graph._get_function(fn.name), "graph", None)  # pylint: disable=protected-access
+            defined = op.graph._get_function(fn.name)  # pylint: disable=protected-access
+            body = getattr(defined, "graph", None)
             if body is None:
                 return True
             for k in positions:
