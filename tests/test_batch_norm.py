@@ -242,7 +242,7 @@ def test_a_variable_written_inside_a_cond_without_a_declared_aggregation_is_said
     said = [str(w.message) for w in caught if issubclass(w.category, wh.FallbackWarning)]
     assert len(said) == 1 and "'running' is written inside If" in said[0], said
     assert "averaged" in said[0] and "tf.VariableAggregation.SUM" in said[0]
-    assert notes == tuple(said)
+    assert said[0] in notes
     with tf.Graph().as_default():
         wh.init({"cluster.num_devices": 2, "strict": True})
         x, y = v1.placeholder(tf.float32, [None, 6]), v1.placeholder(tf.int64, [None])

@@ -235,9 +235,11 @@ def ran_before_rewrite(graph: ops.Graph, carried: int) -> bool:
         raise PlanError(
             "tfpar: this session ran the graph before its training step was built, and the "
             "graph is finalized: build the training step before the session is created")
-    log.info("tfpar: the session ran the graph before its training step was built; it is "
-             "reopened on the parallel graph with its %d variables' values (the state of "
-             "iterators and lookup tables it held starts anew)", carried)
+    fallback.fall_back(
+        "a session that ran the graph before its training step was built, to run the step",
+        f"it is reopened on the parallel graph with its {carried} variables' values; the state "
+        "of the iterators and lookup tables it held starts anew", "Build the training step "
+        "before the session's first run, or initialize iterators and tables after it", graph)
     return True
 
 
