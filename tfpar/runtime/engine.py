@@ -148,11 +148,17 @@ def made_callable(graph: ops.Graph) -> None:
     cannot move the k of the steps it runs, and is turned off, saying so."""
     capture = existing_capture(graph)
     if capture is not None and capture.retuner is not None and capture.rewrite.stepped:
-        log.warning("tfpar: pipeline.retune_steps: k stays %d: the training step runs "
-                    "through a Session callable (Keras), whose fetches are fixed; online "
-                    "tuning follows Session.run steps (set pipeline.retune_steps to 0 to "
-                    "silence this)", capture.retuner.group_size)
+        _keep_group_size(capture.retuner.group_size, "the training step runs through a Session "
+                         "callable (Keras), whose fetches are fixed; online tuning follows "
+                         "Session.run steps", graph)
         capture.retuner = None
+
+
+def _keep_group_size(group_size: int, why: str, graph: ops.Graph) -> None:
+    """Say that online tuning (``pipeline.retune_steps``) cannot move k."""
+    fallback.fall_back("pipeline.retune_steps (online tuning of kFkB's k)",
+                       f"k stays {group_size} as planned: {why}", "Set pipeline.retune_steps to 0 "
+                       "to silence this", graph)
 
 
 def after_run(graph: ops.Graph, run_metadata: Optional[config_pb2.RunMetadata]) -> None:
@@ -417,8 +423,7 @@ def _retuner(graph: ops.Graph, capture: GraphCapture, rt: Runtime, plan: Plan,
     elif cfg.get("communication.backend") == "horovod":
         why = "each Horovod process runs its own session, and they would each choose a k"
     if why is not None:
-        log.warning("tfpar: pipeline.retune_steps: k stays %d as planned: %s (set "
-                    "pipeline.retune_steps to 0 to silence this)", plan.group_size, why)
+        _keep_group_size(plan.group_size, why, graph)
         return None
     costs, memory_limit = group_costs or _group_costs(index, capture, rt, plan, stage_of)
     return GroupRetuner(plan.num_micro_batch, len(plan.task_graphs), plan.group_size,
