@@ -192,7 +192,8 @@ def _wrap_gradients(original):
     def _GradientsHelper(ys, xs, *args, **kwargs):  # pylint: disable=invalid-name
         graph = ops.get_default_graph()
         if not _recorded(graph):
-            if _runtime is not None and type(graph) is func_graph.FuncGraph:
+            if _runtime is not None and type(graph) is func_graph.FuncGraph and not _backward_of(
+                    args, kwargs):
                 _runtime.function_gradients(graph)  # a tf.function's, not If / While's
             # Gradients TF takes inside function graphs (If / While gradients)
             # have seeds of their own: keep them out of the outer call's.
@@ -219,6 +220,13 @@ def _wrap_gradients(original):
             ys=_as_list(ys), xs=xs_list, grads=list(grads), seeds=seeds))
         return grads
     return _GradientsHelper
+
+
+def _backward_of(args, kwargs) -> bool:
+    """Whether a ``_GradientsHelper`` call (arguments after ``ys, xs``) builds
+    TensorFlow's own backward of a function, loop or branch graph (it passes
+    the graph differentiated, ``src_graph``), not gradients a script asked for."""
+    return kwargs.get("src_graph", args[7] if len(args) > 7 else None) is not None
 
 
 def _wrap_tape_gradient(original):
