@@ -1,5 +1,5 @@
-"""Issue 48 item 2, in TF2 eager scripts: models built as Keras' examples
-write them, trained plainly and under tfpar on 2 devices
+"""Issue 48 items 2 and 5, in TF2 eager scripts: models built as Keras' and
+Horovod's examples write them, trained plainly and under tfpar on 2 devices
 (``tf2_blocks_script.py`` in fresh processes, both started at once), and
 compared: losses and metrics, every variable (optimizer slots, iterations and
 metric totals too), and the proof that the plan ran (every phase's functions
@@ -84,3 +84,37 @@ def test_a_bidirectional_lstm_classifier_trains_in_parallel_and_says_nothing_fal
     assert len(said) == 1 and "the tf.function 'nested_step'" in said[0], said
     assert "inside a loop, branch or tf.function within the step" in said[0]
     assert got["phases"][1]["devices"] == DEVICES[:1]
+
+
+def test_a_step_reading_a_captured_batch_trains_in_parallel():
+    """Horovod's synthetic benchmark: data and target made eagerly, read by a
+    tf.function step without arguments (target small enough that TensorFlow
+    captures it as a constant), the step traced for first_batch True and
+    False. Before: PlanError 'found no batch input ... feed the model through
+    a tf.compat.v1.placeholder'."""
+    log = assert_equivalent("captured", [0])
+    assert "'benchmark_step'" not in log
+
+
+def test_captured_tensors_tfpar_cannot_split_train_on_one_device_and_say_why():
+    """A Barlow Twins loss (a cross-correlation over the batch: neither a mean
+    nor a sum over its rows) and a batch read with a class-weight vector of
+    another leading size: each step runs exactly as traced without tfpar, on
+    one device, and a FallbackWarning says why and what to do."""
+    (expected, _), (got, log) = plain_and_tfpar("captured")
+    assert got["phases"][1]["numbers"] == expected["phases"][1]["numbers"]
+    assert got["fallback_variables"] == expected["fallback_variables"]
+    assert got["phases"][1]["devices"] == DEVICES[:1]
+    assert ("FallbackWarning: tfpar: the tf.function 'twins_step', data parallel over 2 "
+            "devices: it trains on one device, as it would without tfpar: its loss 'add_2:0' "
+            "is not a mean or a sum over the rows of the tensors it captures from eager code "
+            "([None, 8, 8, 3] read by 'sequential_1/conv2d_1/Conv2D', [None, 8, 8, 3] read by "
+            "'sequential_1/conv2d_1/Conv2D_1'): 'MatMul' (MatMul) of one value per row and one "
+            "value per row. Make each loss a mean or a sum over the rows") in log, log[-3000:]
+    assert ("the tf.function 'weighted_step', data parallel over 2 devices: it trains on one "
+            "device, as it would without tfpar: the tensors it captures from eager code "
+            "differ in their leading dimension ([16, 8, 8, 3] read by "
+            "'sequential_1/conv2d_1/Conv2D', [16] read by") in log
+    assert "[10] read by 'GatherV2'), so tfpar cannot tell which are its batch. Pass the " \
+        "batch to the step as arguments (step(x, y))" in log
+

@@ -20,6 +20,11 @@ Scenarios:
   ``Bidirectional(LSTM)`` x2 -> ``Dense``; ``fit`` with validation data),
   then a step whose gradients a decorated helper takes, of a small head (it
   really trains on one device, and tfpar says so).
+* ``captured``: Horovod's ``tensorflow2_synthetic_benchmark.py`` without its
+  Horovod lines: the batch is made eagerly, a ``tf.function`` step reads it
+  without arguments; then (a second phase) steps reading captured tensors
+  tfpar cannot split: Barlow Twins' loss (a cross-correlation over the
+  batch), and a batch read with a captured tensor of another leading size.
 """
 import json
 import logging
@@ -187,7 +192,82 @@ def bilstm() -> dict:
             "variables": values(model, model.optimizer, *model.metrics, head, optimizer)}
 
 
-SCENARIOS = {"distillation": distillation, "bilstm": bilstm}
+def synthetic_model():
+    """Stands for ``applications.ResNet50(weights=None)``: a softmax classifier."""
+    return keras.Sequential([keras.Input((8, 8, 3)), layers.Conv2D(4, 3, activation="relu"),
+                             layers.GlobalAveragePooling2D(), layers.Dense(10, "softmax")])
+
+
+def captured() -> dict:
+    """The benchmark's model, data and step as Horovod writes them (its
+    ``hvd.DistributedGradientTape`` and broadcasts left out)."""
+    batch_size = 16
+    model = synthetic_model()
+    opt = tf.optimizers.SGD(0.01)
+    data = tf.random.uniform([batch_size, 8, 8, 3])
+    target = tf.random.uniform([batch_size, 1], minval=0, maxval=9, dtype=tf.int64)
+
+    @tf.function
+    def benchmark_step(first_batch):
+        with tf.GradientTape() as tape:
+            probs = model(data, training=True)
+            loss = tf.losses.sparse_categorical_crossentropy(target, probs)
+        gradients = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(gradients, model.trainable_variables))
+
+    losses = []
+    for first_batch in (True, False, False):
+        benchmark_step(first_batch)
+        losses.append(float(tf.reduce_mean(
+            tf.losses.sparse_categorical_crossentropy(target, model(data)))))
+    benchmark = phase(losses)
+    fallbacks = captured_fallbacks()
+    return {"phases": [benchmark, fallbacks["phases"][0]], "variables": values(model, opt),
+            "fallback_variables": fallbacks["variables"]}
+
+
+def barlow_twins_loss(z_a, z_b, batch_size: int):
+    """Zbontar et al. 2021: the cross-correlation of the normalized embeddings
+    of two views, over the batch, pushed towards the identity."""
+    def normalized(z):
+        return (z - tf.reduce_mean(z, 0)) / (tf.math.reduce_std(z, 0) + 1e-5)
+    c = tf.matmul(normalized(z_a), normalized(z_b), transpose_a=True) / batch_size
+    on_diagonal = tf.reduce_sum(tf.square(tf.linalg.diag_part(c) - 1))
+    off_diagonal = tf.reduce_sum(tf.square(c)) - tf.reduce_sum(tf.square(tf.linalg.diag_part(c)))
+    return on_diagonal + 0.005 * off_diagonal
+
+
+def captured_fallbacks() -> dict:
+    model = synthetic_model()
+    opt = tf.optimizers.SGD(0.01)
+    view_a = tf.random.uniform([16, 8, 8, 3])
+    view_b = tf.random.uniform([16, 8, 8, 3])
+    class_weight = tf.random.uniform([10])
+    target = tf.random.uniform([16], maxval=10, dtype=tf.int64)
+
+    @tf.function
+    def twins_step():
+        with tf.GradientTape() as tape:
+            loss = barlow_twins_loss(model(view_a, training=True), model(view_b, training=True),
+                                     16)
+        gradients = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(gradients, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def weighted_step():
+        with tf.GradientTape() as tape:
+            losses = tf.losses.sparse_categorical_crossentropy(target, model(view_a))
+            loss = tf.reduce_mean(losses * tf.gather(class_weight, target))
+        gradients = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(gradients, model.trainable_variables))
+        return loss
+
+    losses = [float(twins_step()) for _ in range(2)] + [float(weighted_step()) for _ in range(2)]
+    return {"phases": [phase(losses)], "variables": values(model, opt)}
+
+
+SCENARIOS = {"distillation": distillation, "bilstm": bilstm, "captured": captured}
 
 
 def main(scenario: str, devices: int) -> dict:

@@ -96,6 +96,10 @@ class GraphCapture:
         # and this trace is left as it is.
         self.retrace = False
         self.relaxed = False
+        # The eager tensors a tf.function step reads as its batch (no argument
+        # or iterator feeds it one: ``runtime.captured_batches``), chosen in
+        # its first trace; its relaxed trace captures them with dimension 0 unknown.
+        self.batch_captured: List[Any] = []
         # (training calls seen, automatic plan) cached by the runtime's planner.
         self.automatic: Any = None
         self._phases: List[Phase] = []

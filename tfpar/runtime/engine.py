@@ -37,6 +37,7 @@ from tfpar.runtime.automatic import (Automatic, automatic_plan, cluster_hardware
                                      planned_techniques, planning_batch, refuse_planning_only,
                                      sharded_plan, warn_unbuilt_sharding)
 from tfpar.runtime.balanced import batch_shares, shard_shares
+from tfpar.runtime.captured_batches import captured_batch, unsplittable
 from tfpar.runtime.context import Runtime, active
 from tfpar.runtime.gc_paused import gc_paused
 from tfpar.runtime.retune import GroupRetuner
@@ -486,8 +487,19 @@ def rewrite_function(graph: ops.Graph) -> None:
             rt.function_plan = plan_for(graph, capture, rt)
         return
     static = _static_batch_inputs(graph)
-    if static and not capture.relaxed:
-        capture.retrace = True  # traced again, batch relaxed; that trace is rewritten
+    if not capture.relaxed:
+        captured, why = captured_batch(graph, capture)
+        if why:
+            _train_on_one_device(rt, graph, why, _PASS_THE_BATCH)
+            return
+        if static or captured:
+            capture.batch_captured = captured
+            capture.retrace = True  # traced again, batch relaxed; that trace is rewritten
+            return
+    why = unsplittable(graph, capture) if capture.batch_captured else ""
+    if why:
+        _train_on_one_device(rt, graph, why, "Make each loss a mean or a sum over the rows of "
+                             "the batch (of per-example losses) for tfpar to split it")
         return
     if static:
         _warn_one_device(rt, graph.name, (
@@ -506,6 +518,17 @@ def rewrite_function(graph: ops.Graph) -> None:
         if translate is not None:
             rewire_outputs(graph, translate)
             rt.function_plan = capture.plan
+
+
+_PASS_THE_BATCH = ("Pass the batch to the step as arguments (step(x, y)), or read it from a "
+                   "tf.data iterator in the step, for tfpar to split it")
+
+
+def _train_on_one_device(rt: Runtime, graph: ops.Graph, why: str, remedy: str) -> None:
+    """Say that the step traced into ``graph`` runs as traced, on one device."""
+    fallback.fall_back(f"the tf.function {graph.name!r}, data parallel over {len(rt.devices)} "
+                       "devices", f"it trains on one device, as it would without tfpar: {why}",
+                       remedy, graph)
 
 
 def _plan_changes_nothing(rt: Runtime) -> bool:
