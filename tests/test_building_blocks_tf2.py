@@ -98,9 +98,10 @@ def test_a_step_reading_a_captured_batch_trains_in_parallel():
 
 def test_captured_tensors_tfpar_cannot_split_train_on_one_device_and_say_why():
     """A Barlow Twins loss (a cross-correlation over the batch: neither a mean
-    nor a sum over its rows) and a batch read with a class-weight vector of
-    another leading size: each step runs exactly as traced without tfpar, on
-    one device, and a FallbackWarning says why and what to do."""
+    nor a sum over its rows), a batch read with a class-weight vector of
+    another leading size, and a step reading no batch: each runs exactly as
+    traced without tfpar, on one device, and a FallbackWarning says why and
+    what to do. Before: PlanError 'found no batch input'."""
     (expected, _), (got, log) = plain_and_tfpar("captured")
     assert got["phases"][1]["numbers"] == expected["phases"][1]["numbers"]
     assert got["fallback_variables"] == expected["fallback_variables"]
@@ -117,4 +118,6 @@ def test_captured_tensors_tfpar_cannot_split_train_on_one_device_and_say_why():
             "'sequential_1/conv2d_1/Conv2D', [16] read by") in log
     assert "[10] read by 'GatherV2'), so tfpar cannot tell which are its batch. Pass the " \
         "batch to the step as arguments (step(x, y))" in log
+    assert "the tf.function 'decay_step', data parallel over 2 devices: it trains on one " \
+        "device, as it would without tfpar: its losses read no batch" in log
 

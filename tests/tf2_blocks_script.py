@@ -24,7 +24,8 @@ Scenarios:
   Horovod lines: the batch is made eagerly, a ``tf.function`` step reads it
   without arguments; then (a second phase) steps reading captured tensors
   tfpar cannot split: Barlow Twins' loss (a cross-correlation over the
-  batch), and a batch read with a captured tensor of another leading size.
+  batch), a batch read with a captured tensor of another leading size, and a
+  step that reads no batch at all.
 """
 import json
 import logging
@@ -263,8 +264,18 @@ def captured_fallbacks() -> dict:
         opt.apply_gradients(zip(gradients, model.trainable_variables))
         return loss
 
-    losses = [float(twins_step()) for _ in range(2)] + [float(weighted_step()) for _ in range(2)]
-    return {"phases": [phase(losses)], "variables": values(model, opt)}
+    scale, scale_opt = tf.Variable(tf.ones([4])), tf.optimizers.SGD(0.1)
+
+    @tf.function
+    def decay_step():  # no batch at all
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(scale - 0.5))
+        scale_opt.apply_gradients([(tape.gradient(loss, scale), scale)])
+        return loss
+
+    losses = [float(step()) for step in (twins_step, weighted_step, decay_step) for _ in range(2)]
+    return {"phases": [phase(losses)],
+            "variables": values(model, opt, scale_opt) + [scale.numpy().tolist()]}
 
 
 SCENARIOS = {"distillation": distillation, "bilstm": bilstm, "captured": captured}
