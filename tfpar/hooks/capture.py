@@ -60,6 +60,9 @@ class GraphCapture:
         self.gradient_calls: List[GradientCall] = []
         self.apply_calls: List[ApplyCall] = []
         self.rewrite: Any = None
+        # How many of ``gradient_calls`` the rewrite parallelised (those
+        # built later, a second model's, run as built).
+        self.rewritten_calls = 0
         # Ada-Grouper's online tuner of k (``runtime.retune``), if it applies.
         self.retuner: Any = None
         # fp16 mixed precision: the graph's ``loss_scaling.LossScale``.

@@ -616,7 +616,22 @@ def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
     if capture.rewrite is None:
         with gc_paused():
             _rewrite(graph, capture, rt)
+    elif len(capture.gradient_calls) > capture.rewritten_calls:
+        _built_after_rewrite(graph, capture)
     return capture.rewrite
+
+
+def _built_after_rewrite(graph: ops.Graph, capture: GraphCapture) -> None:
+    """Gradients built after tfpar rewrote ``graph`` (a second model trained
+    in Keras' one graph) run as built: say so, in the plan's notes too."""
+    later = capture.gradient_calls[capture.rewritten_calls:]
+    losses = ", ".join(f"'{y.name}'" for call in later for y in call.ys if hasattr(y, "name"))
+    fallback.fall_back(
+        f"data parallelism for the gradients of {losses}, built after tfpar rewrote this graph "
+        "for its first training step", "they, and the updates they feed, run as built, on one "
+        "device", "Build every training step before the graph first runs, or build and train each "
+        "model in a tf.Graph of its own", graph)
+    capture.plan = dataclasses.replace(capture.plan, notes=fallback.notes(graph))
 
 
 def _planned_zero(techniques, reducer_for, devices) -> int:
@@ -685,6 +700,7 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
                                 techniques, reducer_for, placement.stage_devices[0]),
                             precision=applied_option(cfg, rt.device_type))
     capture.plan = dataclasses.replace(plan, notes=fallback.notes(graph))  # the rewrite's too
+    capture.rewritten_calls = len(capture.gradient_calls)
     capture.rewrite = FetchTranslator(graph, rewrite, plan.group_size)
     capture.retuner = _retuner(graph, capture, rt, plan, index, stage_of, group_costs)
     log.info("tfpar rewrote the graph:\n%s", plan.summary())
