@@ -9,7 +9,7 @@ DEVICES})`` comes first. Prints one JSON line: per phase of the script, the
 numbers it trained to (losses and metrics), the devices that ran work in the
 functions of that phase (TensorFlow's partition graphs) and the devices of
 ``wh.current_plan()`` then; and every variable at the end (weights, optimizer
-slots and iterations, metric totals). tfpar's log goes to stderr.
+slots and iterations, metric totals). tfpar's log (INFO) goes to stderr.
 
 Scenarios:
 * ``distillation``: Keras' "Knowledge Distillation" example: a teacher
@@ -283,6 +283,7 @@ SCENARIOS = {"distillation": distillation, "bilstm": bilstm, "captured": capture
 
 def main(scenario: str, devices: int) -> dict:
     logging.getLogger("tfpar").addHandler(logging.StreamHandler(sys.stderr))
+    logging.getLogger("tfpar").setLevel(logging.INFO)
     if devices:
         wh.init({"cluster.num_devices": devices})
         _TFPAR.append(True)

@@ -492,6 +492,10 @@ def rewrite_function(graph: ops.Graph) -> None:
         if why:
             _train_on_one_device(rt, graph, why, _PASS_THE_BATCH)
             return
+        if captured:
+            log.info("tfpar: the tf.function %r reads its batch from tensors captured from "
+                     "eager code (shapes %s): their rows are split over the replicas",
+                     graph.name, ", ".join(str(t.shape.as_list()) for t in captured))
         if static or captured:
             capture.batch_captured = captured
             capture.retrace = True  # traced again, batch relaxed; that trace is rewritten
