@@ -7,12 +7,13 @@ it without arguments: TensorFlow captures such tensors into the step's graph
 128 values). A step that reads no batch through its arguments or iterators
 takes for its batch the tensors of eager code (not variables) of rank >= 1
 that its losses are computed from, when they share their leading dimension
-(data and labels do; a table or a positional encoding of another length
-would not). Its first trace is then traced again with them captured with
-dimension 0 unknown (``hooks.tf_patches``), and that trace is parallelised
-as if they were its arguments when each loss is a mean or a sum over their
-rows (``analysis.batch_reductions``, along the rows ``analysis.batch_axes``
-follows). Otherwise the step runs as traced, on one device, and says why.
+(data and labels do; read with a table or a positional encoding of another
+length, which is the batch cannot be told). Its first trace is then traced
+again with them captured with dimension 0 unknown (``hooks.tf_patches``),
+and that trace is parallelised as if they were its arguments when each loss
+is a mean or a sum over their rows (``analysis.batch_reductions``, along the
+rows ``analysis.batch_axes`` follows). Otherwise the step runs as traced, on
+one device, and says why.
 """
 from typing import Any, List, Tuple
 
