@@ -60,6 +60,9 @@ class GraphCapture:
         self.gradient_calls: List[GradientCall] = []
         self.apply_calls: List[ApplyCall] = []
         self.rewrite: Any = None
+        # How many of ``gradient_calls`` the rewrite parallelised (those
+        # built later, a second model's, run as built).
+        self.rewritten_calls = 0
         # Ada-Grouper's online tuner of k (``runtime.retune``), if it applies.
         self.retuner: Any = None
         # fp16 mixed precision: the graph's ``loss_scaling.LossScale``.
@@ -102,6 +105,10 @@ class GraphCapture:
         # and this trace is left as it is.
         self.retrace = False
         self.relaxed = False
+        # The eager tensors a tf.function step reads as its batch (no argument
+        # or iterator feeds it one: ``runtime.captured_batches``), chosen in
+        # its first trace; its relaxed trace captures them with dimension 0 unknown.
+        self.batch_captured: List[Any] = []
         # (training calls seen, automatic plan) cached by the runtime's planner.
         self.automatic: Any = None
         self._phases: List[Phase] = []

@@ -17,6 +17,9 @@
   ``tf.gradients`` builds it.
 * ``SparseTensor.__init__``: a SparseTensor made of fed placeholders
   (``sparse_placeholder``) is recorded, so the batch split cuts it by rows.
+* ``FunctionCaptures.capture_by_value``: a tensor of eager code a TF2 step
+  reads as its batch is captured with its batch dimension unknown when the
+  step is traced again with its batch relaxed.
 * ``BaseSession.__init__``: tfpar's devices are merged into the ConfigProto.
 * ``DatasetV1._make_one_shot_iterator`` / ``_make_initializable_iterator``:
   with ``io.shard_dataset`` each process / worker iterates over its shard.
@@ -44,6 +47,7 @@ from typing import Any
 
 from keras.src.optimizers import optimizer as keras_optimizer
 from keras.src.optimizers.legacy import optimizer_v2 as keras_optimizer_v2
+from tensorflow.core.function.capture import capture_container
 from tensorflow.core.protobuf import config_pb2
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.client import pywrap_tf_session as c_session
@@ -141,6 +145,8 @@ def install(runtime: Any) -> None:
     _patches.add(tracing_compilation, "_create_concrete_function",
                  _wrap_create_concrete_function)
     _patches.add(func_graph, "func_graph_from_py_func", _wrap_func_graph_from_py_func)
+    _patches.add(capture_container.FunctionCaptures, "capture_by_value",
+                 _wrap_capture_by_value)
     _patches.add(sparse_tensor.SparseTensor, "__init__", _wrap_sparse_tensor_init)
     _patches.add(backprop.GradientTape, "gradient", _wrap_tape_gradient)
     _patches.add(backprop, "_gradient_function", _wrap_gradient_function)
@@ -211,7 +217,8 @@ def _wrap_gradients(original):
     def _GradientsHelper(ys, xs, *args, **kwargs):  # pylint: disable=invalid-name
         graph = ops.get_default_graph()
         if not _recorded(graph):
-            if _runtime is not None and type(graph) is func_graph.FuncGraph:
+            if _runtime is not None and type(graph) is func_graph.FuncGraph and not _backward_of(
+                    args, kwargs):
                 _runtime.function_gradients(graph)  # a tf.function's, not If / While's
             # Gradients TF takes inside function graphs (If / While gradients)
             # have seeds of their own: keep them out of the outer call's.
@@ -238,6 +245,13 @@ def _wrap_gradients(original):
             ys=_as_list(ys), xs=xs_list, grads=list(grads), seeds=seeds))
         return grads
     return _GradientsHelper
+
+
+def _backward_of(args, kwargs) -> bool:
+    """Whether a ``_GradientsHelper`` call (arguments after ``ys, xs``) builds
+    TensorFlow's own backward of a function, loop or branch graph (it passes
+    the graph differentiated, ``src_graph``), not gradients a script asked for."""
+    return kwargs.get("src_graph", args[7] if len(args) > 7 else None) is not None
 
 
 def _wrap_tape_gradient(original):
@@ -297,28 +311,52 @@ def _taped_op(graph, op_type: str, inputs, outputs):
 
 # The FuncGraph being traced again with its arguments' batch relaxed
 # (``_wrap_create_concrete_function``) or None, and whether its argument
-# placeholders are being made (the function's own placeholders keep their shapes).
+# placeholders (or its captured batch's) are being made (the function's own
+# placeholders keep their shapes).
 _retracing = threading.local()
 
 
 def _wrap_create_concrete_function(original):
     """A tf.function traced from eager code that trains with arguments of a
     static batch size (TF2 traces with the shapes of the values it is called
-    with) is traced a second time with that dimension unknown, as graph-mode
-    placeholders are made (``batch_shapes``): TensorFlow would otherwise build
-    the full batch's size into the step the replicas split."""
+    with), or with a batch captured from eager code, is traced a second time
+    with that dimension unknown, as graph-mode placeholders are made
+    (``batch_shapes``): TensorFlow would otherwise build the full batch's
+    size into the step the replicas split."""
     def _create_concrete_function(function_type, type_context, func_graph, tracing_options):
         concrete = original(function_type, type_context, func_graph, tracing_options)
         if _runtime is None or not _runtime.retraces_relaxed(func_graph):
             return concrete
         relaxed = func_graph.__class__(func_graph.name)
-        cap_lib.capture_for(relaxed).relaxed = True
+        capture = cap_lib.capture_for(relaxed)
+        capture.relaxed = True
+        capture.batch_captured = cap_lib.capture_for(func_graph).batch_captured
         _retracing.graph, _retracing.arguments = relaxed, True
         try:
-            return original(function_type, type_context, relaxed, tracing_options)
+            again = original(function_type, type_context, relaxed, tracing_options)
         finally:
             _retracing.graph = None
+        # Not rewritten (the step runs on one device): the first trace, as without tfpar.
+        return again if capture.rewrite is not None else concrete
     return _create_concrete_function
+
+
+def _wrap_capture_by_value(original):
+    """In the trace with the batch relaxed, a tensor of eager code the step
+    reads as its batch (``GraphCapture.batch_captured``) is captured by a
+    placeholder with dimension 0 unknown, like the arguments, however small
+    (TensorFlow makes a tensor of at most 128 values a constant)."""
+    def capture_by_value(self, graph, tensor, name=None):
+        if graph is not getattr(_retracing, "graph", None) or not any(
+                tensor is t for t in cap_lib.capture_for(graph).batch_captured):
+            return original(self, graph, tensor, name)
+        arguments, _retracing.arguments = _retracing.arguments, True
+        try:
+            return self._create_placeholder_helper(  # pylint: disable=protected-access
+                graph, tensor, name or str(ops.uid()))
+        finally:
+            _retracing.arguments = arguments
+    return capture_by_value
 
 
 def _wrap_func_graph_from_py_func(original):

@@ -11,7 +11,7 @@ from tensorflow.python.framework import dtypes, indexed_slices, ops, tensor_shap
 from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import handle_data_util
 
-from tfpar.hooks.capture import GraphCapture
+from tfpar.hooks.capture import GraphCapture, existing_capture
 from tfpar.ir.taskgraph import Phase
 
 __all__ = ["Averaged", "GraphIndex", "Selection", "averaged_variables", "declared_aggregations",
@@ -59,26 +59,36 @@ def is_resource_variable(op: ops.Operation) -> bool:
 
 def is_input(op: ops.Operation) -> bool:
     """An op feeding the batch: a placeholder, iterator or queue read, not a
-    tf.function's placeholder standing for a captured outside value."""
-    return op.type in INPUT_TYPES and op not in _function_captures(op.graph)[1]
+    tf.function's placeholder standing for a captured outside value, unless
+    that value is the step's batch (``GraphCapture.batch_captured``)."""
+    if op.type not in INPUT_TYPES:
+        return False
+    _, captured, batch = _function_captures(op.graph)
+    return op not in captured or op in batch
 
 
 _captures_seen: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _function_captures(graph: ops.Graph):
-    """(placeholders capturing a variable's handle, every capturing placeholder)
+    """(placeholders capturing a variable's handle, every capturing op, the
+    placeholders capturing the step's batch: ``GraphCapture.batch_captured``)
     of a tf.function's graph; empty sets for other graphs."""
     if not graph.building_function:
-        return frozenset(), frozenset()
+        return frozenset(), frozenset(), frozenset()
     pairs = graph.captures
     known = _captures_seen.get(graph)
     if known is None or known[0] != len(pairs):
         handles = {id(v.handle) for v in graph.variables}
+        capture = existing_capture(graph)
+        batch = ({id(t) for t in capture.batch_captured} if capture is not None
+                 and capture.relaxed else set())  # the first trace's are not inputs yet
         known = _captures_seen[graph] = (
             len(pairs), frozenset(inner.op for outer, inner in pairs if id(outer) in handles),
-            frozenset(inner.op for _, inner in pairs))
-    return known[1], known[2]
+            frozenset(inner.op for _, inner in pairs),
+            frozenset(inner.op for outer, inner in pairs
+                      if id(outer) in batch and inner.op.type == "Placeholder"))
+    return known[1:]
 
 
 class GraphIndex:

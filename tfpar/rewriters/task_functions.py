@@ -81,13 +81,21 @@ def define_task(graph: ops.Graph, task: Sequence[ops.Operation], name: str,
                 arguments.setdefault(t)
         results.extend(t for t in op.outputs if exported(t) or not t.consumers()
                        or any(c not in inside for c in t.consumers()))
-    definition = _function_def(graph.unique_name(name, mark_as_used=True),
-                               constants + list(task), body, list(arguments), results)
+    definition = _function_def(_library_name(graph, name), constants + list(task), body,
+                               list(arguments), results)
     library_function = function._from_definition(definition)  # pylint: disable=protected-access
     library_function.add_to_graph(graph)
     if graph.building_function:  # a tf.function's callees run from the eager context's library
         context.context().add_function_def(definition)
     return TaskFunction(list(arguments), results, library_function)
+
+
+def _library_name(graph: ops.Graph, name: str) -> str:
+    """A name for a function of ``graph`` that no other function has: unique
+    in the graph; for a tf.function, whose callees join the one library of
+    the process (every step, retrace and model), numbered process-wide too."""
+    unique = graph.unique_name(name, mark_as_used=True)
+    return f"{unique}_{ops.uid()}" if graph.building_function else unique
 
 
 def _outside_constants(task: Sequence[ops.Operation], inside: Set[ops.Operation]

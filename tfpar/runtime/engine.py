@@ -37,6 +37,7 @@ from tfpar.runtime.automatic import (Automatic, automatic_plan, cluster_hardware
                                      planned_techniques, planning_batch, refuse_planning_only,
                                      sharded_plan, warn_unbuilt_sharding)
 from tfpar.runtime.balanced import batch_shares, shard_shares
+from tfpar.runtime.captured_batches import captured_batch, unsplittable
 from tfpar.runtime.context import Runtime, active
 from tfpar.runtime.gc_paused import gc_paused
 from tfpar.runtime.retune import GroupRetuner
@@ -492,8 +493,23 @@ def rewrite_function(graph: ops.Graph) -> None:
             rt.function_plan = plan_for(graph, capture, rt)
         return
     static = _static_batch_inputs(graph)
-    if static and not capture.relaxed:
-        capture.retrace = True  # traced again, batch relaxed; that trace is rewritten
+    if not capture.relaxed:
+        captured, why = captured_batch(graph, capture)
+        if why:
+            _train_on_one_device(rt, graph, why, _PASS_THE_BATCH)
+            return
+        if captured:
+            log.info("tfpar: the tf.function %r reads its batch from tensors captured from "
+                     "eager code (shapes %s): their rows are split over the replicas",
+                     graph.name, ", ".join(str(t.shape.as_list()) for t in captured))
+        if static or captured:
+            capture.batch_captured = captured
+            capture.retrace = True  # traced again, batch relaxed; that trace is rewritten
+            return
+    why = unsplittable(graph, capture) if capture.batch_captured else ""
+    if why:
+        _train_on_one_device(rt, graph, why, "Make each loss a mean or a sum over the rows of "
+                             "the batch (of per-example losses) for tfpar to split it")
         return
     if static:
         _warn_one_device(rt, graph.name, (
@@ -512,6 +528,17 @@ def rewrite_function(graph: ops.Graph) -> None:
         if translate is not None:
             rewire_outputs(graph, translate)
             rt.function_plan = capture.plan
+
+
+_PASS_THE_BATCH = ("Pass the batch to the step as arguments (step(x, y)), or read it from a "
+                   "tf.data iterator in the step, for tfpar to split it")
+
+
+def _train_on_one_device(rt: Runtime, graph: ops.Graph, why: str, remedy: str) -> None:
+    """Say that the step traced into ``graph`` runs as traced, on one device."""
+    fallback.fall_back(f"the tf.function {graph.name!r}, data parallel over {len(rt.devices)} "
+                       "devices", f"it trains on one device, as it would without tfpar: {why}",
+                       remedy, graph)
 
 
 def _plan_changes_nothing(rt: Runtime) -> bool:
@@ -606,7 +633,22 @@ def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
     if capture.rewrite is None:
         with gc_paused():
             _rewrite(graph, capture, rt)
+    elif len(capture.gradient_calls) > capture.rewritten_calls:
+        _built_after_rewrite(graph, capture)
     return capture.rewrite
+
+
+def _built_after_rewrite(graph: ops.Graph, capture: GraphCapture) -> None:
+    """Gradients built after tfpar rewrote ``graph`` (a second model trained
+    in Keras' one graph) run as built: say so, in the plan's notes too."""
+    later = capture.gradient_calls[capture.rewritten_calls:]
+    losses = ", ".join(f"'{y.name}'" for call in later for y in call.ys if hasattr(y, "name"))
+    fallback.fall_back(
+        f"data parallelism for the gradients of {losses}, built after tfpar rewrote this graph "
+        "for its first training step", "they, and the updates they feed, run as built, on one "
+        "device", "Build every training step before the graph first runs, or build and train each "
+        "model in a tf.Graph of its own", graph)
+    capture.plan = dataclasses.replace(capture.plan, notes=fallback.notes(graph))
 
 
 def _planned_zero(techniques, reducer_for, devices) -> int:
@@ -675,6 +717,7 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
                                 techniques, reducer_for, placement.stage_devices[0]),
                             precision=applied_option(cfg, rt.device_type))
     capture.plan = dataclasses.replace(plan, notes=fallback.notes(graph))  # the rewrite's too
+    capture.rewritten_calls = len(capture.gradient_calls)
     capture.rewrite = FetchTranslator(graph, rewrite, plan.group_size)
     capture.retuner = _retuner(graph, capture, rt, plan, index, stage_of, group_costs)
     log.info("tfpar rewrote the graph:\n%s", plan.summary())
