@@ -84,7 +84,7 @@ def test_a_model_trained_after_the_graph_was_rewritten_runs_as_built_and_says_so
             "updates they feed, run as built, on one device. Build every training step before "
             "the graph first runs, or build and train each model in a tf.Graph of its own"
             ) in text
-    assert got[0][3] == () and got[1][3] == (text,), "wh.current_plan() does not say it"
+    assert text not in got[0][3] and text in got[1][3], "wh.current_plan() does not say it"
     alone = TEACHER_AND_STUDENT[1:]
     assert_same_fit(fit_in_one_graph(alone, images(), None)[0],
                     fit_in_one_graph(alone, images(), CONFIG)[0])

@@ -512,16 +512,16 @@ def rewrite_function(graph: ops.Graph) -> None:
                              "the batch (of per-example losses) for tfpar to split it")
         return
     if static:
-        _warn_one_device(rt, graph.name, (
+        _train_on_one_device(rt, graph, (
             f"it reads a batch of static size ({static[0].name}: {static[0].shape}), which "
-            "TensorFlow built into the step; make the dataset or iterator after wh.init()"))
+            "TensorFlow built into the step"), "Make the dataset or iterator after wh.init()")
         return
     present = len(context.context().list_logical_devices(rt.device_type))
     if present < len(rt.devices):
-        _warn_one_device(rt, graph.name, (
+        _train_on_one_device(rt, graph, (
             f"TensorFlow's eager context has {present} {rt.device_type} device(s) and the plan "
-            f"{len(rt.devices)}: call wh.init() before the script runs its first TensorFlow op "
-            "(logical CPU devices can only be made then)"))
+            f"{len(rt.devices)}"), "Call wh.init() before the script runs its first TensorFlow "
+            "op (logical CPU devices can only be made then)")
         return
     with graph.as_default():
         translate = before_run(graph)
@@ -534,11 +534,18 @@ _PASS_THE_BATCH = ("Pass the batch to the step as arguments (step(x, y)), or rea
                    "tf.data iterator in the step, for tfpar to split it")
 
 
-def _train_on_one_device(rt: Runtime, graph: ops.Graph, why: str, remedy: str) -> None:
-    """Say that the step traced into ``graph`` runs as traced, on one device."""
-    fallback.fall_back(f"the tf.function {graph.name!r}, data parallel over {len(rt.devices)} "
-                       "devices", f"it trains on one device, as it would without tfpar: {why}",
-                       remedy, graph)
+def _train_on_one_device(rt: Runtime, graph: Optional[ops.Graph], why: str,
+                         remedy: str) -> None:
+    """Say, once per function (``graph``; None: eager code), that its step
+    runs as traced, on one device."""
+    name = graph.name if graph is not None else None
+    if name in rt.warned_one_device:
+        return
+    rt.warned_one_device.add(name)
+    where = "eager code" if name is None else f"the tf.function {name!r}"
+    fallback.fall_back(f"{where}, data parallel over {len(rt.devices)} devices",
+                       f"it trains on one device, as it would without tfpar: {why}", remedy,
+                       graph)
 
 
 def _plan_changes_nothing(rt: Runtime) -> bool:
@@ -586,15 +593,6 @@ def _static_batch_inputs(graph: ops.Graph) -> list:
             if t.shape.rank and t.shape[0] is not None]
 
 
-def _warn_one_device(rt: Runtime, name: Optional[str], why: str) -> None:
-    """Say once per function (``None``: eager code) that its step runs on one device."""
-    if name in rt.warned_one_device:
-        return
-    rt.warned_one_device.add(name)
-    where = "eager code" if name is None else f"the tf.function {name!r}"
-    log.warning("tfpar: %s trains on one device, as it would without tfpar: %s", where, why)
-
-
 def function_gradients(graph: ops.Graph) -> None:
     """Gradients tfpar does not record (a tf.GradientTape in eager code, a
     tf.function in a graph-mode script): their step runs on one device."""
@@ -606,17 +604,19 @@ def function_gradients(graph: ops.Graph) -> None:
     while getattr(getattr(step, "outer_graph", None), "building_function", False):
         step = step.outer_graph  # the loop body's (or inner function's) step
     if eager:
-        why = ("tfpar parallelises graphs and tf.functions called from eager code, not eager "
-               "gradients")
+        why, remedy = ("tfpar parallelises graphs and tf.functions called from eager code, not "
+                       "eager gradients"), "Take the gradients in a tf.function step"
     elif ops.executing_eagerly_outside_functions():  # within a TF2 step
         why = ("its gradients are taken inside a loop, branch or tf.function within the step "
                "(a `for` over a dataset inside the tf.function is a loop); tfpar parallelises "
-               "a step's top level: iterate the dataset in Python or call next(iterator) in "
-               "the step, and leave the functions it calls undecorated")
+               "a step's top level")
+        remedy = ("Iterate the dataset in Python or call next(iterator) in the step, and leave "
+                  "the functions it calls undecorated")
     else:
         why = ("tfpar parallelises a tf.function called from eager code, not one built into "
-               "a graph; use tf.gradients or an optimizer's minimize there")
-    _warn_one_device(rt, None if eager else step.name, why)
+               "a graph")
+        remedy = "Use tf.gradients or an optimizer's minimize there"
+    _train_on_one_device(rt, None if eager else step, why, remedy)
 
 
 def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
@@ -627,7 +627,10 @@ def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
         _warned_unseen.add(graph)
         unseen = unseen_training(graph)
         if unseen is not None:
-            log.warning("%s", built_before_init_message(unseen))
+            fallback.fall_back(f"data parallelism for this graph's training ('{unseen}')",
+                               "it was built before wh.init(), so tfpar did not see it being "
+                               "built and runs it unchanged", "Call wh.init() before building "
+                               "the model", graph)
     if rt is None or capture is None or not capture.gradient_calls:
         return None
     if capture.rewrite is None:
