@@ -72,3 +72,27 @@ def test_devices_on_a_host_without_gpus_are_said():
     wh.reset()
     assert any("the 3 devices of cluster.num_devices are logical CPU devices sharing this "
                "host's" in note for note in notes), notes
+
+
+def shard_in_one_process(config):
+    """A step reading a tf.data iterator under ``config`` + io.shard_dataset."""
+    with tf.Graph().as_default():
+        wh.init({"cluster.num_devices": 2, "io.shard_dataset": True, **config})
+        ds = tf.data.Dataset.from_tensor_slices((np.ones((16, 6), np.float32),
+                                                 np.zeros(16, np.int64))).batch(8)
+        x, y = v1.data.make_one_shot_iterator(ds).get_next()
+        loss = v1.losses.sparse_softmax_cross_entropy(y, dense(x, 3, "logits", 2))
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+        notes = wh.current_plan().notes
+    wh.reset()
+    return notes
+
+
+def test_io_shard_dataset_in_one_process_is_said():
+    """Before: ignored without a word."""
+    with pytest.warns(wh.FallbackWarning, match="io.shard_dataset: this process runs alone"):
+        notes = shard_in_one_process({})
+    assert any("io.shard_dataset: this process runs alone" in note for note in notes)
+    with pytest.raises(wh.PlanError, match="io.shard_dataset: this process runs alone"):
+        shard_in_one_process({"strict": True})
+    wh.reset()

@@ -198,17 +198,27 @@ def make_iterator(ds, make):
     if rt is None:
         return make(ds)
     ds, declared = relaxed_dataset(ds)
+    iterator, shards = _sharded_iterator(rt, ds, make)
+    if declared is not None:  # the global batch: every shard's
+        capture = capture_for(ops.get_default_graph())
+        capture.declared_batch[iterator._iterator_resource.op.name] = declared * shards  # pylint: disable=protected-access
+    return iterator
+
+
+def _sharded_iterator(rt: Runtime, ds, make):
+    """(the iterator this process reads, how many shards the global batch is
+    read in): ``make_iterator``'s ``io.shard_dataset``."""
     if not rt.config.get("io.shard_dataset"):
-        iterator = make(ds)
-        if declared is not None:
-            capture = capture_for(ops.get_default_graph())
-            capture.declared_batch[iterator._iterator_resource.op.name] = declared  # pylint: disable=protected-access
-        return iterator
+        return make(ds), 1
     if rt.config.get("communication.backend") == "horovod":
         import horovod.tensorflow as hvd  # pylint: disable=import-outside-toplevel
-        return make(ds.shard(hvd.size(), hvd.rank()))
+        return make(ds.shard(hvd.size(), hvd.rank())), hvd.size()
     if rt.cluster is None:
-        return make(ds)
+        fallback.fall_back(
+            "io.shard_dataset", "this process runs alone (no TF_CONFIG cluster nor Horovod job), "
+            "so it reads the whole dataset", "Set io.shard_dataset only for jobs of several "
+            "workers or processes", ops.get_default_graph())
+        return make(ds), 1
     count = len(rt.cluster.workers)
     iterator = make(ds.shard(count, 0))
     others = []
@@ -217,7 +227,7 @@ def make_iterator(ds, make):
             others.append(make(ds.shard(count, task)))
     capture = capture_for(ops.get_default_graph())
     capture.worker_iterators[iterator._iterator_resource.op] = others  # pylint: disable=protected-access
-    return iterator
+    return iterator, count
 
 
 def rewrites_next(graph: ops.Graph) -> bool:
