@@ -16,6 +16,7 @@ import tensorflow as tf
 import tfpar as wh
 from equivalence import assert_equivalent, variable_values
 from keras_transformer import fit, text_classifier
+from test_split_attention import tf2_fits
 
 v1 = tf.compat.v1
 
@@ -60,3 +61,21 @@ def test_fixed_rows_that_differ_between_replicas_are_refused_at_run_time():
                                match="sparse gradient of .{1,3}table.{1,3} has 3 rows .* look up"):
                 sess.run(train_op, {ids: [[1, 2, 3], [4, 5, 6]]})
     wh.reset()
+
+
+def test_text_classifier_with_position_embeddings_trains_as_on_one_device_in_tf2(tmp_path):
+    """The same model built in eager code and trained by ``fit`` in TF2, data
+    parallel and as two pipeline stages: losses and every value a checkpoint
+    of the model and its optimizer holds are the plain run's."""
+    plain, replicas, stages = tf2_fits(tmp_path, (0, 2, 2), heads=2,
+                                       modes=["split", "replicas", "stages"])
+    devices = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in (0, 1)]
+    assert replicas["strategies"] == [["replicate", 2]]
+    assert stages["strategies"] == [["replicate", 1], ["replicate", 1]]
+    for got in (replicas, stages):
+        np.testing.assert_allclose(got["losses"], plain["losses"], rtol=1e-5)
+        assert sorted(got["saved"]) == sorted(plain["saved"])
+        for key, value in plain["saved"].items():
+            np.testing.assert_allclose(got["saved"][key], value, rtol=1e-5, atol=1e-6,
+                                       err_msg=key)
+        assert got["devices"] == got["planned"] == devices

@@ -135,12 +135,14 @@ def test_einsum_dense_layers_split_where_their_equations_allow_and_say_what_runs
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tf2_attention_script.py")
 
 
-def tf2_fits(tmp_path, devices, heads):
-    """``tf2_attention_script.py`` for each device count (0: plain), in
-    fresh processes run side by side: their results."""
-    runs = [subprocess.Popen([sys.executable, SCRIPT, str(n), str(heads), str(tmp_path / str(n))],
+def tf2_fits(tmp_path, devices, heads, modes=None):
+    """``tf2_attention_script.py`` for each device count (0: plain) and mode
+    (default: split), in fresh processes run side by side: their results."""
+    modes = modes or ["split"] * len(devices)
+    runs = [subprocess.Popen([sys.executable, SCRIPT, str(n), str(heads),
+                              str(tmp_path / f"{n}{mode}"), mode],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for n in devices]
+            for n, mode in zip(devices, modes)]
     results = []
     for run in runs:
         out, err = run.communicate(timeout=300)
