@@ -41,10 +41,12 @@ def broken(path, value):
     (("pipeline", "num_micro_batch"), 1.5, "plan.pipeline.num_micro_batch must be of type int"),
     (("task_graphs", 0), "all", "plan.task_graphs[0] must be a JSON object, not str")])
 def test_a_pinned_plan_missing_a_field_is_refused_naming_it(path, value, message):
-    """Before: a bare KeyError ({"plan": {"data_parallel_degree": 2}})."""
+    """By wh.init. Before: a bare KeyError at the first run ({"plan":
+    {"data_parallel_degree": 2}})."""
     with pytest.raises(wh.PlanError, match=r"tfpar: .*" + message.replace("[", r"\[").replace(
             "]", r"\]").replace(".", r"\.")):
-        wh.Config({"plan": broken(path, value)}, env={})
+        wh.init({"cluster.num_devices": 2, "plan": broken(path, value)})
+    wh.reset()
 
 
 def two_blocks(x, y):

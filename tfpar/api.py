@@ -9,7 +9,7 @@ from typing import Any, Optional
 from tfpar import fallback
 from tfpar.config import Config
 from tfpar.errors import AnnotationError, ConfigError, PlanError
-from tfpar.ir.plan import Plan
+from tfpar.ir.plan import Plan, pinned_plan
 from tfpar.ir.taskgraph import Strategy
 
 __all__ = ["current_plan", "init", "replicate", "reset", "set_default_strategy", "split"]
@@ -34,6 +34,7 @@ def init(config: Any = None) -> Config:
 
     caller = sys._getframe(1).f_globals  # pylint: disable=protected-access
     cfg = planning_pass.pinned_by_planning_pass(Config.load(config), caller)
+    pinned_plan(cfg)  # a pinned plan is checked here, once
     fallback.configure(cfg.get("strict"))
     if cfg.get("communication.backend") == "horovod":
         _start_horovod()

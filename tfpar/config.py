@@ -17,7 +17,6 @@ from typing import Any, NamedTuple
 
 from .cluster.hardware import OPTIONAL_KEYS
 from .errors import ConfigError
-from .ir.plan import Plan
 
 ENV_CONFIG = "TFPAR_CONFIG"  # environment variable holding a config path or JSON text
 
@@ -349,12 +348,6 @@ class Config:
         values.update(_env_overrides(os.environ if env is None else env))
         _check_modes(values)
         object.__setattr__(self, "_values", values)
-        object.__setattr__(self, "_pinned", None if values["plan"] is None
-                           else Plan.from_dict(values["plan"]))
-
-    def pinned_plan(self) -> "Plan | None":
-        """The pinned plan (key ``plan``), validated once: the one way to read it."""
-        return self._pinned
 
     @classmethod
     def load(cls, source=None, *, env=None):

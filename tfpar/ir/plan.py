@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from tfpar.errors import PlanError
 from tfpar.ir.compact import device_ranges, numbered
 
-__all__ = ["Plan", "TaskGraphPlan"]
+__all__ = ["Plan", "TaskGraphPlan", "pinned_plan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,3 +306,10 @@ def _human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024.0
     return f"{n:.1f} GiB"
+
+
+def pinned_plan(config) -> Optional[Plan]:
+    """The plan ``config`` pins (key ``plan``), or None: the one reader of a
+    pinned plan's JSON (``Plan.from_dict`` checks it; ``wh.init`` reads it
+    first, so a broken one is refused there)."""
+    return None if config.plan is None else Plan.from_dict(config.plan)

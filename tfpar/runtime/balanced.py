@@ -7,7 +7,7 @@ from tfpar import fallback
 from tfpar.cluster.hardware import Hardware, device_hardware, slowest
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture
-from tfpar.ir.plan import Plan
+from tfpar.ir.plan import Plan, pinned_plan
 from tfpar.planner.auto import stage_costs
 from tfpar.planner.balance import balance_load, integer_shares, well_formed_shares
 from tfpar.rewriters.model_view import model_view
@@ -62,7 +62,7 @@ def shard_shares(rt: Runtime, index: int, devices: Sequence[str]) -> Tuple[int, 
     (Whale §3.3.1, Formula 1's ratios). Shards are made as the model is
     built, before its size is known, so memory does not move them. Empty
     (even shards) on like devices or with the balance off."""
-    plan = rt.config.pinned_plan()
+    plan = pinned_plan(rt.config)
     pinned = plan.task_graphs if plan is not None else ()
     shares = pinned[index].shard_shares if index < len(pinned) else ()
     if shares:

@@ -13,7 +13,7 @@ from tfpar.cluster.virtual_device import assign_devices
 from tfpar.errors import ClusterError, ConfigError, PlanError
 from tfpar.hooks.batch_shapes import relaxed_dataset
 from tfpar.hooks.capture import GraphCapture, capture_for, existing_capture, recording_paused
-from tfpar.ir.plan import Plan
+from tfpar.ir.plan import Plan, pinned_plan
 from tfpar.ir.taskgraph import Strategy, TaskGraphSpec
 from tfpar.planner.auto import stage_costs
 from tfpar.planner.from_annotations import plan_from_annotations
@@ -299,7 +299,7 @@ def setup_capture(capture: GraphCapture) -> None:
     if not sharding.get("layers"):
         return
     stages = sharding.get("stages") or {}
-    task_graphs = rt.config.pinned_plan().task_graphs
+    task_graphs = pinned_plan(rt.config).task_graphs
 
     def context(cap: GraphCapture, spec: TaskGraphSpec):
         if spec.index >= len(task_graphs) or task_graphs[spec.index].strategy != "split":
