@@ -104,7 +104,7 @@ def main():
     parser = example_parser(__doc__, devices=4, batch=32, steps=4)
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
-    parser.add_argument("--group-size", type=int, default=2, help="k of kFkB")
+    parser.add_argument("--group-size", type=int, default=2, help="k of kFkB (--schedule kfkb)")
     parser.add_argument("--trace-dir", help="write plan_timeline.json and step_timeline.json")
     args = parser.parse_args()
     v1.disable_eager_execution()
@@ -112,7 +112,8 @@ def main():
     data = [(rng.randint(0, VOCAB, (args.batch, SEQ)), rng.randint(0, CLASSES, args.batch))
             for _ in range(args.steps)]
     config = {"cluster.num_devices": args.devices, "num_micro_batch": args.micro_batches,
-              "pipeline.schedule": args.schedule, "pipeline.group_size": args.group_size}
+              "pipeline.schedule": args.schedule,
+              **({"pipeline.group_size": args.group_size} if args.schedule == "kfkb" else {})}
     if args.trace_dir:
         os.makedirs(args.trace_dir, exist_ok=True)
     plain, _ = run(data)

@@ -1,5 +1,6 @@
 import io
 import logging
+import warnings
 import os
 import sys
 
@@ -23,6 +24,26 @@ def _clean_tfpar(monkeypatch):
     wh.reset()
     yield
     wh.reset()
+
+
+class _Said:
+    """The FallbackWarnings caught so far, read as text."""
+
+    def __init__(self, caught):
+        self._caught = caught
+
+    def getvalue(self) -> str:
+        return "\n".join(str(w.message) for w in self._caught
+                         if issubclass(w.category, wh.FallbackWarning))
+
+
+@pytest.fixture
+def fallbacks():
+    """What tfpar says it ran instead of what was asked during the test
+    (``tfpar.FallbackWarning``s, which the test thereby allows)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", wh.FallbackWarning)
+        yield _Said(caught)
 
 
 @pytest.fixture

@@ -17,7 +17,9 @@ SCRIPT = {"__name__": "__main__"}
 @pytest.mark.parametrize("config,caller,env", [
     (Config(), SCRIPT, {}),                                         # auto off
     (AUTO.replace({"auto.planning_pass": False}), SCRIPT, {}),      # pass off
-    (AUTO.replace({"plan": {"task_graphs": []}}), SCRIPT, {}),      # plan pinned
+    (AUTO.replace({"plan": {"data_parallel_degree": 1, "task_graphs": [
+        {"name": "all", "strategy": "replicate", "device_count": 1, "devices": []}]}}),
+     SCRIPT, {}),  # plan pinned
     (AUTO, {"__name__": "tests.model"}, {}),                        # not the script
     (AUTO, SCRIPT, {planning_pass.ENV: "1"}),                       # already the pass
     (AUTO, SCRIPT, {"TF_CONFIG": "{}"}),                            # a cluster worker

@@ -280,10 +280,12 @@ def test_whale_example_5_mixture_of_experts():
                                             "einsum_2": "sharded"}
 
 
-def dispatched_moe(tfpar, devices=4):
+def dispatched_moe(tfpar, devices=4, combined_outside=False):
     """Whale Example 5 as the paper writes it: gating *and dispatch* under the
     default replicate strategy, so the split experts read ``[E, B, D]`` expert
-    inputs whose batch is on axis 1; the combination inside the split scope."""
+    inputs whose batch is on axis 1; the combination inside the split scope,
+    or (``combined_outside``) under the default strategy too, reading the
+    experts' ``[E, B, D]`` outputs."""
     def build(x, y):
         if tfpar:
             wh.set_default_strategy(wh.replicate(devices))
@@ -293,18 +295,29 @@ def dispatched_moe(tfpar, devices=4):
         with scope(tfpar, "split", devices):
             w1, w2 = expert_weights()
             hidden = tf.nn.relu(tf.einsum("ebd,edh->ebh", dispatch_inputs, w1))
-            outputs = tf.einsum("be,ebd->bd", gates, tf.einsum("ebh,ehd->ebd", hidden, w2))
+            expert_outputs = tf.einsum("ebh,ehd->ebd", hidden, w2)
+            if not combined_outside:
+                outputs = tf.einsum("be,ebd->bd", gates, expert_outputs)
+        if combined_outside:
+            outputs = tf.einsum("ebd,be->bd", expert_outputs, gates)
         loss = v1.losses.sparse_softmax_cross_entropy(y, dense(outputs, 3, "head", seed=3))
         return loss, v1.train.GradientDescentOptimizer(0.5).minimize(loss)
     return build
 
 
-def test_whale_example_5_as_written_with_dispatch_outside_the_split():
+@pytest.mark.parametrize("combined_outside", [False, True], ids=["combined-inside",
+                                                                 "combined-outside"])
+def test_whale_example_5_as_written_with_dispatch_outside_the_split(combined_outside):
     """Before: PlanError "'einsum/Einsum:0' ... is not batch-major". The bridge
-    into the split scope regroups the expert inputs along their batch axis 1."""
+    into the split scope regroups the expert inputs along their batch axis 1,
+    and the bridge out of it the experts' outputs (before, combined outside:
+    PlanError "'einsum_2/gather_shards_1:0' ... cannot tell which of its axes
+    holds the batch rows": the batch axis was lost where the split scope
+    slices the expert inputs by expert)."""
     data = make_data(steps=3, batch=8, classes=3)
-    assert_equivalent(train(dispatched_moe(False), data),
-                      train(dispatched_moe(True), data, {"cluster.num_devices": 4}))
+    assert_equivalent(train(dispatched_moe(False, combined_outside=combined_outside), data),
+                      train(dispatched_moe(True, combined_outside=combined_outside), data,
+                            {"cluster.num_devices": 4}))
 
 
 @pytest.mark.parametrize("model,config", [

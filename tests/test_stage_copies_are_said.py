@@ -54,7 +54,7 @@ def test_copies_of_stages_are_said_with_their_culprit(build, devices, culprit):
         notes = rewrite(build, config)
     text, = [str(w.message) for w in said if issubclass(w.category, wh.FallbackWarning)]
     assert "copies of its ops" in text and "pipeline.task_functions to false" in text
-    assert notes == (text,)
+    assert text in notes
     with pytest.raises(wh.PlanError, match=culprit):
         rewrite(build, {**config, "strict": True})
 
@@ -62,5 +62,5 @@ def test_copies_of_stages_are_said_with_their_culprit(build, devices, culprit):
 def test_copies_asked_for_are_not_said(recwarn):
     notes = rewrite(split_head, {"cluster.num_devices": 3, "pipeline.num_micro_batch": 2,
                                  "pipeline.task_functions": False})
-    assert not notes
+    assert not [note for note in notes if "copies of its ops" in note]
     assert not [w for w in recwarn if issubclass(w.category, wh.FallbackWarning)]

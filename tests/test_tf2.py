@@ -206,8 +206,8 @@ wh.init({"cluster.num_devices": 2})
 head = tf.keras.layers.Dense(4, name="head")
 split_step(head, tf.keras.optimizers.legacy.Adam())(tf.constant(X))
 """)
-    assert "legacy optimizer 'Adam' keeps its slots ('m') of split weight 'kernel' by shard, " \
-        "and checkpoints do not save them" in out
+    assert "checkpoints of legacy optimizer 'Adam' to hold its slots ('m') of split weight " \
+        "'kernel': it keeps them by shard, and checkpoints do not save them" in out
 
 
 def _split_step(make_head):
@@ -233,13 +233,13 @@ def test_a_split_head_narrower_than_its_devices_is_refused_by_name():
 
 
 @pytest.mark.parametrize("scope", [wh.split, wh.replicate])
-def test_a_scope_in_eager_code_without_keras_layers_says_it_changes_nothing(scope, tfpar_log):
-    with context.eager_mode():
+def test_a_scope_in_eager_code_without_keras_layers_says_it_changes_nothing(scope):
+    with context.eager_mode(), pytest.warns(
+            wh.FallbackWarning, match=rf"{scope.__name__}\(2\) around eager code: no Keras layer "
+            "was made or called in it, so it changes nothing"):
         wh.init({"cluster.num_devices": 2})
         with scope(2):
             tf.constant(1.0) + 1.0
-    assert f"{scope.__name__}(2) was entered in eager code and no Keras layer was made or " \
-        "called in it, so it changes nothing" in tfpar_log.getvalue()
 
 
 def test_a_layer_called_in_two_eager_scopes_is_refused_by_name():
@@ -292,8 +292,8 @@ def test_get_variable_in_a_split_scope_of_a_tf2_step_is_refused_by_name():
 def test_wh_init_after_the_first_op_trains_on_one_device_and_says_why():
     got, log = run_script("tape_adam", 2, late_init=True)
     assert_same_training(plain("tape_adam"), got)
-    assert "the tf.function 'step' trains on one device" in log
-    assert "call wh.init() before the script runs its first TensorFlow op" in log
+    assert "the tf.function 'step', data parallel over 2 devices: it trains on one device" in log
+    assert "Call wh.init() before the script runs its first TensorFlow op" in log
 
 
 def _trained_w(train_w, config):
@@ -313,17 +313,18 @@ def _assert_trains_as_without_tfpar(train_w):
                                   _trained_w(train_w, {"cluster.num_devices": 2}))
 
 
-def test_eager_gradients_outside_functions_train_as_without_tfpar_and_say_so(tfpar_log):
+def test_eager_gradients_outside_functions_train_as_without_tfpar_and_say_so(fallbacks):
     def train_w(w, opt):
         for _ in range(3):
             with tf.GradientTape() as tape:
                 loss = tf.reduce_mean(tf.square(tf.matmul(X, w) - Y))
             opt.apply_gradients([(tape.gradient(loss, w), w)])
     _assert_trains_as_without_tfpar(train_w)
-    assert "eager code trains on one device" in tfpar_log.getvalue()
+    assert "eager code, data parallel over 2 devices: it trains on one device" in \
+        fallbacks.getvalue()
 
 
-def test_a_dataset_loop_inside_a_step_trains_as_without_tfpar_and_says_so(tfpar_log):
+def test_a_dataset_loop_inside_a_step_trains_as_without_tfpar_and_says_so(fallbacks):
     """Gradients inside the step's own loop (a While body) are not at its top
     level: the step runs on one device, and tfpar says why and what to do."""
     def train_w(w, opt):
@@ -337,11 +338,11 @@ def test_a_dataset_loop_inside_a_step_trains_as_without_tfpar_and_says_so(tfpar_
                 opt.apply_gradients([(tape.gradient(loss, w), w)])
         epoch()
     _assert_trains_as_without_tfpar(train_w)
-    assert "the tf.function 'epoch" in tfpar_log.getvalue()
-    assert "inside a loop, branch or tf.function within the step" in tfpar_log.getvalue()
+    assert "the tf.function 'epoch" in fallbacks.getvalue()
+    assert "inside a loop, branch or tf.function within the step" in fallbacks.getvalue()
 
 
-def test_a_tf_function_called_in_a_graph_mode_script_says_it_runs_on_one_device(tfpar_log):
+def test_a_tf_function_called_in_a_graph_mode_script_says_it_runs_on_one_device(fallbacks):
     """Before: its gradients were ignored by the hooks, and it trained on one
     device without a word."""
     with tf.Graph().as_default():
@@ -360,8 +361,9 @@ def test_a_tf_function_called_in_a_graph_mode_script_says_it_runs_on_one_device(
             sess.run(w.initializer)
             first, second = sess.run(loss), sess.run(loss)
     assert second < first
-    assert "the tf.function 'step' trains on one device" in tfpar_log.getvalue()
-    assert "not one built into a graph" in tfpar_log.getvalue()
+    assert "the tf.function 'step', data parallel over 2 devices: it trains on one device" in \
+        fallbacks.getvalue()
+    assert "not one built into a graph" in fallbacks.getvalue()
 
 
 def _model():

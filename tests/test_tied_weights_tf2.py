@@ -7,6 +7,7 @@ stages' backward tasks waited on each other, and every micro-batch was a
 copy of its stage, silently."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -30,5 +31,6 @@ def test_a_keras_embedding_tied_across_four_stages_trains_as_functions():
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
     cpus = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(4)]
     assert got["planned"] == [[cpu] for cpu in cpus]
-    assert set(cpus) <= set(got["devices"]) and got["notes"] == []
-    assert {name.split("_")[-2] for name in got["task_functions"]} == set("0123")
+    assert set(cpus) <= set(got["devices"])  # and no FallbackWarning: an error there
+    stages = {re.search(r"tfpar_stage_(\d+)_", name).group(1) for name in got["task_functions"]}
+    assert stages == set("0123")

@@ -93,7 +93,7 @@ def test_queue_based_input_is_named_with_the_alternative():
     wh.reset()
 
 
-def test_init_after_the_model_is_built_says_so(tfpar_log):
+def test_init_after_the_model_is_built_says_so(fallbacks):
     """Before: the graph ran unchanged on one device while current_plan() showed
     a 4-way replicate, without a word."""
     graph = tf.Graph()
@@ -109,8 +109,8 @@ def test_init_after_the_model_is_built_says_so(tfpar_log):
             sess.run(v1.global_variables_initializer())
             sess.run(train_op, {x: DATA[0][0], y: DATA[1][0]})
     wh.reset()
-    assert "was built before wh.init()" in tfpar_log.getvalue()
-    assert "GradientDescent" in tfpar_log.getvalue()
+    assert "it was built before wh.init(), so tfpar did not see it" in fallbacks.getvalue()
+    assert "GradientDescent" in fallbacks.getvalue()
 
 
 def test_init_twice_names_what_changed(tfpar_log):
@@ -174,14 +174,22 @@ def trained_after_an_early_run(config):
 def test_a_session_that_ran_before_the_training_step_trains_in_parallel():
     """Before: refused (TensorFlow keeps the nodes a session was sent, so the
     rewrite could not take effect there). The session is now reopened on the
-    rewritten graph with its variables' values."""
-    assert_equivalent(trained_after_an_early_run(None),
-                      trained_after_an_early_run({"cluster.num_devices": 4}))
+    rewritten graph with its variables' values, and tfpar says so (the state
+    of iterators and lookup tables starts anew)."""
+    reference = trained_after_an_early_run(None)
+    with pytest.warns(wh.FallbackWarning, match="is reopened on the parallel graph with its 2 "
+                      "variables' values; the state of the iterators and lookup tables"):
+        assert_equivalent(reference, trained_after_an_early_run({"cluster.num_devices": 4}))
+    with pytest.raises(wh.PlanError, match="is reopened on the parallel graph"):
+        trained_after_an_early_run({"cluster.num_devices": 4, "strict": True})
+    wh.reset()
 
 
 def test_keras_weights_set_before_compile_are_carried_into_the_parallel_session():
-    assert_equivalent(keras_weights_set_early(None, before_compile=True),
-                      keras_weights_set_early({"cluster.num_devices": 4}, before_compile=True))
+    reference = keras_weights_set_early(None, before_compile=True)
+    with pytest.warns(wh.FallbackWarning, match="is reopened on the parallel graph"):
+        parallel = keras_weights_set_early({"cluster.num_devices": 4}, before_compile=True)
+    assert_equivalent(reference, parallel)
 
 
 def test_ragged_tensors_from_an_iterator_are_refused_by_name():

@@ -6,9 +6,8 @@ projection reuses its Keras ``Embedding`` (tied weights) in 4
     python tf2_tied_script.py DEVICES    # 0: plain TF, without tfpar
 
 Prints one JSON line: the losses, every variable (the model's and the
-optimizer's), the devices the steps ran on, the planned devices, the task
-functions tfpar defined and the plan's notes. A FallbackWarning is an error
-here.
+optimizer's), the devices the steps ran on, the planned devices and the task
+functions tfpar defined. A FallbackWarning is an error here.
 """
 import contextlib
 import json
@@ -75,8 +74,7 @@ def main(devices: int) -> dict:
                                if node.op not in ("_Recv", "_Send", "NoOp", "Const")}),
             "planned": [tg.devices for tg in plan.task_graphs] if plan else [],
             "task_functions": sorted(name for name in context.context().list_function_names()
-                                     if "tfpar_stage_" in name),
-            "notes": list(plan.notes) if plan else []}
+                                     if "tfpar_stage_" in name)}
 
 
 if __name__ == "__main__":

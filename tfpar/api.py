@@ -1,13 +1,15 @@
 """Public API: init, replicate, split, set_default_strategy, current_plan."""
 import contextlib
+import dataclasses
 import logging
+import os
 import sys
 from typing import Any, Optional
 
 from tfpar import fallback
 from tfpar.config import Config
 from tfpar.errors import AnnotationError, ConfigError, PlanError
-from tfpar.ir.plan import Plan
+from tfpar.ir.plan import Plan, pinned_plan
 from tfpar.ir.taskgraph import Strategy
 
 __all__ = ["current_plan", "init", "replicate", "reset", "set_default_strategy", "split"]
@@ -32,6 +34,7 @@ def init(config: Any = None) -> Config:
 
     caller = sys._getframe(1).f_globals  # pylint: disable=protected-access
     cfg = planning_pass.pinned_by_planning_pass(Config.load(config), caller)
+    pinned_plan(cfg)  # a pinned plan is checked here, once
     fallback.configure(cfg.get("strict"))
     if cfg.get("communication.backend") == "horovod":
         _start_horovod()
@@ -127,6 +130,16 @@ def _discover_devices(cfg: Config):
             raise ConfigError(f"tfpar: cluster.num_devices={count} but only {len(gpus)} GPUs "
                               "are visible")
         return device_names("GPU", count), "GPU"
+    if wanted is None:
+        fallback.fall_back(
+            "cluster.num_devices unset, which means every GPU", "no GPU is visible, so the "
+            "script runs on one CPU device, as without tfpar", "Set cluster.num_devices to N "
+            "for N logical CPU devices (they share this host's cores)")
+    elif wanted > 1:
+        text = (f"tfpar: no GPU is visible: the {wanted} devices of cluster.num_devices are "
+                f"logical CPU devices sharing this host's {os.cpu_count()} cores")
+        fallback.note(text)
+        log.info("%s", text)
     return device_names("CPU", wanted or 1), "CPU"
 
 
@@ -168,10 +181,11 @@ class _Scope:
 
         if self._capture is None:
             if not keras_scopes.exit_eagerly(self) and exc[0] is None:
-                log.warning("tfpar: %s was entered in eager code and no Keras layer was made "
-                            "or called in it, so it changes nothing; eager ops run in it as "
-                            "without tfpar (put the scope around building or calling the "
-                            "model's layers, or inside the tf.function step)", self._describe())
+                fallback.fall_back(
+                    f"{self._describe()} around eager code", "no Keras layer was made or called "
+                    "in it, so it changes nothing: eager ops run in it as without tfpar",
+                    "Put the scope around building or calling the model's layers, or inside "
+                    "the tf.function step")
         else:
             self._capture.close_scope()
 
@@ -276,4 +290,5 @@ def current_plan() -> Plan:
     if unseen is not None:
         raise PlanError(built_before_init_message(unseen))
     capture = capture_for(graph)
-    return capture.sharded_plan or getattr(capture, "plan", None) or plan_for(graph, capture, rt)
+    plan = capture.sharded_plan or getattr(capture, "plan", None) or plan_for(graph, capture, rt)
+    return dataclasses.replace(plan, notes=fallback.notes(graph))  # said since, too

@@ -140,6 +140,10 @@ SCHEMA = {
                                      "stage cuts by device speed (Whale §3.3.1, Algorithm 1), "
                                      "stages on devices by memory, most first (§3.3.2); false: "
                                      "even, in device order"),
+    "batch_norm.sync": Option(
+        "bool", False, (), "every Keras BatchNormalization layer computes its batch statistics "
+        "over the rows of all replicas (as synchronized=True layers do): one device's numbers "
+        "with one micro-batch"),
     "communication.backend": Option(
         "str", "auto", _one_of("auto", "collective", "horovod"),
         "auto: one-process CPUs share variables and sum on one device; else collective"),
@@ -165,7 +169,7 @@ _BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no"
 def _unknown(what, name, candidates):
     close = difflib.get_close_matches(str(name), list(candidates), n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
-    return ConfigError(f"unknown {what} {name!r}{hint} Valid {what}s: {', '.join(candidates)}")
+    return ConfigError(f"unknown {what} {name!r}{hint} (`tfpar config` lists every key)")
 
 
 def _loads(text, where):
@@ -272,6 +276,41 @@ def _env_overrides(env):
     return values
 
 
+def _modes(values):
+    """(key, whether the config uses it, the mode it needs) for the keys that
+    do something only in some modes."""
+    auto = values["auto.auto_parallel"]
+    tuned = values["pipeline.group_size"] == "auto"
+    grouped = values["pipeline.schedule"] == "kfkb" or (values["pipeline.schedule"] == "auto"
+                                                        and auto)
+    planned = "auto.auto_parallel true"
+    rules = [("pipeline.group_size", grouped, "pipeline.schedule 'kfkb' (or 'auto' with "
+              "auto.auto_parallel true)"),
+             ("pipeline.retune_steps", tuned, "pipeline.group_size 'auto'"),
+             ("pipeline.retune_tolerance", tuned, "pipeline.group_size 'auto'"),
+             ("pipeline.schedule", auto or values["pipeline.num_micro_batch"] > 1,
+              "pipeline.num_micro_batch above 1, or auto.auto_parallel true"),
+             ("auto.global_batch", auto or tuned, f"{planned}, or pipeline.group_size 'auto'"),
+             ("auto.search_time_limit_s", auto or values["auto.num_task_graph"] is not None,
+              f"{planned}, or auto.num_task_graph"),
+             ("batch_norm.sync", values["pipeline.num_micro_batch"] == 1,
+              "pipeline.num_micro_batch 1 (a micro-batch cannot wait for later ones' "
+              "statistics)")]
+    rules += [(key, auto, planned) for key in ("auto.opt_level", "auto.memory_techniques",
+                                               "auto.split_heads", "auto.planning_pass")]
+    return rules
+
+
+def _check_modes(values):
+    """A key set to other than its default where the config's mode makes it do
+    nothing is an error naming the key and the mode it needs (a key silently
+    ignored would change what the user thinks runs)."""
+    for key, used, mode in _modes(values):
+        if not used and values[key] != SCHEMA[key].default:
+            raise ConfigError(f"config key {key!r} ({values[key]!r}) does nothing in this "
+                              f"config: it needs {mode}; drop it or set that")
+
+
 class Section:
     """Read-only view of one config section, e.g. ``cfg.pipeline.num_micro_batch``."""
 
@@ -307,6 +346,7 @@ class Config:
         values = {key: opt.default for key, opt in SCHEMA.items()}
         values.update({key: _check(key, value) for key, value in given.items()})
         values.update(_env_overrides(os.environ if env is None else env))
+        _check_modes(values)
         object.__setattr__(self, "_values", values)
 
     @classmethod

@@ -15,7 +15,7 @@ from typing import Any, List, Optional, Tuple
 
 from tfpar.errors import FallbackWarning, PlanError
 
-__all__ = ["configure", "fall_back", "notes", "reset"]
+__all__ = ["configure", "fall_back", "note", "notes", "reset"]
 
 _strict = [False]
 # Graph -> its notes, in the order said; notes said of no graph (the
@@ -41,11 +41,18 @@ def fall_back(asked: str, instead: str, remedy: str, graph: Optional[Any] = None
     text = f"tfpar: {asked}: {instead}. {remedy}"
     if _strict[0]:
         raise PlanError(f"{text} (strict: true makes this an error)")
+    note(text, graph)
+    warnings.warn(text, FallbackWarning, stacklevel=2)
+    return text
+
+
+def note(text: str, graph: Optional[Any] = None) -> None:
+    """Record ``text`` as a note of ``graph``'s plan (of every plan, without a
+    graph), once: what runs that a reader of the plan should know, fallback
+    or not."""
     said = _process_notes if graph is None else _graph_notes.setdefault(graph, [])
     if text not in said:
         said.append(text)
-    warnings.warn(text, FallbackWarning, stacklevel=2)
-    return text
 
 
 def notes(graph: Optional[Any] = None) -> Tuple[str, ...]:

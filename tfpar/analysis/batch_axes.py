@@ -3,7 +3,8 @@
 The batch inputs carry the rows on axis 0. The axis follows them through the
 ops that move it (an einsum such as ``be,bd->ebd`` puts it on axis 1, a
 transpose permutes it, ``expand_dims`` / ``stack`` shift it) and keeps its
-place through elementwise ops, matmuls, concatenations along other axes and
+place through elementwise ops, matmuls, concatenations and slices along other
+axes (a split TaskGraph's shards of ``[experts, batch, ...]`` tensors) and
 reshapes that keep a leading batch; a reduction over it, or an op whose effect
 on it is unknown, leaves none. Bridges between TaskGraphs and fetch merging cut
 and join tensors along this axis (Whale §3.2.3 bridges along the batch).
@@ -120,6 +121,8 @@ class BatchAxes:
                 return known[0]
         if op.type == "Reshape":
             return 0 if axes[0] == 0 and _leading_unknown(t) == 0 else None
+        if op.type == "Slice" and axes[0]:  # off axis 0: the rule below does not see it
+            return _slice_axis(inputs, axes)
         if any(a not in (None, 0) for a in axes):
             return None  # an op this model does not know, moving a batch off axis 0
         return _leading_unknown(t)
@@ -130,6 +133,14 @@ def _broadcast_axis(inputs, axes, rank) -> Optional[int]:
     found = {a + (rank - x.shape.rank) for x, a in zip(inputs, axes)
              if a is not None and rank is not None and x.shape.rank is not None}
     return found.pop() if len(found) == 1 else None
+
+
+def _slice_axis(inputs, axes) -> Optional[int]:
+    """A slice keeps the batch axis of its input when it keeps every row."""
+    axis, begin, size = axes[0], *(tensor_util.constant_value(x) for x in inputs[1:])
+    if begin is None or size is None:
+        return None
+    return axis if begin[axis] == 0 and size[axis] == -1 else None
 
 
 def _einsum_axis(op, axes) -> Optional[int]:

@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 import threading
 import weakref
-from typing import Any, Callable, Container, Dict, List, Optional, Tuple
+from typing import Any, Callable, Container, Dict, List, Optional, Set, Tuple
 
 from tfpar.ir.taskgraph import Phase, Strategy, TaskGraphSpec
 
@@ -60,6 +60,9 @@ class GraphCapture:
         self.gradient_calls: List[GradientCall] = []
         self.apply_calls: List[ApplyCall] = []
         self.rewrite: Any = None
+        # How many of ``gradient_calls`` the rewrite parallelised (those
+        # built later, a second model's, run as built).
+        self.rewritten_calls = 0
         # Ada-Grouper's online tuner of k (``runtime.retune``), if it applies.
         self.retuner: Any = None
         # fp16 mixed precision: the graph's ``loss_scaling.LossScale``.
@@ -84,6 +87,12 @@ class GraphCapture:
         # Batch sources declared with a static batch, built with it relaxed
         # (``batch_shapes``): op or iterator name -> the declared size.
         self.declared_batch: Dict[str, int] = {}
+        # Variable op name -> its declared tf.VariableAggregation name ('SUM',
+        # 'MEAN', 'ONLY_FIRST_REPLICA'), where declared (``variable_aggregation``).
+        self.aggregations: Dict[str, str] = {}
+        # Names of the identities whose value the rewrite sums over the replicas
+        # of a micro-batch (``sync_batch_norm.replica_sum``, forward and backward).
+        self.replica_sums: Set[str] = set()
         # (indices, values, dense shape) of SparseTensors made of fed
         # placeholders (``sparse_placeholder``): split by rows, as one input.
         self.sparse_feeds: List[Any] = []
@@ -96,6 +105,10 @@ class GraphCapture:
         # and this trace is left as it is.
         self.retrace = False
         self.relaxed = False
+        # The eager tensors a tf.function step reads as its batch (no argument
+        # or iterator feeds it one: ``runtime.captured_batches``), chosen in
+        # its first trace; its relaxed trace captures them with dimension 0 unknown.
+        self.batch_captured: List[Any] = []
         # (training calls seen, automatic plan) cached by the runtime's planner.
         self.automatic: Any = None
         self._phases: List[Phase] = []

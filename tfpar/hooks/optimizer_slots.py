@@ -16,7 +16,6 @@
   and a checkpoint only saves slots of variables it saves (a split weight saves
   as one value, not as its shards): tfpar says once that they are not saved.
 """
-import logging
 import weakref
 from typing import Any, Dict, List, Optional
 
@@ -25,12 +24,12 @@ from keras.src.optimizers.legacy import optimizer_v2
 from tensorflow.python.framework import ops
 from tensorflow.python.trackable import base as trackable
 
+from tfpar import fallback
 from tfpar.patterns.split_slots import SlotList, has_split_slots, record_slot
 from tfpar.patterns.split_weights import split_weight_of
 
 __all__ = ["add_optimizer_slot_patches", "optimizer_built_with"]
 
-log = logging.getLogger("tfpar")
 
 _lists: "weakref.WeakKeyDictionary[Any, Dict[str, SlotList]]" = weakref.WeakKeyDictionary()
 # optimizer -> restores of its own children taken at the start of a build.
@@ -136,11 +135,12 @@ def _warning_legacy(original):
         weight = split_weight_of(var)
         if weight is not None and self not in _warned:
             _warned.add(self)
-            log.warning("tfpar: legacy optimizer '%s' keeps its slots ('%s') of split weight "
-                        "'%s' by shard, and checkpoints do not save them (they save the weight "
-                        "as one value, not its shards): a restored run starts them at zero. "
-                        "Keras' new optimizers (tf.keras.optimizers.Adam) save them",
-                        self._name, slot_name,  # pylint: disable=protected-access
-                        weight.name)
+            name = self._name  # pylint: disable=protected-access
+            fallback.fall_back(
+                f"checkpoints of legacy optimizer '{name}' to hold its slots ('{slot_name}') of "
+                f"split weight '{weight.name}'",
+                "it keeps them by shard, and checkpoints do not save them (they save the weight "
+                "as one value, not its shards): a restored run starts them at zero",
+                "Use Keras' new optimizers (tf.keras.optimizers.Adam), which save them", None)
         return original(self, var, slot_name, initializer, shape)
     return add_slot

@@ -3,11 +3,14 @@
 distributed implementation; outside split scopes, or for inputs the patterns
 do not cover, the original TensorFlow function runs.
 
-* keras ``Dense`` (``tf.keras.layers.Dense``, ``tf.compat.v1.layers.dense``):
-  ``build`` makes no full weight, ``call`` builds the chosen dense pattern; the
-  layer keeps its regularizers (``layer.losses``, and the collection for
-  ``tf.compat.v1.layers``), its constraints (on every shard) and its
-  ``kernel`` / ``bias`` attributes (partitioned variables when split);
+* keras ``Dense`` (``tf.keras.layers.Dense``, ``tf.compat.v1.layers.dense``)
+  and ``EinsumDense``: ``build`` makes no full weight, ``call`` builds the
+  chosen dense / einsum-dense pattern; the layer keeps its regularizers
+  (``layer.losses``, and the collection for ``tf.compat.v1.layers``), its
+  constraints (on every shard) and its ``kernel`` / ``bias`` attributes
+  (partitioned variables when split), named as keras names them;
+* keras ``MultiHeadAttention._compute_attention`` on query, key and value
+  split by heads: keras' attention on each device's heads;
 * ``gen_nn_ops`` softmax cross-entropy (sparse and dense; every ``tf.nn`` and
   ``tf.compat.v1.losses`` variant ends there) on class-split logits;
 * ``gen_math_ops.arg_max`` (``tf.argmax``) over the split dimension;
@@ -33,14 +36,18 @@ import functools
 import inspect
 
 from keras.src import backend as keras_backend
+from keras.src import initializers as keras_initializers
+from keras.src.layers.attention import multi_head_attention as keras_attention
 from keras.src.layers.core import dense as keras_dense
+from keras.src.layers.core import einsum_dense as keras_einsum_dense
 from keras.src.legacy_tf_layers import base as legacy_layers
-from tensorflow.python.framework import ops, tensor_util
+from tensorflow.python.framework import dtypes, ops, tensor_util
 from tensorflow.python.ops import gen_array_ops, gen_linalg_ops, gen_math_ops, gen_nn_ops
-from tensorflow.python.ops import math_ops, special_math_ops, variable_scope
+from tensorflow.python.ops import init_ops, math_ops, special_math_ops, variable_scope
 
 from tfpar.hooks import capture as cap_lib
 from tfpar.errors import ShardingError
+from tfpar.fallback import fall_back
 from tfpar.hooks.checkpoint_bindings import rebind
 from tfpar.hooks.optimizer_slots import optimizer_built_with
 from tfpar.hooks.patching import PatchSet
@@ -50,7 +57,9 @@ from tfpar.patterns.contraction import (CONTRACTION_PATTERNS, GATHER as GATHER_O
                                         contraction_unit, sharded_contraction)
 from tfpar.patterns import moe
 from tfpar.patterns.embedding import vocab_lookup
+from tfpar.patterns.attention import ATTENTION_PATTERNS, HEADS, attention_unit, heads_attention
 from tfpar.patterns.dense import choose_dense
+from tfpar.patterns.einsum_dense import choose_einsum_dense
 from tfpar.patterns.matcher import choose
 from tfpar.patterns.sharded import (ShardedVariable, creation_slices, shard_being_created,
                                     sharded_variable)
@@ -63,8 +72,12 @@ __all__ = ["add_split_patches"]
 
 
 def add_split_patches(patches: PatchSet) -> None:
-    patches.add(keras_dense.Dense, "build", _wrap_dense_build)
-    patches.add(keras_dense.Dense, "call", _wrap_dense_call)
+    for layer, choose_pattern in ((keras_dense.Dense, choose_dense),
+                                  (keras_einsum_dense.EinsumDense, choose_einsum_dense)):
+        patches.add(layer, "build", _wrap_layer_build)
+        patches.add(layer, "call", functools.partial(_wrap_layer_call, choose=choose_pattern))
+    patches.add(keras_attention.MultiHeadAttention, "_compute_attention",
+                _wrap_compute_attention)
     patches.add(gen_nn_ops, "sparse_softmax_cross_entropy_with_logits",
                 lambda original: _wrap_xent(original, sparse=True))
     patches.add(gen_nn_ops, "softmax_cross_entropy_with_logits",
@@ -91,7 +104,7 @@ def _split_context():
     return None if ctx is None or ctx.busy else ctx
 
 
-def _wrap_dense_build(original):
+def _wrap_layer_build(original):
     def build(self, input_shape):
         if _split_context() is None and not hasattr(self, "_tfpar_split"):
             return original(self, input_shape)
@@ -99,16 +112,17 @@ def _wrap_dense_build(original):
     return build
 
 
-def _wrap_dense_call(original):
+def _wrap_layer_call(original, choose):
     """A layer built in a split scope stays split: calling it again (a keras
     model applied to a new input; a TF2 step traced again, in its own split
-    scope) reuses its pattern and sharded weights."""
+    scope) reuses its pattern and sharded weights. ``choose(ctx, layer,
+    inputs)`` picks the pattern."""
     def call(self, inputs):
         ctx = _split_context()
         if not hasattr(self, "_tfpar_split"):
             if ctx is None:
                 return original(self, inputs)
-            pattern = choose_dense(ctx, self, inputs)
+            pattern = choose(ctx, self, inputs)
             self._tfpar_split = (ctx, pattern, {}, next(reversed(ctx.decisions)))
         first, pattern, made, unit = self._tfpar_split
         if ctx is not None and ctx is not first and ctx.devices == first.devices:
@@ -124,7 +138,7 @@ def _layer_getter(ctx, layer, made):
     """The getter of the dense patterns (``patterns/dense.py``): the layer's
     weight ``name`` split along ``axis`` (None: whole), made once under the
     layer's variable names (legacy layers already run inside their variable
-    scope; keras layers name weights ``layer/...``) with the layer's
+    scope; keras layers name weights after their name scope) with the layer's
     constraint; its regularizer's value on the whole weight is added as the
     layer's loss, as ``add_weight`` does; the weight becomes the layer's
     attribute (``layer.kernel``), is tracked as its weight and by keras'
@@ -132,12 +146,13 @@ def _layer_getter(ctx, layer, made):
     def getter(name, shape, dtype, initializer, axis, regularizer=None, constraint=None):
         if name in made:
             return made[name]
+        initializer = _add_weight_default(initializer, dtype)
         if ops.get_default_graph().building_function:  # a TF2 step: eager weights
             made[name] = _eager_weight(ctx, layer, name, shape, dtype, initializer, axis,
                                        regularizer, constraint)
             return made[name]
         legacy = isinstance(layer, legacy_layers.Layer)
-        scope = contextlib.nullcontext() if legacy else variable_scope.variable_scope(layer.name)
+        scope = contextlib.nullcontext() if legacy else _keras_weight_scope()
         known = ops.get_default_graph().get_collection_ref(ops.GraphKeys.GLOBAL_VARIABLES)
         count = len(known)
         with scope:
@@ -164,6 +179,28 @@ def _layer_getter(ctx, layer, made):
                                              axis, name if legacy else f"{layer.name}/{name}"))
         return variable
     return getter
+
+
+def _keras_weight_scope():
+    """Keras names a layer's weights after the name scope it builds them in,
+    the one its ``call`` runs in (``block/attention/query/kernel``): a
+    variable scope of that name."""
+    name = ops.get_default_graph().get_name_scope()
+    return variable_scope.variable_scope(variable_scope.VariableScope(None, name=name),
+                                         auxiliary_name_scope=False)
+
+
+def _add_weight_default(initializer, dtype):
+    """The initializer keras' ``add_weight`` uses where a layer gives None (a
+    ``tf.compat.v1.layers`` kernel by default): the variable scope's, else
+    keras' glorot uniform for floats, zeros for the rest."""
+    if initializer is None:
+        initializer = variable_scope.get_variable_scope().initializer
+    if initializer is None:
+        floating = dtypes.as_dtype(dtype).is_floating
+        initializer = (keras_initializers.get("glorot_uniform") if floating
+                       else init_ops.zeros_initializer())
+    return initializer
 
 
 def _eager_weight(ctx, layer, name, shape, dtype, initializer, axis, regularizer, constraint):
@@ -199,6 +236,33 @@ def _eager_weight(ctx, layer, name, shape, dtype, initializer, axis, regularizer
         layer.add_loss(functools.partial(_layer_regularization, ctx, regularizer, weight, axis,
                                          f"{layer.name}/{name}"))
     return weight
+
+
+def _wrap_compute_attention(original):
+    """Keras' attention on each device's heads (``patterns/attention.py``)
+    when the projections split query, key and value by heads; else once, on
+    their gathered values, said by ``fall_back`` unless forced."""
+    def compute_attention(self, query, key, value, attention_mask=None, training=None):
+        ctx = _split_context()
+        if ctx is None:
+            return original(self, query, key, value, attention_mask, training)
+        unit = attention_unit(ctx, self, query, key, value)
+        by_heads = choose(ctx, unit, ATTENTION_PATTERNS) is HEADS
+        if not by_heads and ctx.forced_pattern(unit.name) is None:
+            fall_back(f"wh.split asked to split the attention of layer '{self.name}' by heads",
+                      f"it runs once on {ctx.devices[0]}, on its query, key and value gathered "
+                      "(they are not all split by heads: fewer heads than devices, or other "
+                      "patterns forced on the projections)",
+                      f"Give it at least {ctx.size} heads, or force split.patterns "
+                      f"{{'{unit.name}': 'gather'}} to silence this", ops.get_default_graph())
+        with ctx.building():
+            if not by_heads:
+                with ops.device(ctx.devices[0]):
+                    return original(self, query, key, value, attention_mask, training)
+            return heads_attention(
+                ctx, lambda q, k, v: original(self, q, k, v, attention_mask, training),
+                query, key, value, self._dot_product_equation)  # pylint: disable=protected-access
+    return compute_attention
 
 
 def _layer_regularization(ctx, regularizer, variable, axis, name):
@@ -355,7 +419,7 @@ def _contraction(kind, equation, operands, compute, fallback):
 def _dispatch(ctx, kind, equation, operands, fallback):
     """An einsum of whole operands in a split scope: a mixture-of-experts
     dispatch may send token rows to their experts' devices (all-to-all)."""
-    indices = moe.dispatch_indices(equation) if kind == "einsum" else None
+    indices = moe.dispatch_indices(equation, operands) if kind == "einsum" else None
     if indices is None:
         return fallback()
     unit = moe.dispatch_unit(ctx, equation, operands, indices[0])

@@ -12,8 +12,14 @@
   as the global step).
 * With fp16 mixed precision, gradient seeds, gradients and updates are
   loss-scaled there (``loss_scaling``).
+* ``backprop._gradient_function`` (a GradientTape's gradient of one op, in a
+  tf.function step): built under ``_original_op(forward op)``, as
+  ``tf.gradients`` builds it.
 * ``SparseTensor.__init__``: a SparseTensor made of fed placeholders
   (``sparse_placeholder``) is recorded, so the batch split cuts it by rows.
+* ``FunctionCaptures.capture_by_value``: a tensor of eager code a TF2 step
+  reads as its batch is captured with its batch dimension unknown when the
+  step is traced again with its batch relaxed.
 * ``BaseSession.__init__``: tfpar's devices are merged into the ConfigProto.
 * ``DatasetV1._make_one_shot_iterator`` / ``_make_initializable_iterator``:
   with ``io.shard_dataset`` each process / worker iterates over its shard.
@@ -24,6 +30,11 @@
   the training function is built before they run the session (``keras_patches``).
 * keras ``Layer.__init__`` / ``__call__``: a layer made or called in a scope
   entered in TF2 eager code is called in that scope in each step (``keras_scopes``).
+* ``ResourceVariable.__init__``: a variable's declared aggregation is
+  recorded (``variable_aggregation``).
+* keras ``BatchNormalization``: synchronized layers (every one with
+  ``batch_norm.sync``) sum their statistics over tfpar's replicas
+  (``sync_batch_norm``).
 * keras optimizers' slot variables and checkpoint children: slots of split
   weights are numbered as for the whole weight (``optimizer_slots``);
   checkpoint restores, which learn that a whole weight became split
@@ -36,7 +47,9 @@ from typing import Any
 
 from keras.src.optimizers import optimizer as keras_optimizer
 from keras.src.optimizers.legacy import optimizer_v2 as keras_optimizer_v2
+from tensorflow.core.function.capture import capture_container
 from tensorflow.core.protobuf import config_pb2
+from tensorflow.python import pywrap_tfe
 from tensorflow.python.client import pywrap_tf_session as c_session
 from tensorflow.python.client import session as tf_session
 from tensorflow.python.data.ops import dataset_ops
@@ -61,6 +74,8 @@ from tfpar.hooks.optimizer_slots import add_optimizer_slot_patches
 from tfpar.hooks.checkpoint_bindings import add_checkpoint_binding_patches
 from tfpar.hooks.split_patches import add_split_patches
 from tfpar.hooks.step_graphs import is_step_function
+from tfpar.hooks.sync_batch_norm import add_sync_batch_norm_patches
+from tfpar.hooks.variable_aggregation import add_variable_aggregation_patches
 from tfpar.ir.taskgraph import Phase
 
 __all__ = ["install", "installed", "uninstall"]
@@ -106,6 +121,8 @@ def install(runtime: Any) -> None:
         with the batch dimension of its arguments unknown.
       loss_scaled: graph -> whether its gradients are loss-scaled (fp16; may
         raise).
+      sync_batch_norm: () -> whether every BatchNormalization layer made now
+        is synchronized (``batch_norm.sync``).
     """
     global _runtime
     _runtime = runtime
@@ -128,8 +145,12 @@ def install(runtime: Any) -> None:
     _patches.add(tracing_compilation, "_create_concrete_function",
                  _wrap_create_concrete_function)
     _patches.add(func_graph, "func_graph_from_py_func", _wrap_func_graph_from_py_func)
+    _patches.add(capture_container.FunctionCaptures, "capture_by_value",
+                 _wrap_capture_by_value)
     _patches.add(sparse_tensor.SparseTensor, "__init__", _wrap_sparse_tensor_init)
     _patches.add(backprop.GradientTape, "gradient", _wrap_tape_gradient)
+    _patches.add(backprop, "_gradient_function", _wrap_gradient_function)
+    pywrap_tfe.TFE_Py_RegisterGradientFunction(backprop._gradient_function)
     _patches.add(dataset_ops.DatasetV2, "__iter__", _wrap_eager_iter)
     for name in ("_make_one_shot_iterator", "_make_initializable_iterator"):
         _patches.add(dataset_ops.DatasetV1, name, _wrap_make_iterator)
@@ -138,11 +159,15 @@ def install(runtime: Any) -> None:
     add_keras_scope_patches(_patches)
     add_optimizer_slot_patches(_patches)
     add_checkpoint_binding_patches(_patches)
+    add_variable_aggregation_patches(_patches)
+    add_sync_batch_norm_patches(_patches, lambda: _runtime is not None
+                                and _runtime.sync_batch_norm())
 
 
 def uninstall() -> None:
     global _runtime
     _patches.remove()
+    pywrap_tfe.TFE_Py_RegisterGradientFunction(backprop._gradient_function)
     cap_lib.set_capture_setup(None)
     _runtime = None
 
@@ -192,7 +217,8 @@ def _wrap_gradients(original):
     def _GradientsHelper(ys, xs, *args, **kwargs):  # pylint: disable=invalid-name
         graph = ops.get_default_graph()
         if not _recorded(graph):
-            if _runtime is not None and type(graph) is func_graph.FuncGraph:
+            if _runtime is not None and type(graph) is func_graph.FuncGraph and not _backward_of(
+                    args, kwargs):
                 _runtime.function_gradients(graph)  # a tf.function's, not If / While's
             # Gradients TF takes inside function graphs (If / While gradients)
             # have seeds of their own: keep them out of the outer call's.
@@ -221,6 +247,13 @@ def _wrap_gradients(original):
     return _GradientsHelper
 
 
+def _backward_of(args, kwargs) -> bool:
+    """Whether a ``_GradientsHelper`` call (arguments after ``ys, xs``) builds
+    TensorFlow's own backward of a function, loop or branch graph (it passes
+    the graph differentiated, ``src_graph``), not gradients a script asked for."""
+    return kwargs.get("src_graph", args[7] if len(args) > 7 else None) is not None
+
+
 def _wrap_tape_gradient(original):
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=backprop.UnconnectedGradients.NONE):
@@ -245,30 +278,85 @@ def _wrap_tape_gradient(original):
     return gradient
 
 
+def _wrap_gradient_function(original):
+    """A GradientTape builds each op's gradient without telling the graph
+    which op it differentiates (tf.gradients does: ``_original_op``). In a
+    step tfpar records, it is told here, so that backward ops join their
+    forward op's TaskGraph as in graph mode (not that of the gradient they
+    read first, which comes from the next TaskGraph)."""
+    def gradient_function(op_name, attr_tuple, num_inputs, inputs, outputs, out_grads,
+                          skip_input_indices, forward_pass_name_scope):
+        graph = ops.get_default_graph()
+        forward = (_taped_op(graph, op_name, inputs, outputs)
+                   if _runtime is not None and is_step_function(graph) else None)
+        with graph._original_op(forward) if forward is not None else contextlib.nullcontext():
+            return original(op_name, attr_tuple, num_inputs, inputs, outputs, out_grads,
+                            skip_input_indices, forward_pass_name_scope)
+    return gradient_function
+
+
+def _taped_op(graph, op_type: str, inputs, outputs):
+    """The op of ``graph`` the tape recorded: that of its outputs the tape
+    kept, else the one op of ``op_type`` reading all its inputs the tape kept
+    (each op's gradient keeps what it needs), else None."""
+    def kept(tensors):
+        return [t for t in tensors or () if isinstance(t, tensor_lib.Tensor)
+                and getattr(t, "graph", None) is graph]
+    if kept(outputs):
+        return kept(outputs)[0].op
+    readers = [{c for c in t.consumers() if c.type == op_type} for t in kept(inputs)]
+    common = set.intersection(*readers) if readers else set()
+    return common.pop() if len(common) == 1 else None
+
+
 # The FuncGraph being traced again with its arguments' batch relaxed
 # (``_wrap_create_concrete_function``) or None, and whether its argument
-# placeholders are being made (the function's own placeholders keep their shapes).
+# placeholders (or its captured batch's) are being made (the function's own
+# placeholders keep their shapes).
 _retracing = threading.local()
 
 
 def _wrap_create_concrete_function(original):
     """A tf.function traced from eager code that trains with arguments of a
     static batch size (TF2 traces with the shapes of the values it is called
-    with) is traced a second time with that dimension unknown, as graph-mode
-    placeholders are made (``batch_shapes``): TensorFlow would otherwise build
-    the full batch's size into the step the replicas split."""
+    with), or with a batch captured from eager code, is traced a second time
+    with that dimension unknown, as graph-mode placeholders are made
+    (``batch_shapes``): TensorFlow would otherwise build the full batch's
+    size into the step the replicas split."""
     def _create_concrete_function(function_type, type_context, func_graph, tracing_options):
         concrete = original(function_type, type_context, func_graph, tracing_options)
         if _runtime is None or not _runtime.retraces_relaxed(func_graph):
             return concrete
         relaxed = func_graph.__class__(func_graph.name)
-        cap_lib.capture_for(relaxed).relaxed = True
+        capture = cap_lib.capture_for(relaxed)
+        capture.relaxed = True
+        capture.batch_captured = cap_lib.capture_for(func_graph).batch_captured
         _retracing.graph, _retracing.arguments = relaxed, True
         try:
-            return original(function_type, type_context, relaxed, tracing_options)
+            again = original(function_type, type_context, relaxed, tracing_options)
         finally:
             _retracing.graph = None
+        # Not rewritten (the step runs on one device): the first trace, as without tfpar.
+        return again if capture.rewrite is not None else concrete
     return _create_concrete_function
+
+
+def _wrap_capture_by_value(original):
+    """In the trace with the batch relaxed, a tensor of eager code the step
+    reads as its batch (``GraphCapture.batch_captured``) is captured by a
+    placeholder with dimension 0 unknown, like the arguments, however small
+    (TensorFlow makes a tensor of at most 128 values a constant)."""
+    def capture_by_value(self, graph, tensor, name=None):
+        if graph is not getattr(_retracing, "graph", None) or not any(
+                tensor is t for t in cap_lib.capture_for(graph).batch_captured):
+            return original(self, graph, tensor, name)
+        arguments, _retracing.arguments = _retracing.arguments, True
+        try:
+            return self._create_placeholder_helper(  # pylint: disable=protected-access
+                graph, tensor, name or str(ops.uid()))
+        finally:
+            _retracing.arguments = arguments
+    return capture_by_value
 
 
 def _wrap_func_graph_from_py_func(original):

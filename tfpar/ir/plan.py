@@ -7,9 +7,10 @@ import dataclasses
 import json
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from tfpar.errors import PlanError
 from tfpar.ir.compact import device_ranges, numbered
 
-__all__ = ["Plan", "TaskGraphPlan"]
+__all__ = ["Plan", "TaskGraphPlan", "pinned_plan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,32 +118,45 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: Dict[str, Any]) -> "Plan":
-        """Inverse of :meth:`to_dict` (unknown extra fields are ignored)."""
-        pipeline = data.get("pipeline", {})
+        """Inverse of :meth:`to_dict` (unknown extra fields are ignored).
+
+        Raises:
+          PlanError: a field of the contract (DESIGN.md "Plan JSON") is
+            missing or of the wrong kind, named by its path
+            (``plan.task_graphs[1].strategy``).
+        """
+        read = _Reader(data, "plan")
+        pipeline = read.get("pipeline", dict, {})
         tgs = []
-        for tg in data["task_graphs"]:
-            replicas = tg.get("replicas")
+        for i, raw in enumerate(read.get("task_graphs", list)):
+            tg = _Reader(raw, f"plan.task_graphs[{i}]")
+            count = tg.get("device_count", int)
+            strategy = tg.get("strategy", str)
+            if strategy not in ("replicate", "split"):
+                tg.fail("strategy", f"'replicate' or 'split', not {strategy!r}")
+            replicas = tg.get("replicas", list, None)
             if replicas is None:
-                count = tg["device_count"]
-                devs = tg["devices"]
+                devs = tg.get("devices", list)
                 replicas = [devs[i:i + count] for i in range(0, len(devs), count)]
             tgs.append(TaskGraphPlan(
-                name=tg["name"], strategy=tg["strategy"],
-                device_count=tg["device_count"],
+                name=tg.get("name", str), strategy=strategy, device_count=count,
                 replicas=tuple(tuple(r) for r in replicas),
-                patterns=dict(tg.get("patterns", {})),
-                shard_shares=tuple(tg.get("shard_shares", ())),
-                num_ops=tg.get("num_ops", 0), param_bytes=tg.get("param_bytes", 0),
-                estimate=dict(tg.get("estimate", {}))))
+                patterns=dict(tg.get("patterns", dict, {})),
+                shard_shares=tuple(tg.get("shard_shares", list, ())),
+                num_ops=tg.get("num_ops", int, 0), param_bytes=tg.get("param_bytes", int, 0),
+                estimate=dict(tg.get("estimate", dict, {}))))
+        if not tgs:
+            read.fail("task_graphs", "at least one TaskGraph")
+        steps = _Reader(pipeline, "plan.pipeline")
         return cls(task_graphs=tuple(tgs),
-                   data_parallel_degree=data["data_parallel_degree"],
-                   num_micro_batch=pipeline.get("num_micro_batch", 1),
-                   schedule=pipeline.get("schedule", "1f1b"),
-                   group_size=pipeline.get("group_size", 1),
-                   estimate=dict(data.get("estimate", {})),
-                   sharding=dict(data.get("sharding", {})),
-                   batch_shares=tuple(data.get("batch_shares", ())),
-                   notes=tuple(data.get("notes", ())))
+                   data_parallel_degree=read.get("data_parallel_degree", int),
+                   num_micro_batch=steps.get("num_micro_batch", int, 1),
+                   schedule=steps.get("schedule", str, "1f1b"),
+                   group_size=steps.get("group_size", (int, str), 1),
+                   estimate=dict(read.get("estimate", dict, {})),
+                   sharding=dict(read.get("sharding", dict, {})),
+                   batch_shares=tuple(read.get("batch_shares", list, ())),
+                   notes=tuple(read.get("notes", list, ())))
 
     def simulate(self, forward_time=None, backward_time=None, transfer_time: float = 0.0):
         """Simulate one step of the plan's pipeline schedule (one replica).
@@ -227,6 +241,35 @@ class Plan:
         return self.summary()
 
 
+class _Reader:
+    """Fields of one object of a plan's JSON, checked as they are read."""
+
+    _MISSING = object()
+
+    def __init__(self, data: Any, path: str) -> None:
+        self.path = path
+        if not isinstance(data, dict):
+            raise PlanError(f"tfpar: {path} must be a JSON object, not {type(data).__name__} "
+                            "(a plan is what wh.current_plan().to_json() writes)")
+        self.data = data
+
+    def get(self, key: str, kind, default: Any = _MISSING) -> Any:
+        """``data[key]``, of ``kind``; ``default`` when absent (else an error)."""
+        if key not in self.data:
+            if default is self._MISSING:
+                self.fail(key, "present")
+            return default
+        value = self.data[key]
+        if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+            names = "/".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+            self.fail(key, f"of type {names}, not {value!r}")
+        return value
+
+    def fail(self, key: str, what: str) -> None:
+        raise PlanError(f"tfpar: the pinned plan's {self.path}.{key} must be {what} "
+                        "(DESIGN.md's plan JSON; wh.current_plan().to_json() writes one)")
+
+
 def _columns(tg: TaskGraphPlan, estimated: bool) -> Tuple[str, ...]:
     """A TaskGraph's summary columns but its name and placement."""
     est = tg.estimate
@@ -263,3 +306,10 @@ def _human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024.0
     return f"{n:.1f} GiB"
+
+
+def pinned_plan(config) -> Optional[Plan]:
+    """The plan ``config`` pins (key ``plan``), or None: the one reader of a
+    pinned plan's JSON (``Plan.from_dict`` checks it; ``wh.init`` reads it
+    first, so a broken one is refused there)."""
+    return None if config.plan is None else Plan.from_dict(config.plan)

@@ -16,7 +16,7 @@ from tensorflow.python.ops import array_ops, math_ops
 
 from tfpar.ir.sharding import ShardingUnit
 from tfpar.patterns.matcher import Gather
-from tfpar.patterns.moe import TOKENS, combine_token, index_sizes
+from tfpar.patterns.moe import TOKENS, combine_token, index_sizes, reads_weight
 
 __all__ = ["CONTRACTION_PATTERNS", "GATHER", "SHARDED", "contraction_unit", "sharded_contraction"]
 
@@ -52,15 +52,17 @@ def split_letter(ctx, equation: str, operands: Sequence) -> Optional[str]:
 
 def contraction_unit(ctx, kind: str, equation: str, operands: Sequence) -> ShardingUnit:
     """The unit of a matmul / einsum with split operands; ``token`` is set for an
-    einsum that contracts the split index of one split activation while keeping
-    a token index (a mixture-of-experts combine, ``moe.tokens_combine``)."""
+    einsum of two activations that contracts the split index of one while
+    keeping a token index of the other (a mixture-of-experts combine,
+    ``moe.tokens_combine``; a weight's index is no token index)."""
     letter = split_letter(ctx, equation, operands)
     output = equation.split("->")[1] if "->" in equation else ""
     sizes = index_sizes(equation, operands)
     gathered = sum(int(x.shape[-1] or 1) for x in operands if ctx.lookup(x) is not None)
     split = [i for i, x in enumerate(operands) if ctx.lookup(x) is not None]
     token = None
-    if kind == "einsum" and len(split) == 1 and letter and all(
+    if kind == "einsum" and len(split) == 1 and letter and not reads_weight(
+            operands[1 - split[0]]) and all(
             s.op.type != "ReadVariableOp" for s in ctx.lookup(operands[split[0]]).shards):
         token = combine_token(equation, split[0], letter)
     return ShardingUnit(ctx.unit_name(kind), kind, tuple(ctx.info(x) for x in operands),

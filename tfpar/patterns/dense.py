@@ -20,7 +20,7 @@ from tensorflow.python.ops import math_ops
 from tfpar.errors import ShardingError
 from tfpar.ir.sharding import ShardingUnit
 from tfpar.patterns.matcher import choose
-from tfpar.patterns.weights import describe, whole_axes
+from tfpar.patterns.weights import describe, keeps_whole, whole_axes
 
 __all__ = ["COLUMN", "DENSE_PATTERNS", "ROW", "choose_dense", "dense_unit"]
 
@@ -29,19 +29,12 @@ __all__ = ["COLUMN", "DENSE_PATTERNS", "ROW", "choose_dense", "dense_unit"]
 # the layer's weight ``name`` split along ``axis`` (None: whole), made once.
 
 
-def _keeps_whole(unit: ShardingUnit, splits) -> bool:
-    """The pattern splitting weight -> axis (``splits``) splits no axis that a
-    constraint of the unit's layer needs whole."""
-    whole = unit.sizes.get("whole", {})
-    return all(axis not in whole.get(weight, ()) for weight, axis in splits.items())
-
-
 class _Column:
     name = "column"
     splits = {"kernel": 1, "bias": 0}
 
     def matches(self, unit: ShardingUnit) -> bool:
-        return unit.kind == "dense" and _keeps_whole(unit, self.splits)
+        return unit.kind == "dense" and keeps_whole(unit, self.splits)
 
     @staticmethod
     def cost(unit: ShardingUnit) -> float:
@@ -72,7 +65,7 @@ class _Row:
     splits = {"kernel": 0}
 
     def matches(self, unit: ShardingUnit) -> bool:
-        return (unit.kind == "dense" and _keeps_whole(unit, self.splits)
+        return (unit.kind == "dense" and keeps_whole(unit, self.splits)
                 and unit.inputs[0].axis in (None, len(unit.inputs[0].dims) - 1))
 
     @staticmethod
@@ -138,7 +131,7 @@ def choose_dense(ctx, layer, x):
     ``split.patterns`` forces."""
     unit = dense_unit(ctx, layer, x)
     free = dataclasses.replace(unit, sizes={k: v for k, v in unit.sizes.items() if k != "whole"})
-    forced = ctx.forced.get(unit.name)
+    forced = ctx.forced_pattern(unit.name)
     ruled_out = [p for p in DENSE_PATTERNS if p.matches(free) and not p.matches(unit)
                  and (forced is None or forced == p.name)]
     if ruled_out and (forced is not None or not any(p.matches(unit) for p in DENSE_PATTERNS)):

@@ -36,7 +36,7 @@ def choose(ctx, unit: ShardingUnit, candidates: Sequence):
     ``matches(unit)`` and ``cost(unit)`` in bytes per row); the choice is
     recorded in ``ctx.decisions``."""
     matching = [p for p in candidates if p.matches(unit)]
-    forced = ctx.forced.get(unit.name)
+    forced = ctx.forced_pattern(unit.name)
     if forced is not None:
         chosen = [p for p in matching if p.name == forced]
         if not chosen:

@@ -26,7 +26,7 @@ from tensorflow.python.ops import array_ops, array_ops_stack, math_ops, special_
 from tfpar.ir.sharding import ShardingUnit
 
 __all__ = ["DISPATCH_PATTERNS", "TOKENS", "combine_token", "dispatch_indices",
-           "dispatch_unit", "index_sizes", "tokens_combine", "tokens_dispatch"]
+           "dispatch_unit", "index_sizes", "reads_weight", "tokens_combine", "tokens_dispatch"]
 
 
 class _Tokens:
@@ -58,8 +58,11 @@ TOKENS, REPLICATED = _Tokens(), _Replicated()
 DISPATCH_PATTERNS = (TOKENS, REPLICATED)
 
 
-def dispatch_indices(equation: str) -> Optional[Tuple[str, str]]:
-    """(token, expert) indices of a dispatch einsum, or None."""
+def dispatch_indices(equation: str, operands) -> Optional[Tuple[str, str]]:
+    """(token, expert) indices of a dispatch einsum, or None. Both operands
+    are activations and the expert index has a static size: an einsum with a
+    weight is a projection (``abc,cde->abde`` of keras' attention), whose
+    leading index is the batch, no expert."""
     if "..." in equation or "->" not in equation or equation.count(",") != 1:
         return None
     inputs, output = equation.split("->")
@@ -67,7 +70,17 @@ def dispatch_indices(equation: str) -> Optional[Tuple[str, str]]:
     tokens = [c for c in a if c in b and c not in output]
     if len(tokens) != 1 or not output or output[0] not in a or output[0] in b:
         return None
+    if any(reads_weight(x) for x in operands) or index_sizes(equation, operands)[output[0]] is None:
+        return None
     return tokens[0], output[0]
+
+
+def reads_weight(x) -> bool:
+    """``x`` is a variable's value (through identities and casts)."""
+    op = x.op
+    while op.type in ("Identity", "Cast") and op.inputs:
+        op = op.inputs[0].op
+    return op.type in ("ReadVariableOp", "VariableV2", "VarHandleOp")
 
 
 def index_sizes(equation: str, operands) -> Dict[str, Optional[int]]:

@@ -16,7 +16,7 @@ import weakref
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
-from tensorflow.python.framework import ops, tensor_conversion_registry
+from tensorflow.python.framework import dtypes, ops, tensor_conversion_registry
 from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import array_ops, init_ops, variable_scope
 from tensorflow.python.ops import variables as variables_lib
@@ -52,13 +52,16 @@ class SplitContext:
       name: the TaskGraph's name.
       devices: its devices; shard i goes to ``devices[i]``.
       forced: ShardingUnit name -> pattern name (``split.patterns`` config).
+      planned: a pinned plan's sharded layers, name scope -> pattern, matched
+        to units by ``forced_pattern``.
       decisions: ShardingUnit name -> chosen pattern, in build order.
       shares: per device, its integer weight in every split dimension (mixed
         devices: Whale §3.3.1); empty: even, as TensorFlow partitions.
     """
 
     def __init__(self, name: str, devices: Sequence[str], forced: Optional[Dict[str, str]],
-                 registry: Optional[Dict] = None, shares: Sequence[int] = ()):
+                 registry: Optional[Dict] = None, shares: Sequence[int] = (),
+                 planned: Optional[Dict[str, str]] = None):
         """``registry``: full view (its ``ref()``) -> (devices, ShardedTensor),
         shared by the split TaskGraphs of a graph, so one on the same devices reads another's shards
         directly (Whale: a gather followed by a partition along the same
@@ -67,6 +70,7 @@ class SplitContext:
         self.devices = list(devices)
         self.shares = tuple(shares)
         self.forced = dict(forced or {})
+        self.planned = dict(planned or {})
         self.decisions: Dict[str, str] = {}
         self._sharded = registry if registry is not None else {}
         self._units: Dict[str, int] = {}
@@ -95,6 +99,26 @@ class SplitContext:
         """The sizes of the shards a dimension of ``size`` is cut into."""
         bounds = slice_offsets(size, self.size, self.shares) + [size]
         return [b - a for a, b in zip(bounds, bounds[1:])]
+
+    def forced_pattern(self, unit: str) -> Optional[str]:
+        """The pattern forced on ShardingUnit ``unit``: by ``split.patterns``,
+        else by the pinned plan's layer of that name scope (the whole scope,
+        or the one scope ending with the unit's name or ending it: a TF2
+        step's ops are named inside its model's scope).
+
+        Raises:
+          ShardingError: several planned layers end with the unit's name.
+        """
+        if unit in self.forced:
+            return self.forced[unit]
+        if unit in self.planned:
+            return self.planned[unit]
+        found = [scope for scope in self.planned
+                 if scope.endswith("/" + unit) or unit.endswith("/" + scope)]
+        if len(found) > 1:
+            raise ShardingError(f"tfpar: ShardingUnit '{unit}' could be the pinned plan's layer "
+                                f"{' or '.join(map(repr, found))}; name its layers uniquely")
+        return self.planned[found[0]] if found else None
 
     def unit_name(self, base: str) -> str:
         """A unique ShardingUnit name from a layer / op name."""
@@ -321,6 +345,8 @@ def sharded_variable(ctx: SplitContext, name: str, shape: Sequence[int], axis: i
     regularizer = regularizer if regularizer is not None else scope.regularizer
     if dtype is None and isinstance(initializer, tensor_lib.Tensor):
         dtype = initializer.dtype.base_dtype
+    if initializer is None:
+        initializer = scope.initializer or _default_initializer(dtype)
     check_constraint(owner or f"variable '{name}'", constraint, shape, axis, dtype)
     check_shardable(name, shape, axis, ctx.size)
     with ctx.creating_shards(shape, axis) as creation:
@@ -336,23 +362,31 @@ def sharded_variable(ctx: SplitContext, name: str, shape: Sequence[int], axis: i
     return partitioned
 
 
+def _default_initializer(dtype):
+    """What ``get_variable`` draws a variable of ``dtype`` from when neither
+    the call nor the variable scope names an initializer."""
+    if dtypes.as_dtype(dtype or dtypes.float32).is_floating:
+        return init_ops.glorot_uniform_initializer()
+    return init_ops.zeros_initializer()
+
+
 def slicing_initializer(initializer):
     """An initializer that, for a slice, yields that slice of what
     ``initializer`` gives the full variable: numpy values and constants are cut;
-    a seeded random initializer draws the full variable and keeps the slice
-    (the same numbers as on one device); a tensor is sliced inside the slice's
-    own creation (so on its device); other initializers get TensorFlow's
-    partition_info as usual."""
+    a tensor is sliced inside the slice's own creation (so on its device); any
+    other initializer (random ones) draws the full variable once, when the
+    first slice is made, and every slice keeps its part. One draw where one
+    device makes one keeps the seeds single-device: TensorFlow numbers a
+    graph's unseeded random ops in order, and a keras initializer takes its
+    seed from Python's ``random`` at its first draw."""
     value = initializer
     if isinstance(initializer, tensor_lib.Tensor):
         return lambda shape, dtype=None, partition_info=None: array_ops.slice(
             initializer, partition_info.var_offset, shape)
     if isinstance(initializer, init_ops.Constant):
         value = initializer.value
-    if getattr(initializer, "seed", None) is not None:
-        return _seeded_slice(initializer)
     if not isinstance(value, (np.ndarray, list, tuple, float, int)):
-        return initializer
+        return _drawn_once(initializer)
     array = np.asarray(value)
     if array.ndim == 0:
         return init_ops.constant_initializer(array.item())
@@ -364,10 +398,13 @@ def slicing_initializer(initializer):
     return init
 
 
-def _seeded_slice(initializer):
+def _drawn_once(initializer):
+    drawn = []
+
     def init(shape, dtype=None, partition_info=None):
         if partition_info is None:
             return initializer(shape, dtype=dtype)
-        full = initializer(partition_info.full_shape, dtype=dtype)
-        return array_ops.slice(full, partition_info.var_offset, shape)
+        if not drawn:
+            drawn.append(initializer(partition_info.full_shape, dtype=dtype))
+        return array_ops.slice(drawn[0], partition_info.var_offset, shape)
     return init

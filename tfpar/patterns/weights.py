@@ -24,7 +24,8 @@ from tensorflow.python.ops import variables as variables_lib
 
 from tfpar.errors import ShardingError
 
-__all__ = ["NO_REGULARIZER", "check_constraint", "describe", "regularization_loss", "whole_axes"]
+__all__ = ["NO_REGULARIZER", "check_constraint", "describe", "keeps_whole", "regularization_loss",
+           "whole_axes"]
 
 # Regularizers whose value on a weight is the sum of their values on its slices.
 _ADDITIVE = (regularizers.L1, regularizers.L2, regularizers.L1L2)
@@ -65,6 +66,14 @@ def whole_axes(constraint, shape: Sequence[int], dtype=None) -> Tuple[int, ...]:
         axes = constraint.axis if isinstance(constraint.axis, (list, tuple)) else [constraint.axis]
         return tuple(sorted({int(a) % rank for a in axes}))
     return () if _elementwise(constraint, shape, dtype) else tuple(range(rank))
+
+
+def keeps_whole(unit, splits) -> bool:
+    """A pattern splitting weight -> axis (``splits``; None: whole) splits no
+    axis that a constraint of ``unit``'s layer needs whole (``sizes["whole"]``)."""
+    whole = unit.sizes.get("whole", {})
+    return all(axis is None or axis not in whole.get(weight, ())
+               for weight, axis in splits.items())
 
 
 def check_constraint(owner: str, constraint, shape: Sequence[int], axis: int, dtype=None) -> None:

@@ -9,7 +9,7 @@ from tfpar.cluster.virtual_device import assign_devices
 from tfpar.config import Config
 from tfpar.errors import PlanError
 from tfpar.ir.compact import device_ranges
-from tfpar.ir.plan import Plan, TaskGraphPlan
+from tfpar.ir.plan import Plan, TaskGraphPlan, pinned_plan
 from tfpar.ir.taskgraph import Strategy, TaskGraphSpec
 from tfpar.planner.balance import well_formed_shares
 from tfpar.planner.schedule import SCHEDULES
@@ -39,7 +39,7 @@ def plan_from_annotations(specs: Sequence[TaskGraphSpec], devices: Sequence[str]
       PlanError: the annotations need a feature this build does not provide yet,
         or a pinned plan does not fit the model / devices.
     """
-    pinned = Plan.from_dict(config.plan) if config.plan is not None else None
+    pinned = pinned_plan(config)
     if pinned is not None:
         tgs = _pinned_task_graphs(pinned, specs, devices, stats.get("split", {}))
         num_micro_batch, schedule, group_size = (pinned.num_micro_batch, pinned.schedule,

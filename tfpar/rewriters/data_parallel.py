@@ -45,12 +45,15 @@ from tfpar.analysis.batch_axes import BatchAxes
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture
 from tfpar.rewriters import graph_edit
+from tfpar.rewriters.averaged_variables import (average_local_copies, make_local_copies,
+                                               reroute_to_local_copies)
 from tfpar.rewriters.batch_split import split_batch, split_sources
 from tfpar.rewriters.bridge import Bridges
 from tfpar.rewriters.gradients import reduce_gradients, scale_seed, scale_seeds
 from tfpar.rewriters.layout import Layout
 from tfpar.rewriters.merge import merge_step_tensor
 from tfpar.rewriters.pipeline import lower_schedule, stage_tasks, task_ops
+from tfpar.rewriters.replica_sums import marked_sums, sum_across_replicas
 from tfpar.rewriters.replica_sync import add_replica_sync
 from tfpar.rewriters.select import GraphIndex, Selection, gradient_tensors, select_replication
 from tfpar.rewriters.stages import Placement, host_device
@@ -111,6 +114,8 @@ class DataParallelRewrite:
         (``zero.Sharding``, ``memory.zero``), or None.
       precision: the grappler option computing in 16 bits, which task
         function calls turn on (``runtime.precision``), or None.
+      local_copies: (stage, version) -> averaged variable's handle -> the
+        handle of the version's local copy (``averaged_variables``).
       edits: number of in-place edits of original ops.
     """
 
@@ -144,6 +149,8 @@ class DataParallelRewrite:
     processes: Any = None
     zero: Optional[Sharding] = None
     precision: Optional[str] = None
+    local_copies: Dict[tuple, Dict[tensor_lib.Tensor, tensor_lib.Tensor]] = dataclasses.field(
+        default_factory=dict)
     edits: int = 0
     _copies: Dict[tuple, Dict] = dataclasses.field(default_factory=dict)
 
@@ -314,8 +321,10 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
         _reroute_batch_inputs(rw, step)
         if rw.mirrored:
             _clone_variables(graph, rw)
+        make_local_copies(graph, rw)
         tasks = stage_tasks(rw, capture, index)
-        order = _task_order_or_say(graph, rw, tasks) if functions else None
+        marks = marked_sums(rw, capture)
+        order = _task_order_or_say(graph, rw, tasks, marks) if functions else None
         seeds = scale_seeds(rw, capture, index)
         if order is not None:
             rw.functions = True
@@ -332,11 +341,14 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
         else:
             for s in stages:
                 _clone_stage(graph, rw, s)
+            reroute_to_local_copies(rw)
             _connect_stages(rw, crossing, crossing_controls)
+            sum_across_replicas(rw, marks, reducer_for)
             lower_schedule(rw, capture, index, schedule)
             for seed in seeds:
                 scale_seed(rw, seed, range(len(rw.versions(seed.op))))
         reduce_gradients(rw, raw, reducer_for)
+        average_local_copies(graph, rw, reducer_for, control_readers)
         if rw.mirrored:
             _copy_updates(graph, rw)
         if rw.zero is not None:
@@ -469,16 +481,22 @@ def _clone_stage(graph: ops.Graph, rw: DataParallelRewrite, stage: int) -> None:
                 for i in range(len(sel.batch_inputs))}
         if rw.mirrored:
             imap.update(rw.variable_copies(stage, j))
+        imap.update(rw.local_copies.get((stage, v), {}))
         rw.version_maps[stage][v] = graph_edit.clone_ops(
             graph, stage_ops, f"{rw.prefix(stage, j)}/micro_{m}",
             functools.partial(placement.device, index=j), imap)
 
 
-def _task_order_or_say(graph: ops.Graph, rw: DataParallelRewrite, tasks) -> Optional[list]:
+def _task_order_or_say(graph: ops.Graph, rw: DataParallelRewrite, tasks,
+                       marks: List[ops.Operation]) -> Optional[list]:
     """The order to define the task functions in (``task_functions.task_order``);
-    where tasks cannot be functions, None, said (``fallback``) when copies are
+    where tasks cannot be functions (also with ``marks``, sums over the
+    replicas: ``replica_sums``), None, said (``fallback``) when copies are
     many: a stage with more than one version."""
     order, why = task_order(rw, tasks)
+    if marks:
+        order, why = None, (f"'{marks[0].name}' sums batch statistics over the replicas "
+                            "(synchronized batch norm), between the calls of one task")
     if order is None and max(map(rw.layout.num_versions, range(rw.placement.num_stages))) > 1:
         fallback.fall_back(
             "pipeline.task_functions: each replica and micro-batch of a TaskGraph as a call of "

@@ -4,13 +4,13 @@ batch (through its seeds, or its gradients for higher-order gradients), summed
 over a device's micro-batches, then across the devices holding the same
 variable by the reducer of ``allreduce`` (or Horovod's)."""
 import collections
-import logging
 from typing import List, Set
 
 from tensorflow.python.framework import indexed_slices, ops
 from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import array_ops, check_ops, math_ops
 
+from tfpar import fallback
 from tfpar.analysis.batch_reductions import loss_scaling
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture
@@ -18,8 +18,6 @@ from tfpar.rewriters import graph_edit
 from tfpar.rewriters.select import GraphIndex, gradient_tensors
 
 __all__ = ["loss_weights", "reduce_gradients", "scale_seed", "scale_seeds"]
-
-log = logging.getLogger("tfpar")
 
 
 def scale_seeds(rw, capture: GraphCapture, index: GraphIndex) -> List[tensor_lib.Tensor]:
@@ -98,9 +96,11 @@ def loss_weights(rw, capture: GraphCapture) -> Set[int]:
                     f"{scaling.culprit}. Make it a mean over the batch (divide the sum by the "
                     "batch size) or make the other term a sum over the rows too")
             if scaling.kind is None:
-                log.warning("tfpar: cannot tell whether the loss '%s' is a mean or a sum over "
-                            "the batch (%s); its replicas are weighted as for a mean", y.name,
-                            scaling.culprit)
+                fallback.fall_back(
+                    f"the loss '{y.name}' split over replicas / micro-batches", "tfpar cannot "
+                    f"tell whether it is a mean or a sum over the batch ({scaling.culprit}), and "
+                    "weights its replicas as for a mean", "Write it as a reduce_mean or "
+                    "reduce_sum over the rows", y.graph)
             kinds.add(scaling.kind or "mean")
         if kinds == {"sum"}:
             summed.add(id(call))
@@ -159,7 +159,8 @@ def _reduce_group_gradients(rw, devices, grads, reducer) -> None:
     dense_owners = [zero.gradient_owner(var) if zero is not None else None
                     for _, var in dense + fixed]
     sparse_owners = [zero.owner.get(var) if zero is not None else None for _, var in sparse]
-    dense_local, sparse_local, fixed_indices = [], [], []
+    dense_local, sparse_local = [], []
+    fixed_indices = list(zip(*[_same_rows(rw, g.indices, len(devices), var) for g, var in fixed]))
     for j, device in enumerate(devices):
         with ops.device(device):
             dense_local.append([_with_shape(_sum(_device_terms(rw, g, j)), g) for g, _ in dense]
@@ -168,7 +169,6 @@ def _reduce_group_gradients(rw, devices, grads, reducer) -> None:
             sparse_local.append(
                 [_concat(_device_terms(rw, g.values, j)) for g, _ in sparse]
                 + [_concat(_device_terms(rw, g.indices, j, weigh=False)) for g, _ in sparse])
-            fixed_indices.append([_same_rows(rw, g.indices, j, var) for g, var in fixed])
     if len(devices) > 1 or getattr(reducer, "cross_process", False):
         dense_local = _across_devices(devices, dense_local, dense_owners, reducer.sum, _sum)
         sparse_local = _across_devices(devices, sparse_local, sparse_owners * 2, reducer.gather,
@@ -192,22 +192,26 @@ def _fixed_rows(g) -> bool:
             and g.indices.shape[0] is not None)
 
 
-def _same_rows(rw, indices: tensor_lib.Tensor, device: int, var) -> tensor_lib.Tensor:
-    """The rows of a fixed-row sparse gradient (``_fixed_rows``) on stage
-    device ``device``: its first version's, checked at run time to equal
-    every other version's when they depend on the batch (which rows a
+def _same_rows(rw, indices: tensor_lib.Tensor, devices: int, var) -> List[tensor_lib.Tensor]:
+    """The rows of a fixed-row sparse gradient (``_fixed_rows``) on each of a
+    stage's ``devices``: its first version's there, checked at run time to
+    equal every other version's when they depend on the batch (which rows a
     replica looks up could then differ, and summing would be wrong)."""
-    terms = _device_terms(rw, indices, device, weigh=False)
-    first = rw.version_tensor(indices, 0)
+    firsts = [_device_terms(rw, indices, j, weigh=False)[0] for j in range(devices)]
     if indices.op not in rw.selection.batch_dependent:
-        return terms[0]
+        return firsts
+    first = rw.version_tensor(indices, 0)
     checks = [check_ops.assert_equal(
         t, first, message=f"tfpar: the sparse gradient of '{var.name}' has {indices.shape[0]} "
-        "rows in every replica / micro-batch, but they look up different rows; tfpar sums "
-        "such gradients row by row. Give the lookup ids an unknown leading dimension") for t in terms
+        "rows in every replica / micro-batch, but they look up different rows; tfpar sums such "
+        "gradients row by row. Give the lookup ids an unknown leading dimension")
+        for j in range(devices) for t in _device_terms(rw, indices, j, weigh=False)
         if t is not first]
-    with ops.control_dependencies(checks):
-        return array_ops.identity(terms[0])
+    result = []
+    for t in firsts:
+        with ops.device(t.device), ops.control_dependencies(checks):
+            result.append(array_ops.identity(t))
+    return result
 
 
 def _across_devices(devices, local, owners, collective, combine):

@@ -11,22 +11,19 @@
 * backward tensors (their versions carry the unit's weight or the seed's):
   summed, weighted by n_u / N unless the versions are weighted already.
 """
-import logging
 from typing import List
 
 from tensorflow.python.framework import ops
 from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import math_ops
 
+from tfpar import fallback
 from tfpar.analysis.batch_reductions import reduction_region
 from tfpar.errors import PlanError
 from tfpar.rewriters import graph_edit
 from tfpar.rewriters.batch_split import concat_rows
 
 __all__ = ["merge_step_tensor"]
-
-log = logging.getLogger("tfpar")
-
 
 def merge_step_tensor(rw, t: tensor_lib.Tensor) -> tensor_lib.Tensor:
     """The global-batch value of step tensor ``t`` of rewrite ``rw`` (module doc)."""
@@ -44,10 +41,27 @@ def merge_step_tensor(rw, t: tensor_lib.Tensor) -> tensor_lib.Tensor:
                 copies = graph_edit.clone_ops(t.graph, region.ops, "recomputed", None, rows,
                                               rw.built_inputs)
                 return copies[t.op].outputs[t.value_index]
-            log.warning("tfpar: fetching '%s' merges its per-replica values by their batch "
-                        "shares: it cannot be recomputed from the merged batch because %s",
-                        t.name, why)
+            _say_merged(t, why)
         return _weighted_sum(rw, t)
+
+
+def _say_merged(t: tensor_lib.Tensor, why: str) -> None:
+    """A forward tensor fetched that cannot be recomputed from the merged
+    batch: a float is the versions' average by batch shares, said; another
+    dtype has no such average.
+
+    Raises:
+      PlanError: ``t`` is not a float.
+    """
+    if not t.dtype.is_floating:
+        raise PlanError(f"tfpar: fetching '{t.name}' ({t.dtype.name}) cannot give its "
+                        f"single-device value: it cannot be recomputed from the merged batch "
+                        f"because {why}, and replicas' values of a {t.dtype.name} have no "
+                        "average; fetch the tensors it is computed from instead")
+    fallback.fall_back(f"fetching '{t.name}'", "it is its replicas' and micro-batches' values "
+                       f"averaged by their batch shares (it cannot be recomputed from the "
+                       f"merged batch because {why})", "Fetch the tensors it is computed from "
+                       "to compute it on the whole batch", t.graph)
 
 
 def _versions(rw, t: tensor_lib.Tensor) -> List[tensor_lib.Tensor]:

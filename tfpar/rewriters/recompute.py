@@ -15,12 +15,12 @@ compute the same numbers: stateful ops (random draws) are refused.
 (an attention core, Korthikanti et al.'s selective recomputation), its
 outputs included: the forward reads the originals, the backward copies.
 """
-import logging
 import re
 from typing import AbstractSet, Dict, List, Sequence, Set
 
 from tensorflow.python.framework import ops
 
+from tfpar import fallback
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture
 from tfpar.ir.taskgraph import Phase
@@ -29,7 +29,6 @@ from tfpar.rewriters.select import data_ancestors
 
 __all__ = ["recompute_ops", "recompute_scopes"]
 
-log = logging.getLogger("tfpar")
 
 # Stateful ops whose copies return what the originals did within a step.
 _REPEATABLE = frozenset({"ReadVariableOp"})
@@ -157,8 +156,11 @@ def _recompute(graph: ops.Graph, capture: GraphCapture, scope: str,
     triggers = _entering_gradients(consumers, set(copies.values()), late or backward, own,
                                    waiting)
     if not triggers:
-        log.warning("tfpar: memory.recompute found no gradient entering scope '%s'; its "
-                    "forward is recomputed as soon as its inputs are ready", scope)
+        fallback.fall_back(
+            f"memory.recompute asked to recompute scope '{scope}' in the backward", "no gradient "
+            "enters it, so its forward is recomputed as soon as its inputs are ready (no memory "
+            "saved)", "Recompute a scope the loss depends on, or drop it from memory.recompute",
+            graph)
     for original, copy in copies.items():
         capture.op_phase[copy.name] = Phase.BACKWARD
         capture.copied_from[copy.name] = original.name

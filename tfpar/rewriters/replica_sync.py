@@ -5,7 +5,7 @@ rank 0 (see ``data_parallel``)."""
 from tensorflow.python.framework import dtypes, ops
 from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import array_ops, control_flow_ops, state_ops
-from tensorflow.python.ops import gen_resource_variable_ops
+from tensorflow.python.ops import gen_resource_variable_ops, handle_data_util
 
 from tfpar.rewriters import graph_edit
 from tfpar.rewriters.select import GraphIndex, variable_writers
@@ -14,16 +14,19 @@ __all__ = ["add_replica_sync", "assign_value", "read_value", "sync_new_writers"]
 
 
 def read_value(var: ops.Operation) -> tensor_lib.Tensor:
-    """The value of the variable made by ``var`` (resource or reference)."""
-    if var.type == "VarHandleOp":
-        return gen_resource_variable_ops.read_variable_op(
-            var.outputs[0], dtypes.as_dtype(var.get_attr("dtype")))
-    return array_ops.identity(var.outputs[0])
+    """The value of the variable made by ``var`` (resource or reference; a
+    tf.function's captured handle too)."""
+    handle = var.outputs[0]
+    if handle.dtype == dtypes.resource:
+        dtype = (var.get_attr("dtype") if var.type == "VarHandleOp" else
+                 handle_data_util.get_resource_handle_data(handle).shape_and_type[0].dtype)
+        return gen_resource_variable_ops.read_variable_op(handle, dtypes.as_dtype(dtype))
+    return array_ops.identity(handle)
 
 
 def assign_value(var: ops.Operation, value: tensor_lib.Tensor) -> ops.Operation:
     """An op writing ``value`` into the variable made by ``var``."""
-    if var.type == "VarHandleOp":
+    if var.outputs[0].dtype == dtypes.resource:
         return gen_resource_variable_ops.assign_variable_op(var.outputs[0], value)
     return state_ops.assign(var.outputs[0], value).op
 

@@ -5,17 +5,18 @@ import collections
 import dataclasses
 import functools
 import weakref
-from typing import Dict, Iterable, List, Optional, Set
+from typing import Dict, Iterable, List, NamedTuple, Optional, Set, Tuple
 
 from tensorflow.python.framework import dtypes, indexed_slices, ops, tensor_shape
 from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import handle_data_util
 
-from tfpar.hooks.capture import GraphCapture
+from tfpar.hooks.capture import GraphCapture, existing_capture
 from tfpar.ir.taskgraph import Phase
 
-__all__ = ["GraphIndex", "Selection", "gradient_tensors", "is_input", "is_resource_variable",
-           "is_variable", "select_replication", "variable_bytes", "variable_writers"]
+__all__ = ["Averaged", "GraphIndex", "Selection", "averaged_variables", "declared_aggregations",
+           "gradient_tensors", "is_input", "is_resource_variable", "is_variable",
+           "select_replication", "variable_bytes", "variable_writers"]
 
 INPUT_TYPES = frozenset({"Placeholder", "PlaceholderWithDefault", "IteratorGetNext",
                          "IteratorGetNextSync", "OptionalGetValue", "QueueDequeueV2",
@@ -58,26 +59,36 @@ def is_resource_variable(op: ops.Operation) -> bool:
 
 def is_input(op: ops.Operation) -> bool:
     """An op feeding the batch: a placeholder, iterator or queue read, not a
-    tf.function's placeholder standing for a captured outside value."""
-    return op.type in INPUT_TYPES and op not in _function_captures(op.graph)[1]
+    tf.function's placeholder standing for a captured outside value, unless
+    that value is the step's batch (``GraphCapture.batch_captured``)."""
+    if op.type not in INPUT_TYPES:
+        return False
+    _, captured, batch = _function_captures(op.graph)
+    return op not in captured or op in batch
 
 
 _captures_seen: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _function_captures(graph: ops.Graph):
-    """(placeholders capturing a variable's handle, every capturing placeholder)
+    """(placeholders capturing a variable's handle, every capturing op, the
+    placeholders capturing the step's batch: ``GraphCapture.batch_captured``)
     of a tf.function's graph; empty sets for other graphs."""
     if not graph.building_function:
-        return frozenset(), frozenset()
+        return frozenset(), frozenset(), frozenset()
     pairs = graph.captures
     known = _captures_seen.get(graph)
     if known is None or known[0] != len(pairs):
         handles = {id(v.handle) for v in graph.variables}
+        capture = existing_capture(graph)
+        batch = ({id(t) for t in capture.batch_captured} if capture is not None
+                 and capture.relaxed else set())  # the first trace's are not inputs yet
         known = _captures_seen[graph] = (
             len(pairs), frozenset(inner.op for outer, inner in pairs if id(outer) in handles),
-            frozenset(inner.op for _, inner in pairs))
-    return known[1], known[2]
+            frozenset(inner.op for _, inner in pairs),
+            frozenset(inner.op for outer, inner in pairs
+                      if id(outer) in batch and inner.op.type == "Placeholder"))
+    return known[1:]
 
 
 class GraphIndex:
@@ -153,16 +164,49 @@ def variable_bytes(handle: tensor_lib.Tensor) -> int:
 
 
 def variable_writers(var_op: ops.Operation) -> List[ops.Operation]:
-    """Ops that modify the variable defined by ``var_op``."""
+    """Ops that modify the variable defined by ``var_op`` (a ``tf.cond`` or
+    loop whose body only reads it does not)."""
     handle = var_op.outputs[0]
     result = []
     for c in handle.consumers():
         if is_resource_variable(var_op):
-            if c.type not in READ_ONLY_RESOURCE_TYPES:
+            if c.type not in READ_ONLY_RESOURCE_TYPES and _may_write(c, handle):
                 result.append(c)
         elif c.type not in REF_READ_TYPES:
             result.append(c)
     return result
+
+
+# Ops running functions on their inputs: attributes naming the functions, and
+# how many inputs come before those the functions take.
+_FUNCTIONAL = {"If": (("then_branch", "else_branch"), 1),
+               "StatelessIf": (("then_branch", "else_branch"), 1),
+               "Case": (("branches",), 1), "StatelessCase": (("branches",), 1),
+               "While": (("cond", "body"), 0), "StatelessWhile": (("cond", "body"), 0),
+               "PartitionedCall": (("f",), 0), "StatefulPartitionedCall": (("f",), 0)}
+
+
+def _may_write(op: ops.Operation, handle: tensor_lib.Tensor) -> bool:
+    """Whether ``op``, which reads the resource ``handle``, may write it: any op
+    but a function-running one whose functions only read it (looked into,
+    nested ones too; a function tfpar cannot see counts as writing)."""
+    if op.type not in _FUNCTIONAL:
+        return True
+    attrs, skip = _FUNCTIONAL[op.type]
+    positions = [k - skip for k, t in enumerate(op.inputs) if t is handle and k >= skip]
+    for attr in attrs:
+        value = op.get_attr(attr)
+        for fn in value if isinstance(value, list) else [value]:
+            defined = op.graph._get_function(fn.name)  # pylint: disable=protected-access
+            body = getattr(defined, "graph", None)
+            if body is None:
+                return True
+            for k in positions:
+                inner = body.inputs[k]
+                if any(c.type not in READ_ONLY_RESOURCE_TYPES and _may_write(c, inner)
+                       for c in inner.consumers()):
+                    return True
+    return False
 
 
 @dataclasses.dataclass
@@ -184,6 +228,11 @@ class Selection:
       backward: the step ops ``tf.gradients`` made.
       sparse_inputs: (indices, values, dense shape) of every SparseTensor
         batch input, split by rows (of its dense shape's dimension 0).
+      averaged: variable ops the step writes from their own values (moving
+        averages: BatchNorm's statistics), each with why it is one and the
+        step ops writing it (``averaged_variables``): every version of the
+        step updates a local copy, averaged into the variable once per step
+        (``rewriters.averaged_variables``). Mirrored like trained ones.
     """
 
     step_ops: List[ops.Operation]
@@ -195,6 +244,7 @@ class Selection:
     batch_dependent: Set[ops.Operation]
     backward: Set[ops.Operation] = dataclasses.field(default_factory=set)
     sparse_inputs: List[tuple] = dataclasses.field(default_factory=list)
+    averaged: Dict[ops.Operation, "Averaged"] = dataclasses.field(default_factory=dict)
 
     @functools.cached_property
     def step_ops_set(self) -> Set[ops.Operation]:
@@ -249,9 +299,15 @@ def select_replication(graph: ops.Graph, capture: GraphCapture, index: GraphInde
     step = {op for op in needed | side if phase.get(op.name, Phase.FORWARD) != Phase.APPLY
             and not frozen(op) and op not in sparse_readers}
     # Accumulators (streaming metrics: keras' total / count) are variables the
-    # step itself writes. Every unit adds to the one shared copy; reads of them
-    # the losses do not need (the metric's value) run once, after every unit.
-    accumulators = {v for op in step for v in _written_variables(op)} - global_step_ops
+    # step itself writes by adding what does not depend on them. Every unit adds
+    # to the one shared copy; reads of them the losses do not need (the
+    # metric's value) run once, after every unit. The step's other writes are
+    # moving averages.
+    trained = {var for _, var in raw_grads}
+    averaged = averaged_variables(step, global_step_ops | trained,
+                                  declared_aggregations(graph, capture))
+    accumulators = {v for op in step for v in _written_variables(op)} - global_step_ops - set(
+        averaged)
     late = {op for op in step - needed if op.type in READ_ONLY_RESOURCE_TYPES | REF_READ_TYPES
             and any(t.op in accumulators for t in op.inputs)}
     step -= late | index.descendants(late, control=True)
@@ -291,7 +347,71 @@ def select_replication(graph: ops.Graph, capture: GraphCapture, index: GraphInde
         variables=variables, batch_inputs=batch_inputs, raw_grads=raw_grads,
         sync_writers=sorted(set(sync_writers), key=order.get), batch_dependent=batch_dependent,
         backward={op for op in step if phase.get(op.name) == Phase.BACKWARD},
-        sparse_inputs=sparse_inputs)
+        sparse_inputs=sparse_inputs, averaged=averaged)
+
+
+# Writes of a whole value, and of an increment, by resource and reference.
+_SET_TYPES = frozenset({"AssignVariableOp", "Assign"})
+_ADD_TYPES = frozenset({"AssignAddVariableOp", "AssignSubVariableOp", "AssignAdd", "AssignSub"})
+
+
+class Averaged(NamedTuple):
+    """Why a variable's updates are averaged, and the step ops writing it."""
+
+    why: str
+    writers: Tuple[ops.Operation, ...]
+
+
+def averaged_variables(step: Set[ops.Operation], excluded: Set[ops.Operation],
+                       declared: Dict[ops.Operation, str]) -> Dict[ops.Operation, Averaged]:
+    """The variables ``step`` writes (but ``excluded``: the global step and
+    what gradients train) whose versions' updates are averaged, not
+    summed (DESIGN.md; MirroredStrategy's rule for Keras' ON_READ variables),
+    each with why: declared MEAN (or ONLY_FIRST_REPLICA: the first version's
+    update is kept), or undeclared and written from its own value (an
+    exponential moving average, ``assign_sub((v - batch_mean) * decay)``, or
+    a whole value assigned: the fused BatchNorm kernel's running mean), or
+    written inside an op tfpar cannot look into (a ``tf.cond``): a guess the
+    rewrite says. Declared SUM, or undeclared increments that do not read the
+    variable (a metric's total and count), are accumulators."""
+    writers: Dict[ops.Operation, List[ops.Operation]] = collections.defaultdict(list)
+    for op in sorted(step, key=lambda op: op.name):
+        for var in _written_variables(op):
+            if var not in excluded:
+                writers[var].append(op)
+    found = {}
+    for var, ops_ in writers.items():
+        kind, why = declared.get(var), None
+        if kind in ("MEAN", "ONLY_FIRST_REPLICA"):
+            why = f"declared {kind}"
+        elif kind is None:
+            opaque = [w for w in ops_ if w.type not in _SET_TYPES | _ADD_TYPES]
+            if opaque:
+                why = f"written inside {opaque[0].type} '{opaque[0].name}'"
+            elif any(w.type in _SET_TYPES or _reads(w.inputs[1], var, step) for w in ops_):
+                why = "written from its own value"
+        if why is not None:
+            found[var] = Averaged(why, tuple(ops_))
+    return found
+
+
+def _reads(value: tensor_lib.Tensor, var: ops.Operation, step: Set[ops.Operation]) -> bool:
+    """Whether ``value``, a step tensor, is computed from a read of ``var``."""
+    reads = READ_ONLY_RESOURCE_TYPES | REF_READ_TYPES
+    return any(t.op is var for op in data_ancestors(
+        [value.op], lambda op: op in step or op.type in reads) for t in op.inputs)
+
+
+def declared_aggregations(graph: ops.Graph, capture: GraphCapture) -> Dict[ops.Operation, str]:
+    """Variable op -> its declared ``tf.VariableAggregation`` name, where
+    declared: recorded as the graph made it, or for a tf.function, read from
+    the variables it captured (the op is the placeholder of their handle)."""
+    if not graph.building_function:
+        return {graph.get_operation_by_name(name): kind
+                for name, kind in capture.aggregations.items()}
+    inner = {id(outer): placeholder.op for outer, placeholder in graph.captures}
+    return {inner[id(v.handle)]: v.aggregation.name for v in graph.variables
+            if id(v.handle) in inner and v.aggregation.name != "NONE"}
 
 
 def _written_variables(op: ops.Operation) -> List[ops.Operation]:

@@ -37,6 +37,7 @@ from tensorflow.python.framework import dtypes, function, ops
 from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import gen_resource_variable_ops, gen_state_ops
 
+from tfpar.rewriters.averaged_variables import local_copy
 from tfpar.rewriters.gradients import scale_seed
 from tfpar.rewriters.select import is_resource_variable
 
@@ -81,13 +82,21 @@ def define_task(graph: ops.Graph, task: Sequence[ops.Operation], name: str,
                 arguments.setdefault(t)
         results.extend(t for t in op.outputs if exported(t) or not t.consumers()
                        or any(c not in inside for c in t.consumers()))
-    definition = _function_def(graph.unique_name(name, mark_as_used=True),
-                               constants + list(task), body, list(arguments), results)
+    definition = _function_def(_library_name(graph, name), constants + list(task), body,
+                               list(arguments), results)
     library_function = function._from_definition(definition)  # pylint: disable=protected-access
     library_function.add_to_graph(graph)
     if graph.building_function:  # a tf.function's callees run from the eager context's library
         context.context().add_function_def(definition)
     return TaskFunction(list(arguments), results, library_function)
+
+
+def _library_name(graph: ops.Graph, name: str) -> str:
+    """A name for a function of ``graph`` that no other function has: unique
+    in the graph; for a tf.function, whose callees join the one library of
+    the process (every step, retrace and model), numbered process-wide too."""
+    unique = graph.unique_name(name, mark_as_used=True)
+    return f"{unique}_{ops.uid()}" if graph.building_function else unique
 
 
 def _outside_constants(task: Sequence[ops.Operation], inside: Set[ops.Operation]
@@ -322,7 +331,8 @@ def _read_variables(graph: ops.Graph, rw) -> Set[ops.Operation]:
     values, not variable handles: TensorFlow's placer inspects the body of
     every call that takes a resource, once per call. Returns the reads moved."""
     reads = {op for op in rw.selection.step_ops if op.type == "ReadVariableOp"
-             and op.inputs[0].op in rw.selection.variables and not op.control_inputs}
+             and op.inputs[0].op in rw.selection.variables and not op.control_inputs
+             and op.inputs[0].op not in rw.selection.averaged}  # read per version
     for read in sorted(reads, key=lambda op: op.name):
         stage = rw.placement.stage(read)
         handle = read.inputs[0]
@@ -359,6 +369,8 @@ def _counterpart(rw, x: tensor_lib.Tensor, stage: int, version: int,
     """What version ``version`` (on stage device ``device``) of a task of
     ``stage`` reads where version 0 reads ``x``."""
     made = rw.bridges.counterpart(x, stage, version)
+    if made is None:
+        made = local_copy(rw, x, stage, version)
     if made is not None:
         return made
     if x.op in rw.selection.step_ops_set:

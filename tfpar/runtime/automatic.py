@@ -12,7 +12,7 @@ from tensorflow.python.framework import ops
 from tfpar.cluster.hardware import HOST_CPU, Hardware, device_hardware, slowest
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture, layer_of
-from tfpar.ir.plan import Plan
+from tfpar.ir.plan import Plan, pinned_plan
 from tfpar.ir.taskgraph import Phase, Strategy, TaskGraphSpec
 from tfpar.planner.auto import choose, search_all
 from tfpar.planner.balance import balance_stages
@@ -37,8 +37,9 @@ DEFAULT_BATCH = 32  # neither auto.global_batch nor the model's inputs say
 
 
 def pinned_sharding(rt: Optional[Runtime]) -> Dict[str, Any]:
-    plan = rt.config.plan if rt is not None else None
-    return (plan or {}).get("sharding") or {}
+    """The pinned plan's ``sharding`` (empty: none, or no plan pinned)."""
+    plan = pinned_plan(rt.config) if rt is not None else None
+    return plan.sharding if plan is not None else {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +74,8 @@ def automatic_plan(index: GraphIndex, capture: GraphCapture, rt: Runtime) -> Opt
     auto, count = cfg.get("auto.auto_parallel"), cfg.get("auto.num_task_graph")
     if pinned_sharding(rt):
         return None
-    if auto and cfg.plan is not None:
-        auto, count = False, len(cfg.plan["task_graphs"])
+    if auto and pinned_plan(cfg) is not None:
+        auto, count = False, len(pinned_plan(cfg).task_graphs)
     if not auto and (capture.task_graphs or rt.default_strategy is not None
                      or not count or count < 2):
         return None
@@ -293,7 +294,8 @@ def planned_techniques(automatic: Optional[Automatic], rt: Runtime) -> Technique
     plan`` wrote)."""
     if automatic is not None and automatic.runnable is not None:
         return automatic.runnable.techniques
-    estimate = (rt.config.plan or {}).get("estimate", {})
+    pinned = pinned_plan(rt.config)
+    estimate = pinned.estimate if pinned is not None else {}
     names = estimate.get("memory_techniques", [])
     return Techniques(recompute=estimate.get("recompute", "none"),
                       zero=estimate.get("zero", int("zero" in names)),

@@ -3,10 +3,11 @@
 ``planner.balance``)."""
 from typing import List, Sequence, Tuple
 
+from tfpar import fallback
 from tfpar.cluster.hardware import Hardware, device_hardware, slowest
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture
-from tfpar.ir.plan import Plan
+from tfpar.ir.plan import Plan, pinned_plan
 from tfpar.planner.auto import stage_costs
 from tfpar.planner.balance import balance_load, integer_shares, well_formed_shares
 from tfpar.rewriters.model_view import model_view
@@ -29,8 +30,7 @@ def batch_shares(index: GraphIndex, capture: GraphCapture, rt: Runtime, plan: Pl
     and in multi-process jobs (every process cuts its own batch)."""
     hardware = device_hardware(rt.config.get("cluster.hardware"), len(rt.devices))
     if (hardware is None or plan.data_parallel_degree == 1 or plan.batch_shares
-            or not rt.config.get("balance.hardware_aware") or rt.cluster is not None
-            or rt.config.get("communication.backend") == "horovod"):
+            or not rt.config.get("balance.hardware_aware")):
         return ()
     by_device = dict(zip(rt.devices, hardware))
     replicas = [_replica_devices(plan, r, by_device) for r in range(plan.data_parallel_degree)]
@@ -38,6 +38,13 @@ def batch_shares(index: GraphIndex, capture: GraphCapture, rt: Runtime, plan: Pl
     memory = [min(hw.memory_gb for stage in stages for group in stage for hw in group) * 2 ** 30
               for stages in replicas]
     if len(set(speeds)) == 1 and len(set(memory)) == 1:
+        return ()
+    if rt.cluster is not None or rt.config.get("communication.backend") == "horovod":
+        fallback.fall_back(
+            "balance.hardware_aware on mixed cluster.hardware", "the replicas take even rows: "
+            "in a job of several processes each process cuts its own batch", "Run the mixed "
+            "devices in one process for rows by speed, or set balance.hardware_aware false to "
+            "silence this", index.graph)
         return ()
     batch_bytes = fixed_bytes = 0.0
     if len(plan.task_graphs) == 1:
@@ -55,12 +62,13 @@ def shard_shares(rt: Runtime, index: int, devices: Sequence[str]) -> Tuple[int, 
     (Whale §3.3.1, Formula 1's ratios). Shards are made as the model is
     built, before its size is known, so memory does not move them. Empty
     (even shards) on like devices or with the balance off."""
-    pinned = rt.config.plan["task_graphs"] if rt.config.plan is not None else []
-    shares = tuple(pinned[index].get("shard_shares", ())) if index < len(pinned) else ()
+    plan = pinned_plan(rt.config)
+    pinned = plan.task_graphs if plan is not None else ()
+    shares = pinned[index].shard_shares if index < len(pinned) else ()
     if shares:
         if not well_formed_shares(shares, len(devices)):
             raise PlanError(f"tfpar: the plan's shard_shares {list(shares)} of TaskGraph "
-                            f"'{pinned[index]['name']}' must be one int >= 1 per device "
+                            f"'{pinned[index].name}' must be one int >= 1 per device "
                             f"({len(devices)})")
         return shares
     hardware = device_hardware(rt.config.get("cluster.hardware"), len(rt.devices))

@@ -13,7 +13,7 @@ from tfpar.cluster.virtual_device import assign_devices
 from tfpar.errors import ClusterError, ConfigError, PlanError
 from tfpar.hooks.batch_shapes import relaxed_dataset
 from tfpar.hooks.capture import GraphCapture, capture_for, existing_capture, recording_paused
-from tfpar.ir.plan import Plan
+from tfpar.ir.plan import Plan, pinned_plan
 from tfpar.ir.taskgraph import Strategy, TaskGraphSpec
 from tfpar.planner.auto import stage_costs
 from tfpar.planner.from_annotations import plan_from_annotations
@@ -37,6 +37,7 @@ from tfpar.runtime.automatic import (Automatic, automatic_plan, cluster_hardware
                                      planned_techniques, planning_batch, refuse_planning_only,
                                      sharded_plan, warn_unbuilt_sharding)
 from tfpar.runtime.balanced import batch_shares, shard_shares
+from tfpar.runtime.captured_batches import captured_batch, unsplittable
 from tfpar.runtime.context import Runtime, active
 from tfpar.runtime.gc_paused import gc_paused
 from tfpar.runtime.retune import GroupRetuner
@@ -44,7 +45,7 @@ from tfpar.runtime.step_trace import step_timeline
 
 __all__ = ["after_run", "before_run", "loss_scaled", "made_callable", "make_iterator",
            "make_split_context", "plan_for", "ran_before_rewrite", "rewrites_next", "run_failed",
-           "run_options", "session_config", "session_target", "setup_capture"]
+           "run_options", "session_config", "session_target", "setup_capture", "sync_batch_norm"]
 
 log = logging.getLogger("tfpar")
 # Graphs already checked for training built before wh.init (warned once each).
@@ -148,11 +149,17 @@ def made_callable(graph: ops.Graph) -> None:
     cannot move the k of the steps it runs, and is turned off, saying so."""
     capture = existing_capture(graph)
     if capture is not None and capture.retuner is not None and capture.rewrite.stepped:
-        log.warning("tfpar: pipeline.retune_steps: k stays %d: the training step runs "
-                    "through a Session callable (Keras), whose fetches are fixed; online "
-                    "tuning follows Session.run steps (set pipeline.retune_steps to 0 to "
-                    "silence this)", capture.retuner.group_size)
+        _keep_group_size(capture.retuner.group_size, "the training step runs through a Session "
+                         "callable (Keras), whose fetches are fixed; online tuning follows "
+                         "Session.run steps", graph)
         capture.retuner = None
+
+
+def _keep_group_size(group_size: int, why: str, graph: ops.Graph) -> None:
+    """Say that online tuning (``pipeline.retune_steps``) cannot move k."""
+    fallback.fall_back("pipeline.retune_steps (online tuning of kFkB's k)",
+                       f"k stays {group_size} as planned: {why}", "Set pipeline.retune_steps to 0 "
+                       "to silence this", graph)
 
 
 def after_run(graph: ops.Graph, run_metadata: Optional[config_pb2.RunMetadata]) -> None:
@@ -191,17 +198,27 @@ def make_iterator(ds, make):
     if rt is None:
         return make(ds)
     ds, declared = relaxed_dataset(ds)
+    iterator, shards = _sharded_iterator(rt, ds, make)
+    if declared is not None:  # the global batch: every shard's
+        capture = capture_for(ops.get_default_graph())
+        capture.declared_batch[iterator._iterator_resource.op.name] = declared * shards  # pylint: disable=protected-access
+    return iterator
+
+
+def _sharded_iterator(rt: Runtime, ds, make):
+    """(the iterator this process reads, how many shards the global batch is
+    read in): ``make_iterator``'s ``io.shard_dataset``."""
     if not rt.config.get("io.shard_dataset"):
-        iterator = make(ds)
-        if declared is not None:
-            capture = capture_for(ops.get_default_graph())
-            capture.declared_batch[iterator._iterator_resource.op.name] = declared  # pylint: disable=protected-access
-        return iterator
+        return make(ds), 1
     if rt.config.get("communication.backend") == "horovod":
         import horovod.tensorflow as hvd  # pylint: disable=import-outside-toplevel
-        return make(ds.shard(hvd.size(), hvd.rank()))
+        return make(ds.shard(hvd.size(), hvd.rank())), hvd.size()
     if rt.cluster is None:
-        return make(ds)
+        fallback.fall_back(
+            "io.shard_dataset", "this process runs alone (no TF_CONFIG cluster nor Horovod job), "
+            "so it reads the whole dataset", "Set io.shard_dataset only for jobs of several "
+            "workers or processes", ops.get_default_graph())
+        return make(ds), 1
     count = len(rt.cluster.workers)
     iterator = make(ds.shard(count, 0))
     others = []
@@ -210,7 +227,7 @@ def make_iterator(ds, make):
             others.append(make(ds.shard(count, task)))
     capture = capture_for(ops.get_default_graph())
     capture.worker_iterators[iterator._iterator_resource.op] = others  # pylint: disable=protected-access
-    return iterator
+    return iterator, count
 
 
 def rewrites_next(graph: ops.Graph) -> bool:
@@ -235,9 +252,11 @@ def ran_before_rewrite(graph: ops.Graph, carried: int) -> bool:
         raise PlanError(
             "tfpar: this session ran the graph before its training step was built, and the "
             "graph is finalized: build the training step before the session is created")
-    log.info("tfpar: the session ran the graph before its training step was built; it is "
-             "reopened on the parallel graph with its %d variables' values (the state of "
-             "iterators and lookup tables it held starts anew)", carried)
+    fallback.fall_back(
+        "a session that ran the graph before its training step was built, to run the step",
+        f"it is reopened on the parallel graph with its {carried} variables' values; the state "
+        "of the iterators and lookup tables it held starts anew", "Build the training step "
+        "before the session's first run, or initialize iterators and tables after it", graph)
     return True
 
 
@@ -266,11 +285,10 @@ def make_split_context(capture: GraphCapture, spec: TaskGraphSpec, rt: Runtime,
         devices = assign_devices([(s.name, s.device_count) for s in capture.task_graphs],
                                  rt.devices, rt.config.get("cluster.colocate_split_and_replicate")
                                  ).virtual_devices[-1][0]
-    forced = {scope.rsplit("/", 1)[-1]: how for scope, how in (planned or {}).items()
-              if how in ("column", "row")}
-    forced.update(rt.config.get("split.patterns") or {})
-    return SplitContext(spec.name, devices, forced, capture.sharded_tensors,
-                        shard_shares(rt, spec.index, devices))
+    return SplitContext(spec.name, devices, rt.config.get("split.patterns"),
+                        capture.sharded_tensors, shard_shares(rt, spec.index, devices),
+                        {scope: how for scope, how in (planned or {}).items()
+                         if how in ("column", "row")})
 
 
 def setup_capture(capture: GraphCapture) -> None:
@@ -281,13 +299,13 @@ def setup_capture(capture: GraphCapture) -> None:
     if not sharding.get("layers"):
         return
     stages = sharding.get("stages") or {}
-    task_graphs = rt.config.plan["task_graphs"]
+    task_graphs = pinned_plan(rt.config).task_graphs
 
     def context(cap: GraphCapture, spec: TaskGraphSpec):
-        if spec.index >= len(task_graphs) or task_graphs[spec.index]["strategy"] != "split":
+        if spec.index >= len(task_graphs) or task_graphs[spec.index].strategy != "split":
             raise PlanError(f"tfpar: the pinned plan has no split TaskGraph {spec.index} for the "
                             f"layers being built; the model differs from the one planned")
-        return make_split_context(cap, spec, rt, task_graphs[spec.index]["replicas"][0],
+        return make_split_context(cap, spec, rt, task_graphs[spec.index].replicas[0],
                                   sharding["layers"])
     capture.plan_split_layers({scope: stages.get(scope, 0) for scope in sharding["layers"]},
                               sharding["tensor_degree"], context, pipelined=bool(stages))
@@ -416,8 +434,7 @@ def _retuner(graph: ops.Graph, capture: GraphCapture, rt: Runtime, plan: Plan,
     elif cfg.get("communication.backend") == "horovod":
         why = "each Horovod process runs its own session, and they would each choose a k"
     if why is not None:
-        log.warning("tfpar: pipeline.retune_steps: k stays %d as planned: %s (set "
-                    "pipeline.retune_steps to 0 to silence this)", plan.group_size, why)
+        _keep_group_size(plan.group_size, why, graph)
         return None
     costs, memory_limit = group_costs or _group_costs(index, capture, rt, plan, stage_of)
     return GroupRetuner(plan.num_micro_batch, len(plan.task_graphs), plan.group_size,
@@ -486,20 +503,35 @@ def rewrite_function(graph: ops.Graph) -> None:
             rt.function_plan = plan_for(graph, capture, rt)
         return
     static = _static_batch_inputs(graph)
-    if static and not capture.relaxed:
-        capture.retrace = True  # traced again, batch relaxed; that trace is rewritten
+    if not capture.relaxed:
+        captured, why = captured_batch(graph, capture)
+        if why:
+            _train_on_one_device(rt, graph, why, _PASS_THE_BATCH)
+            return
+        if captured:
+            log.info("tfpar: the tf.function %r reads its batch from tensors captured from "
+                     "eager code (shapes %s): their rows are split over the replicas",
+                     graph.name, ", ".join(str(t.shape.as_list()) for t in captured))
+        if static or captured:
+            capture.batch_captured = captured
+            capture.retrace = True  # traced again, batch relaxed; that trace is rewritten
+            return
+    why = unsplittable(graph, capture) if capture.batch_captured else ""
+    if why:
+        _train_on_one_device(rt, graph, why, "Make each loss a mean or a sum over the rows of "
+                             "the batch (of per-example losses) for tfpar to split it")
         return
     if static:
-        _warn_one_device(rt, graph.name, (
+        _train_on_one_device(rt, graph, (
             f"it reads a batch of static size ({static[0].name}: {static[0].shape}), which "
-            "TensorFlow built into the step; make the dataset or iterator after wh.init()"))
+            "TensorFlow built into the step"), "Make the dataset or iterator after wh.init()")
         return
     present = len(context.context().list_logical_devices(rt.device_type))
     if present < len(rt.devices):
-        _warn_one_device(rt, graph.name, (
+        _train_on_one_device(rt, graph, (
             f"TensorFlow's eager context has {present} {rt.device_type} device(s) and the plan "
-            f"{len(rt.devices)}: call wh.init() before the script runs its first TensorFlow op "
-            "(logical CPU devices can only be made then)"))
+            f"{len(rt.devices)}"), "Call wh.init() before the script runs its first TensorFlow "
+            "op (logical CPU devices can only be made then)")
         return
     with graph.as_default():
         translate = before_run(graph)
@@ -508,11 +540,36 @@ def rewrite_function(graph: ops.Graph) -> None:
             rt.function_plan = capture.plan
 
 
+_PASS_THE_BATCH = ("Pass the batch to the step as arguments (step(x, y)), or read it from a "
+                   "tf.data iterator in the step, for tfpar to split it")
+
+
+def _train_on_one_device(rt: Runtime, graph: Optional[ops.Graph], why: str,
+                         remedy: str) -> None:
+    """Say, once per function (``graph``; None: eager code), that its step
+    runs as traced, on one device."""
+    name = graph.name if graph is not None else None
+    if name in rt.warned_one_device:
+        return
+    rt.warned_one_device.add(name)
+    where = "eager code" if name is None else f"the tf.function {name!r}"
+    fallback.fall_back(f"{where}, data parallel over {len(rt.devices)} devices",
+                       f"it trains on one device, as it would without tfpar: {why}", remedy,
+                       graph)
+
+
 def _plan_changes_nothing(rt: Runtime) -> bool:
     """One device in one process, whole batches: any plan runs the step as it is."""
     return (len(rt.devices) == 1 and rt.cluster is None
             and rt.config.get("communication.backend") != "horovod"
             and rt.config.get("pipeline.num_micro_batch") == 1)
+
+
+def sync_batch_norm() -> bool:
+    """``batch_norm.sync``: every BatchNormalization layer made now sums its
+    statistics over the replicas."""
+    rt = active()
+    return rt is not None and rt.config.get("batch_norm.sync")
 
 
 def loss_scaled(graph: ops.Graph) -> bool:
@@ -546,15 +603,6 @@ def _static_batch_inputs(graph: ops.Graph) -> list:
             if t.shape.rank and t.shape[0] is not None]
 
 
-def _warn_one_device(rt: Runtime, name: Optional[str], why: str) -> None:
-    """Say once per function (``None``: eager code) that its step runs on one device."""
-    if name in rt.warned_one_device:
-        return
-    rt.warned_one_device.add(name)
-    where = "eager code" if name is None else f"the tf.function {name!r}"
-    log.warning("tfpar: %s trains on one device, as it would without tfpar: %s", where, why)
-
-
 def function_gradients(graph: ops.Graph) -> None:
     """Gradients tfpar does not record (a tf.GradientTape in eager code, a
     tf.function in a graph-mode script): their step runs on one device."""
@@ -566,17 +614,19 @@ def function_gradients(graph: ops.Graph) -> None:
     while getattr(getattr(step, "outer_graph", None), "building_function", False):
         step = step.outer_graph  # the loop body's (or inner function's) step
     if eager:
-        why = ("tfpar parallelises graphs and tf.functions called from eager code, not eager "
-               "gradients")
+        why, remedy = ("tfpar parallelises graphs and tf.functions called from eager code, not "
+                       "eager gradients"), "Take the gradients in a tf.function step"
     elif ops.executing_eagerly_outside_functions():  # within a TF2 step
         why = ("its gradients are taken inside a loop, branch or tf.function within the step "
                "(a `for` over a dataset inside the tf.function is a loop); tfpar parallelises "
-               "a step's top level: iterate the dataset in Python or call next(iterator) in "
-               "the step, and leave the functions it calls undecorated")
+               "a step's top level")
+        remedy = ("Iterate the dataset in Python or call next(iterator) in the step, and leave "
+                  "the functions it calls undecorated")
     else:
         why = ("tfpar parallelises a tf.function called from eager code, not one built into "
-               "a graph; use tf.gradients or an optimizer's minimize there")
-    _warn_one_device(rt, None if eager else step.name, why)
+               "a graph")
+        remedy = "Use tf.gradients or an optimizer's minimize there"
+    _train_on_one_device(rt, None if eager else step, why, remedy)
 
 
 def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
@@ -587,13 +637,31 @@ def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
         _warned_unseen.add(graph)
         unseen = unseen_training(graph)
         if unseen is not None:
-            log.warning("%s", built_before_init_message(unseen))
+            fallback.fall_back(f"data parallelism for this graph's training ('{unseen}')",
+                               "it was built before wh.init(), so tfpar did not see it being "
+                               "built and runs it unchanged", "Call wh.init() before building "
+                               "the model", graph)
     if rt is None or capture is None or not capture.gradient_calls:
         return None
     if capture.rewrite is None:
         with gc_paused():
             _rewrite(graph, capture, rt)
+    elif len(capture.gradient_calls) > capture.rewritten_calls:
+        _built_after_rewrite(graph, capture)
     return capture.rewrite
+
+
+def _built_after_rewrite(graph: ops.Graph, capture: GraphCapture) -> None:
+    """Gradients built after tfpar rewrote ``graph`` (a second model trained
+    in Keras' one graph) run as built: say so, in the plan's notes too."""
+    later = capture.gradient_calls[capture.rewritten_calls:]
+    losses = ", ".join(f"'{y.name}'" for call in later for y in call.ys if hasattr(y, "name"))
+    fallback.fall_back(
+        f"data parallelism for the gradients of {losses}, built after tfpar rewrote this graph "
+        "for its first training step", "they, and the updates they feed, run as built, on one "
+        "device", "Build every training step before the graph first runs, or build and train each "
+        "model in a tf.Graph of its own", graph)
+    capture.plan = dataclasses.replace(capture.plan, notes=fallback.notes(graph))
 
 
 def _planned_zero(techniques, reducer_for, devices) -> int:
@@ -662,6 +730,7 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
                                 techniques, reducer_for, placement.stage_devices[0]),
                             precision=applied_option(cfg, rt.device_type))
     capture.plan = dataclasses.replace(plan, notes=fallback.notes(graph))  # the rewrite's too
+    capture.rewritten_calls = len(capture.gradient_calls)
     capture.rewrite = FetchTranslator(graph, rewrite, plan.group_size)
     capture.retuner = _retuner(graph, capture, rt, plan, index, stage_of, group_costs)
     log.info("tfpar rewrote the graph:\n%s", plan.summary())

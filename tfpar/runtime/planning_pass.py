@@ -21,6 +21,7 @@ from typing import Any, Dict
 
 from tfpar.config import Config
 from tfpar.errors import PlanError
+from tfpar.ir.plan import Plan
 
 __all__ = ["ENV", "pinned_by_planning_pass"]
 
@@ -39,7 +40,7 @@ def pinned_by_planning_pass(cfg: Config, caller_globals: Dict[str, Any]) -> Conf
             or caller_globals.get("__name__") != "__main__" or not os.path.isfile(script)):
         return cfg
     plan = _run_pass(script, sys.argv[1:])
-    if not plan or not plan.get("sharding"):
+    if not plan or not Plan.from_dict(plan).sharding:
         return cfg
     return cfg.replace({"plan": plan})
 

@@ -25,6 +25,7 @@ import numpy as np
 from tensorflow.python.eager import context
 
 from tfpar.errors import PlanError
+from tfpar.ir.plan import pinned_plan
 
 __all__ = ["applied", "applied_option", "check_supported", "in_functions",
            "onednn_computes_bf16", "restore_functions", "rewrite_option"]
@@ -42,7 +43,8 @@ def applied(config: Any, device_type: str) -> Optional[str]:
     chosen = config.get("memory.mixed_precision")
     if chosen:
         return chosen
-    estimate = (config.plan or {}).get("estimate", {})
+    pinned = pinned_plan(config)
+    estimate = pinned.estimate if pinned is not None else {}
     return _LOW.get(device_type) if "mixed_precision" in estimate.get(
         "memory_techniques", []) else None
 
