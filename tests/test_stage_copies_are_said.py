@@ -7,21 +7,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from equivalence import dense, fed_graph, layer
+from equivalence import dense, fed_graph
+from test_split import _pipelined_classifier
 
 import tfpar as wh
 
 v1 = tf.compat.v1
-
-
-def split_head(x, y):
-    """A replicate(1) stage, then a split(2) one."""
-    with wh.replicate(1):
-        features = dense(x, 8, "features", seed=1, activation=tf.nn.tanh)
-    with wh.split(2):
-        logits = layer(features, 10, "logits", seed=2)
-        loss = v1.losses.sparse_softmax_cross_entropy(y, logits)
-    return v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+split_head = _pipelined_classifier()  # a replicate(1) stage, then a split(2) one
 
 
 def reference_variable(x, y):
