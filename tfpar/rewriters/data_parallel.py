@@ -491,13 +491,14 @@ def _task_order_or_say(graph: ops.Graph, rw: DataParallelRewrite, tasks,
                        marks: List[ops.Operation]) -> Optional[list]:
     """The order to define the task functions in (``task_functions.task_order``);
     where tasks cannot be functions (also with ``marks``, sums over the
-    replicas: ``replica_sums``), None, said (``fallback``) when copies are
-    many: a stage with more than one version."""
+    replicas: ``replica_sums``), None, said (``fallback``) when copies grow
+    with micro-batches (with one micro-batch a copy per replica costs what a
+    call per replica does)."""
     order, why = task_order(rw, tasks)
     if marks:
         order, why = None, (f"'{marks[0].name}' sums batch statistics over the replicas "
                             "(synchronized batch norm), between the calls of one task")
-    if order is None and max(map(rw.layout.num_versions, range(rw.placement.num_stages))) > 1:
+    if order is None and rw.num_micro_batch > 1:
         fallback.fall_back(
             "pipeline.task_functions: each replica and micro-batch of a TaskGraph as a call of "
             "its task functions",
