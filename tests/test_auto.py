@@ -1,5 +1,6 @@
 """auto.auto_parallel: the cost-model search over data x pipeline degrees."""
 import dataclasses
+import logging
 
 import pytest
 import tensorflow as tf
@@ -160,16 +161,18 @@ def test_tensor_groups_never_straddle_two_nodes():
     assert sorted({t for t, p in meshes if p > 1}) == [1, 2, 4, 8]
 
 
-def test_a_pinned_search_plan_is_rebuilt_without_searching(capsys):
+def test_a_pinned_search_plan_is_rebuilt_without_searching(caplog):
     """plan.to_json() fed back: the same stages (the partition is deterministic)
     and estimates, no search, same training."""
     config = {"auto.auto_parallel": True, "cluster.num_devices": 2,
               "pipeline.num_micro_batch": 2, "auto.num_task_graph": 2}
-    plan = plan_of(deep_mlp, config)
-    capsys.readouterr()
-    pinned = {**config, "plan": plan.to_json()}
-    again = plan_of(deep_mlp, pinned)
-    assert "tfpar auto" not in capsys.readouterr().err
+    with caplog.at_level(logging.INFO, "tfpar.progress"):
+        plan = plan_of(deep_mlp, config)
+        assert caplog.messages[0].startswith("tfpar auto [1/")
+        caplog.clear()
+        pinned = {**config, "plan": plan.to_json()}
+        again = plan_of(deep_mlp, pinned)
+        assert not caplog.messages
     assert again.to_dict() == plan.to_dict()
     assert_equivalent(train(deep_mlp, DATA), train(deep_mlp, DATA, pinned))
 
@@ -253,6 +256,25 @@ def test_all_reduce_across_nodes_sharing_a_link_grows_with_the_node_count():
     inside = 2 * 7 / 8 * size / 150e9
     assert seconds[16] == pytest.approx(inside + 1.0 * size / 6.25e9)
     assert seconds[32] == pytest.approx(inside + 1.5 * size / 6.25e9)
+
+
+def test_progress_lines_reach_stderr_until_logging_is_configured(tmp_path):
+    """The search's lines go to the ``tfpar.progress`` logger (before:
+    print): on stderr as before while the script configures no logging,
+    through its handlers once it does, silenced by a level."""
+    import subprocess
+    import sys
+    line = "from tfpar.runtime.progress import progress; progress('tfpar auto [1/1] x')"
+    configured = ("import logging, sys; logging.basicConfig(stream=sys.stdout, "
+                  "format='%(name)s: %(message)s'); ")
+    silenced = "import logging; logging.getLogger('tfpar.progress').setLevel(30); "
+    runs = [subprocess.run([sys.executable, "-c", before + line], capture_output=True,
+                           text=True, cwd=tmp_path, check=True, env={
+                               "PYTHONPATH": ":".join(sys.path)})
+            for before in ("", configured, silenced)]
+    assert (runs[0].stdout, runs[0].stderr) == ("", "tfpar auto [1/1] x\n")
+    assert (runs[1].stdout, runs[1].stderr) == ("tfpar.progress: tfpar auto [1/1] x\n", "")
+    assert (runs[2].stdout, runs[2].stderr) == ("", "")
 
 
 def test_a_described_cluster_has_nodes():

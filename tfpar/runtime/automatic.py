@@ -4,7 +4,6 @@ graph built before it (the best unsharded one), and the TaskGraphs a build
 with a sharded plan pinned makes."""
 import dataclasses
 import logging
-import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from tensorflow.python.framework import ops
@@ -26,6 +25,7 @@ from tfpar.rewriters.select import GraphIndex
 from tfpar.runtime.context import Runtime
 from tfpar.runtime.gc_paused import gc_paused
 from tfpar.runtime.precision import applied
+from tfpar.runtime.progress import progress
 
 __all__ = ["DEFAULT_BATCH", "Automatic", "automatic_plan", "cluster_hardware", "estimate_of",
            "part_estimate", "pinned_sharding", "planned_config", "planned_techniques",
@@ -109,8 +109,7 @@ def _plan(index: GraphIndex, capture: GraphCapture, rt: Runtime, auto: bool,
             micro = cfg.get("pipeline.num_micro_batch")
             candidates = search_all(view, len(rt.devices), hardware, planning_batch(rt, view),
                                     None if micro == 1 and known else micro, count, time_limit,
-                                    lambda line: print(line, file=sys.stderr),
-                                    cfg.get("auto.opt_level"), batch_known=known,
+                                    progress, cfg.get("auto.opt_level"), batch_known=known,
                                     techniques=cfg.get("auto.memory_techniques"),
                                     split_heads=cfg.get("auto.split_heads"),
                                     precision=True if applied(cfg, rt.device_type) else None,
