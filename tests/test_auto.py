@@ -1,6 +1,7 @@
 """auto.auto_parallel: the cost-model search over data x pipeline degrees."""
 import dataclasses
 import logging
+import warnings
 
 import pytest
 import tensorflow as tf
@@ -275,6 +276,37 @@ def test_progress_lines_reach_stderr_until_logging_is_configured(tmp_path):
     assert (runs[0].stdout, runs[0].stderr) == ("", "tfpar auto [1/1] x\n")
     assert (runs[1].stdout, runs[1].stderr) == ("tfpar.progress: tfpar auto [1/1] x\n", "")
     assert (runs[2].stdout, runs[2].stderr) == ("", "")
+
+
+def test_a_described_cluster_larger_than_a_node_is_made_of_dgx_nodes():
+    """Issue 44: 1536 described A100s without cluster.devices_per_node were
+    planned as one node (a tensor group of 96 on "NVLink"). Now described
+    A100, H100 and V100 clusters of more than 8 get DGX / HGX nodes of 8,
+    said as a fallback (strict refuses); other types must say their node
+    size; a node's worth, a stated size, or a TF_CONFIG cluster are as said."""
+    def planned(config):
+        with tf.Graph().as_default():
+            wh.init({"cluster.num_devices": 16, **config})
+            hardware = cluster_hardware(active())
+            notes = wh.fallback.notes()
+        wh.reset()
+        return hardware, notes
+    with pytest.warns(wh.FallbackWarning, match="16 A100-80GB devices and no cluster.devices_"
+                                               "per_node: they are planned in nodes of 8"):
+        hardware, notes = planned({"cluster.hardware": "16 x A100-80GB"})
+    assert hardware.devices_per_node == 8 and hardware.bandwidth(16) < hardware.bandwidth(8)
+    assert notes[0].endswith("Set cluster.devices_per_node to the devices a node holds")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", wh.FallbackWarning)
+        assert planned({"cluster.hardware": "16 x H100-80GB",
+                        "cluster.devices_per_node": 16})[0].devices_per_node == 16
+        assert planned({"cluster.hardware": "A100-80GB", "cluster.num_devices": 8}
+                       )[0].devices_per_node is None
+    with pytest.raises(wh.ConfigError, match="describes 16 devices \\(T4\\) but not how many a "
+                                            "node holds: set cluster.devices_per_node"):
+        planned({"cluster.hardware": "16 x T4"})
+    with pytest.raises(wh.PlanError, match="planned in nodes of 8"):
+        planned({"cluster.hardware": "16 x V100-32GB", "strict": True})
 
 
 def test_a_described_cluster_has_nodes():

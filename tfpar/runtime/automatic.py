@@ -8,8 +8,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from tensorflow.python.framework import ops
 
-from tfpar.cluster.hardware import HOST_CPU, Hardware, device_hardware, slowest
-from tfpar.errors import PlanError
+from tfpar import fallback
+from tfpar.cluster.hardware import HOST_CPU, Hardware, default_node, device_hardware, slowest
+from tfpar.errors import ConfigError, PlanError
 from tfpar.hooks.capture import GraphCapture, layer_of
 from tfpar.ir.plan import Plan
 from tfpar.ir.taskgraph import Phase, Strategy, TaskGraphSpec
@@ -187,11 +188,40 @@ def _unsharded(candidates, hardware: Hardware):
 def cluster_hardware(rt: Runtime) -> Hardware:
     """The slowest, smallest device of ``cluster.hardware`` (a generic host CPU
     when unset), with ``cluster.devices_per_node``, else the devices per
-    worker of a TF_CONFIG cluster."""
-    devices = device_hardware(rt.config.get("cluster.hardware"), len(rt.devices)) or [HOST_CPU]
+    worker of a TF_CONFIG cluster, else (``_described_nodes``) the size of
+    the nodes such devices come in.
+
+    Raises:
+      ConfigError: a described cluster of more devices than a node of any
+        catalog type holds, of devices whose nodes vary, says no node size.
+    """
+    described = device_hardware(rt.config.get("cluster.hardware"), len(rt.devices))
     per_node = rt.config.get("cluster.devices_per_node") or (
         rt.devices_per_worker if rt.cluster is not None else None)
-    return slowest(devices, per_node)
+    if described is not None and per_node is None:
+        per_node = _described_nodes(described)
+    return slowest(described or [HOST_CPU], per_node)
+
+
+def _described_nodes(devices: Sequence[Hardware]) -> Optional[int]:
+    """The node size of a described cluster that does not say it: none for
+    one node's worth (8 devices at most); else the datacenter nodes of its
+    device type (``hardware.NODE_SIZES``: 8), said as a fallback (before, all
+    on one node: 1536 A100s planned as if on one NVLink switch)."""
+    node = default_node(devices)
+    if len(devices) <= (node or 8):
+        return None
+    names = ", ".join(sorted({d.name for d in devices}))
+    if node is None:
+        raise ConfigError(f"tfpar: cluster.hardware describes {len(devices)} devices ({names}) "
+                          "but not how many a node holds: set cluster.devices_per_node "
+                          "(tfpar assumes DGX / HGX nodes of 8 only for V100-32GB, A100-80GB "
+                          "and H100-80GB)")
+    fallback.fall_back(f"cluster.hardware describes {len(devices)} {names} devices and no "
+                       "cluster.devices_per_node",
+                       f"they are planned in nodes of {node} (DGX / HGX), not all on one node",
+                       "Set cluster.devices_per_node to the devices a node holds")
+    return node
 
 
 def sharded_plan(automatic: Automatic, rt: Runtime, index: GraphIndex,
