@@ -272,7 +272,7 @@ def sharded_plan(automatic: Automatic, rt: Runtime, index: GraphIndex,
         sharding["stages"] = {scope: stage for (scope, _), stage
                               in zip(best.split_scopes, best.split_stages)}
     return dataclasses.replace(plan, task_graphs=task_graphs, estimate=estimate_of(best, rt),
-                               sharding=sharding)
+                               sharding=sharding, notes=fallback.notes(index.graph))
 
 
 def part_estimate(parts) -> Dict[str, float]:
@@ -361,7 +361,7 @@ def refuse_planning_only(automatic: Optional[Automatic], rt: Runtime) -> None:
 
 def warn_unbuilt_sharding(capture: GraphCapture) -> None:
     """The search's pick shards layers of a graph built unsharded: run the best
-    plan that does not (warning), or fail when none fits."""
+    plan that does not (a fallback), or fail when none fits."""
     automatic = capture.automatic[1] if capture.automatic is not None else None
     if automatic is None or automatic.best is automatic.runnable:
         return
@@ -374,5 +374,7 @@ def warn_unbuilt_sharding(capture: GraphCapture) -> None:
     if automatic.runnable is None:
         raise PlanError(f"tfpar: {what}, and no plan without sharding fits the devices' "
                         f"memory; {how}")
-    log.warning("tfpar: %s; it runs the best plan without sharding (%.3g ms/step). To shard, "
-                "%s.", what, automatic.runnable.step_time_s * 1e3, how)
+    fallback.fall_back(what, f"it runs the best plan without sharding "
+                       f"({automatic.runnable.describe()}, "
+                       f"{automatic.runnable.step_time_s * 1e3:.3g} ms/step)",
+                       f"To shard, {how}", automatic.order[0].graph)
