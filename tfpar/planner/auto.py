@@ -340,8 +340,9 @@ class _Search:
     def stages_of(self, p: int, time_limit_s: float) -> List[int]:
         if p not in self.cuts:
             model = self.model
-            self.cuts[p] = partition_stages(model.flops, model.edges, p, time_limit_s,
-                                            model.labels) if p > 1 else [0] * len(model.flops)
+            self.cuts[p] = partition_stages(model.flops, model.edges, p, min(time_limit_s, 2.0),
+                                            model.labels).stages if p > 1 else [0] * len(
+                                                model.flops)
         return self.cuts[p]
 
     def mesh(self, t: int, p: int, time_limit_s: float) -> Optional[Candidate]:

@@ -122,7 +122,7 @@ def _plan(index: GraphIndex, capture: GraphCapture, rt: Runtime, auto: bool,
         stages, count = (runnable.stages, runnable.pipeline) if runnable else ((0,) * len(order), 1)
     else:
         stages = _stages_on_mixed_devices(rt, view, count) or partition_stages(
-            view.flops, view.edges, count, min(time_limit, 10.0), view.labels)
+            view.flops, view.edges, count, min(time_limit, 2.0), view.labels).stages
     return Automatic(tuple(order), tuple(view.param_bytes), tuple(stages), count, best,
                      runnable)
 
