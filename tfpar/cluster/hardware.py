@@ -73,6 +73,14 @@ class Hardware:
             dtype = "fp32"
         return table.get(dtype, self.tflops)
 
+    def peak_name(self, dtype: str) -> str:
+        """The dtype whose peak ``dtype`` runs at: itself, or "fp32" for a
+        16-bit or TF32 dtype a device runs at its fp32 peak (no units of
+        its own for it)."""
+        if dtype in ("fp32", "fp64") or self.peak(dtype) != self.peak("fp32"):
+            return dtype
+        return "fp32"
+
     def flops_per_s(self, dtype: str) -> float:
         """The FLOP/s the planner assumes: peak x efficiency."""
         return self.peak(dtype) * self.efficiency * 1e12

@@ -12,13 +12,14 @@ from tfpar import fallback
 from tfpar.cluster.hardware import HOST_CPU, Hardware, default_node, device_hardware, slowest
 from tfpar.errors import ConfigError, PlanError
 from tfpar.hooks.capture import GraphCapture, layer_of
+from tfpar.ir.outcome import Outcome
 from tfpar.ir.plan import Plan
 from tfpar.ir.taskgraph import Phase, Strategy, TaskGraphSpec
-from tfpar.planner.auto import choose, search_all
+from tfpar.planner.auto import STAGE_ILP_SHARE, choose, search_all
 from tfpar.planner.balance import balance_stages
 from tfpar.planner.from_annotations import plan_from_annotations
 from tfpar.planner.memory import Techniques
-from tfpar.planner.partition import partition_stages
+from tfpar.planner.partition import StageCut, partition_stages
 from tfpar.planner.sharding import STATE_BYTES
 from tfpar.planner.step_model import in_flight
 from tfpar.rewriters.model_view import model_view
@@ -27,11 +28,12 @@ from tfpar.runtime.context import Runtime
 from tfpar.runtime.gc_paused import gc_paused
 from tfpar.runtime.precision import applied
 from tfpar.runtime.progress import progress
+from tfpar.runtime.stated import estimate_of, say_how_it_was_found, say_stage_cut
 
 __all__ = ["DEFAULT_BATCH", "Automatic", "automatic_plan", "cluster_hardware", "estimate_of",
            "part_estimate", "pinned_sharding", "planned_config", "planned_techniques",
            "planning_batch", "refuse_planning_only", "sharded_plan", "unapplied",
-           "warn_unbuilt_sharding"]
+           "warn_unbuilt_sharding", "with_stage_search"]
 
 log = logging.getLogger("tfpar")
 DEFAULT_BATCH = 32  # neither auto.global_batch nor the model's inputs say
@@ -48,7 +50,8 @@ class Automatic:
     """Stages tfpar chose itself for the forward ops ``order``: ``stages`` and
     ``count`` of the plan this graph runs; the search's pick ``best`` (may
     shard layers: then it needs a build with the plan pinned) and the best
-    plan without sharding, ``runnable`` (None without ``auto.auto_parallel``)."""
+    plan without sharding, ``runnable`` (None without ``auto.auto_parallel``);
+    how ``num_task_graph``'s stages were cut without it (``stage_search``)."""
 
     order: Tuple[ops.Operation, ...]
     param_bytes: Tuple[float, ...]
@@ -56,6 +59,7 @@ class Automatic:
     count: int
     best: Any = None
     runnable: Any = None
+    stage_search: Optional[Outcome] = None
 
     @property
     def tags(self) -> Dict[str, int]:
@@ -95,39 +99,48 @@ def automatic_plan(index: GraphIndex, capture: GraphCapture, rt: Runtime) -> Opt
 
 def _plan(index: GraphIndex, capture: GraphCapture, rt: Runtime, auto: bool,
           count: Optional[int]) -> Automatic:
-    """The model's view and the search's pick (``auto``), or ``count`` stages."""
+    """The model's view and the search's pick (``auto``), or ``count`` stages;
+    what deserves it said of the graph (``runtime.stated``)."""
     cfg = rt.config
     order, view = model_view(index, capture)
     time_limit = cfg.get("auto.search_time_limit_s")
-    best = runnable = None
-    if auto:
-        hardware = cluster_hardware(rt)
-        # A TF2 step's traces (static batch, relaxed, each new batch shape) are
-        # one model: the first one's search plans them all.
-        same_model = tuple(op.name for op in order)
-        if same_model not in rt.searches:
-            known = bool(cfg.get("auto.global_batch") or view.batch)
-            micro = cfg.get("pipeline.num_micro_batch")
-            candidates = search_all(view, len(rt.devices), hardware, planning_batch(rt, view),
-                                    None if micro == 1 and known else micro, count, time_limit,
-                                    progress, cfg.get("auto.opt_level"), batch_known=known,
-                                    techniques=cfg.get("auto.memory_techniques"),
-                                    split_heads=cfg.get("auto.split_heads"),
-                                    precision=True if applied(cfg, rt.device_type) else None,
-                                    **_searched_schedules(cfg))
-            pick = choose(candidates, hardware)
-            rt.searches[same_model] = (
-                pick, pick if pick.tensor == 1 else _unsharded(candidates, hardware))
-        best, runnable = rt.searches[same_model]
-        stages, count = (runnable.stages, runnable.pipeline) if runnable else ((0,) * len(order), 1)
-    else:
-        stages = _stages_on_mixed_devices(rt, view, count) or partition_stages(
-            view.flops, view.edges, count, min(time_limit, 2.0), view.labels).stages
+    if not auto:
+        cut = _stages_on_mixed_devices(rt, view, count) or partition_stages(
+            view.flops, view.edges, count, time_limit * STAGE_ILP_SHARE, view.labels)
+        say_stage_cut(index.graph, cut.outcome, f"auto.num_task_graph {count}", time_limit)
+        return Automatic(tuple(order), tuple(view.param_bytes), tuple(cut.stages), count,
+                         stage_search=cut.outcome)
+    # A TF2 step's traces (static batch, relaxed, each new batch shape) are
+    # one model: the first one's search plans them all.
+    same_model = tuple(op.name for op in order)
+    if same_model not in rt.searches:
+        rt.searches[same_model] = _search(rt, view, count, time_limit)
+    best, runnable, candidates = rt.searches[same_model]
+    say_how_it_was_found(index.graph, rt, best, runnable, candidates)
+    stages, count = (runnable.stages, runnable.pipeline) if runnable else ((0,) * len(order), 1)
     return Automatic(tuple(order), tuple(view.param_bytes), tuple(stages), count, best,
                      runnable)
 
 
-def _stages_on_mixed_devices(rt: Runtime, view, count: int) -> Optional[List[int]]:
+def _search(rt: Runtime, view, count: Optional[int], time_limit: float):
+    """The search's pick, the best plan that shards nothing (None when none
+    fits), and every candidate."""
+    cfg = rt.config
+    hardware = cluster_hardware(rt)
+    known = bool(cfg.get("auto.global_batch") or view.batch)
+    micro = cfg.get("pipeline.num_micro_batch")
+    candidates = search_all(view, len(rt.devices), hardware, planning_batch(rt, view),
+                            None if micro == 1 and known else micro, count, time_limit,
+                            progress, cfg.get("auto.opt_level"), batch_known=known,
+                            techniques=cfg.get("auto.memory_techniques"),
+                            split_heads=cfg.get("auto.split_heads"),
+                            precision=True if applied(cfg, rt.device_type) else None,
+                            **_searched_schedules(cfg))
+    pick = choose(candidates, hardware)
+    return pick, pick if pick.tensor == 1 else _unsharded(candidates, hardware), candidates
+
+
+def _stages_on_mixed_devices(rt: Runtime, view, count: int) -> Optional[StageCut]:
     """``count`` stages cut for the mixed devices of ``cluster.hardware`` by
     Whale's inter-TaskGraph balance (``planner.balance.balance_stages``): stage
     s runs on the devices ranked s-th by memory, as the plan places it
@@ -157,7 +170,7 @@ def _stages_on_mixed_devices(rt: Runtime, view, count: int) -> Optional[List[int
     if not fits:
         log.warning("tfpar: the %d stages do not all fit the memory of cluster.hardware's "
                     "devices (Whale's Algorithm 1 found no cut that does)", count)
-    return stages
+    return StageCut(stages, Outcome("hardware-aware cut", "Whale's Algorithm 1"))
 
 
 def _searched_schedules(cfg) -> Dict[str, Any]:
@@ -282,15 +295,13 @@ def part_estimate(parts) -> Dict[str, float]:
             "comm_bytes": sum(p.comm_bytes for p in parts)}
 
 
-def estimate_of(candidate, rt: Runtime) -> Dict[str, Any]:
-    """A plan's ``estimate`` from a search candidate."""
-    return {"step_time_s": candidate.step_time_s,
-            "memory_bytes_per_device": [candidate.memory_bytes] * len(rt.devices),
-            "comm_bytes": candidate.comm_bytes,
-            "memory_techniques": candidate.techniques.names,
-            **({"recompute": candidate.techniques.recompute}
-               if candidate.techniques.recompute != "none" else {}),
-            **({"zero": candidate.techniques.zero} if candidate.techniques.zero else {})}
+def with_stage_search(plan: Plan, automatic: Optional[Automatic]) -> Plan:
+    """``plan`` with how ``auto.num_task_graph``'s stages were cut in its
+    estimate (the search's plans say it in theirs; a pinned plan keeps its)."""
+    if automatic is None or automatic.stage_search is None or "stage_search" in plan.estimate:
+        return plan
+    return dataclasses.replace(plan, estimate={**plan.estimate,
+                                               "stage_search": automatic.stage_search.to_dict()})
 
 
 def planned_config(rt: Runtime, automatic: Optional[Automatic]):
