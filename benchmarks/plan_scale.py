@@ -21,10 +21,13 @@ row:
   * plan s: reading it (``model_view``) and the whole search
     (``auto.search_all`` over every data x tensor x pipeline mesh, then
     ``choose``), and plan / build;
-  * chosen: the plan and its estimated model TFLOP/s per GPU: a GPT's FLOPs
-    by Narayanan et al.'s Eq. 3, 96 B s l h^2 (1 + s / 6h + V / 16lh) per
-    step (it counts the forward pass that full recomputation runs again), a
-    Llama's as MFU counts them (``model_flops``), / (step x GPUs);
+  * chosen: the plan and its estimated TFLOP/s per GPU, the FLOPs it runs /
+    (step x GPUs): a GPT's 72 B s l h^2 (1 + s / 6h + V / 12lh) a step
+    (forward and backward) plus what its recomputation runs again - with
+    full recomputation every layer's forward, 24 B s l h^2 (1 + s / 6h),
+    which makes Narayanan et al.'s Eq. 3, 96 B s l h^2 (1 + s / 6h +
+    V / 16lh); with selective, Q K^T's 2 B s^2 h a layer - and a Llama's as
+    MFU counts them, recomputation never counted (``step_flops``);
   * published: the run's tensor x pipeline (data = GPUs / both) and its
     measured TFLOP/s per GPU;
   * pinned: tfpar's estimate of the published configuration: its mesh, 1F1B,
@@ -137,14 +140,18 @@ COLUMNS = [("model", "model", ""), ("GPUs", "gpus", "d"), ("build s", "build_s",
            ("pinned TFLOP/s", "pinned_tflops", ".0f"), ("pinned/meas.", "calibration", ".2f")]
 
 
-def model_flops(run):
-    """FLOPs of one training step: a GPT's by Narayanan et al.'s Eq. 3 (the
-    forward pass full recomputation runs again included); a Llama's as its
-    MFU counts them, 6 per weight of its contractions and 12 s h per layer
-    for attention, per token."""
+def step_flops(run, recompute="full"):
+    """FLOPs of one training step: a GPT's forward and backward (3 x forward:
+    24 B s h^2 + 4 B s^2 h a layer, 2 B s h V the logits) plus the forward
+    ``recompute`` runs again (full: every layer's, as Narayanan et al.'s
+    Eq. 3 counts it; selective: Q K^T's); a Llama's as its MFU counts them,
+    6 per weight of its contractions and 12 s h per layer for attention,
+    per token."""
     tokens, l, h, s = run.batch * run.seq, run.layers, run.hidden, run.seq
     if run.family == "gpt":
-        return 96 * run.batch * s * l * h ** 2 * (1 + s / (6 * h) + run.vocab / (16 * l * h))
+        layers = 24 * run.batch * s * l * h ** 2 * (1 + s / (6 * h))
+        again = {"none": 0, "selective": 2 * run.batch * s ** 2 * l * h, "full": layers}
+        return 3 * (layers + 2 * tokens * h * run.vocab) + again[recompute]
     kv = run.kv_heads * h // run.heads
     weights = l * (2 * h * h + 2 * h * kv + 3 * h * run.ffn) + h * run.vocab
     return tokens * (6 * weights + 12 * l * s * h)
@@ -187,12 +194,12 @@ def measure(name):
                                         time_limit_s=SEARCH_LIMIT_S, techniques=run.techniques,
                                         split_heads=True, schedules=("1f1b",))
                   if c.tensor == t)
-    flops = model_flops(run)
-    pinned_tflops = flops / (pinned.step_time_s * gpus) / 1e12
+    pinned_tflops = step_flops(run) / (pinned.step_time_s * gpus) / 1e12
     return {"model": name, "gpus": gpus, "batch": batch, "device": run.device,
             "seq": run.seq, "unmodelled": run.unmodelled, "build_s": build_s, "plan_s": plan_s,
             "plan_build": plan_s / build_s, "chosen": chosen.describe(),
-            "chosen_tflops": flops / (chosen.step_time_s * gpus) / 1e12,
+            "chosen_tflops": step_flops(run, chosen.techniques.recompute)
+            / (chosen.step_time_s * gpus) / 1e12,
             "chosen_step_s": chosen.step_time_s, "chosen_gib": chosen.memory_bytes / 2 ** 30,
             "fits": chosen.memory_bytes <= hardware.memory_gb * 2 ** 30,
             "published": f"data {gpus // (t * p)} x tensor {t} x pipeline {p}",
@@ -218,8 +225,9 @@ def targets(rows):
 
 
 def print_table(rows, _found, _args):
-    print("tfpar plan scale (8 GPUs a node; TFLOP/s per GPU: GPTs by Megatron-LM's Eq. 3, "
-          "Llamas as their MFU counts)")
+    print("tfpar plan scale (8 GPUs a node; TFLOP/s per GPU: the FLOPs each plan runs, GPTs' "
+          "recomputation included - Megatron-LM's Eq. 3 with full recomputation -, Llamas' as "
+          "their MFU counts)")
     for r in rows:
         print(f"{r['model']} on {r['gpus']} {r['device']}, batch {r['batch']} x {r['seq']}: "
               f"built in "

@@ -1,23 +1,32 @@
-"""auto.auto_parallel: the cost-model search over data x pipeline degrees."""
+"""auto.auto_parallel: the cost-model search over data x pipeline degrees,
+and what it says of itself (its time limit, how it cut stages and sharded
+layers, what its estimates assume, the cluster it assumed)."""
 import dataclasses
+import logging
+import time
+import warnings
 
 import pytest
 import tensorflow as tf
 
 import equivalence
-from equivalence import (assert_equivalent, make_data, mlp_classifier, plan_of,
+from equivalence import (assert_equivalent, dense, make_data, mlp_classifier, plan_of,
                          traced_first_step, train)
 from test_cost_model import deep_mlp_layers, graph_view, hand_memory, planned_stages
 from test_expert_plans import mlp
 from test_pipeline import assert_follows
+from test_sharding_search import masked_mlp
 
 import tfpar as wh
 from tfpar.cluster.hardware import CATALOG, Hardware
+from tfpar.ir.outcome import Outcome
 from tfpar.planner.comm import allreduce
 from tfpar.runtime.automatic import cluster_hardware
 from tfpar.runtime.context import active
-from tfpar.planner.auto import (Candidate, ModelView, _meshes, _scattered, choose, search,
-                               search_all, stage_units)
+from tfpar.runtime.stated import say_how_it_was_found
+from tfpar.planner.auto import (ALL_TECHNIQUES, Candidate, ModelView, _meshes, _scattered, choose,
+                               faster_with_techniques, meshes_named, search, search_all,
+                               stage_units)
 from tfpar.planner.schedule import build_schedule
 
 v1 = tf.compat.v1
@@ -160,16 +169,18 @@ def test_tensor_groups_never_straddle_two_nodes():
     assert sorted({t for t, p in meshes if p > 1}) == [1, 2, 4, 8]
 
 
-def test_a_pinned_search_plan_is_rebuilt_without_searching(capsys):
+def test_a_pinned_search_plan_is_rebuilt_without_searching(caplog):
     """plan.to_json() fed back: the same stages (the partition is deterministic)
     and estimates, no search, same training."""
     config = {"auto.auto_parallel": True, "cluster.num_devices": 2,
               "pipeline.num_micro_batch": 2, "auto.num_task_graph": 2}
-    plan = plan_of(deep_mlp, config)
-    capsys.readouterr()
-    pinned = {**config, "plan": plan.to_json()}
-    again = plan_of(deep_mlp, pinned)
-    assert "tfpar auto" not in capsys.readouterr().err
+    with caplog.at_level(logging.INFO, "tfpar.progress"):
+        plan = plan_of(deep_mlp, config)
+        assert caplog.messages[0].startswith("tfpar auto [1/")
+        caplog.clear()
+        pinned = {**config, "plan": plan.to_json()}
+        again = plan_of(deep_mlp, pinned)
+        assert not caplog.messages
     assert again.to_dict() == plan.to_dict()
     assert_equivalent(train(deep_mlp, DATA), train(deep_mlp, DATA, pinned))
 
@@ -220,7 +231,129 @@ def test_search_time_limit_stops_the_mesh_enumeration():
                   time_limit_s=1e-9, progress=lines.append)
     assert best.pipeline == 1  # the first mesh planned
     assert lines[0].startswith("tfpar auto [1/3] data 4 x tensor 1 x pipeline 1")
-    assert "search time limit reached after 1 of 3 meshes" in lines[-1]
+    assert lines[-1] == ("tfpar auto: search time limit reached after 1 of 3 meshes "
+                         "(auto.search_time_limit_s 1e-09 s); not searched: tensor x pipeline "
+                         "1x2, 1x4")
+    assert best.search.unsearched == ((1, 2), (1, 4)) and best.search.meshes == (
+        (1, 1), (1, 2), (1, 4))
+
+
+def test_the_time_limit_bounds_a_search_whose_sharding_is_slow():
+    """Issue 44: a model whose every layer reads one mask has no critical
+    layer, so a tensor mesh's sharding is one ILP of the whole model. With
+    2 s, 24 such blocks on 16 devices searched for 43 s before (the limit was
+    checked between meshes only) and said nothing of the 9 meshes it left.
+    Now no ILP runs past it: the search stops, says which meshes it did not
+    search, and chooses among those it planned."""
+    gpu = Hardware("gpu", 100.0, 80.0, 300, 25)
+    lines = []
+    start = time.monotonic()
+    found = search_all(masked_mlp(24), 16, gpu, 64, 1, time_limit_s=1.0, progress=lines.append)
+    assert time.monotonic() - start < 2.0
+    record = found[0].search
+    assert all(c.search is record for c in found)
+    assert len(record.meshes) == 15 and record.unsearched  # not all planned
+    planned = {(c.tensor, c.pipeline) for c in found}
+    assert not planned & set(record.unsearched)
+    assert lines[-1].endswith(f"not searched: {meshes_named(record.unsearched)}")
+    assert choose(found, gpu) in found
+
+
+def skip_mlp(x, y):
+    """deep_mlp's tanh layers with the first one's output added to the last
+    one's: no item between them is critical and the chunks between do not
+    balance two stages, so Rhino's stage ILP cuts it (not the chain DP)."""
+    first = h = dense(x, 8, "layer0", seed=0, activation=tf.nn.tanh)
+    for i in range(1, 6):
+        h = dense(h, 8, f"layer{i}", seed=i, activation=tf.nn.tanh)
+    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(y, dense(h + first, 3, "logits",
+                                                                     seed=9))
+    return loss, tf.compat.v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+
+
+def fallbacks_of(build, config, **inputs):
+    """(plan, FallbackWarning texts) of ``build`` under ``config`` (``plan_of``'s ``inputs``)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = plan_of(build, config, **inputs)
+    return plan, [str(w.message) for w in caught if issubclass(w.category, wh.FallbackWarning)]
+
+
+def test_a_search_the_time_limit_stopped_says_so_and_strict_refuses():
+    """Before: a line on stderr at most, nothing in the plan; the plan chosen
+    among the meshes planned looked like the search's answer."""
+    config = {"auto.auto_parallel": True, "cluster.num_devices": 4,
+              "auto.search_time_limit_s": 1e-9}
+    plan, said = fallbacks_of(deep_mlp, config)
+    skipped = [[1, 2], [1, 4], [2, 1], [4, 1], [2, 2]]  # all but data 4, in search order
+    assert plan.estimate["search"] == {"meshes": 6, "planned": 1, "not_searched": skipped,
+                                       "left_out": [], "time_limit_s": 1e-9,
+                                       "seconds": plan.estimate["search"]["seconds"]}
+    assert said == list(plan.notes) and len(said) == 1
+    assert said[0] == ("tfpar: auto.auto_parallel searches 6 meshes: the search stopped at "
+                       "auto.search_time_limit_s (1e-09 s) with 5 of them not searched "
+                       "(tensor x pipeline 1x2, 1x4, 2x1, 4x1, 2x2) and chose among the "
+                       "others. Raise auto.search_time_limit_s, or fix auto.num_task_graph to "
+                       "search fewer meshes")
+    assert "search: 1 of 6 meshes planned in" in plan.summary()
+    assert f"note: {said[0]}" in plan.summary()
+    with pytest.raises(wh.PlanError, match="the search stopped at auto.search_time_limit_s"):
+        plan_of(deep_mlp, {**config, "strict": True})
+    assert fallbacks_of(deep_mlp, {**config, "auto.search_time_limit_s": 60.0})[1] == []
+
+
+@pytest.mark.parametrize("auto", [False, True], ids=["num_task_graph", "auto_parallel"])
+def test_a_stage_cut_the_time_limit_decided_says_so_and_strict_refuses(auto):
+    """Rhino's stage ILP cuts skip_mlp into 2 stages: proved optimal within
+    auto.search_time_limit_s's 1/30, and the plan says so; with a tiny limit
+    it has no time, and the plan says what stands in (before: the balanced
+    cut after 2 s, or a solution not proved optimal, silently)."""
+    config = {"auto.num_task_graph": 2, "cluster.num_devices": 2,
+              "pipeline.num_micro_batch": 2, **({"auto.auto_parallel": True} if auto else {})}
+    plan, said = fallbacks_of(skip_mlp, config)
+    assert plan.estimate["stage_search"] == Outcome("optimal", "stage ILP").to_dict()
+    assert said == [] and "search: " in plan.summary() and "stages optimal (stage ILP)" in (
+        plan.summary())
+    tiny = {**config, "auto.search_time_limit_s": 1e-9}
+    plan, said = fallbacks_of(skip_mlp, tiny)
+    cut = Outcome.from_dict(plan.estimate["stage_search"])
+    assert cut.timed_out and cut.path in ("feasible", "balanced cut")
+    assert said == list(plan.notes) and len(said) == 1
+    assert said[0].startswith("tfpar: auto." + ("auto_parallel's plan (data 1 x tensor 1 x "
+                                                "pipeline 2" if auto else "num_task_graph 2"))
+    assert f"cuts its pipeline stages by Rhino's stage ILP: the cut is {cut.describe()}. " \
+           "Raise auto.search_time_limit_s (1e-09 s): the stage ILP gets 1/30 of it" in said[0]
+    with pytest.raises(wh.PlanError, match="cuts its pipeline stages by Rhino's stage ILP"):
+        plan_of(skip_mlp, {**tiny, "strict": True})
+
+
+def test_a_sharding_the_time_limit_decided_is_a_fallback():
+    """The runtime turns a chosen plan's sharding that a time limit decided
+    into a fallback naming the key (the planner only returns the outcome);
+    a sharding not proved optimal for another reason (O2's memory
+    heuristic) is shown in the plan, not warned."""
+    timed = Outcome("feasible", "O2 segments", "segment ILPs stopped at their time limit", True)
+    split = Candidate(data=1, pipeline=1, stages=(), step_time_s=1.0, memory_bytes=0.0,
+                      comm_bytes=0.0, tensor=2, sharding_search=timed)
+    graph = tf.Graph()
+    wh.init({"auto.auto_parallel": True, "auto.search_time_limit_s": 12.0})
+    with pytest.warns(wh.FallbackWarning) as caught:
+        say_how_it_was_found(graph, active(), split, None, [split])
+    assert str(caught[0].message) == (
+        "tfpar: auto.auto_parallel's plan (data 1 x tensor 2 x pipeline 1) shards its layers "
+        "by Rhino's sharding search: its sharding is feasible (O2 segments: segment ILPs "
+        "stopped at their time limit). Raise auto.search_time_limit_s: each of its ILP "
+        "solves gets 1/6 of it")
+    assert wh.fallback.notes(graph) == (str(caught[0].message),)
+    heuristic = dataclasses.replace(split, sharding_search=dataclasses.replace(
+        timed, why="memory forced ...", timed_out=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", wh.FallbackWarning)
+        say_how_it_was_found(tf.Graph(), active(), heuristic, None, [heuristic])
+    wh.init({"auto.auto_parallel": True, "strict": True})
+    with pytest.raises(wh.PlanError, match="its sharding is feasible"):
+        say_how_it_was_found(tf.Graph(), active(), split, None, [split])
+    wh.reset()
 
 
 def test_choose_prefers_fewer_stages_within_10_percent_then_a_lower_tensor_degree_within_2():
@@ -253,6 +386,56 @@ def test_all_reduce_across_nodes_sharing_a_link_grows_with_the_node_count():
     inside = 2 * 7 / 8 * size / 150e9
     assert seconds[16] == pytest.approx(inside + 1.0 * size / 6.25e9)
     assert seconds[32] == pytest.approx(inside + 1.5 * size / 6.25e9)
+
+
+def test_progress_lines_reach_stderr_until_logging_is_configured(tmp_path):
+    """The search's lines go to the ``tfpar.progress`` logger (before:
+    print): on stderr as before while the script configures no logging,
+    through its handlers once it does, silenced by a level."""
+    import subprocess
+    import sys
+    line = "from tfpar.runtime.progress import progress; progress('tfpar auto [1/1] x')"
+    configured = ("import logging, sys; logging.basicConfig(stream=sys.stdout, "
+                  "format='%(name)s: %(message)s'); ")
+    silenced = "import logging; logging.getLogger('tfpar.progress').setLevel(30); "
+    runs = [subprocess.run([sys.executable, "-c", before + line], capture_output=True,
+                           text=True, cwd=tmp_path, check=True, env={
+                               "PYTHONPATH": ":".join(sys.path)})
+            for before in ("", configured, silenced)]
+    assert (runs[0].stdout, runs[0].stderr) == ("", "tfpar auto [1/1] x\n")
+    assert (runs[1].stdout, runs[1].stderr) == ("tfpar.progress: tfpar auto [1/1] x\n", "")
+    assert (runs[2].stdout, runs[2].stderr) == ("", "")
+
+
+def test_a_described_cluster_larger_than_a_node_is_made_of_dgx_nodes():
+    """Issue 44: 1536 described A100s without cluster.devices_per_node were
+    planned as one node (a tensor group of 96 on "NVLink"). Now described
+    A100, H100 and V100 clusters of more than 8 get DGX / HGX nodes of 8,
+    said as a fallback (strict refuses); other types must say their node
+    size; a node's worth, a stated size, or a TF_CONFIG cluster are as said."""
+    def planned(config):
+        with tf.Graph().as_default():
+            wh.init({"cluster.num_devices": 16, **config})
+            hardware = cluster_hardware(active())
+            notes = wh.fallback.notes()
+        wh.reset()
+        return hardware, notes
+    with pytest.warns(wh.FallbackWarning, match="16 A100-80GB devices and no cluster.devices_"
+                                               "per_node: they are planned in nodes of 8"):
+        hardware, notes = planned({"cluster.hardware": "16 x A100-80GB"})
+    assert hardware.devices_per_node == 8 and hardware.bandwidth(16) < hardware.bandwidth(8)
+    assert notes[0].endswith("Set cluster.devices_per_node to the devices a node holds")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", wh.FallbackWarning)
+        assert planned({"cluster.hardware": "16 x H100-80GB",
+                        "cluster.devices_per_node": 16})[0].devices_per_node == 16
+        assert planned({"cluster.hardware": "A100-80GB", "cluster.num_devices": 8}
+                       )[0].devices_per_node is None
+    with pytest.raises(wh.ConfigError, match="describes 16 devices \\(T4\\) but not how many a "
+                                            "node holds: set cluster.devices_per_node"):
+        planned({"cluster.hardware": "16 x T4"})
+    with pytest.raises(wh.PlanError, match="planned in nodes of 8"):
+        planned({"cluster.hardware": "16 x V100-32GB", "strict": True})
 
 
 def test_a_described_cluster_has_nodes():
@@ -293,3 +476,78 @@ def test_tensor_degrees_across_nodes_stop_once_they_plan_slower():
     assert sorted(steps) == [1, 2, 4, 8] and steps[8] > steps[4]
     assert lines[-1] == ("tfpar auto [5/5] tensor 16 x pipeline 1: left out (tensor 8 across "
                          "nodes planned slower than 4)")
+
+
+def test_a_plan_much_faster_with_an_unlisted_memory_technique_is_advised(caplog):
+    """Issue 44: nothing said that a technique left out of
+    auto.memory_techniques would make the plan several times faster. A
+    3-layer MLP of width 1024 on 4 V100s, float32 (TF32 has no units on a
+    V100: its fp32 peak, 15.7 TFLOP/s; fp16 125): mixed precision would be
+    much faster. The planner's speed-up is the one a search allowed every
+    technique finds; the plan notes it and names the key, and the tfpar
+    logger warns - advice, not a fallback: no FallbackWarning, and strict
+    mode does not refuse what was asked."""
+    build = mlp(1024)
+    _, view = graph_view(lambda: build(v1.placeholder(tf.float32, [4096, 1024]),
+                                       v1.placeholder(tf.int64, [4096]))[0])
+    v100 = CATALOG["V100-32GB"]
+    listed = search_all(view, 4, v100, 4096, 1)
+    every = search_all(view, 4, v100, 4096, 1, techniques=ALL_TECHNIQUES)
+    fastest = min(c.step_time_s for c in every if c.memory_bytes <= 32 * 2 ** 30)
+    chosen = choose(listed, v100)
+    speed_up, what, names = faster_with_techniques(listed, chosen)
+    assert speed_up == pytest.approx(chosen.step_time_s / fastest) and speed_up >= 1.5
+    assert names == ("mixed_precision",) and "mixed precision" in what
+    assert faster_with_techniques(every, choose(every, v100)) is None
+    config = {"auto.auto_parallel": True, "cluster.num_devices": 4, "auto.global_batch": 4096,
+              "cluster.hardware": "V100-32GB"}
+    with caplog.at_level(logging.WARNING, "tfpar"):
+        plan, said = fallbacks_of(build, {**config, "strict": True}, shape=(None, 1024))
+    assert said == [] and len(plan.notes) == 1
+    assert plan.notes[0].startswith("tfpar: a plan with memory techniques auto.memory_techniques "
+                                    f"does not list would be {speed_up:.1f}x faster than the "
+                                    f"chosen one ({chosen.describe()}): ")
+    assert plan.notes[0].endswith("Add 'mixed_precision' to auto.memory_techniques to let the "
+                                  "search choose it")
+    assert [r.getMessage() for r in caplog.records if r.name == "tfpar"] == list(plan.notes)
+    listing = {**config, "auto.memory_techniques": ["mixed_precision"]}
+    assert not plan_of(build, listing, shape=(None, 1024)).notes
+
+
+def test_the_estimate_states_its_assumptions():
+    """Issue 44: a float32 model was costed at the TF32 peak without saying
+    so (a 1.7B GPT on A100s at 66 TFLOP/s, 3.4x the fp32 peak). TensorFlow
+    2.15 runs float32 matmuls as TF32 on Ampere unless the script turns it
+    off, so that peak is right, and now said: dtype, peak and whose peak,
+    efficiency, the batch and where it came from, FLOPs a step (3 x the
+    graph's forward FLOPs x the batch) and the model FLOP/s per device they
+    make; with TF32 off, the fp32 peak."""
+    config = {"auto.auto_parallel": True, "cluster.num_devices": 4, "auto.global_batch": 64,
+              "cluster.hardware": "A100-80GB"}
+    _, view = graph_view(lambda: deep_mlp(v1.placeholder(tf.float32, [None, 6]),
+                                          v1.placeholder(tf.int64, [None]))[0])
+    plan = plan_of(deep_mlp, config)
+    est = plan.estimate
+    assert est["assumptions"] == {
+        "device": "A100-80GB", "devices": 4, "devices_per_node": None, "compute_dtype": "tf32",
+        "peak_dtype": "tf32", "peak_tflops": 156.0, "efficiency": 0.7, "memory_gbps": 2039,
+        "global_batch": 64, "batch_from": "auto.global_batch"}
+    assert est["flops_per_step"] == 3 * sum(view.flops) * 64
+    assert est["recomputed_flops_per_step"] == 0.0
+    assert est["model_tflops_per_device"] == pytest.approx(
+        est["flops_per_step"] / (est["step_time_s"] * 4) / 1e12)
+    assert est["hardware_tflops_per_device"] == est["model_tflops_per_device"]
+    summary = plan.summary()
+    assert ("assumes: 4 x A100-80GB; tf32 at 156 TFLOP/s peak x efficiency 0.7 (float32 "
+            "matmuls as TF32, TensorFlow's default on Ampere and later); batch 64 "
+            "(auto.global_batch)") in summary
+    assert (f"FLOPs: {est['flops_per_step']:.3g} a step (model FLOPs: 3 x forward), "
+            f"{est['model_tflops_per_device']:.3g} TFLOP/s per device") in summary
+    tf.config.experimental.enable_tensor_float_32_execution(False)
+    try:
+        plain = plan_of(deep_mlp, {**config, "auto.global_batch": None}).estimate["assumptions"]
+    finally:
+        tf.config.experimental.enable_tensor_float_32_execution(True)
+    assert (plain["compute_dtype"], plain["peak_tflops"], plain["global_batch"]) == (
+        "fp32", 19.5, 32)
+    assert plain["batch_from"].startswith("assumed: neither the model's inputs")

@@ -59,6 +59,24 @@ def test_current_plan_after_the_first_run_is_the_one_to_pin():
     assert built.task_graphs[1].patterns["logits"] == "column"
 
 
+def test_running_unsharded_what_the_planner_shards_is_a_fallback():
+    """That graph runs the best plan without sharding: before, a log line
+    said so; now a FallbackWarning and a note of the plan to pin, and strict
+    mode refuses to run it."""
+    build, config = classifier(8000), {"auto.auto_parallel": True, "cluster.num_devices": 4}
+    with pytest.warns(wh.FallbackWarning, match="but this graph was built before the plan "
+                                                "existed: it runs the best plan without "
+                                                "sharding \\(data 4 x tensor 1 x pipeline 1, "):
+        with initialized(build, config):
+            notes = wh.current_plan().notes
+    assert len(notes) == 1 and notes[0].startswith("tfpar: the planner shards logits, ")
+    assert notes[0].endswith("To shard, run the script itself (its planning pass pins the "
+                             "plan) or pin wh.current_plan().to_json() as the config's 'plan'")
+    with pytest.raises(wh.PlanError, match="was built before the plan existed"):
+        with initialized(build, {**config, "strict": True}):
+            pass
+
+
 def transformer_mlp(x, y):
     """A residual MLP block (keras Dense layers) between an embedding and a head."""
     h = dense(x, 16, "embed", seed=1)

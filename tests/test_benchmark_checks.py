@@ -159,10 +159,21 @@ def test_plan_scale_counts_llama_flops_as_mfu_does():
     h = 16384
     weights = 126 * (2 * h * h + 2 * h * 1024 + 3 * h * 53248) + h * 128256
     assert weights == pytest.approx(403.75e9, rel=1e-4)
-    assert plan_scale.model_flops(run) == 2048 * 8192 * (6 * weights + 12 * 126 * 8192 * h)
-    gpt = plan_scale.TABLE["1.7B"]  # Eq. 3
-    assert plan_scale.model_flops(gpt) == pytest.approx(
-        96 * 512 * 2048 * 24 * 2304 ** 2 * (1 + 2048 / (6 * 2304) + 51200 / (16 * 24 * 2304)))
+    assert plan_scale.step_flops(run) == 2048 * 8192 * (6 * weights + 12 * 126 * 8192 * h)
+
+
+def test_plan_scale_counts_the_flops_a_gpt_plan_runs():
+    """Eq. 3 with full recomputation (what Megatron-LM's runs did); without,
+    72 B s l h^2 (1 + s / 6h + V / 12lh) - three quarters of the layers'
+    FLOPs - and selective adds Q K^T's 2 B s^2 h a layer. Before, every
+    chosen plan was counted by Eq. 3, recomputing or not (the 1.7B's plan,
+    which does not, at 175 TFLOP/s instead of 133)."""
+    gpt, b, s, l, h, v = plan_scale.TABLE["1.7B"], 512, 2048, 24, 2304, 51200
+    assert plan_scale.step_flops(gpt) == pytest.approx(
+        96 * b * s * l * h ** 2 * (1 + s / (6 * h) + v / (16 * l * h)))
+    plain = 72 * b * s * l * h ** 2 * (1 + s / (6 * h) + v / (12 * l * h))
+    assert plan_scale.step_flops(gpt, "none") == pytest.approx(plain)
+    assert plan_scale.step_flops(gpt, "selective") == pytest.approx(plain + 2 * b * s * s * l * h)
 
 
 def retune_results(online=70.0, build=0.2, back=0.1, same_loss=True):

@@ -202,6 +202,23 @@ def test_the_planner_recomputes_every_block_when_memory_forces_it():
         assert copies == {f"block{i}" for i in range(4)}
 
 
+def test_the_estimate_counts_the_flops_recomputation_runs_again():
+    """The plan above: full recomputation runs every block's forward again,
+    per row 2 x 6 x 8 + 8 + 8 (block0's inner dense: MatMul, bias, tanh) +
+    2 x 8 x 8 + 8 + 8 + 3 x 2 x (2 x 8 x 8 + 8 + 8) = 1120 FLOPs, x 512 rows.
+    The plan's hardware FLOPs count them, its model FLOPs (3 x forward) do
+    not; before, no FLOPs were counted, and benchmarks printed Megatron's
+    Eq. 3, which counts them whether a plan recomputes or not."""
+    config = {"auto.auto_parallel": True, "cluster.num_devices": 1, "auto.global_batch": 512,
+              "pipeline.num_micro_batch": 2, "auto.memory_techniques": ["recompute"],
+              "cluster.hardware": [{"name": "small", "tflops": 1, "memory_gb": 60000 / 2 ** 30}]}
+    est = plan_of(blocks(4, loss=mean_xent), config).estimate
+    assert (est["recompute"], est["recomputed_flops_per_step"]) == ("full", 1120 * 512)
+    assert est["hardware_tflops_per_device"] == pytest.approx(
+        (est["flops_per_step"] + 1120 * 512) / est["step_time_s"] / 1e12)
+    assert est["hardware_tflops_per_device"] > est["model_tflops_per_device"]
+
+
 def small_gpt(x, y):
     """test_expert_plans' GPT-2 graph: 2 blocks, hidden 32, 4 heads, 50
     tokens, seeded initial values, SGD (Adam would turn float noise in

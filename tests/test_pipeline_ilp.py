@@ -1,6 +1,8 @@
 """Rhino §5 stage ILP equals brute force on small DAGs (no TensorFlow)."""
 import itertools
 import math
+import random
+import time
 
 import networkx as nx
 import pytest
@@ -44,7 +46,6 @@ def diamond_chain():
 
 
 def random_dag(seed, n=7):
-    import random
     rng = random.Random(seed)
     dag = nx.DiGraph()
     for i in range(n):
@@ -59,7 +60,7 @@ def random_dag(seed, n=7):
                          ids=["diamond"] + [f"random{s}" for s in range(4)])
 @pytest.mark.parametrize("stages,epsilon", [(2, 0.5), (3, 0.5), (2, 0.2), (3, 2.0)])
 def test_cut_bytes_equal_brute_force(dag, stages, epsilon):
-    assignment = stage_ilp(dag, stages, epsilon)
+    assignment = stage_ilp(dag, stages, epsilon).stages
     expected = brute_force(dag, stages, epsilon)
     if expected is None:
         assert assignment is None
@@ -75,5 +76,37 @@ def test_cut_bytes_equal_brute_force(dag, stages, epsilon):
 
 
 def test_too_few_nodes_or_stages():
-    assert stage_ilp(diamond_chain(), 7) is None
-    assert stage_ilp(diamond_chain(), 0) is None
+    assert stage_ilp(diamond_chain(), 7) == (None, "too few nodes")
+    assert stage_ilp(diamond_chain(), 0) == (None, "too few nodes")
+
+
+def wide_dag(seed=3, n=120):
+    """120 nodes, each fed by 1-3 of the 10 before it: too many cuts for
+    CP-SAT to prove the best one in a fraction of a second."""
+    rng = random.Random(seed)
+    dag = nx.DiGraph()
+    for i in range(n):
+        dag.add_node(i, comp=rng.randint(1, 50))
+    for j in range(1, n):
+        for i in rng.sample(range(max(0, j - 10), j), k=min(j, rng.randint(1, 3))):
+            dag.add_edge(i, j, bytes=rng.randint(1, 100))
+    return dag
+
+
+def test_the_stage_ilp_says_whether_it_proved_its_cut():
+    """Before, a solution the time limit cut short came back as if it were
+    optimal (FEASIBLE taken for OPTIMAL), and nothing found as None alike
+    for "no such cut" and "no time"."""
+    assert stage_ilp(diamond_chain(), 2, 0.5).status == "optimal"
+    short = stage_ilp(wide_dag(), 8, 0.04, time_limit_s=0.2)
+    assert short.status == "feasible" and len(short.stages) == 120
+    assert stage_ilp(diamond_chain(), 2, 0.5, deadline=time.monotonic() - 1) == (None, "timed out")
+    assert stage_ilp(diamond_chain(), 3, 0.0).status == "infeasible"
+    assert brute_force(diamond_chain(), 3, 0.0) is None
+
+
+def test_a_solve_cut_short_gives_the_same_cut_every_time():
+    """CP-SAT's deterministic time bounds the solve, not the wall clock: the
+    same cut whatever the machine's load (before, 2 s of wall clock)."""
+    first, second = (stage_ilp(wide_dag(), 8, 0.04, time_limit_s=0.2) for _ in range(2))
+    assert first.status == "feasible" and first == second

@@ -119,3 +119,38 @@ def test_names_that_differ_in_one_number_are_written_once():
         ["h{0..3}/fc", "emb", "d_{1,3,5}", "x1y2", "x2y3", "x3y3"]
     assert numbered([f"h{i}/ln{k}" for i in range(4) for k in (1, 2)]) == ["h{0..3}/ln1",
                                                                            "h{0..3}/ln2"]
+
+
+def test_the_summary_says_what_an_estimate_assumes_and_how_the_plan_was_found():
+    """A costed plan's summary states its device and node size, compute
+    dtype and the peak it used (a V100 has no TF32 units: its fp32 peak),
+    efficiency, batch and where it came from, the FLOPs it counts (model and,
+    with recomputation, hardware), and how the search went. The JSON keeps
+    them, and a pinned plan reads them back."""
+    tg = TaskGraphPlan("replicate_all", "replicate", 1, (("/cpu:0",),),
+                       estimate={"time_s": 0.5, "memory_bytes": 1, "comm_bytes": 1})
+    plan = Plan((tg,), 16, estimate={
+        "step_time_s": 0.5, "memory_bytes_per_device": [1], "comm_bytes": 1,
+        "assumptions": {"device": "V100-32GB", "devices": 16, "devices_per_node": 8,
+                        "compute_dtype": "tf32", "peak_dtype": "fp32", "peak_tflops": 15.7,
+                        "efficiency": 0.7, "memory_gbps": 900, "global_batch": 256,
+                        "batch_from": "the model's inputs"},
+        "flops_per_step": 6e13, "recomputed_flops_per_step": 2e13,
+        "model_tflops_per_device": 7.5, "hardware_tflops_per_device": 10.0,
+        "search": {"meshes": 12, "planned": 9, "not_searched": [[4, 4], [8, 2]],
+                   "left_out": [[16, 1]], "time_limit_s": 60, "seconds": 61.2},
+        "stage_search": {"path": "balanced cut", "method": "balanced partition",
+                         "why": "the stage ILP found no assignment within its time limit",
+                         "timed_out": True},
+        "sharding_search": {"path": "optimal", "method": "O2 segments", "why": "",
+                            "timed_out": False}})
+    lines = plan.summary().splitlines()[-3:]
+    assert lines == [
+        "assumes: 16 x V100-32GB, 8 a node; tf32 at 15.7 TFLOP/s peak x efficiency 0.7 "
+        "(V100-32GB runs tf32 at its fp32 peak); batch 256 (the model's inputs)",
+        "FLOPs: 6e+13 a step (model FLOPs: 3 x forward), 7.5 TFLOP/s per device; 10 with the "
+        "2e+13 recomputation adds (hardware FLOPs)",
+        "search: 9 of 12 meshes planned in 61.2 s (limit 60 s, 2 not searched); stages "
+        "balanced cut (balanced partition: the stage ILP found no assignment within its time "
+        "limit); sharding optimal (O2 segments)"]
+    assert Plan.from_dict(json.loads(plan.to_json())) == plan

@@ -36,7 +36,7 @@ def test_stages_break_between_blocks():
     names, types = transformer_names()
     costs = [1.0] * len(names)
     edges = [(i, i + 1, 1.0) for i in range(len(names) - 1)]
-    stages = partition_stages(costs, edges, 2, 5.0, block_labels(names, types))
+    stages = partition_stages(costs, edges, 2, 5.0, block_labels(names, types)).stages
     by_block = {}
     for label, stage in zip(block_labels(names, types), stages):
         if label is not None:

@@ -1,7 +1,9 @@
 """The sharding search (Rhino §4) on layer graphs, no TensorFlow: the ILP and
-the segment DP equal brute force, critical layers, plan reuse, memory."""
+the segment DP equal brute force, critical layers, plan reuse, memory; how
+it ended, and its time limit."""
 import itertools
 import random
+import time
 
 import pytest
 
@@ -107,6 +109,77 @@ def repeated_blocks(count):
         previous = start + 3
     return ModelView(flops=flops, activation_bytes=acts, param_bytes=params, edges=edges,
                      names=names, types=types)
+
+
+def masked_mlp(blocks, width=1024):
+    """``repeated_blocks``' residual MLP blocks, wider, whose activations all
+    read one mask op, as a causal mask built once is read by every layer of
+    many GPT and BERT scripts: no layer between the mask and the loss is
+    critical, so O2's one segment is the whole model, solved by the ILP."""
+    names, types, flops, acts, params, edges = ["mask/Const"], ["Const"], [0.0], [0.0], [0.0], []
+    row, previous = 4.0 * width, None
+    for b in range(blocks):
+        first = len(names)
+        for name, kind, flop, param in (
+                ("fc1/MatMul", "MatMul", 8.0 * width ** 2, 16.0 * width ** 2),
+                ("act/Mul", "Mul", 4.0 * width, 0.0),
+                ("fc2/MatMul", "MatMul", 8.0 * width ** 2, 16.0 * width ** 2),
+                ("add/AddV2", "AddV2", width, 0.0)):
+            names.append(f"block{b}/{name}")
+            types.append(kind)
+            flops.append(flop)
+            acts.append(row)
+            params.append(param)
+        edges += [(first, first + 1, 4 * row), (0, first + 1, row),
+                  (first + 1, first + 2, 4 * row), (first + 2, first + 3, row)]
+        if previous is not None:
+            edges += [(previous, first, row), (previous, first + 3, row)]
+        previous = first + 3
+    names.append("loss/xent")
+    types.append("SparseSoftmaxCrossEntropyWithLogits")
+    flops, acts, params = flops + [width], acts + [8.0], params + [0.0]
+    edges.append((previous, len(names) - 1, row))
+    inputs = [0.0] * len(names)
+    inputs[1], inputs[-1] = row, 8.0
+    return ModelView(flops=flops, activation_bytes=acts, param_bytes=params, edges=sorted(edges),
+                     names=names, types=types, input_bytes=inputs)
+
+
+def test_the_plan_says_whether_the_search_proved_it():
+    """Before, ``optimal`` was computed and never shown, and why a plan was
+    not proved optimal was not said at all."""
+    mesh = Mesh(devices=4, tensor=2, batch=32, hardware=DEVICE)
+    graph = random_graph(1, 6, 1)
+    o2 = plan_sharding(graph, mesh, memory_limit=1e12, opt_level="O2")
+    assert o2.outcome.describe() == "optimal (O2 segments)" and o2.optimal
+    o3 = plan_sharding(graph, mesh, memory_limit=1e12, opt_level="O3")
+    assert o3.outcome.describe() == "optimal (O3 whole-graph ILP)" and o3.optimal
+    layers = tuple(Layer(f"fc{i}", "matmul", flops=1e3, out_bytes=64.0, activation_bytes=64.0,
+                         param_bytes=size, input_bytes=0.0, ops=(i,), signature=(i,))
+                   for i, size in enumerate([1e3, 8e6, 1e3]))
+    tight = LayerGraph(layers, ((0, 1, 64.0), (1, 2, 64.0)))
+    small = Mesh(devices=2, tensor=2, batch=4, hardware=Hardware("fast", 1.0, 16, 1e4))
+    forced = plan_sharding(tight, small, memory_limit=0.6 * Problem(tight, small).memory(
+        ["dp"] * 3))
+    assert (forced.outcome.path, forced.outcome.timed_out, forced.optimal) == (
+        "feasible", False, False)
+    assert "Rhino §4.4" in forced.outcome.why and "auto.opt_level O3" in forced.outcome.why
+
+
+def test_a_deadline_bounds_the_sharding_search():
+    """24 masked blocks on 8 devices: O2's one segment of 98 layers took 75 s
+    here (six ILP solves of up to 10 s each), whatever the search's time
+    limit; now no solve runs past the caller's deadline and the plan says a
+    time limit decided it."""
+    graph = layer_graph(masked_mlp(24))
+    last = len(graph.layers) - 1
+    assert critical_layers(graph) == [0, last - 1, last]  # the mask, the last block, the loss
+    mesh = Mesh(devices=8, tensor=8, batch=64, hardware=Hardware("gpu", 100.0, 80.0, 300, 25))
+    start = time.monotonic()
+    plan = plan_sharding(graph, mesh, 1e12, "O2", deadline=start + 1.0)
+    assert time.monotonic() - start < 2.0
+    assert (plan.outcome.path, plan.outcome.timed_out, plan.optimal) == ("feasible", True, False)
+    assert plan.outcome.why.startswith("segment ILPs")
 
 
 def test_repeated_blocks_are_solved_once(monkeypatch):

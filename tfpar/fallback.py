@@ -6,16 +6,22 @@ get what was asked) is warned as a ``tfpar.FallbackWarning``, which users and
 tests can escalate with the ``warnings`` filters, and recorded as a note of
 the plan (``Plan.notes``: in ``summary()``, ``print(plan)`` and the JSON).
 With ``strict: true`` in the config it raises ``PlanError`` instead.
+``advise`` records advice the same way - what runs is what was asked, but
+something the config left out would do better - as a note and a warning of
+the ``tfpar`` logger, never an error.
 
 Imports nothing of TensorFlow: graphs are only keys here.
 """
+import logging
 import warnings
 import weakref
 from typing import Any, List, Optional, Tuple
 
 from tfpar.errors import FallbackWarning, PlanError
 
-__all__ = ["configure", "fall_back", "note", "notes", "reset"]
+__all__ = ["advise", "configure", "fall_back", "note", "notes", "reset"]
+
+log = logging.getLogger("tfpar")
 
 _strict = [False]
 # Graph -> its notes, in the order said; notes said of no graph (the
@@ -46,13 +52,24 @@ def fall_back(asked: str, instead: str, remedy: str, graph: Optional[Any] = None
     return text
 
 
-def note(text: str, graph: Optional[Any] = None) -> None:
+def advise(text: str, graph: Optional[Any] = None) -> str:
+    """Say ``text`` (advice, starting "tfpar: "): a warning of the ``tfpar``
+    logger, once, and a note of ``graph``'s plan (of every plan, without a
+    graph), under ``strict: true`` too. Returns the text."""
+    if note(text, graph):
+        log.warning("%s", text)
+    return text
+
+
+def note(text: str, graph: Optional[Any] = None) -> bool:
     """Record ``text`` as a note of ``graph``'s plan (of every plan, without a
     graph), once: what runs that a reader of the plan should know, fallback
-    or not."""
+    or not. False when it was noted already."""
     said = _process_notes if graph is None else _graph_notes.setdefault(graph, [])
-    if text not in said:
-        said.append(text)
+    if text in said:
+        return False
+    said.append(text)
+    return True
 
 
 def notes(graph: Optional[Any] = None) -> Tuple[str, ...]:

@@ -27,7 +27,9 @@ throughput they measured, 137-163 TFLOP/s, 44-52% of the A100's peak
 (Narayanan et al., SC'21, Table 1; ``benchmarks/plan_scale.py``). Memory,
 intra-node (NVLink, or PCIe for T4) bandwidth per device, and the
 inter-node network of the machines these usually come in (100 Gb/s
-for V100 / P100 / T4 nodes, 200 Gb/s A100, 400 Gb/s H100).
+for V100 / P100 / T4 nodes, 200 Gb/s A100, 400 Gb/s H100). ``NODE_SIZES``:
+the devices of such a node (DGX / HGX: 8 SXM GPUs), which a described
+cluster of more devices is assumed to be made of when it does not say.
 """
 import dataclasses
 import re
@@ -35,8 +37,8 @@ from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
 
 from tfpar.errors import ConfigError
 
-__all__ = ["CATALOG", "DTYPES", "EFFICIENCY", "HOST_CPU", "LINK_KEYS", "OPTIONAL_KEYS", "PEAK_KEYS",
-           "Hardware", "device_hardware", "expand", "slowest"]
+__all__ = ["CATALOG", "DTYPES", "EFFICIENCY", "HOST_CPU", "LINK_KEYS", "NODE_SIZES", "OPTIONAL_KEYS",
+           "PEAK_KEYS", "Hardware", "default_node", "device_hardware", "expand", "slowest"]
 
 DTYPES = ("fp64", "fp32", "tf32", "fp16", "bf16")
 EFFICIENCY = 0.7
@@ -70,6 +72,14 @@ class Hardware:
         if dtype == "tf32" and dtype not in table:
             dtype = "fp32"
         return table.get(dtype, self.tflops)
+
+    def peak_name(self, dtype: str) -> str:
+        """The dtype whose peak ``dtype`` runs at: itself, or "fp32" for a
+        16-bit or TF32 dtype a device runs at its fp32 peak (no units of
+        its own for it)."""
+        if dtype in ("fp32", "fp64") or self.peak(dtype) != self.peak("fp32"):
+            return dtype
+        return "fp32"
 
     def flops_per_s(self, dtype: str) -> float:
         """The FLOP/s the planner assumes: peak x efficiency."""
@@ -122,6 +132,16 @@ CATALOG = {hw.name: hw for hw in (
              peaks=(("fp64", 67), ("tf32", 494.5), ("fp16", 989), ("bf16", 989)),
              memory_gbps=3350),
 )}
+
+
+NODE_SIZES = {"V100-32GB": 8, "A100-80GB": 8, "H100-80GB": 8}
+
+
+def default_node(devices: Sequence[Hardware]) -> Optional[int]:
+    """Devices per node of ``devices`` when every one of them comes in
+    nodes of that size (``NODE_SIZES``), else None."""
+    sizes = {NODE_SIZES.get(d.name) for d in devices}
+    return sizes.pop() if len(sizes) == 1 else None
 
 
 # What the planner assumes when cluster.hardware is unset (a logical CPU

@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from tfpar.errors import PlanError
 from tfpar.ir.compact import device_ranges, numbered
+from tfpar.ir.outcome import Outcome
 
 __all__ = ["Plan", "TaskGraphPlan", "pinned_plan"]
 
@@ -60,7 +61,15 @@ class Plan:
         times the replicate degree of a single replicate TaskGraph).
       num_micro_batch, schedule, group_size: pipeline settings.
       estimate: ``step_time_s`` (None unless the ``auto.auto_parallel`` search
-        costed the plan), ``memory_bytes_per_device`` and ``comm_bytes`` per step.
+        costed the plan), ``memory_bytes_per_device`` and ``comm_bytes`` per step;
+        for a costed plan what it assumes (``assumptions``: device, compute
+        dtype, the peak used and which dtype's it is, efficiency, global
+        batch), the FLOPs it counts (``flops_per_step``: the model's, 3 x
+        forward; ``recomputed_flops_per_step``; ``model_tflops_per_device``
+        and ``hardware_tflops_per_device``, recomputation included), and how
+        it was found (``search``: meshes planned, not searched, left out;
+        ``stage_search`` and ``sharding_search``: ``ir.outcome.Outcome``s;
+        ``auto.num_task_graph``'s plans too say ``stage_search``).
       sharding: what the sharding search chose (``auto.auto_parallel``):
         ``tensor_degree`` and ``layers``, name scope -> sharding candidate
         (``planner.sharding``); pinned, those layers are built split.
@@ -233,6 +242,7 @@ class Plan:
             if step is None:
                 lines.append("  (only auto.auto_parallel plans are costed; "
                              "plans from scopes or config are not)")
+            lines += _stated(est)
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -294,6 +304,38 @@ def _alike(task_graphs: Sequence[TaskGraphPlan], estimated: bool
         names = numbered([tg.name for tg in run])
         groups += [(names[0], run)] if len(names) == 1 else [(tg.name, [tg]) for tg in run]
     return groups
+
+
+def _stated(est: Dict[str, Any]) -> List[str]:
+    """Summary lines of what an estimate assumes and how its plan was found."""
+    lines, said = [], est.get("assumptions")
+    if said:
+        node = f", {said['devices_per_node']} a node" if said.get("devices_per_node") else ""
+        dtype, peak = said["compute_dtype"], said["peak_dtype"]
+        why = {"tf32": " (float32 matmuls as TF32, TensorFlow's default on Ampere and later)",
+               "fp16": " (mixed precision)"}.get(dtype, "") if dtype == peak else (
+            f" ({said['device']} runs {dtype} at its {peak} peak)")
+        lines.append(f"assumes: {said['devices']} x {said['device']}{node}; {dtype} at "
+                     f"{said['peak_tflops']:g} TFLOP/s peak x efficiency "
+                     f"{said['efficiency']:g}{why}; batch {said['global_batch']} "
+                     f"({said['batch_from']})")
+    if "flops_per_step" in est:
+        again = est["recomputed_flops_per_step"]
+        lines.append(f"FLOPs: {est['flops_per_step']:.3g} a step (model FLOPs: 3 x forward), "
+                     f"{est['model_tflops_per_device']:.3g} TFLOP/s per device" + (
+                         f"; {est['hardware_tflops_per_device']:.3g} with the {again:.3g} "
+                         "recomputation adds (hardware FLOPs)" if again else ""))
+    found = []
+    if "search" in est:
+        search = est["search"]
+        skipped = len(search["not_searched"])
+        found.append(f"{search['planned']} of {search['meshes']} meshes planned in "
+                     f"{search['seconds']:.1f} s (limit {search['time_limit_s']:g} s"
+                     + (f", {skipped} not searched" if skipped else "") + ")")
+    for key, what in (("stage_search", "stages"), ("sharding_search", "sharding")):
+        if key in est:
+            found.append(f"{what} {Outcome.from_dict(est[key]).describe()}")
+    return lines + (["search: " + "; ".join(found)] if found else [])
 
 
 def _percentages(shares: Sequence[int]) -> str:

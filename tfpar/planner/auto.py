@@ -28,10 +28,19 @@ schedule - 1F1B, ZB-H1, kFkB (``step_model.best_setting``). The fastest
 candidate whose memory fits wins (within ``TOLERANCE`` of it, the one with
 fewer stages; among those, within ``TENSOR_TOLERANCE``, the lower tensor
 degree: the estimates are rough); ``progress`` reports each one as it is
-planned; ``time_limit_s`` bounds the whole search (each ILP solve at most
-``SOLVE_LIMIT_S``). Tensor-only meshes of more than a node are planned in
+planned. ``time_limit_s`` bounds the whole search: no mesh is planned once
+it has passed (after the first), no ILP runs past it, and each ILP solve
+gets a share of it (a stage ILP ``STAGE_ILP_SHARE``, a sharding ILP
+``SOLVE_SHARE``). Tensor-only meshes of more than a node are planned in
 increasing degree until one plans slower than the one before: across nodes
 a doubling halves the compute but not the collectives, which only grow.
+
+Each candidate says how it was found and what its estimate assumes (issue
+"Say what you did"): how its stages were cut and whether its sharding is
+proved optimal (``ir.outcome.Outcome``), its model FLOPs and those its
+recomputation adds, the step it would take with every memory technique
+(when the search was not allowed them all), and the search's
+``SearchRecord``: the meshes it did not plan, the device, dtype and batch.
 """
 import dataclasses
 import time
@@ -39,19 +48,22 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from tfpar.cluster.hardware import Hardware
 from tfpar.errors import PlanError
+from tfpar.ir.outcome import Outcome
 from tfpar.planner.comm import LATENCY_S, Cost, allreduce
 from tfpar.planner.layers import layer_graph, subgraph
 from tfpar.planner.memory import RECOMPUTE, Techniques, recomputation
-from tfpar.planner.partition import partition_stages
+from tfpar.planner.partition import StageCut, partition_stages
 from tfpar.planner.sharding import (STATE_BYTES as BYTES_PER_PARAM_STATE, Mesh, Problem,
                                     plan_sharding)
 from tfpar.planner.roofline import low_precision_speed_up, timed_flops
+from tfpar.planner.solving import left_s
 from tfpar.planner.step_model import (KERNELS_PER_OP, LAUNCH_S, SEARCHED_SCHEDULES, Setting, Space,
                                       StageModel, best_setting, micro_batch_counts,
                                       technique_space)
 
-__all__ = ["Candidate", "ModelView", "Part", "StageCosts", "choose", "search", "search_all",
-           "stage_costs", "stage_units", "timed"]
+__all__ = ["ALL_TECHNIQUES", "Candidate", "HINT_SPEED_UP", "ModelView", "Part", "SearchRecord",
+           "StageCosts", "choose", "faster_with_techniques", "meshes_named", "search",
+           "search_all", "stage_costs", "stage_units", "timed"]
 
 # Estimates are rough: within TOLERANCE of the fastest, fewer pipeline stages
 # win (bubbles and stage balance are where the model errs most); among those,
@@ -60,7 +72,14 @@ __all__ = ["Candidate", "ModelView", "Part", "StageCosts", "choose", "search", "
 # 100K-class head on 8 GPUs - is not).
 TOLERANCE = 0.1
 TENSOR_TOLERANCE = 0.02
-SOLVE_LIMIT_S = 10.0  # per ILP solve, within the search's time limit
+# Each ILP solve's share of the search's time limit (2 s and 10 s of the
+# default 60): raising auto.search_time_limit_s gives every solve more.
+STAGE_ILP_SHARE = 1 / 30
+SOLVE_SHARE = 1 / 6
+ALL_TECHNIQUES = ("recompute", "zero", "mixed_precision", "offload")
+# A plan this many times faster with memory techniques the search was not
+# allowed is worth a hint (``faster_with_techniques``).
+HINT_SPEED_UP = 1.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +140,30 @@ class Part:
 
 
 @dataclasses.dataclass(frozen=True)
+class SearchRecord:
+    """How a search went and what its estimates assume: the feasible
+    ``meshes`` (tensor, pipeline) in search order, those it did not plan -
+    ``unsearched`` (its ``time_limit_s`` ran out first) and ``pruned``
+    (tensor degrees across nodes, once one planned slower than the one
+    before) - and the ``seconds`` it took; the device type it costed
+    (``hardware``, the slowest of the cluster) and how many, the model's
+    compute dtype, and the global batch (``batch_known``: the graph or
+    config states it); the memory techniques it was allowed (names)."""
+
+    meshes: Tuple[Tuple[int, int], ...]
+    unsearched: Tuple[Tuple[int, int], ...]
+    pruned: Tuple[Tuple[int, int], ...]
+    time_limit_s: float
+    seconds: float
+    hardware: Hardware
+    num_devices: int
+    dtype: str
+    global_batch: int
+    batch_known: bool
+    techniques: Tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class Candidate:
     """One (data, tensor, pipeline) mesh with its estimates, the stage of every
     op, the sharded layers: (name scope, sharding candidate) for every layer
@@ -128,7 +171,14 @@ class Candidate:
     layer, and ``split_stages`` its pipeline stage), the estimates of its
     parts (stages, or layers of a sharded plan); its micro-batches per step
     and memory techniques, and the bytes of weights, gradients and optimizer
-    slots on its fullest device (``state_bytes``)."""
+    slots on its fullest device (``state_bytes``).
+
+    How it was found: ``stage_search`` (with a pipeline) and
+    ``sharding_search`` (with a tensor degree), ``search`` (the search's
+    record). ``flops``: FLOPs per step, the model's (3 x forward) and those
+    its recomputation adds; ``faster_with``: its best setting with every
+    memory technique (``ALL_TECHNIQUES``) that fits, when the search was not
+    allowed them all and it is faster."""
 
     data: int
     pipeline: int
@@ -145,6 +195,11 @@ class Candidate:
     state_bytes: float = 0.0
     schedule: str = "1f1b"
     group_size: int = 1
+    stage_search: Optional[Outcome] = None
+    sharding_search: Optional[Outcome] = None
+    flops: Tuple[float, float] = (0.0, 0.0)
+    faster_with: Optional[Setting] = None
+    search: Optional[SearchRecord] = None
 
     def describe(self) -> str:
         """'data 4 x tensor 2 x pipeline 2, 8 micro-batches, zero_bubble,
@@ -184,42 +239,27 @@ def search_all(model: ModelView, num_devices: int, hardware: Hardware, global_ba
     ``split_heads``: tensor groups may split attention cores by heads
     (``sharding``'s ``heads``). ``precision``: True when the graph computes
     in 16 bits whatever the plan (``memory.mixed_precision``): every
-    candidate is costed so; None: mixed precision is one of ``techniques``."""
+    candidate is costed so; None: mixed precision is one of ``techniques``.
+    Each candidate carries the search's ``SearchRecord``."""
     meshes = _meshes(model, num_devices, pipeline, hardware)
     meshes = _feasible(meshes, model, num_devices, global_batch if batch_known else None,
                        num_micro_batch or 1, progress)
+    start = time.monotonic()
     search = _Search(model, num_devices, hardware, global_batch, num_micro_batch, opt_level,
                      techniques, any(t > 1 for t, _ in meshes), split_heads,
-                     (tuple(schedules), group_size), precision)
-    start = time.monotonic()
-    deadline = start + time_limit_s
-    candidates = []
-    spanning: List[Candidate] = []  # tensor-only candidates of more than a node
-    for number, (t, p) in enumerate(meshes, 1):
-        left = deadline - time.monotonic()
-        if left <= 0 and candidates:
-            progress(f"tfpar auto: search time limit reached after {number - 1} of "
-                     f"{len(meshes)} meshes")
-            break
-        spans = p == 1 and t > (hardware.devices_per_node or num_devices)
-        if spans and len(spanning) > 1 and spanning[-1].step_time_s > spanning[-2].step_time_s:
-            progress(f"tfpar auto [{number}/{len(meshes)}] tensor {t} x pipeline 1: left out "
-                     f"(tensor {spanning[-1].tensor} across nodes planned slower than "
-                     f"{spanning[-2].tensor})")
-            continue
-        candidate = search.mesh(t, p, min(max(left, 1.0), SOLVE_LIMIT_S))
-        if spans and candidate is not None:
-            spanning.append(candidate)
-        if candidate is None:
-            progress(f"tfpar auto [{number}/{len(meshes)}] tensor {t} x pipeline {p}: no "
-                     f"sharded plan fits or beats data parallelism "
-                     f"({time.monotonic() - start:.1f} s)")
-            continue
-        candidates.append(candidate)
-        progress(f"tfpar auto [{number}/{len(meshes)}] {candidate.describe()}: step "
-                 f"{candidate.step_time_s * 1e3:.3f} ms, memory/device "
-                 f"{candidate.memory_bytes / 2 ** 20:.1f} MiB ({time.monotonic() - start:.1f} s)")
-    return candidates
+                     (tuple(schedules), group_size), precision, time_limit_s)
+    candidates, unsearched, pruned = search.run(meshes, progress)
+    record = SearchRecord(tuple(meshes), unsearched, pruned, time_limit_s,
+                          time.monotonic() - start, hardware, num_devices, model.compute_dtype,
+                          global_batch, batch_known, search.allowed_names())
+    return [dataclasses.replace(c, search=record) for c in candidates]
+
+
+def meshes_named(meshes: Sequence[Tuple[int, int]]) -> str:
+    """'tensor x pipeline 2x1, 4x1, 1x2' (at most 12, then how many more)."""
+    named = [f"{t}x{p}" for t, p in meshes[:12]]
+    more = f" and {len(meshes) - 12} more" if len(meshes) > 12 else ""
+    return "tensor x pipeline " + ", ".join(named) + more
 
 
 def _meshes(model: ModelView, num_devices: int, pipeline: Optional[int],
@@ -292,13 +332,16 @@ def choose(candidates: Sequence[Candidate], hardware: Hardware) -> Candidate:
     capacity = hardware.memory_gb * 2 ** 30
     fitting = [c for c in candidates if c.memory_bytes <= capacity]
     if not fitting:
+        fits = "" if not any(c.faster_with for c in candidates) else (
+            "; with more memory techniques one would: " + faster_with_techniques(
+                candidates, None)[1])
         if not candidates:
             raise PlanError(f"tfpar: auto.auto_parallel found no plan that fits "
                             f"{hardware.name}'s {hardware.memory_gb:g} GB per device")
         least = min(candidates, key=lambda c: c.memory_bytes)
         raise PlanError(f"tfpar: auto.auto_parallel found no plan that fits {hardware.name}'s "
                         f"{hardware.memory_gb:g} GB per device; the smallest needs "
-                        f"{least.memory_bytes / 2 ** 30:.3g} GB ({least.describe()})")
+                        f"{least.memory_bytes / 2 ** 30:.3g} GB ({least.describe()}){fits}")
     fastest = min(c.step_time_s for c in fitting)
     near = [c for c in fitting if c.step_time_s <= fastest * (1 + TOLERANCE)]
     stages = min(c.pipeline for c in near)
@@ -308,18 +351,45 @@ def choose(candidates: Sequence[Candidate], hardware: Hardware) -> Candidate:
                key=lambda c: (c.tensor, c.step_time_s))
 
 
+def faster_with_techniques(candidates: Sequence[Candidate], chosen: Optional[Candidate]
+                           ) -> Optional[Tuple[float, str, Tuple[str, ...]]]:
+    """When the fastest of ``candidates``' settings with every memory
+    technique (``Candidate.faster_with``) is at least ``HINT_SPEED_UP``
+    times faster than ``chosen`` (None: than nothing): (its speed-up, what
+    it is, the technique names it uses that the search was not allowed);
+    else None."""
+    options = [c for c in candidates if c.faster_with]
+    if not options:
+        return None
+    candidate = min(options, key=lambda c: c.faster_with.step_time_s)
+    best = candidate.faster_with
+    speed_up = (chosen.step_time_s / best.step_time_s if chosen is not None
+                else float("inf"))
+    if speed_up < HINT_SPEED_UP:
+        return None
+    what = dataclasses.replace(candidate, micro_batches=best.micro_batches,
+                               techniques=best.techniques, schedule=best.schedule,
+                               group_size=best.group_size).describe()
+    allowed = candidate.search.techniques if candidate.search else ()
+    return (speed_up, f"{what}, estimated {best.step_time_s * 1e3:.4g} ms/step",
+            tuple(name for name in best.techniques.names if name not in allowed))
+
+
 class _Search:
     """What one search shares across meshes: the model's layer graph (when
     some mesh splits tensors), its recomputation terms, its stage cuts per
-    pipeline degree (cut once)."""
+    pipeline degree (cut once), its deadline (``time_limit_s`` from now)."""
 
     def __init__(self, model: ModelView, num_devices: int, hardware: Hardware,
                  global_batch: int, num_micro_batch: Optional[int], opt_level: str,
                  techniques: Sequence, tensors: bool, split_heads: bool,
                  schedules: Tuple[Tuple[str, ...], Optional[int]],
-                 precision: Optional[bool] = None):
+                 precision: Optional[bool] = None, time_limit_s: float = 10.0):
+        self.time_limit_s, self.deadline = time_limit_s, time.monotonic() + time_limit_s
         self.speed_up = low_precision_speed_up(model.flops, model.traffic_bytes, hardware,
                                                model.compute_dtype)
+        raw = model.flops  # per row, as the graph counts them
+        self.forward_flops = sum(raw)
         model = timed(model, hardware)
         self.model, self.num_devices, self.hardware = model, num_devices, hardware
         self.global_batch, self.num_micro_batch = global_batch, num_micro_batch
@@ -328,40 +398,121 @@ class _Search:
         self.schedules, self.group_size = schedules
         self.layers = layer_graph(model) if tensors else None
         self.recompute = recomputation(model)
+        # Forward FLOPs per row each recomputation mode runs again (the ops
+        # it recomputes, counted as the graph counts them).
+        self.recomputed = {mode: sum((f for f, again in zip(raw, self.recompute.flops[mode])
+                                      if again), 0.0) for mode in RECOMPUTE}
         self.kernels = [int(bool(f or a)) for f, a in zip(model.flops, model.activation_bytes)]
         self.capacity = hardware.memory_gb * 2 ** 30
-        self.cuts: Dict[int, List[int]] = {}
+        self.cuts: Dict[int, StageCut] = {}
         self.solved: Dict = {}  # sharding segments, across stages and meshes
         self.shapes: Dict[Tuple, int] = {}  # layer graphs' shapes, numbered
         self.sharded: Dict = {}  # (graph shape, mesh, split only) -> candidates
         self.plans: Dict = {}  # estimates of sharded graphs, by shape
         self.stage_models: Dict = {}  # their StageModels, by shape and mesh
 
-    def stages_of(self, p: int, time_limit_s: float) -> List[int]:
+    def run(self, meshes: Sequence[Tuple[int, int]], progress: Callable[[str], None]):
+        """A candidate per mesh of ``meshes``, in order, until the deadline
+        (the first mesh planned whatever it); and the meshes not planned:
+        those the deadline left (or left without a plan while they were
+        planned), and tensor degrees across nodes left out once one planned
+        slower than the one before."""
+        candidates: List[Candidate] = []
+        spanning: List[Candidate] = []  # tensor-only candidates of more than a node
+        pruned: List[Tuple[int, int]] = []
+        unsearched: List[Tuple[int, int]] = []
+        node = self.hardware.devices_per_node or self.num_devices
+        for number, (t, p) in enumerate(meshes, 1):
+            where = f"tfpar auto [{number}/{len(meshes)}]"
+            if left_s(self.deadline) <= 0 and candidates:
+                unsearched += meshes[number - 1:]
+                progress(f"tfpar auto: search time limit reached after {number - 1} of "
+                         f"{len(meshes)} meshes (auto.search_time_limit_s "
+                         f"{self.time_limit_s:g} s); not searched: {meshes_named(unsearched)}")
+                break
+            spans = p == 1 and t > node
+            if spans and len(spanning) > 1 and spanning[-1].step_time_s > spanning[-2].step_time_s:
+                pruned.append((t, p))
+                progress(f"{where} tensor {t} x pipeline 1: left out (tensor "
+                         f"{spanning[-1].tensor} across nodes planned slower than "
+                         f"{spanning[-2].tensor})")
+                continue
+            candidate = self.mesh(t, p)
+            took = f"({time.monotonic() - self.deadline + self.time_limit_s:.1f} s)"
+            if candidate is None and left_s(self.deadline) <= 0:  # its ILPs had no time
+                unsearched.append((t, p))
+                progress(f"{where} tensor {t} x pipeline {p}: the time limit ran out while it "
+                         f"was planned {took}")
+                continue
+            if candidate is None:
+                progress(f"{where} tensor {t} x pipeline {p}: no sharded plan fits or beats "
+                         f"data parallelism {took}")
+                continue
+            spanning += [candidate] if spans else []
+            candidates.append(candidate)
+            progress(f"{where} {candidate.describe()}: step {candidate.step_time_s * 1e3:.3f} "
+                     f"ms, memory/device {candidate.memory_bytes / 2 ** 20:.1f} MiB {took}")
+        return candidates, tuple(unsearched), tuple(pruned)
+
+    def allowed_names(self) -> Tuple[str, ...]:
+        """The memory techniques the search may use, by name (all of them
+        when it is given ``Techniques`` settings to use)."""
+        if any(isinstance(t, Techniques) for t in self.techniques):
+            return ALL_TECHNIQUES
+        return tuple(t for t in ALL_TECHNIQUES if t in self.techniques)
+
+    def stages_of(self, p: int) -> StageCut:
+        """The stage cut of ``p`` stages (made once, with its share of the time limit)."""
         if p not in self.cuts:
             model = self.model
-            self.cuts[p] = partition_stages(model.flops, model.edges, p, time_limit_s,
-                                            model.labels) if p > 1 else [0] * len(model.flops)
+            self.cuts[p] = partition_stages(
+                model.flops, model.edges, p, self.time_limit_s * STAGE_ILP_SHARE, model.labels,
+                self.deadline) if p > 1 else StageCut([0] * len(model.flops),
+                                                      Outcome("optimal", "one stage"))
         return self.cuts[p]
 
-    def mesh(self, t: int, p: int, time_limit_s: float) -> Optional[Candidate]:
+    def mesh(self, t: int, p: int) -> Optional[Candidate]:
         """The candidate of data x ``t`` x ``p`` with its best setting (None:
         a tensor mesh whose sharding fits nowhere or shards nothing)."""
         d = self.num_devices // (t * p)
         rows = self.global_batch / d
         counts = micro_batch_counts(max(int(rows), 1), self.num_micro_batch)
         if t == 1:
-            return self._unsplit(p, d, rows, counts, self.stages_of(p, time_limit_s))
-        return self._split(t, p, d, rows, counts, time_limit_s)
+            return self._unsplit(p, d, rows, counts, self.stages_of(p))
+        return self._split(t, p, d, rows, counts)
 
     def _setting(self, stages: Sequence[StageModel], d: int, rows: float, counts: Sequence[int],
-                 cut: float, bandwidth: float) -> Setting:
+                 cut: float, bandwidth: float) -> Tuple[Setting, Optional[Setting]]:
+        """The best setting, and the best with every memory technique when
+        the search may not use them all and it fits and is faster."""
         pinned = [t for t in self.techniques if isinstance(t, Techniques)]
-        space = Space(tuple(counts),
-                      tuple(pinned or technique_space(self.techniques, d, self.speed_up > 1,
-                                                      self.precision)),
-                      self.schedules, self.group_size)
-        return best_setting(stages, d, rows, space, cut, bandwidth, self.speed_up, self.capacity)
+        allowed = pinned or technique_space(self.techniques, d, self.speed_up > 1,
+                                            self.precision)
+        every = technique_space(ALL_TECHNIQUES, d, self.speed_up > 1, self.precision)
+        settings = []
+        for techniques in [allowed] if pinned or set(every) <= set(allowed) else [allowed, every]:
+            space = Space(tuple(counts), tuple(techniques), self.schedules, self.group_size)
+            settings.append(best_setting(stages, d, rows, space, cut, bandwidth, self.speed_up,
+                                         self.capacity))
+        best, faster = settings[0], settings[-1]
+        fits = faster.peak_memory <= self.capacity
+        better = faster.step_time_s < best.step_time_s or best.peak_memory > self.capacity
+        return best, faster if faster is not best and fits and better else None
+
+    def _made(self, best: Setting, faster: Optional[Setting], d: int, t: int, p: int,
+              stages: Tuple[int, ...], parts: Tuple[Part, ...], **found) -> Candidate:
+        """The candidate of ``best`` (``found``: ``Candidate``'s fields of
+        its sharding), with its FLOPs and its stage cut's outcome."""
+        batch = self.global_batch
+        flops = (3 * self.forward_flops * batch,
+                 self.recomputed[best.techniques.recompute] * batch)
+        return Candidate(data=d, pipeline=p, stages=stages, step_time_s=best.step_time_s,
+                         memory_bytes=best.peak_memory, comm_bytes=best.comm_bytes, tensor=t,
+                         parts=parts, micro_batches=best.micro_batches,
+                         techniques=best.techniques, state_bytes=max(best.state_bytes),
+                         schedule=best.schedule, group_size=best.group_size,
+                         stage_search=self.cuts[p].outcome if p > 1 else None, flops=flops,
+                         faster_with=faster, **found)
 
     def _terms(self, ops: Sequence[int], act_scale: float) -> Dict[str, tuple]:
         """``StageModel``'s recomputation fields for ``ops``, activations x ``act_scale``."""
@@ -378,9 +529,9 @@ class _Search:
         return KERNELS_PER_OP * LAUNCH_S * _total(self.kernels, ops)
 
     def _unsplit(self, p: int, d: int, rows: float, counts: Sequence[int],
-                 stages: Sequence[int]) -> Candidate:
-        """A pipeline (or, with ``p`` 1, data parallel) candidate of ``stages``."""
-        hardware = self.hardware
+                 cut: StageCut) -> Candidate:
+        """A pipeline (or, with ``p`` 1, data parallel) candidate of ``cut``."""
+        hardware, stages = self.hardware, cut.stages
         per_row = stage_costs(self.model, stages, p, 1.0, hardware)
         members: List[List[int]] = [[] for _ in range(p)]
         for i, stage in enumerate(stages):
@@ -389,13 +540,14 @@ class _Search:
                              allreduce(d, params, hardware.bandwidth(d, p)),
                              **self._terms(ops, 1.0))
                   for ops, forward, params in zip(members, per_row.forward_s, per_row.param_bytes)]
-        best = self._setting(models, d, rows, counts, per_row.cut_bytes, hardware.link(p))
+        best, faster = self._setting(models, d, rows, counts, per_row.cut_bytes,
+                                     hardware.link(p))
         parts = tuple(Part(seconds, memory, stage.grads.bytes) for seconds, memory, stage
                       in zip(best.stage_seconds, best.memory_bytes, models))
-        return _candidate(best, d, 1, p, tuple(stages), parts)
+        return self._made(best, faster, d, 1, p, tuple(stages), parts)
 
-    def _split(self, t: int, p: int, d: int, rows: float, counts: Sequence[int],
-               time_limit_s: float) -> Optional[Candidate]:
+    def _split(self, t: int, p: int, d: int, rows: float,
+               counts: Sequence[int]) -> Optional[Candidate]:
         """Data x ``t`` x ``p``: without a pipeline, the sharding search on the
         whole layer graph (layers may stay data parallel); with one, the stages
         of ``partition_stages``, each on its own d x t devices with every layer
@@ -406,31 +558,21 @@ class _Search:
         its weights, gradients and optimizer slots alone: micro-batches and
         recomputation shrink activations), then evaluated at every setting."""
         layers, hardware, model = self.layers, self.hardware, self.model
-        op_stages = self.stages_of(p, time_limit_s)
+        op_stages = self.stages_of(p).stages
         stage_of = [op_stages[layer.ops[0]] for layer in layers.layers]  # non-decreasing
         groups = [[i for i, stage in enumerate(stage_of) if stage == s] for s in range(p)]
         if not all(groups):
             return None
         graphs = [subgraph(layers, members) for members in groups] if p > 1 else [layers]
-        # Split stages cost the same per replica whatever d: sharded as on one
-        # replica of a tensor-only mesh, so that every pipeline degree reuses
-        # the same solved segments.
-        replicas = 1 if p > 1 else d
-        sizing = self.global_batch * t / self.num_devices / (self.num_micro_batch or 1)
-        mesh = Mesh(replicas * t, t, sizing * replicas, hardware, model.compute_dtype)
         shapes = [self._shape(graph) for graph in graphs]
-        chosen = []
-        for shape, graph in zip(shapes, graphs):
-            key = (shape, mesh, p > 1)
-            if key not in self.sharded:
-                self.sharded[key] = self._shard(graph, mesh, p, time_limit_s)
-            if self.sharded[key] is None or all(c == "dp" for c in self.sharded[key]):
-                return None
-            chosen.append(self.sharded[key])
+        sharded = self._sharded(shapes, graphs, t, p, d)
+        if sharded is None:
+            return None
+        chosen, outcome = sharded
         models = [self._split_stage(shape, graph, c, t, p, d)
                   for shape, graph, c in zip(shapes, graphs, chosen)]
         cut = sum(size for i, j, size in layers.edges if stage_of[i] != stage_of[j])
-        best = self._setting(models, d, rows, counts, cut, _scattered(hardware, t, p))
+        best, faster = self._setting(models, d, rows, counts, cut, _scattered(hardware, t, p))
         final = rows / best.micro_batches
         parts, split, stages = [], [], []
         for s, (shape, graph, candidates) in enumerate(zip(shapes, graphs, chosen)):
@@ -446,8 +588,30 @@ class _Search:
         for i, layer in enumerate(layers.layers):
             for op in layer.ops:
                 op_stage[op] = stage_of[i]
-        return _candidate(best, d, t, p, tuple(op_stage), tuple(parts), tuple(split),
-                          tuple(stages))
+        return self._made(best, faster, d, t, p, tuple(op_stage), tuple(parts),
+                          split_scopes=tuple(split), split_stages=tuple(stages),
+                          sharding_search=outcome)
+
+    def _sharded(self, shapes, graphs, t: int, p: int, d: int):
+        """Each of ``graphs``' (of ``shapes``) sharding candidates and how
+        their searches went, as one ``Outcome`` (the first one not proved
+        optimal, a timed-out one first); None when one fits nowhere or
+        shards nothing. Split stages cost the same per replica whatever d:
+        sharded as on one replica of a tensor-only mesh, so that every
+        pipeline degree reuses the same solved segments."""
+        replicas = 1 if p > 1 else d
+        sizing = self.global_batch * t / self.num_devices / (self.num_micro_batch or 1)
+        mesh = Mesh(replicas * t, t, sizing * replicas, self.hardware, self.model.compute_dtype)
+        chosen, outcomes = [], []
+        for shape, graph in zip(shapes, graphs):
+            key = (shape, mesh, p > 1)
+            if key not in self.sharded:
+                self.sharded[key] = self._shard(graph, mesh, p)
+            if self.sharded[key] is None or all(c == "dp" for c in self.sharded[key][0]):
+                return None
+            chosen.append(self.sharded[key][0])
+            outcomes.append(self.sharded[key][1])
+        return chosen, min(outcomes, key=lambda o: (not o.timed_out, o.path == "optimal"))
 
     def _shape(self, graph) -> int:
         """A number for what a layer graph's sharding and estimates depend on:
@@ -456,15 +620,18 @@ class _Search:
         shape = (tuple(layer.identity for layer in graph.layers), graph.edges)
         return self.shapes.setdefault(shape, len(self.shapes))
 
-    def _shard(self, graph, mesh: Mesh, p: int, time_limit_s: float) -> Optional[Tuple[str, ...]]:
-        """The sharding search's candidates for ``graph`` on ``mesh`` (None:
-        nothing fits, not even weights, gradients and optimizer slots alone)."""
+    def _shard(self, graph, mesh: Mesh, p: int) -> Optional[Tuple[Tuple[str, ...], Outcome]]:
+        """The sharding search's candidates for ``graph`` on ``mesh`` and how
+        it went (None: nothing fits, not even weights, gradients and
+        optimizer slots alone); each ILP solve gets ``SOLVE_SHARE`` of the
+        time limit, none past the deadline."""
         for activations in (True, False):
-            plan = plan_sharding(graph, mesh, self.capacity, self.opt_level, time_limit_s,
-                                 split_only=p > 1, gradients=p == 1, solved=self.solved,
-                                 activations=activations, split_heads=self.split_heads)
+            plan = plan_sharding(graph, mesh, self.capacity, self.opt_level,
+                                 self.time_limit_s * SOLVE_SHARE, split_only=p > 1,
+                                 gradients=p == 1, solved=self.solved, activations=activations,
+                                 split_heads=self.split_heads, deadline=self.deadline)
             if plan is not None:
-                return plan.candidates
+                return plan.candidates, plan.outcome
         return None
 
     def _problem(self, graph, t: int, p: int, d: int, rows: float,
@@ -525,17 +692,6 @@ def _scattered(hardware: Hardware, t: int, p: int) -> float:
     al., SC'21, §4.1: scatter/gather)."""
     between, within = hardware.link(t * p), hardware.link(t)
     return 1 / (1 / (t * between) + (t - 1) / (t * within))
-
-
-def _candidate(best: Setting, d: int, t: int, p: int, stages: Tuple[int, ...],
-               parts: Tuple[Part, ...], split: Tuple[Tuple[str, str], ...] = (),
-               split_stages: Tuple[int, ...] = ()) -> Candidate:
-    return Candidate(data=d, pipeline=p, stages=stages, step_time_s=best.step_time_s,
-                     memory_bytes=best.peak_memory, comm_bytes=best.comm_bytes, tensor=t,
-                     split_scopes=split, parts=parts, split_stages=split_stages,
-                     micro_batches=best.micro_batches, techniques=best.techniques,
-                     state_bytes=max(best.state_bytes), schedule=best.schedule,
-                     group_size=best.group_size)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,7 @@ TAP Algorithm 1; at most ``MAX_BLOCK_RUNS``) when given, so stages break
 between blocks, else runs ending at Rhino's critical nodes (§4.3.1), at most
 ``MAX_NODES``, else equal runs;
 the first whose chunks each cost no more than a stage may — and Rhino's stage
-ILP (``pipeline_ilp``, Rhino §5; at most ``ILP_LIMIT_S``) assigns chunks to
+ILP (``pipeline_ilp``, Rhino §5; within the caller's time limit) assigns chunks to
 stages, minimising the bytes crossing stages within a balance tolerance
 (``SLACK`` above the most balanced contiguous cut's, so the slowest stage is
 never slower than it must be); on chunks in a chain (a transformer's
@@ -17,18 +17,21 @@ the chunks (or, with fewer chunks than stages, the items) into contiguous
 stages whose most expensive one is as cheap as possible
 (the linear partition problem, solved exactly: binary search on the bottleneck
 with a greedy check). Contiguity in a topological order keeps every edge
-pointing to the same or a later stage.
+pointing to the same or a later stage. ``StageCut`` says which of these ran
+and why.
 """
 import collections
+import dataclasses
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import networkx as nx
 
+from tfpar.ir.outcome import Outcome
 from tfpar.planner.layers import critical_positions
 from tfpar.planner.pipeline_ilp import stage_ilp
 
-__all__ = ["balanced_partition", "chain_partition", "partition_stages"]
+__all__ = ["StageCut", "balanced_partition", "chain_partition", "partition_stages"]
 
 MAX_NODES = 128
 # Runs of blocks are kept up to this many (a 1T GPT has 128 blocks and two
@@ -37,20 +40,63 @@ MAX_NODES = 128
 MAX_BLOCK_RUNS = 1024
 EPSILON = 0.25  # stage imbalance tolerance of the ILP, at most
 SLACK = 0.02  # ... above the most balanced contiguous cut's
-# The ILP only trades bytes within that tolerance (the most balanced cut is
-# the fallback): with many stages and few chunks to spare it can search for
-# long, so it gets a few seconds at most.
-ILP_LIMIT_S = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class StageCut:
+    """The stage of each item, and how it was found (``ir.outcome.Outcome``:
+    "optimal" by the chain's DP or the proved ILP, "feasible" when the ILP
+    stopped at its time limit, "balanced cut" otherwise - saying why)."""
+
+    stages: List[int]
+    outcome: Outcome
 
 
 def partition_stages(costs: Sequence[float], edges: Sequence[Tuple[int, int, float]],
                      num_stages: int, time_limit_s: float,
-                     labels: Optional[Sequence[Optional[str]]] = None) -> List[int]:
-    """Stage of each item (``costs`` in topological order; ``edges`` (i, j,
-    bytes) between items, i < j; ``labels`` an optional block per item)."""
+                     labels: Optional[Sequence[Optional[str]]] = None,
+                     deadline: Optional[float] = None) -> StageCut:
+    """The stages of items (``costs`` in topological order; ``edges`` (i, j,
+    bytes) between items, i < j; ``labels`` an optional block per item).
+    ``time_limit_s``: the stage ILP's (deterministic); ``deadline``: a
+    ``time.monotonic()`` past which the ILP does not run."""
     if not costs:
-        return []
+        return StageCut([], Outcome("optimal", "nothing to cut"))
     chunk = _chunks(costs, labels, edges, num_stages)
+    dag = _chunk_dag(costs, edges, chunk)
+    chunk_costs = [dag.nodes[c]["comp"] for c in sorted(dag)]
+    by_chunk = balanced_partition(chunk_costs, num_stages)
+    tolerance = _tolerance(chunk_costs, by_chunk, num_stages)
+    balanced = "balanced partition"
+    if dag.number_of_nodes() < num_stages:
+        return StageCut(balanced_partition(costs, num_stages), Outcome(
+            "balanced cut", balanced, f"{dag.number_of_nodes()} chunks for {num_stages} "
+            "stages, too few for the stage ILP"))
+    if _is_chain(dag):
+        exact = chain_partition(chunk_costs, [dag.edges[c, c + 1]["bytes"]
+                                              for c in sorted(dag)[:-1]], num_stages,
+                                (1 + tolerance) * sum(chunk_costs) / num_stages)
+        if exact is None:
+            return _cut(by_chunk, chunk, Outcome("balanced cut", balanced,
+                                                  "no chain cut within the balance tolerance"))
+        return _cut(exact, chunk, Outcome("optimal", "chain DP"))
+    solved = stage_ilp(dag, num_stages, tolerance, time_limit_s, deadline,
+                       hint=dict(zip(sorted(dag), by_chunk)))
+    limit = f"its time limit ({time_limit_s:.3g} s of CP-SAT's deterministic time)"
+    if solved.stages is not None:
+        why = "" if solved.status == "optimal" else f"stopped at {limit}"
+        return _cut([solved.stages[c] for c in sorted(dag)], chunk,
+                    Outcome(solved.status, "stage ILP", why, timed_out=bool(why)))
+    timed_out = solved.status == "timed out"
+    why = (f"the stage ILP found no assignment within {limit}" if timed_out else
+           "the stage ILP has no assignment within the balance tolerance")
+    return _cut(by_chunk, chunk, Outcome("balanced cut", balanced, why, timed_out))
+
+
+def _chunk_dag(costs: Sequence[float], edges: Sequence[Tuple[int, int, float]],
+               chunk: Sequence[int]) -> nx.DiGraph:
+    """The chunks as nodes (``comp``: their items' costs) and the bytes
+    between them as edges (``bytes``)."""
     comp: Dict[int, float] = collections.defaultdict(float)
     for c, cost in zip(chunk, costs):
         comp[c] += cost
@@ -61,21 +107,12 @@ def partition_stages(costs: Sequence[float], edges: Sequence[Tuple[int, int, flo
     dag = nx.DiGraph()
     dag.add_nodes_from((c, {"comp": cost}) for c, cost in comp.items())
     dag.add_edges_from((a, b, {"bytes": volume}) for (a, b), volume in sent.items())
-    chunk_costs = [dag.nodes[c]["comp"] for c in sorted(dag)]
-    by_chunk = balanced_partition(chunk_costs, num_stages)
-    tolerance = _tolerance(chunk_costs, by_chunk, num_stages)
-    if _is_chain(dag) and dag.number_of_nodes() >= num_stages:
-        by_chunk = chain_partition(chunk_costs, [dag.edges[c, c + 1]["bytes"]
-                                                  for c in sorted(dag)[:-1]], num_stages,
-                                    (1 + tolerance) * sum(chunk_costs) / num_stages) or by_chunk
-        return [by_chunk[c] for c in chunk]
-    stages = stage_ilp(dag, min(num_stages, dag.number_of_nodes()), tolerance,
-                       min(time_limit_s, ILP_LIMIT_S))
-    if stages is not None:
-        return [stages[c] for c in chunk]
-    if dag.number_of_nodes() < num_stages:
-        return balanced_partition(costs, num_stages)
-    return [by_chunk[c] for c in chunk]
+    return dag
+
+
+def _cut(by_chunk: Sequence[int], chunk: Sequence[int], outcome: Outcome) -> StageCut:
+    """Items' stages from their chunks' (chunks are numbered 0, 1, ...)."""
+    return StageCut([by_chunk[c] for c in chunk], outcome)
 
 
 def _is_chain(dag: nx.DiGraph) -> bool:

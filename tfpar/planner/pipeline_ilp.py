@@ -14,34 +14,48 @@ leave room for its descendants, ``B_i <= d - 1 - floor(sum_{D_i} comp / t - eps)
 we use its mirror image of the lower bound, which is what "latest start"
 means). We also bound every stage's work by ``(1 + eps) t`` and require every
 stage to be used, so the cheapest cut never buys imbalance.
+
+CP-SAT's limit is deterministic time (``solving.cp_solver``): the same cut
+whatever the machine's load. It starts from a ``hint`` (the most balanced
+contiguous cut), so a solution cut short by the limit is no worse than it.
 """
 import math
-from typing import Dict, Hashable, List, Optional
+from typing import Dict, Hashable, List, NamedTuple, Optional
 
 import networkx as nx
 from ortools.sat.python import cp_model
 
-__all__ = ["stage_ilp"]
+from tfpar.planner.solving import cp_solver, status_of
+
+__all__ = ["StageSolution", "stage_ilp"]
 
 _SCALE = 1000  # CP-SAT needs integers: costs are scaled to the largest one
 
 
+class StageSolution(NamedTuple):
+    """node -> stage (None: none found), and the solve's ``solving.status_of``
+    ("too few nodes": fewer nodes than stages, not solved)."""
+
+    stages: Optional[Dict[Hashable, int]]
+    status: str
+
+
 def stage_ilp(dag: nx.DiGraph, num_stages: int, epsilon: float = 0.5,
-              time_limit_s: float = 10.0) -> Optional[Dict[Hashable, int]]:
+              time_limit_s: float = 10.0, deadline: Optional[float] = None,
+              hint: Optional[Dict[Hashable, int]] = None) -> StageSolution:
     """Stage of every node of ``dag`` minimising the bytes crossing stages.
 
     Args:
       dag: nodes with ``comp`` (time or FLOPs), edges with ``bytes``.
       num_stages: d.
       epsilon: imbalance tolerance (fraction of a balanced stage).
-      time_limit_s: CP-SAT's time limit.
-
-    Returns:
-      node -> stage, or None when no assignment was found in time.
+      time_limit_s: CP-SAT's deterministic time limit.
+      deadline: ``time.monotonic()`` past which it does not run (None: none).
+      hint: node -> stage to start from.
     """
     nodes = list(nx.topological_sort(dag))
     if num_stages < 1 or len(nodes) < num_stages:
-        return None
+        return StageSolution(None, "too few nodes")
     comp = _integers([dag.nodes[n].get("comp", 0.0) for n in nodes])
     weight = dict(zip(nodes, comp))
     balanced = max(sum(comp) / num_stages, 1e-9)
@@ -62,12 +76,13 @@ def stage_ilp(dag: nx.DiGraph, num_stages: int, epsilon: float = 0.5,
         cuts.append((cut, size))
     _balance(model, nodes, stage, weight, num_stages, math.floor((1 + epsilon) * balanced))
     model.Minimize(sum(size * cut for cut, size in cuts))
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = time_limit_s
-    solver.parameters.num_search_workers = 1
-    if solver.Solve(model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return None
-    return {n: solver.Value(stage[n]) for n in nodes}
+    for n, s in (hint or {}).items():
+        model.AddHint(stage[n], s)
+    solver = cp_solver(time_limit_s, deadline)
+    status = status_of(solver.Solve(model)) if solver is not None else "timed out"
+    if status not in ("optimal", "feasible"):
+        return StageSolution(None, status)
+    return StageSolution({n: solver.Value(stage[n]) for n in nodes}, status)
 
 
 def _balance(model, nodes, stage, weight, num_stages: int, capacity: int) -> None:

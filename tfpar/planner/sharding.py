@@ -43,6 +43,12 @@ Solvers:
     of distinct blocks, not layers. Memory: Rhino §4.4, the layers with the
     largest weights are forced to sharded candidates until the plan fits.
     O3 starts from O2's plan (a solver hint), so it never returns a worse one.
+
+Each ILP solve gets ``time_limit_s`` (``solving.cp_solver``: deterministic
+time on one worker, so segments are solved alike whatever the machine's
+load) and none runs past the caller's ``deadline``: a segment left unsolved
+takes its first candidates. The plan's ``outcome`` says whether it is
+proved optimal and, if not, why (a time limit, or O2's memory heuristic).
 """
 import dataclasses
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -50,8 +56,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from ortools.sat.python import cp_model
 
 from tfpar.cluster.hardware import Hardware
+from tfpar.ir.outcome import Outcome
 from tfpar.planner.comm import Cost, allgather, allreduce, allreduce_latency
 from tfpar.planner.layers import LayerGraph, critical_positions
+from tfpar.planner.solving import cp_solver, left_s, status_of
 
 __all__ = ["CANDIDATES", "Mesh", "Problem", "ShardingPlan", "critical_layers", "plan_sharding"]
 
@@ -63,7 +71,7 @@ CANDIDATES = {"matmul": ("dp", "column", "row"), "xent": ("dp", "whole", "xent")
 SHARDED = frozenset({"column", "row", "vocab"})  # weights split over the tensor group
 STATE_BYTES = 4  # weights, gradients and two optimizer slots per parameter byte
 _RESOLUTION = 1e6  # CP-SAT integer steps per largest cost
-SEGMENT_LIMIT_S = 10.0  # per segment ILP (O2)
+SEGMENT_LIMIT_S = 10.0  # per ILP solve, by default
 # O3: CP-SAT's portfolio; its LP- and core-based workers prove whole-graph
 # optimality in about a second where one worker alone stalls past a few
 # transformer layers (segments stay on one worker: small, deterministic).
@@ -99,7 +107,7 @@ class Mesh:
 @dataclasses.dataclass(frozen=True)
 class ShardingPlan:
     """Candidate per layer and the estimates (whole step and per layer);
-    ``optimal`` when the solver proved it."""
+    ``optimal`` when the solver proved it, ``outcome`` how it was found."""
 
     candidates: Tuple[str, ...]
     step_time_s: float
@@ -109,25 +117,28 @@ class ShardingPlan:
     layer_costs: Tuple[Cost, ...] = ()
     layer_memory: Tuple[float, ...] = ()
     weight_memory: float = 0.0
+    outcome: Optional[Outcome] = None
 
 
 def plan_sharding(graph: LayerGraph, mesh: Mesh, memory_limit: float, opt_level: str = "O2",
-                  time_limit_s: float = 10.0, split_only: bool = False,
+                  time_limit_s: float = SEGMENT_LIMIT_S, split_only: bool = False,
                   gradients: bool = True, solved: Optional[Dict] = None,
-                  activations: bool = True, split_heads: bool = False) -> Optional[ShardingPlan]:
+                  activations: bool = True, split_heads: bool = False,
+                  deadline: Optional[float] = None) -> Optional[ShardingPlan]:
     """The cheapest candidates for ``graph`` on ``mesh`` (None: nothing fits
     ``memory_limit``: with ``activations`` False, the weights, gradients and
     optimizer slots alone). O3 starts from the O2 plan (a solver hint) and
-    tries to prove or beat it. ``split_only``, ``gradients`` and
-    ``split_heads``: see ``Problem``; ``solved``: segments already solved (by
-    an earlier call, e.g. another pipeline stage of the same mesh), updated
-    with this call's."""
+    tries to prove or beat it. ``time_limit_s``: each ILP solve's;
+    ``deadline``: a ``time.monotonic()`` past which none runs.
+    ``split_only``, ``gradients`` and ``split_heads``: see ``Problem``;
+    ``solved``: segments already solved (by an earlier call, e.g. another
+    pipeline stage of the same mesh), updated with this call's."""
     problem = Problem(graph, mesh, split_only, gradients, activations, split_heads)
     allowed = problem.allowed()
     forced = False
     solved = {} if solved is None else solved
     while True:
-        chosen, optimal = _segments_dp(problem, allowed, solved)
+        chosen, segments = _segments_dp(problem, allowed, solved, time_limit_s, deadline)
         if problem.memory(chosen) <= memory_limit:
             break
         allowed = _force_largest_sharded(problem, allowed, chosen)
@@ -135,15 +146,44 @@ def plan_sharding(graph: LayerGraph, mesh: Mesh, memory_limit: float, opt_level:
             chosen = None
             break
         forced = True
+    outcome = _o2_outcome(segments, forced)
     if opt_level == "O3":
-        found, = _ilp(problem, problem.allowed(), [{}], memory_limit, time_limit_s, hint=chosen,
-                      workers=WHOLE_GRAPH_WORKERS)
-        if found is None:
+        (found, status), = _ilp(problem, problem.allowed(), [{}], memory_limit, time_limit_s,
+                                hint=chosen, workers=WHOLE_GRAPH_WORKERS, deadline=deadline)
+        if found is None and (status == "infeasible" or chosen is None):
             return None
-        chosen, optimal = found
+        outcome = _o3_outcome(status, outcome)
+        chosen = found or chosen
     elif chosen is None:
         return None
-    return problem.plan(_follow_free_layers(problem, chosen), optimal and not forced)
+    return problem.plan(_follow_free_layers(problem, chosen), outcome.path == "optimal",
+                        outcome)
+
+
+def _o2_outcome(segments: str, forced: bool) -> Outcome:
+    """How O2 ended: ``segments``, its worst segment's status; ``forced``:
+    Rhino §4.4's memory heuristic ran."""
+    method = "O2 segments"
+    if segments != "optimal":
+        what = ("stopped at their time limit" if segments == "feasible"
+                else "ran out of time, and took their first candidates")
+        return Outcome("feasible", method, f"segment ILPs {what}", timed_out=True)
+    if forced:
+        return Outcome("feasible", method, "memory forced the layers with the largest weights "
+                       "to sharded candidates (Rhino §4.4), which O2 does not prove optimal; "
+                       "auto.opt_level O3 solves it with memory as a constraint")
+    return Outcome("optimal", method)
+
+
+def _o3_outcome(status: str, o2: Outcome) -> Outcome:
+    """How O3's whole-graph ILP ended (``o2``: the plan it started from)."""
+    method = "O3 whole-graph ILP"
+    if status == "optimal":
+        return Outcome("optimal", method)
+    if status == "feasible":
+        return Outcome("feasible", method, "stopped at its time limit", timed_out=True)
+    return dataclasses.replace(o2, why="the O3 ILP found nothing within its time limit: "
+                               "O2's plan", timed_out=True)
 
 
 def _follow_free_layers(problem: "Problem", chosen: Sequence[str]) -> List[str]:
@@ -306,13 +346,14 @@ class Problem:
             latency += allreduce_latency(mesh.data)
         return Cost(latency)
 
-    def plan(self, chosen: Sequence[str], optimal: bool) -> ShardingPlan:
+    def plan(self, chosen: Sequence[str], optimal: bool,
+             outcome: Optional[Outcome] = None) -> ShardingPlan:
         costs = self.layer_costs(chosen)
         step = _sum_costs(costs) + self._bucket_latency(chosen)
         memory = [self.memory_of(i, c) for i, c in enumerate(chosen)]
         weights = sum(self.memory_of(i, c, activations=False) for i, c in enumerate(chosen))
         return ShardingPlan(tuple(chosen), step.seconds, sum(memory), step.bytes, optimal,
-                            tuple(costs), tuple(memory), weights)
+                            tuple(costs), tuple(memory), weights, outcome)
 
 
 def _sum_costs(costs: Sequence[Cost]) -> Cost:
@@ -323,12 +364,14 @@ def _sum_costs(costs: Sequence[Cost]) -> Cost:
 def _ilp(problem: Problem, allowed: Sequence[Tuple[str, ...]], fixings: Sequence[Dict[int, str]],
          memory_limit: Optional[float], time_limit_s: float,
          nodes: Optional[Sequence[int]] = None, hint: Optional[Sequence[str]] = None,
-         workers: int = 1) -> List[Optional[Tuple[List[str], bool]]]:
+         workers: int = 1, deadline: Optional[float] = None
+         ) -> List[Tuple[Optional[List[str]], str]]:
     """Rhino §4.2 over ``nodes`` (all layers when None; edges among them),
     built once and solved once per fixing (the candidates of some layers,
-    given as solver assumptions); ``hint`` (a candidate per layer) is where
-    the solver starts; ``workers`` CP-SAT search workers. Returns per fixing
-    (candidate per layer of ``nodes``, proved optimal), or None."""
+    given as solver assumptions) within ``time_limit_s`` each and
+    ``deadline``; ``hint`` (a candidate per layer) is where the solver
+    starts; ``workers`` CP-SAT search workers. Returns per fixing (candidate
+    per layer of ``nodes``, or None) and its ``solving.status_of``."""
     nodes = list(range(len(allowed))) if nodes is None else list(nodes)
     inside = set(nodes)
     options = {i: allowed[i] for i in nodes}
@@ -358,19 +401,17 @@ def _ilp(problem: Problem, allowed: Sequence[Tuple[str, ...]], fixings: Sequence
     if hint is not None:
         for (i, c), var in pick.items():
             model.AddHint(var, hint[i] == c)
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = time_limit_s
-    solver.parameters.num_search_workers = workers
     found = []
     for fixing in fixings:
         model.ClearAssumptions()
         model.AddAssumptions([pick[i, c] for i, c in fixing.items()])
-        status = solver.Solve(model)
-        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            found.append(None)
+        solver = cp_solver(time_limit_s, deadline, workers)
+        status = status_of(solver.Solve(model)) if solver is not None else "timed out"
+        if status not in ("optimal", "feasible"):
+            found.append((None, status))
             continue
         chosen = [next(c for c in options[i] if solver.Value(pick[i, c])) for i in nodes]
-        found.append((chosen, status == cp_model.OPTIMAL))
+        found.append((chosen, status))
     return found
 
 
@@ -379,11 +420,12 @@ def critical_layers(graph: LayerGraph) -> List[int]:
     return critical_positions(len(graph.layers), graph.edges)
 
 
-def _segments_dp(problem: Problem, allowed: Sequence[Tuple[str, ...]],
-                 cache: Dict) -> Tuple[List[str], bool]:
+def _segments_dp(problem: Problem, allowed: Sequence[Tuple[str, ...]], cache: Dict,
+                 time_limit_s: float, deadline: Optional[float]) -> Tuple[List[str], str]:
     """Rhino §4.3.2: DP over critical layers, segments between them solved once
     per signature (TAP's plan reuse) and kept in ``cache``. Returns the
-    candidates and whether every segment was solved to optimality."""
+    candidates and the worst status of a segment's solves: "optimal",
+    "feasible" or "timed out" (a segment left unsolved)."""
     graph = problem.graph
     critical = critical_layers(graph)
     first = critical[0]
@@ -392,20 +434,21 @@ def _segments_dp(problem: Problem, allowed: Sequence[Tuple[str, ...]],
     for start, end in zip(critical, critical[1:]):
         key = _segment_key(problem, allowed, start, end)
         if key not in cache:
-            cache[key] = _solve_segment(problem, allowed, start, end)
+            cache[key] = _solve_segment(problem, allowed, start, end, time_limit_s, deadline)
         table = cache[key]
         used.append(table)
         step = {b: min(((cost + table[a, b][0], a) for a, cost in best.items()),
                        key=lambda x: x[0]) for b in allowed[end]}
         best = {b: cost for b, (cost, _) in step.items()}
         came_from.append({b: a for b, (_, a) in step.items()})
-    optimal = all(entry[2] for table in used for entry in table.values())
+    statuses = {entry[2] for table in used for entry in table.values()}
+    worst = next((s for s in ("timed out", "feasible") if s in statuses), "optimal")
     last = min(best, key=best.get)
     pieces = []
     for table, back in zip(reversed(used), reversed(came_from)):
         pieces.append(table[back[last], last][1])
         last = back[last]
-    return [last] + [c for piece in reversed(pieces) for c in piece], optimal
+    return [last] + [c for piece in reversed(pieces) for c in piece], worst
 
 
 def _segment_key(problem: Problem, allowed, start: int, end: int) -> Tuple:
@@ -416,26 +459,31 @@ def _segment_key(problem: Problem, allowed, start: int, end: int) -> Tuple:
             problem.mesh, problem.split_only, problem.gradients)
 
 
-def _solve_segment(problem: Problem, allowed, start: int, end: int):
+def _solve_segment(problem: Problem, allowed, start: int, end: int, time_limit_s: float,
+                   deadline: Optional[float]):
     """(candidate of start, of end) -> (cost of the segment past ``start``,
-    candidates of the layers after ``start``, proved optimal)."""
+    candidates of the layers after ``start``, "optimal", "feasible" or
+    "timed out": its layers' first candidates, unsolved, as once the
+    ``deadline`` has passed, when the ILP is not even built)."""
     inner = list(range(start + 1, end))
     chain = all(problem.preds[j] and [i for i, _ in problem.preds[j]] == [j - 1]
                 for j in range(start + 1, end + 1))
     pairs = [(a, b) for a in allowed[start] for b in allowed[end]]
     if chain:
-        solved = [(_chain_dp(problem, allowed, start, end, a, b), True) for a, b in pairs]
+        solved = [(_chain_dp(problem, allowed, start, end, a, b), "optimal") for a, b in pairs]
     else:
-        found = _ilp(problem, allowed, [{start: a, end: b} for a, b in pairs], None,
-                     SEGMENT_LIMIT_S, [start] + inner + [end])
-        solved = [(result[0][1:], result[1]) if result else
-                  ([allowed[k][0] for k in inner] + [b], False)
-                  for result, (_, b) in zip(found, pairs)]
+        fixings = [{start: a, end: b} for a, b in pairs]
+        found = (_ilp(problem, allowed, fixings, None, time_limit_s, [start] + inner + [end],
+                      deadline=deadline) if left_s(deadline) > 0
+                 else [(None, "timed out")] * len(pairs))
+        solved = [(chosen[1:], status) if chosen else
+                  ([allowed[k][0] for k in inner] + [b], "timed out")
+                  for (chosen, status), (_, b) in zip(found, pairs)]
     table = {}
-    for (a, b), (chosen, optimal) in zip(pairs, solved):
+    for (a, b), (chosen, status) in zip(pairs, solved):
         candidate_of = dict(zip(range(start, end + 1), [a] + chosen))
         cost = sum(problem.layer_cost(j, candidate_of).seconds for j in range(start + 1, end + 1))
-        table[a, b] = (cost, chosen, optimal)
+        table[a, b] = (cost, chosen, status)
     return table
 
 

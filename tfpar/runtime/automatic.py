@@ -4,21 +4,22 @@ graph built before it (the best unsharded one), and the TaskGraphs a build
 with a sharded plan pinned makes."""
 import dataclasses
 import logging
-import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from tensorflow.python.framework import ops
 
-from tfpar.cluster.hardware import HOST_CPU, Hardware, device_hardware, slowest
-from tfpar.errors import PlanError
+from tfpar import fallback
+from tfpar.cluster.hardware import HOST_CPU, Hardware, default_node, device_hardware, slowest
+from tfpar.errors import ConfigError, PlanError
 from tfpar.hooks.capture import GraphCapture, layer_of
+from tfpar.ir.outcome import Outcome
 from tfpar.ir.plan import Plan, pinned_plan
 from tfpar.ir.taskgraph import Phase, Strategy, TaskGraphSpec
-from tfpar.planner.auto import choose, search_all
+from tfpar.planner.auto import STAGE_ILP_SHARE, choose, search_all
 from tfpar.planner.balance import balance_stages
 from tfpar.planner.from_annotations import plan_from_annotations
 from tfpar.planner.memory import Techniques
-from tfpar.planner.partition import partition_stages
+from tfpar.planner.partition import StageCut, partition_stages
 from tfpar.planner.sharding import STATE_BYTES
 from tfpar.planner.step_model import in_flight
 from tfpar.rewriters.model_view import model_view
@@ -26,11 +27,13 @@ from tfpar.rewriters.select import GraphIndex
 from tfpar.runtime.context import Runtime
 from tfpar.runtime.gc_paused import gc_paused
 from tfpar.runtime.precision import applied
+from tfpar.runtime.progress import progress
+from tfpar.runtime.stated import estimate_of, say_how_it_was_found, say_stage_cut
 
 __all__ = ["DEFAULT_BATCH", "Automatic", "automatic_plan", "cluster_hardware", "estimate_of",
            "part_estimate", "pinned_sharding", "planned_config", "planned_techniques",
            "planning_batch", "refuse_planning_only", "sharded_plan", "unapplied",
-           "warn_unbuilt_sharding"]
+           "warn_unbuilt_sharding", "with_stage_search"]
 
 log = logging.getLogger("tfpar")
 DEFAULT_BATCH = 32  # neither auto.global_batch nor the model's inputs say
@@ -47,7 +50,8 @@ class Automatic:
     """Stages tfpar chose itself for the forward ops ``order``: ``stages`` and
     ``count`` of the plan this graph runs; the search's pick ``best`` (may
     shard layers: then it needs a build with the plan pinned) and the best
-    plan without sharding, ``runnable`` (None without ``auto.auto_parallel``)."""
+    plan without sharding, ``runnable`` (None without ``auto.auto_parallel``);
+    how ``num_task_graph``'s stages were cut without it (``stage_search``)."""
 
     order: Tuple[ops.Operation, ...]
     param_bytes: Tuple[float, ...]
@@ -55,6 +59,7 @@ class Automatic:
     count: int
     best: Any = None
     runnable: Any = None
+    stage_search: Optional[Outcome] = None
 
     @property
     def tags(self) -> Dict[str, int]:
@@ -94,40 +99,48 @@ def automatic_plan(index: GraphIndex, capture: GraphCapture, rt: Runtime) -> Opt
 
 def _plan(index: GraphIndex, capture: GraphCapture, rt: Runtime, auto: bool,
           count: Optional[int]) -> Automatic:
-    """The model's view and the search's pick (``auto``), or ``count`` stages."""
+    """The model's view and the search's pick (``auto``), or ``count`` stages;
+    what deserves it said of the graph (``runtime.stated``)."""
     cfg = rt.config
     order, view = model_view(index, capture)
     time_limit = cfg.get("auto.search_time_limit_s")
-    best = runnable = None
-    if auto:
-        hardware = cluster_hardware(rt)
-        # A TF2 step's traces (static batch, relaxed, each new batch shape) are
-        # one model: the first one's search plans them all.
-        same_model = tuple(op.name for op in order)
-        if same_model not in rt.searches:
-            known = bool(cfg.get("auto.global_batch") or view.batch)
-            micro = cfg.get("pipeline.num_micro_batch")
-            candidates = search_all(view, len(rt.devices), hardware, planning_batch(rt, view),
-                                    None if micro == 1 and known else micro, count, time_limit,
-                                    lambda line: print(line, file=sys.stderr),
-                                    cfg.get("auto.opt_level"), batch_known=known,
-                                    techniques=cfg.get("auto.memory_techniques"),
-                                    split_heads=cfg.get("auto.split_heads"),
-                                    precision=True if applied(cfg, rt.device_type) else None,
-                                    **_searched_schedules(cfg))
-            pick = choose(candidates, hardware)
-            rt.searches[same_model] = (
-                pick, pick if pick.tensor == 1 else _unsharded(candidates, hardware))
-        best, runnable = rt.searches[same_model]
-        stages, count = (runnable.stages, runnable.pipeline) if runnable else ((0,) * len(order), 1)
-    else:
-        stages = _stages_on_mixed_devices(rt, view, count) or partition_stages(
-            view.flops, view.edges, count, min(time_limit, 10.0), view.labels)
+    if not auto:
+        cut = _stages_on_mixed_devices(rt, view, count) or partition_stages(
+            view.flops, view.edges, count, time_limit * STAGE_ILP_SHARE, view.labels)
+        say_stage_cut(index.graph, cut.outcome, f"auto.num_task_graph {count}", time_limit)
+        return Automatic(tuple(order), tuple(view.param_bytes), tuple(cut.stages), count,
+                         stage_search=cut.outcome)
+    # A TF2 step's traces (static batch, relaxed, each new batch shape) are
+    # one model: the first one's search plans them all.
+    same_model = tuple(op.name for op in order)
+    if same_model not in rt.searches:
+        rt.searches[same_model] = _search(rt, view, count, time_limit)
+    best, runnable, candidates = rt.searches[same_model]
+    say_how_it_was_found(index.graph, rt, best, runnable, candidates)
+    stages, count = (runnable.stages, runnable.pipeline) if runnable else ((0,) * len(order), 1)
     return Automatic(tuple(order), tuple(view.param_bytes), tuple(stages), count, best,
                      runnable)
 
 
-def _stages_on_mixed_devices(rt: Runtime, view, count: int) -> Optional[List[int]]:
+def _search(rt: Runtime, view, count: Optional[int], time_limit: float):
+    """The search's pick, the best plan that shards nothing (None when none
+    fits), and every candidate."""
+    cfg = rt.config
+    hardware = cluster_hardware(rt)
+    known = bool(cfg.get("auto.global_batch") or view.batch)
+    micro = cfg.get("pipeline.num_micro_batch")
+    candidates = search_all(view, len(rt.devices), hardware, planning_batch(rt, view),
+                            None if micro == 1 and known else micro, count, time_limit,
+                            progress, cfg.get("auto.opt_level"), batch_known=known,
+                            techniques=cfg.get("auto.memory_techniques"),
+                            split_heads=cfg.get("auto.split_heads"),
+                            precision=True if applied(cfg, rt.device_type) else None,
+                            **_searched_schedules(cfg))
+    pick = choose(candidates, hardware)
+    return pick, pick if pick.tensor == 1 else _unsharded(candidates, hardware), candidates
+
+
+def _stages_on_mixed_devices(rt: Runtime, view, count: int) -> Optional[StageCut]:
     """``count`` stages cut for the mixed devices of ``cluster.hardware`` by
     Whale's inter-TaskGraph balance (``planner.balance.balance_stages``): stage
     s runs on the devices ranked s-th by memory, as the plan places it
@@ -157,7 +170,7 @@ def _stages_on_mixed_devices(rt: Runtime, view, count: int) -> Optional[List[int
     if not fits:
         log.warning("tfpar: the %d stages do not all fit the memory of cluster.hardware's "
                     "devices (Whale's Algorithm 1 found no cut that does)", count)
-    return stages
+    return StageCut(stages, Outcome("hardware-aware cut", "Whale's Algorithm 1"))
 
 
 def _searched_schedules(cfg) -> Dict[str, Any]:
@@ -188,11 +201,40 @@ def _unsharded(candidates, hardware: Hardware):
 def cluster_hardware(rt: Runtime) -> Hardware:
     """The slowest, smallest device of ``cluster.hardware`` (a generic host CPU
     when unset), with ``cluster.devices_per_node``, else the devices per
-    worker of a TF_CONFIG cluster."""
-    devices = device_hardware(rt.config.get("cluster.hardware"), len(rt.devices)) or [HOST_CPU]
+    worker of a TF_CONFIG cluster, else (``_described_nodes``) the size of
+    the nodes such devices come in.
+
+    Raises:
+      ConfigError: a described cluster of more devices than a node of any
+        catalog type holds, of devices whose nodes vary, says no node size.
+    """
+    described = device_hardware(rt.config.get("cluster.hardware"), len(rt.devices))
     per_node = rt.config.get("cluster.devices_per_node") or (
         rt.devices_per_worker if rt.cluster is not None else None)
-    return slowest(devices, per_node)
+    if described is not None and per_node is None:
+        per_node = _described_nodes(described)
+    return slowest(described or [HOST_CPU], per_node)
+
+
+def _described_nodes(devices: Sequence[Hardware]) -> Optional[int]:
+    """The node size of a described cluster that does not say it: none for
+    one node's worth (8 devices at most); else the datacenter nodes of its
+    device type (``hardware.NODE_SIZES``: 8), said as a fallback (before, all
+    on one node: 1536 A100s planned as if on one NVLink switch)."""
+    node = default_node(devices)
+    if len(devices) <= (node or 8):
+        return None
+    names = ", ".join(sorted({d.name for d in devices}))
+    if node is None:
+        raise ConfigError(f"tfpar: cluster.hardware describes {len(devices)} devices ({names}) "
+                          "but not how many a node holds: set cluster.devices_per_node "
+                          "(tfpar assumes DGX / HGX nodes of 8 only for V100-32GB, A100-80GB "
+                          "and H100-80GB)")
+    fallback.fall_back(f"cluster.hardware describes {len(devices)} {names} devices and no "
+                       "cluster.devices_per_node",
+                       f"they are planned in nodes of {node} (DGX / HGX), not all on one node",
+                       "Set cluster.devices_per_node to the devices a node holds")
+    return node
 
 
 def sharded_plan(automatic: Automatic, rt: Runtime, index: GraphIndex,
@@ -243,7 +285,7 @@ def sharded_plan(automatic: Automatic, rt: Runtime, index: GraphIndex,
         sharding["stages"] = {scope: stage for (scope, _), stage
                               in zip(best.split_scopes, best.split_stages)}
     return dataclasses.replace(plan, task_graphs=task_graphs, estimate=estimate_of(best, rt),
-                               sharding=sharding)
+                               sharding=sharding, notes=fallback.notes(index.graph))
 
 
 def part_estimate(parts) -> Dict[str, float]:
@@ -253,15 +295,13 @@ def part_estimate(parts) -> Dict[str, float]:
             "comm_bytes": sum(p.comm_bytes for p in parts)}
 
 
-def estimate_of(candidate, rt: Runtime) -> Dict[str, Any]:
-    """A plan's ``estimate`` from a search candidate."""
-    return {"step_time_s": candidate.step_time_s,
-            "memory_bytes_per_device": [candidate.memory_bytes] * len(rt.devices),
-            "comm_bytes": candidate.comm_bytes,
-            "memory_techniques": candidate.techniques.names,
-            **({"recompute": candidate.techniques.recompute}
-               if candidate.techniques.recompute != "none" else {}),
-            **({"zero": candidate.techniques.zero} if candidate.techniques.zero else {})}
+def with_stage_search(plan: Plan, automatic: Optional[Automatic]) -> Plan:
+    """``plan`` with how ``auto.num_task_graph``'s stages were cut in its
+    estimate (the search's plans say it in theirs; a pinned plan keeps its)."""
+    if automatic is None or automatic.stage_search is None or "stage_search" in plan.estimate:
+        return plan
+    return dataclasses.replace(plan, estimate={**plan.estimate,
+                                               "stage_search": automatic.stage_search.to_dict()})
 
 
 def planned_config(rt: Runtime, automatic: Optional[Automatic]):
@@ -332,7 +372,7 @@ def refuse_planning_only(automatic: Optional[Automatic], rt: Runtime) -> None:
 
 def warn_unbuilt_sharding(capture: GraphCapture) -> None:
     """The search's pick shards layers of a graph built unsharded: run the best
-    plan that does not (warning), or fail when none fits."""
+    plan that does not (a fallback), or fail when none fits."""
     automatic = capture.automatic[1] if capture.automatic is not None else None
     if automatic is None or automatic.best is automatic.runnable:
         return
@@ -345,5 +385,7 @@ def warn_unbuilt_sharding(capture: GraphCapture) -> None:
     if automatic.runnable is None:
         raise PlanError(f"tfpar: {what}, and no plan without sharding fits the devices' "
                         f"memory; {how}")
-    log.warning("tfpar: %s; it runs the best plan without sharding (%.3g ms/step). To shard, "
-                "%s.", what, automatic.runnable.step_time_s * 1e3, how)
+    fallback.fall_back(what, f"it runs the best plan without sharding "
+                       f"({automatic.runnable.describe()}, "
+                       f"{automatic.runnable.step_time_s * 1e3:.3g} ms/step)",
+                       f"To shard, {how}", automatic.order[0].graph)

@@ -24,7 +24,7 @@ class Runtime:
       warned_one_device: functions said to train on one device (None: eager code).
       function_plan: the plan of the last tf.function step tfpar rewrote (eager
         scripts: what ``wh.current_plan()`` returns).
-      searches: forward op names -> (best, runnable) of the ``auto_parallel``
+      searches: forward op names -> (best, runnable, candidates) of the ``auto_parallel``
         search of that model (a TF2 step is traced more than once, an
         Estimator builds a graph per call; the search runs once).
     """

@@ -35,7 +35,7 @@ from tfpar.rewriters.function_outputs import rewire_outputs
 from tfpar.runtime.automatic import (Automatic, automatic_plan, cluster_hardware, estimate_of,
                                      part_estimate, pinned_sharding, planned_config,
                                      planned_techniques, planning_batch, refuse_planning_only,
-                                     sharded_plan, warn_unbuilt_sharding)
+                                     sharded_plan, warn_unbuilt_sharding, with_stage_search)
 from tfpar.runtime.balanced import batch_shares, shard_shares
 from tfpar.runtime.captured_batches import captured_batch, unsplittable
 from tfpar.runtime.context import Runtime, active
@@ -352,6 +352,7 @@ def _planned(graph: ops.Graph, capture: GraphCapture, rt: Runtime):
         plan = dataclasses.replace(plan, estimate=estimate_of(runnable, rt), task_graphs=tuple(
             dataclasses.replace(tg, estimate=part_estimate([part]))
             for tg, part in zip(plan.task_graphs, runnable.parts)))
+    plan = with_stage_search(plan, automatic)
     group_costs = None
     if plan.schedule == "kfkb" and plan.group_size == "auto":
         group_costs = _group_costs(index, capture, rt, plan, stage_of)

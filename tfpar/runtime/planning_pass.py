@@ -8,7 +8,8 @@ the child builds the model plainly, the planner searches, and the child stops
 at the first training step. If the plan it found shards layers, this process
 goes on with that plan pinned (config key ``plan``); otherwise it plans again
 itself, as without a planning pass. Scripts' output during the pass is
-discarded; the planner's progress lines and errors go to stderr. A pass that
+discarded; the planner's progress lines (``runtime.progress``) and errors
+go to stderr. A pass that
 fails or times out is an error (``PlanError``), never a quiet fallback to a
 plan without sharding.
 """
@@ -22,6 +23,7 @@ from typing import Any, Dict
 from tfpar.config import Config
 from tfpar.errors import PlanError
 from tfpar.ir.plan import Plan
+from tfpar.runtime.progress import progress
 
 __all__ = ["ENV", "pinned_by_planning_pass"]
 
@@ -49,7 +51,7 @@ def _run_pass(script: str, args) -> Dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tfpar-plan-") as tmp:
         out = os.path.join(tmp, "plan.json")
         command = [sys.executable, "-m", "tfpar.cli", "plan", "--out", out, script, *args]
-        print(f"tfpar auto: planning pass: {' '.join(command)}", file=sys.stderr, flush=True)
+        progress(f"tfpar auto: planning pass: {' '.join(command)}")
         skip = ('set {"auto.planning_pass": false} to plan in this process without tensor '
                 "sharding, or pin a plan written by `tfpar plan --out FILE`")
         try:

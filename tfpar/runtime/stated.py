@@ -1,0 +1,118 @@
+"""What an automatic plan says of itself (issue "Say what you did"): its
+estimate's assumptions and how the search found it, as data of the plan
+(``estimate_of``), and as fallbacks (``tfpar.fallback``) where the search
+did less than it was asked - stopped early, or let a time limit decide a
+stage cut or a sharding - or advice where a memory technique the config
+left out would make it much faster (``say_how_it_was_found``).
+"""
+from typing import Any, Dict, Optional, Sequence
+
+from tfpar import fallback
+from tfpar.ir.outcome import Outcome
+from tfpar.planner.auto import (SOLVE_SHARE, STAGE_ILP_SHARE, Candidate, faster_with_techniques,
+                                meshes_named)
+from tfpar.planner.roofline import LOW_PRECISION
+
+__all__ = ["estimate_of", "say_how_it_was_found", "say_stage_cut"]
+
+_MORE = "Raise auto.search_time_limit_s"
+
+
+def estimate_of(candidate: Candidate, rt) -> Dict[str, Any]:
+    """A plan's ``estimate`` from a search candidate: its step, memory and
+    traffic, its memory techniques, and what it assumes and how it was found."""
+    techniques = candidate.techniques
+    return {"step_time_s": candidate.step_time_s,
+            "memory_bytes_per_device": [candidate.memory_bytes] * len(rt.devices),
+            "comm_bytes": candidate.comm_bytes,
+            "memory_techniques": techniques.names,
+            **({"recompute": techniques.recompute} if techniques.recompute != "none" else {}),
+            **({"zero": techniques.zero} if techniques.zero else {}),
+            **_assumed(candidate, rt), **_found(candidate)}
+
+
+def _assumed(candidate: Candidate, rt) -> Dict[str, Any]:
+    """The device, dtype, peak, efficiency and batch the estimate assumes,
+    and the FLOPs it counts: the model's (3 x forward) and those its
+    recomputation runs again (hardware FLOPs are both)."""
+    record = candidate.search
+    if record is None:
+        return {}
+    hardware = record.hardware
+    dtype = LOW_PRECISION if candidate.techniques.mixed_precision else record.dtype
+    model, again = candidate.flops
+    device_seconds = candidate.step_time_s * record.num_devices * 1e12
+    batch_from = ("auto.global_batch" if rt.config.get("auto.global_batch") else
+                  "the model's inputs" if record.batch_known else
+                  "assumed: neither the model's inputs nor auto.global_batch declare one")
+    return {"assumptions": {
+        "device": hardware.name, "devices": record.num_devices,
+        "devices_per_node": hardware.devices_per_node, "compute_dtype": dtype,
+        "peak_dtype": hardware.peak_name(dtype), "peak_tflops": hardware.peak(dtype),
+        "efficiency": hardware.efficiency, "memory_gbps": hardware.memory_gbps,
+        "global_batch": record.global_batch, "batch_from": batch_from},
+        "flops_per_step": model, "recomputed_flops_per_step": again,
+        "model_tflops_per_device": model / device_seconds if device_seconds else 0.0,
+        "hardware_tflops_per_device": (model + again) / device_seconds if device_seconds
+        else 0.0}
+
+
+def _found(candidate: Candidate) -> Dict[str, Any]:
+    """How the search went, how the stages were cut, how the sharding was found."""
+    record, found = candidate.search, {}
+    if record is not None:
+        planned = len(record.meshes) - len(record.unsearched) - len(record.pruned)
+        found["search"] = {"meshes": len(record.meshes), "planned": planned,
+                           "not_searched": [list(m) for m in record.unsearched],
+                           "left_out": [list(m) for m in record.pruned],
+                           "time_limit_s": record.time_limit_s, "seconds": record.seconds}
+    if candidate.stage_search is not None:
+        found["stage_search"] = candidate.stage_search.to_dict()
+    if candidate.sharding_search is not None:
+        found["sharding_search"] = candidate.sharding_search.to_dict()
+    return found
+
+
+def say_how_it_was_found(graph, rt, best: Candidate, runnable: Optional[Candidate],
+                         candidates: Sequence[Candidate]) -> None:
+    """Fallbacks of ``graph``'s plan: the search stopped at its time limit;
+    the chosen plans' stages or sharding decided by a time limit. Advice: a
+    plan with memory techniques the config does not list would be at least
+    ``HINT_SPEED_UP`` times faster."""
+    limit = rt.config.get("auto.search_time_limit_s")
+    record = best.search
+    if record is not None and record.unsearched:
+        fallback.fall_back(
+            f"auto.auto_parallel searches {len(record.meshes)} meshes",
+            f"the search stopped at auto.search_time_limit_s ({limit:g} s) with "
+            f"{len(record.unsearched)} of them not searched ({meshes_named(record.unsearched)}) "
+            "and chose among the others",
+            f"{_MORE}, or fix auto.num_task_graph to search fewer meshes", graph)
+    for chosen in {id(c): c for c in (best, runnable) if c is not None}.values():
+        what = f"auto.auto_parallel's plan ({chosen.describe()})"
+        if chosen.stage_search is not None:
+            say_stage_cut(graph, chosen.stage_search, what, limit)
+        if chosen.sharding_search is not None and chosen.sharding_search.timed_out:
+            fallback.fall_back(
+                f"{what} shards its layers by Rhino's sharding search",
+                f"its sharding is {chosen.sharding_search.describe()}",
+                f"{_MORE}: each of its ILP solves gets 1/{round(1 / SOLVE_SHARE)} of it", graph)
+    hint = faster_with_techniques(candidates, best)
+    if hint is not None:
+        speed_up, what, names = hint
+        fallback.advise(f"tfpar: a plan with memory techniques auto.memory_techniques does "
+                        f"not list would be {speed_up:.1f}x faster than the chosen one "
+                        f"({best.describe()}): {what}. Add {', '.join(map(repr, names))} to "
+                        "auto.memory_techniques to let the search choose it", graph)
+
+
+def say_stage_cut(graph, outcome: Outcome, what: str, limit: float) -> None:
+    """A fallback of ``graph``'s plan when a time limit decided the stage
+    cut of ``what`` (the ILP's solution not proved optimal, or the balanced
+    cut when it found none in time)."""
+    if outcome.timed_out:
+        fallback.fall_back(
+            f"{what} cuts its pipeline stages by Rhino's stage ILP",
+            f"the cut is {outcome.describe()}",
+            f"{_MORE} ({limit:g} s): the stage ILP gets 1/{round(1 / STAGE_ILP_SHARE)} of it",
+            graph)
