@@ -336,7 +336,8 @@ def test_a_sharding_the_time_limit_decided_is_a_fallback():
     split = Candidate(data=1, pipeline=1, stages=(), step_time_s=1.0, memory_bytes=0.0,
                       comm_bytes=0.0, tensor=2, sharding_search=timed)
     graph = tf.Graph()
-    wh.init({"auto.auto_parallel": True, "auto.search_time_limit_s": 12.0})
+    wh.init({"cluster.num_devices": 1, "auto.auto_parallel": True,
+             "auto.search_time_limit_s": 12.0})
     with pytest.warns(wh.FallbackWarning) as caught:
         say_how_it_was_found(graph, active(), split, None, [split])
     assert str(caught[0].message) == (
@@ -350,7 +351,7 @@ def test_a_sharding_the_time_limit_decided_is_a_fallback():
     with warnings.catch_warnings():
         warnings.simplefilter("error", wh.FallbackWarning)
         say_how_it_was_found(tf.Graph(), active(), heuristic, None, [heuristic])
-    wh.init({"auto.auto_parallel": True, "strict": True})
+    wh.init({"cluster.num_devices": 1, "auto.auto_parallel": True, "strict": True})
     with pytest.raises(wh.PlanError, match="its sharding is feasible"):
         say_how_it_was_found(tf.Graph(), active(), split, None, [split])
     wh.reset()

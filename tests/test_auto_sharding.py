@@ -46,6 +46,7 @@ def test_the_split_head_plan_trains_like_one_device():
     assert built.sharding == plan.sharding
 
 
+@pytest.mark.filterwarnings("ignore:.*built before the plan existed:tfpar.FallbackWarning")
 def test_current_plan_after_the_first_run_is_the_one_to_pin():
     """In a test or notebook (no planning pass) the graph runs the best unsharded
     plan; after its first run current_plan() must still be the sharded plan the
@@ -168,6 +169,7 @@ def test_large_embedding_is_vocabulary_sharded():
     assert "vocab" in built.task_graphs[1].patterns.values()
 
 
+@pytest.mark.filterwarnings("ignore:.*they are copies of its ops:tfpar.FallbackWarning")
 @pytest.mark.parametrize("devices", [4, 8])
 def test_memory_forces_tensor_and_pipeline_together(devices):
     """3-D meshes: with 2 stages asked for and devices too small for a data

@@ -651,6 +651,7 @@ def test_one_device_estimate_matches_the_allocations():
     assert 0.75 <= _ratios(plan, devices) <= 1.5
 
 
+@pytest.mark.filterwarnings("ignore:.*built before the plan existed:tfpar.FallbackWarning")
 def test_data_parallel_estimate_matches_the_allocations_per_replica():
     """2 replicas with mirrored variables (the collective reducer: each device
     holds its copy, as the planner assumes), 16 rows each. The fused gradient

@@ -35,7 +35,8 @@ from tfpar.cluster.hardware import CATALOG, DTYPES
 from tfpar.planner.auto import TENSOR_TOLERANCE, choose, search_all
 
 v1 = tf.compat.v1
-GPUS = {"cluster.hardware": ["V100-32GB"], "auto.auto_parallel": True}
+GPUS = {"cluster.hardware": ["V100-32GB"], "cluster.devices_per_node": 8,
+        "auto.auto_parallel": True}
 
 
 def mlp(width, layers=3):

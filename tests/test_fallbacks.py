@@ -64,14 +64,18 @@ def test_devices_on_a_host_without_gpus_are_said():
     with pytest.raises(wh.PlanError, match="runs on one CPU device"):
         wh.init({"strict": True})
     wh.reset()
+
+
+def test_logical_cpu_devices_are_said_by_the_plan():
+    """Before: N logical CPUs sharing the host's cores, silently."""
     with tf.Graph().as_default():
         wh.init({"cluster.num_devices": 3})
         x = v1.placeholder(tf.float32, [None, 6])
         v1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(dense(x, 2, "d", 1)))
-        notes = wh.current_plan().notes
+        summary = wh.current_plan().summary()
     wh.reset()
-    assert any("the 3 devices of cluster.num_devices are logical CPU devices sharing this "
-               "host's" in note for note in notes), notes
+    assert "devices: logical CPU devices of one host, sharing its cores (no GPU is visible)" \
+        in summary
 
 
 def shard_in_one_process(config):

@@ -23,7 +23,7 @@ def _build(opt):
 def test_scopes_and_phases_are_recorded():
     graph = tf.Graph()
     with graph.as_default():
-        wh.init()
+        wh.init({"cluster.num_devices": 1})
         _build(tf.compat.v1.train.GradientDescentOptimizer(0.1))
         cap = existing_capture(graph)
         assert [tg.name for tg in cap.task_graphs] == ["body"]
@@ -44,7 +44,7 @@ def test_optimizer_subclass_override_is_recorded_once():
 
     graph = tf.Graph()
     with graph.as_default():
-        wh.init()
+        wh.init({"cluster.num_devices": 1})
         _build(Wrapped(0.1))
         cap = existing_capture(graph)
         assert len(cap.apply_calls) == 1
@@ -56,7 +56,7 @@ def test_reset_restores_tensorflow():
                  tf_optimizer.Optimizer.apply_gradients, tf_optimizer.Optimizer.__init__,
                  tf_session.BaseSession.__init__, tf_session.BaseSession.run)
     with tf.Graph().as_default():
-        wh.init()
+        wh.init({"cluster.num_devices": 1})
         assert tf_session.BaseSession.run is not originals[-1]
     wh.reset()
     assert (ops.Graph._create_op_helper, ops.Graph.finalize, gradients_util._GradientsHelper,

@@ -86,12 +86,12 @@ def test_a_random_op_in_a_recomputed_scope_is_refused():
         return loss, v1.train.GradientDescentOptimizer(0.1).minimize(loss)
     with pytest.raises(wh.PlanError, match=r"cannot recompute 'noisy/dropout/.*"
                                            r"\(RandomUniform\) in scope 'noisy'"):
-        train(build, DATA, {"memory.recompute": ["noisy"]})
+        train(build, DATA, {"cluster.num_devices": 1, "memory.recompute": ["noisy"]})
 
 
 def test_a_recomputed_scope_that_does_not_exist_is_named():
     with pytest.raises(wh.PlanError, match="memory.recompute names 'layer9'"):
-        train(deep_mlp(2), DATA, {"memory.recompute": ["layer9"]})
+        train(deep_mlp(2), DATA, {"cluster.num_devices": 1, "memory.recompute": ["layer9"]})
 
 
 PIPELINES = {

@@ -46,6 +46,7 @@ def test_text_classifier_with_position_embeddings_trains_as_on_one_device(config
     assert_equivalent(trained(None), trained(config, stages))
 
 
+@pytest.mark.filterwarnings("ignore:.*cannot tell whether it is a mean:tfpar.FallbackWarning")
 def test_fixed_rows_that_differ_between_replicas_are_refused_at_run_time():
     """A lookup of a fixed number of rows that depend on the batch (the first
     row's ids): summing the replicas' slices row by row would be wrong."""

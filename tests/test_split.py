@@ -146,6 +146,7 @@ def test_nested_data_parallelism_around_a_split(backend):
     assert_equivalent(train(build, DATA), train(staged, DATA, config))
 
 
+@pytest.mark.filterwarnings("ignore:.*they are copies of its ops:tfpar.FallbackWarning")
 def test_pipeline_into_a_split_stage():
     """replicate(1) stage then split(2) stage on 3 devices, 2 micro-batches."""
     config = {"cluster.num_devices": 3, "pipeline.num_micro_batch": 2}
@@ -178,6 +179,7 @@ def two_split_stages(tfpar, second="split", devices=(2, 2), micro=2):
     return build
 
 
+@pytest.mark.filterwarnings("ignore:.*they are copies of its ops:tfpar.FallbackWarning")
 @pytest.mark.parametrize("second,devices,num_devices", [
     ("split", (2, 2), 2), ("replicate", (2, 1), 3), ("split", (2, 3), 5)])
 def test_bridges_out_of_split_stages(second, devices, num_devices):

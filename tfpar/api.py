@@ -2,7 +2,6 @@
 import contextlib
 import dataclasses
 import logging
-import os
 import sys
 from typing import Any, Optional
 
@@ -135,11 +134,6 @@ def _discover_devices(cfg: Config):
             "cluster.num_devices unset, which means every GPU", "no GPU is visible, so the "
             "script runs on one CPU device, as without tfpar", "Set cluster.num_devices to N "
             "for N logical CPU devices (they share this host's cores)")
-    elif wanted > 1:
-        text = (f"tfpar: no GPU is visible: the {wanted} devices of cluster.num_devices are "
-                f"logical CPU devices sharing this host's {os.cpu_count()} cores")
-        fallback.note(text)
-        log.info("%s", text)
     return device_names("CPU", wanted or 1), "CPU"
 
 

@@ -40,6 +40,11 @@ class Region:
     frontier: List[tensor_lib.Tensor]
 
 
+# Stateful only to say they may raise: on the merged rows they compute what
+# they computed on each replica's (tf-slim's train_op checks its loss so).
+_PURE = frozenset({"CheckNumerics", "CheckNumericsV2"})
+
+
 def reduction_region(t: tensor_lib.Tensor, batch_dependent: Set[ops.Operation],
                      is_rows: Callable[[tensor_lib.Tensor], bool],
                      allowed: Callable[[ops.Operation], bool],
@@ -61,7 +66,7 @@ def reduction_region(t: tensor_lib.Tensor, batch_dependent: Set[ops.Operation],
         if op in seen:
             continue
         seen.add(op)
-        stateful = op._is_stateful  # pylint: disable=protected-access
+        stateful = op._is_stateful and op.type not in _PURE  # pylint: disable=protected-access
         if stateful or not allowed(op):
             why = "is stateful" if stateful else "is part of the backward pass"
             return None, f"'{op.name}' ({op.type}) {why}"

@@ -5,6 +5,7 @@ never removed.
 """
 import dataclasses
 import json
+import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from tfpar.errors import PlanError
@@ -243,6 +244,11 @@ class Plan:
                 lines.append("  (only auto.auto_parallel plans are costed; "
                              "plans from scopes or config are not)")
             lines += _stated(est)
+        logical = sorted({d for tg in self.task_graphs for d in tg.devices
+                          if re.search(r"/device:CPU:[1-9]", d)})
+        if logical:  # one process has one CPU device; the others are TensorFlow's logical ones
+            lines.append(f"devices: logical CPU devices of one host, sharing its cores "
+                         f"(no GPU is visible), e.g. {device_ranges(logical)}")
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
 

@@ -3,7 +3,6 @@
 graph built before it (the best unsharded one), and the TaskGraphs a build
 with a sharded plan pinned makes."""
 import dataclasses
-import logging
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from tensorflow.python.framework import ops
@@ -35,7 +34,6 @@ __all__ = ["DEFAULT_BATCH", "Automatic", "automatic_plan", "cluster_hardware", "
            "planning_batch", "refuse_planning_only", "sharded_plan", "unapplied",
            "warn_unbuilt_sharding", "with_stage_search"]
 
-log = logging.getLogger("tfpar")
 DEFAULT_BATCH = 32  # neither auto.global_batch nor the model's inputs say
 
 
@@ -105,7 +103,7 @@ def _plan(index: GraphIndex, capture: GraphCapture, rt: Runtime, auto: bool,
     order, view = model_view(index, capture)
     time_limit = cfg.get("auto.search_time_limit_s")
     if not auto:
-        cut = _stages_on_mixed_devices(rt, view, count) or partition_stages(
+        cut = _stages_on_mixed_devices(rt, view, count, index.graph) or partition_stages(
             view.flops, view.edges, count, time_limit * STAGE_ILP_SHARE, view.labels)
         say_stage_cut(index.graph, cut.outcome, f"auto.num_task_graph {count}", time_limit)
         return Automatic(tuple(order), tuple(view.param_bytes), tuple(cut.stages), count,
@@ -140,7 +138,7 @@ def _search(rt: Runtime, view, count: Optional[int], time_limit: float):
     return pick, pick if pick.tensor == 1 else _unsharded(candidates, hardware), candidates
 
 
-def _stages_on_mixed_devices(rt: Runtime, view, count: int) -> Optional[StageCut]:
+def _stages_on_mixed_devices(rt: Runtime, view, count: int, graph) -> Optional[StageCut]:
     """``count`` stages cut for the mixed devices of ``cluster.hardware`` by
     Whale's inter-TaskGraph balance (``planner.balance.balance_stages``): stage
     s runs on the devices ranked s-th by memory, as the plan places it
@@ -168,8 +166,9 @@ def _stages_on_mixed_devices(rt: Runtime, view, count: int) -> Optional[StageCut
         [min(hw.flops_per_s(dtype) for hw in g) for g in groups],
         [min(hw.memory_gb for hw in g) * 2 ** 30 for g in groups])
     if not fits:
-        log.warning("tfpar: the %d stages do not all fit the memory of cluster.hardware's "
-                    "devices (Whale's Algorithm 1 found no cut that does)", count)
+        fallback.advise(f"tfpar: the {count} stages of auto.num_task_graph do not all fit the "
+                        "memory of cluster.hardware's devices (Whale's Algorithm 1 found no cut "
+                        "that does): the step may run out of memory", graph)
     return StageCut(stages, Outcome("hardware-aware cut", "Whale's Algorithm 1"))
 
 
