@@ -13,6 +13,7 @@ import collections
 import json
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -36,10 +37,12 @@ def tf_config(workers: Sequence[str], index: int) -> str:
 
 
 def hosts_commands(hosts: Sequence[str], port: int, script: str, args: Sequence[str]) -> str:
-    """The command to run on each host of a real cluster."""
+    """The command to run on each host of a real cluster, every word quoted
+    for a POSIX shell (an argument holding a space, a quote or a ``;`` reaches
+    the script whole, never the shell)."""
     workers = [f"{h}:{port}" for h in hosts]
-    quoted = " ".join([script, *args])
-    return "\n".join(f"# on {host}\nTF_CONFIG='{tf_config(workers, i)}' python {quoted}"
+    command = shlex.join(["python", script, *args])
+    return "\n".join(f"# on {host}\nTF_CONFIG={shlex.quote(tf_config(workers, i))} {command}"
                      for i, host in enumerate(hosts))
 
 
