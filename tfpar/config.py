@@ -4,7 +4,8 @@ Values come from (lowest to highest precedence) the schema defaults, the
 mapping or JSON source, and ``TFPAR_<SECTION>_<KEY>`` environment variables.
 """
 
-__all__ = ["Config", "Option", "Section", "SCHEMA", "ALIASES", "ENV_CONFIG", "describe"]
+__all__ = ["Config", "Option", "Section", "SCHEMA", "ALIASES", "ENV_CONFIG", "describe",
+           "does_nothing"]
 
 import copy
 import difflib
@@ -79,6 +80,10 @@ SCHEMA = {
                                        "TF_CONFIG's devices per worker, else one node"),
     "cluster.colocate_split_and_replicate": Option("bool", False, (),
                                                    "let TaskGraphs share devices"),
+    "cluster.trusted_network": Option(
+        "bool", False, (), "the network of this TF_CONFIG cluster admits only its workers to "
+        "their ports (a private network, a firewall): their gRPC servers, open to whoever "
+        "connects, are then not said to be (see Security)"),
     "pipeline.num_micro_batch": Option("int", 1, _at_least(1),
                                        "micro-batches per step (1 with auto.auto_parallel and "
                                        "a known batch: the planner chooses)"),
@@ -308,8 +313,14 @@ def _check_modes(values):
     ignored would change what the user thinks runs)."""
     for key, used, mode in _modes(values):
         if not used and values[key] != SCHEMA[key].default:
-            raise ConfigError(f"config key {key!r} ({values[key]!r}) does nothing in this "
-                              f"config: it needs {mode}; drop it or set that")
+            raise does_nothing(key, values[key], mode)
+
+
+def does_nothing(key, value, mode, where="config") -> ConfigError:
+    """The error of ``key``, set to ``value``, in a ``where`` whose mode makes it
+    do nothing: it needs ``mode``."""
+    return ConfigError(f"config key {key!r} ({value!r}) does nothing in this {where}: it needs "
+                       f"{mode}; drop it or set that")
 
 
 class Section:
