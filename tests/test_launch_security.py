@@ -155,3 +155,36 @@ def test_why_a_network_namespace_is_refused_names_the_cause_and_the_way_out(monk
     why = netns.enter_private_network()
     assert why.startswith("unshare(CLONE_NEWUSER|CLONE_NEWNET): Operation not permitted (run as "
                           "root, or allow unprivileged user namespaces"), why
+
+
+@pytest.mark.slow
+def test_strict_refuses_an_open_server_unless_the_network_is_trusted():
+    """Chief of a 2-worker TF_CONFIG whose other worker never comes: under
+    strict an open server is a PlanError before it starts; with
+    cluster.trusted_network it starts (and waits for the other worker in
+    vain); without a cluster that key is a ConfigError."""
+    ports = launcher._free_ports(2)  # pylint: disable=protected-access
+    tf_config = launcher.tf_config([f"127.0.0.1:{p}" for p in ports], 0)
+    code = ("import sys, json, tfpar as wh\n"
+            "try:\n    wh.init(json.loads(sys.argv[1]))\n"
+            "except Exception as e:\n    print(type(e).__name__, e)\n")
+    cases = {"strict": ({"strict": True}, tf_config),
+             "trusted": ({"strict": True, "cluster.trusted_network": True}, tf_config),
+             "alone": ({"cluster.trusted_network": True}, None)}
+    procs = {}
+    for name, (config, cluster) in cases.items():
+        env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+        env.update(TFPAR_COMMUNICATION_TIMEOUT_S="2", TFPAR_CLUSTER_NUM_DEVICES="1")
+        if cluster:
+            env["TF_CONFIG"] = cluster
+        procs[name] = subprocess.Popen([sys.executable, "-c", code, json.dumps(config)], env=env,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = {name: proc.communicate(timeout=120)[0] for name, proc in procs.items()}
+    assert (f"PlanError tfpar: a gRPC server for /job:worker/task:0 at 127.0.0.1:{ports[0]}: "
+            "TensorFlow 2.15 listens on every interface") in out["strict"], out["strict"]
+    assert "(strict: true makes this an error)" in out["strict"]
+    assert "ClusterError tfpar: worker /job:worker/task:1" in out["trusted"], out["trusted"]
+    assert "did not start within 2 s" in out["trusted"]
+    assert ("ConfigError config key 'cluster.trusted_network' (True) does nothing in this "
+            "process: it needs a TF_CONFIG cluster of 2 or more workers") in out["alone"], \
+        out["alone"]
