@@ -6,9 +6,12 @@ runs the whole parallel graph (in-graph replication): its devices span every
 worker (``/job:worker/replica:0/task:t/device:...``), data moves over gRPC, and
 collectives span processes with task 0 as group leader. The other workers
 serve their devices; ``wh.init`` does not return there: released at the
-chief's exit, they exit once the chief's process has ended. Before the chief
-trains, every worker must answer within ``communication.timeout_s``, and a
-worker lost later fails the step with an error naming it, never a hang.
+chief's exit, they exit once the chief's process has ended, or with an error
+naming the chief when its port has refused connections for
+``communication.timeout_s`` (it never started, or died unreleasing them).
+Before the chief trains, every worker must answer within
+``communication.timeout_s``, and a worker lost later fails the step with an
+error naming it, never a hang.
 """
 import atexit
 import dataclasses
@@ -16,6 +19,7 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 from typing import List, Mapping, Optional
 
@@ -32,6 +36,10 @@ __all__ = ["Cluster", "from_tf_config"]
 
 JOB = "worker"
 _RELEASE_QUEUE = "tfpar_release"
+_WATCH_S = 1.0  # how often a worker checks that the chief is up
+# The release waits as long as the chief trains: not communication.timeout_s,
+# the server's deadline for every other run.
+_NO_DEADLINE_MS = 2 ** 40
 
 
 @dataclasses.dataclass
@@ -125,11 +133,22 @@ class Cluster:
         with graph.as_default(), ops.device(self.host_cpu(self.task)):
             queue = data_flow_ops.FIFOQueue(1, dtypes.int32, shared_name=_RELEASE_QUEUE)
             release = queue.dequeue()
-        # Only this task's devices: contacting a chief that is not up yet would put
-        # the channel to it in gRPC's back-off and fail the first step's transfers.
+        # Only this task's devices: contacting a chief that is not up yet would put the
+        # channel to it in gRPC's back-off and fail the first step's transfers.
         own = config_pb2.ConfigProto(device_filters=[f"/job:{JOB}/task:{self.task}"])
-        with tf_session.Session(self.server.target, graph=graph, config=own) as sess:
-            sess.run(release)
+        released = threading.Event()
+
+        def serve():
+            with tf_session.Session(self.server.target, graph=graph, config=own) as sess:
+                sess.run(release, options=config_pb2.RunOptions(timeout_in_ms=_NO_DEADLINE_MS))
+            released.set()
+        threading.Thread(target=serve, daemon=True).start()
+        if not self._chief_alive(released, timeout_s):
+            sys.stderr.write(f"ClusterError: tfpar: the chief /job:{JOB}/task:0 ({self.workers[0]}) "
+                             f"is unreachable for {timeout_s:g} s: worker /job:{JOB}/task:"
+                             f"{self.task} exits; restart every worker (the chief resumes from "
+                             "its last checkpoint), or raise communication.timeout_s\n")
+            self._exit(1)
         # The chief still closes its sessions (the release's, the script's unclosed
         # ones), which call this server: leaving earlier fails those calls (gRPC
         # UNAVAILABLE logs) or even the release step in flight (its session then
@@ -137,9 +156,24 @@ class Cluster:
         deadline = time.monotonic() + timeout_s
         while _reachable(self.workers[0]) and time.monotonic() < deadline:
             time.sleep(0.1)
+        self._exit(0)
+
+    def _chief_alive(self, released: threading.Event, timeout_s: float) -> bool:
+        """Wait for the chief's release: False when the chief's port refuses
+        connections for ``timeout_s`` in a row first (not started, or gone)."""
+        last_seen = time.monotonic()
+        while not released.wait(_WATCH_S):
+            if _reachable(self.workers[0]):
+                last_seen = time.monotonic()
+            elif time.monotonic() - last_seen > timeout_s:
+                return False
+        return True
+
+    @staticmethod
+    def _exit(code: int) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)  # pylint: disable=protected-access  (gRPC server teardown can block)
+        os._exit(code)  # pylint: disable=protected-access  (gRPC server teardown can block)
 
 
 def _reachable(address: str) -> bool:

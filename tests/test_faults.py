@@ -1,0 +1,93 @@
+"""Faults of multi-worker runs: processes lost, stopped or killed, and launches
+restarted from checkpoints. Real processes on localhost (TF_CONFIG, gRPC),
+each wait bounded; marked slow (CI runs them)."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tfpar.runtime.launcher import _free_ports, tf_config
+
+pytestmark = pytest.mark.slow
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "multiworker_script.py")
+
+
+class Processes:
+    """Processes started by a test, each killed at its end if still running."""
+
+    def __init__(self):
+        self.started = []
+
+    def start(self, command, **kwargs):
+        proc = subprocess.Popen(command, text=True, start_new_session=True, **kwargs)
+        self.started.append(proc)
+        return proc
+
+    def kill_all(self):
+        for proc in self.started:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+@pytest.fixture
+def processes():
+    started = Processes()
+    yield started
+    started.kill_all()
+
+
+def read_until(stream, prefix, seen=None):
+    """Lines of ``stream`` up to the first starting with ``prefix`` (returned)."""
+    for line in stream:
+        if seen is not None:
+            seen.append(line)
+        if line.startswith(prefix):
+            return line
+    raise AssertionError(f"the stream ended before a line starting with {prefix!r}")
+
+
+def cluster(processes, tmp_path, timeout_s, chief_args=()):
+    """A chief and a worker of a 2-worker TF_CONFIG cluster (1 device each)
+    running the test script, the chief with ``chief_args``: (chief, worker,
+    addresses)."""
+    addresses = [f"127.0.0.1:{p}" for p in _free_ports(2)]
+    env = dict(os.environ, TFPAR_COMMUNICATION_TIMEOUT_S=str(timeout_s),
+               TFPAR_CLUSTER_NUM_DEVICES="1")
+    worker = processes.start([sys.executable, SCRIPT, str(tmp_path / "w.npz")],
+                             env=dict(env, TF_CONFIG=tf_config(addresses, 1)),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    chief = processes.start([sys.executable, SCRIPT, str(tmp_path / "c.npz"), *chief_args],
+                            env=dict(env, TF_CONFIG=tf_config(addresses, 0)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return chief, worker, addresses
+
+
+def test_a_worker_whose_chief_is_lost_exits_naming_it(processes, tmp_path):
+    """The chief killed mid-run (no release at its exit): the other worker,
+    which only serves, exits with an error naming the chief once its port has
+    refused connections for communication.timeout_s (it served forever)."""
+    chief, worker, addresses = cluster(processes, tmp_path, 5, ["--steps", "200", "--sleep", "0.2"])
+    read_until(chief.stdout, "step 2 ")
+    chief.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    _, stderr = worker.communicate(timeout=90)
+    assert worker.returncode == 1, stderr[-2000:]
+    assert (f"ClusterError: tfpar: the chief /job:worker/task:0 ({addresses[0]}) is unreachable "
+            "for 5 s: worker /job:worker/task:1 exits") in stderr, stderr[-2000:]
+    assert time.monotonic() - killed < 30
+
+
+def test_a_run_longer_than_the_timeout_keeps_its_workers(processes, tmp_path):
+    """communication.timeout_s bounds each step, not the run: a worker serves
+    for as long as the chief trains (it left after timeout_s, waiting for its
+    release under the server's deadline, and the chief's next step failed)."""
+    chief, worker, _ = cluster(processes, tmp_path, 3, ["--steps", "25", "--sleep", "0.2"])
+    _, stderr = chief.communicate(timeout=120)
+    assert chief.returncode == 0, stderr[-2000:]
+    _, stderr = worker.communicate(timeout=60)
+    assert worker.returncode == 0, stderr[-2000:]
