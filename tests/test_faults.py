@@ -91,3 +91,35 @@ def test_a_run_longer_than_the_timeout_keeps_its_workers(processes, tmp_path):
     assert chief.returncode == 0, stderr[-2000:]
     _, stderr = worker.communicate(timeout=60)
     assert worker.returncode == 0, stderr[-2000:]
+
+
+def _running(pid):
+    """Whether process ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_no_worker_outlives_its_launcher(sig, processes, tmp_path):
+    """The launcher stopped (SIGTERM: it stops its workers and exits 128 + 15)
+    or killed (SIGKILL: each worker gets SIGTERM from the kernel): no worker
+    is left running (they ran on, orphaned)."""
+    script = tmp_path / "sleeper.py"
+    script.write_text("import os, time\nprint('pid', os.getpid(), flush=True)\ntime.sleep(120)\n")
+    launch = processes.start([sys.executable, "-m", "tfpar.cli", "launch", "--workers", "2",
+                              str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    seen, pids = [], []
+    while len(pids) < 2:
+        pids.append(int(read_until(launch.stdout, "[worker ", seen).split()[-1]))
+    launch.send_signal(sig)
+    assert launch.wait(timeout=60) == (128 + sig if sig == signal.SIGTERM else -sig)
+    deadline = time.monotonic() + 20
+    while any(map(_running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in pids if _running(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "".join(seen)
