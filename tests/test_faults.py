@@ -123,3 +123,19 @@ def test_no_worker_outlives_its_launcher(sig, processes, tmp_path):
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, "".join(seen)
+
+
+def test_a_stopped_worker_is_named_in_time(processes, tmp_path):
+    """A worker stopped mid-run (SIGSTOP: its port still accepts connections,
+    nothing answers): the chief's step fails at its deadline with a
+    ClusterError naming it (it was TensorFlow's DeadlineExceededError, naming
+    no one)."""
+    chief, worker, addresses = cluster(processes, tmp_path, 3, ["--steps", "200", "--sleep", "0.2"])
+    read_until(chief.stdout, "step 2 ")
+    worker.send_signal(signal.SIGSTOP)
+    stopped = time.monotonic()
+    _, stderr = chief.communicate(timeout=90)
+    assert chief.returncode == 1, stderr[-2000:]
+    assert (f"ClusterError: tfpar: worker /job:worker/task:1 ({addresses[1]}) is not responding "
+            "within 2 s (its process is stopped or hung)") in stderr, stderr[-2000:]
+    assert time.monotonic() - stopped < 30

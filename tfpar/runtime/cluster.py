@@ -21,7 +21,7 @@ import socket
 import sys
 import threading
 import time
-from typing import List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional
 
 from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.client import session as tf_session
@@ -32,10 +32,15 @@ from tensorflow.python.training import server_lib
 from tfpar.cluster.devices import device_names
 from tfpar.errors import ClusterError, ConfigError
 
-__all__ = ["Cluster", "from_tf_config"]
+__all__ = ["Cluster", "LOST", "START", "from_tf_config"]
 
 JOB = "worker"
 _RELEASE_QUEUE = "tfpar_release"
+_GET_STATUS = "/tensorflow.WorkerService/GetStatus"
+START = ("start every worker of TF_CONFIG (or use `tfpar launch`), or raise "
+         "communication.timeout_s")
+LOST = ("restart every worker (`tfpar launch --max-restarts R` does): the chief resumes from "
+        "its last checkpoint; or raise communication.timeout_s")
 _WATCH_S = 1.0  # how often a worker checks that the chief is up
 # The release waits as long as the chief trains: not communication.timeout_s,
 # the server's deadline for every other run.
@@ -93,21 +98,36 @@ class Cluster:
                 return missing
             time.sleep(0.2)
 
+    def lost_workers(self, timeout_s: float) -> Dict[int, str]:
+        """Tasks (the chief aside) whose server does not answer a status request
+        within ``timeout_s`` -> what is wrong: nothing listens, or it does not
+        answer (its process is stopped or hung, though its port still accepts
+        connections)."""
+        answers: Dict[int, Optional[str]] = {}
+        probes = [threading.Thread(target=lambda t=t: answers.update({t: _status(
+            self.workers[t], timeout_s)})) for t in range(1, len(self.workers))]
+        for probe in probes:  # threads, not an executor: this also runs at exit
+            probe.start()
+        for probe in probes:
+            probe.join()
+        return {t: why for t, why in sorted(answers.items()) if why}
+
     def wait_for_workers(self, timeout_s: float) -> None:
         missing = self.missing_workers(timeout_s)
         if missing:
-            raise ClusterError(self.describe_missing(missing, f"did not start within "
-                                                              f"{timeout_s:g} s"))
+            raise ClusterError(self.describe({t: f"did not start within {timeout_s:g} s"
+                                              for t in missing}, START))
 
-    def describe_missing(self, tasks: List[int], what: str) -> str:
-        names = ", ".join(f"/job:{JOB}/task:{t} ({self.workers[t]})" for t in tasks)
-        return (f"tfpar: worker {names} {what}; start every worker of TF_CONFIG (or use "
-                "`tfpar launch`), or raise communication.timeout_s")
+    def describe(self, why: Dict[int, str], remedy: str) -> str:
+        """The error text of workers (task -> what is wrong), then ``remedy``."""
+        names = "; ".join(f"worker /job:{JOB}/task:{t} ({self.workers[t]}) {what}"
+                          for t, what in sorted(why.items()))
+        return f"tfpar: {names}; {remedy}"
 
     def release_workers(self, timeout_s: float) -> None:
         """Tell every other worker still up that it may exit (best effort, bounded;
         only live workers are contacted: a session to a dead one would wait)."""
-        lost = set(self.missing_workers(timeout_s=0.0))
+        lost = self.lost_workers(timeout_s=2.0)  # a session to a hung one would wait too
         live = [t for t in range(1, len(self.workers)) if t not in lost]
         if not live:
             return
@@ -174,6 +194,22 @@ class Cluster:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)  # pylint: disable=protected-access  (gRPC server teardown can block)
+
+
+def _status(address: str, timeout_s: float) -> Optional[str]:
+    """None when the TensorFlow server at ``address`` answers a status request
+    (``WorkerService.GetStatus``: an empty request, its devices in reply)
+    within ``timeout_s``, else what is wrong."""
+    import grpc  # pylint: disable=import-outside-toplevel  (TensorFlow's dependency)
+    with grpc.insecure_channel(address) as channel:
+        try:
+            channel.unary_unary(_GET_STATUS)(b"", timeout=timeout_s)
+            return None
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return (f"is not responding within {timeout_s:g} s (its process is stopped or "
+                        "hung)")
+            return "is unreachable"
 
 
 def _reachable(address: str) -> bool:

@@ -38,6 +38,7 @@ from tfpar.runtime.automatic import (Automatic, automatic_plan, cluster_hardware
                                      sharded_plan, warn_unbuilt_sharding)
 from tfpar.runtime.balanced import batch_shares, shard_shares
 from tfpar.runtime.captured_batches import captured_batch, unsplittable
+from tfpar.runtime.cluster import LOST
 from tfpar.runtime.context import Runtime, active
 from tfpar.runtime.gc_paused import gc_paused
 from tfpar.runtime.retune import GroupRetuner
@@ -261,13 +262,14 @@ def ran_before_rewrite(graph: ops.Graph, carried: int) -> bool:
 
 
 def run_failed(error: Exception) -> None:
-    """A step failed: in a cluster, name the workers that are gone."""
+    """A step failed: in a cluster, name the workers that are gone or do not
+    answer (stopped, hung)."""
     rt = active()
     if rt is None or rt.cluster is None:
         return
-    missing = rt.cluster.missing_workers(timeout_s=2.0)
-    if missing:
-        raise ClusterError(rt.cluster.describe_missing(missing, "is unreachable")) from error
+    lost = rt.cluster.lost_workers(timeout_s=2.0)
+    if lost:
+        raise ClusterError(rt.cluster.describe(lost, LOST)) from error
 
 
 def make_split_context(capture: GraphCapture, spec: TaskGraphSpec, rt: Runtime,
