@@ -7,13 +7,17 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
+from equivalence import assert_equivalent, make_data, mlp_classifier, train
+from test_multiworker import results
 from tfpar.runtime.launcher import _free_ports, tf_config
 
 pytestmark = pytest.mark.slow
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "multiworker_script.py")
+DATA = make_data(steps=4, batch=8)  # multiworker_script.py's
 
 
 class Processes:
@@ -139,3 +143,36 @@ def test_a_stopped_worker_is_named_in_time(processes, tmp_path):
     assert (f"ClusterError: tfpar: worker /job:worker/task:1 ({addresses[1]}) is not responding "
             "within 2 s (its process is stopped or hung)") in stderr, stderr[-2000:]
     assert time.monotonic() - stopped < 30
+
+
+@pytest.mark.parametrize("victim", [1, 0], ids=["worker", "chief"])
+def test_a_restarted_launch_ends_as_an_uninterrupted_run(victim, processes, tmp_path):
+    """A worker, or the chief, killed (SIGKILL) after step 1 of 4: `tfpar launch
+    --max-restarts 1` stops the other, starts both again, and the script
+    resumes from its last checkpoint (it saves one every step and feeds each
+    step the batch of its global step): every step printed, repeated or not,
+    has the loss of that step on one device, and the final variables are
+    those of 4 uninterrupted steps on one device."""
+    out, ckpt = tmp_path / "out.npz", tmp_path / "ckpt"
+    launch = processes.start(
+        [sys.executable, "-m", "tfpar.cli", "launch", "--workers", "2", "--devices-per-worker",
+         "2", "--max-restarts", "1", SCRIPT, str(out), "--checkpoint-dir", str(ckpt),
+         "--sleep", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    seen = []
+    read_until(launch.stdout, "[worker 0] step 1 ", seen)
+    pids = {int(line[8]): int(line.split()[-1]) for line in seen if " pid " in line}
+    os.kill(pids[victim], signal.SIGKILL)
+    text = "".join(seen) + launch.communicate(timeout=240)[0]
+    assert launch.returncode == 0, text[-3000:]
+    role = " (chief)" if victim == 0 else ""
+    assert f"tfpar launch: worker {victim}{role} failed with signal 9:\n" in text, text[-3000:]
+    assert "tfpar launch: restarting every worker (restart 1 of 1)\n" in text
+    printed = [line.split()[3:6:2] for line in text.splitlines()
+               if line.startswith("[worker 0] step ")]
+    reference_losses, reference_values = train(mlp_classifier(), DATA)
+    assert sorted({int(step) for step, _ in printed}) == [0, 1, 2, 3], printed
+    for step, loss in printed:
+        np.testing.assert_allclose(float(loss), reference_losses[int(step)], rtol=1e-5)
+    losses, values = results(out)  # the last run's: from its checkpoint's step to the end
+    assert_equivalent((reference_losses[-len(losses):], dict(reference_values, global_step=4)),
+                      (losses, values), parallel=False)
