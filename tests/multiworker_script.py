@@ -2,7 +2,7 @@
 
     python tests/multiworker_script.py OUT.npz [--mode dp|dp-data|pipeline]
         [--save CKPT] [--restore CKPT --first-step K] [--steps N] [--sleep S] [--horovod]
-        [--checkpoint-dir DIR]
+        [--checkpoint-dir DIR] [--nan STEP ROW]
 
 In a TF_CONFIG cluster the chief trains the test MLP on the equivalence data and
 writes per-step losses and variables to OUT.npz; other workers only serve
@@ -11,7 +11,8 @@ process trains its share and writes OUT.npz with its rank appended. With
 --checkpoint-dir it trains as a script that survives restarts does: a
 MonitoredTrainingSession saving a checkpoint in DIR after every step (and
 resuming from the last one), each step fed the batch of the global step it
-computes, until the global step is N. Every process prints its pid first.
+computes, until the global step is N. --nan puts a NaN in row ROW of step
+STEP's batch. Every process prints its pid first.
 """
 import argparse
 import os
@@ -101,6 +102,7 @@ def main():
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--horovod", action="store_true")
     parser.add_argument("--checkpoint-dir", help="resume from and checkpoint every step to DIR")
+    parser.add_argument("--nan", type=int, nargs=2, help="STEP ROW: a NaN in that batch row")
     args = parser.parse_args()
     print("pid", os.getpid(), flush=True)
     config = {"communication.timeout_s": 20.0}
@@ -114,7 +116,9 @@ def main():
     wh.init(config)
     TRACER.install()  # proves, below, that the plan ran in this process's steps
     build = BUILDS.get(args.mode) or mlp_classifier(global_step=bool(args.checkpoint_dir))
-    xs, ys = DATA
+    xs, ys = DATA[0].copy(), DATA[1]
+    if args.nan:
+        xs[args.nan[0]][args.nan[1], 0] = np.nan
     if args.mode in ("dp-data", "dp-shard"):
         batch = 8 if args.mode == "dp-data" else 4
         ds = tf.data.Dataset.from_tensor_slices((xs.reshape(-1, 6), ys.reshape(-1))).batch(batch)

@@ -79,6 +79,7 @@ def test_defaults():
         "batch_norm": {"sync": False},
         "communication": {"backend": "auto", "fusion_mb": 64.0, "timeout_s": 60.0},
         "io": {"shard_dataset": False},
+        "check": {"finite_gradients": False},
         "plan": None,
         "strict": False,
     }

@@ -156,6 +156,10 @@ SCHEMA = {
     "communication.fusion_mb": Option("float", 64.0, _POSITIVE, "gradient fusion bucket (MB)"),
     "communication.timeout_s": Option("float", 60.0, _POSITIVE, "collective timeout"),
     "io.shard_dataset": Option("bool", False, (), "shard input datasets across replicas"),
+    "check.finite_gradients": Option(
+        "bool", False, (), "every replica's and micro-batch's gradients are checked before they "
+        "are summed: a NaN or Inf fails the step naming the variable, the step, the replica, "
+        "TaskGraph / stage, micro-batch and device"),
     "plan": Option("dict|None", None, (), "plan JSON (dict or text) that pins the plan"),
     "strict": Option("bool", False, (), "every fallback (tfpar running something other than "
                      "what was asked, a tfpar.FallbackWarning) raises PlanError instead"),
