@@ -3,22 +3,21 @@
 Before: each version (replica j of a stage, micro-batch m) of a raw gradient
 is read by the ops that weigh and sum it (or, on one device, by the update).
 
-After: every reader reads it through a check on its own device: an identity
-that waits for a guarded assertion that every value is finite. The assertion
-builds its message only when it fails (no quotes: TensorFlow escapes
-them): the variable, the gradient tensor, the
-step (a counter on the device's host CPU, counting the steps in which that
-device computed gradients, from 1), the replica, TaskGraph, stage,
-micro-batch, device and Horovod rank. A failed check fails the step with
-TensorFlow's ``InvalidArgumentError``; updates of other variables that did
-not wait for it may already have run in that step.
+After: every reader reads it through a check beside it: an identity that
+waits for an assertion that every value is finite. A failed assertion prints
+(no quotes in it: TensorFlow escapes them) the variable, the gradient tensor,
+the replica, TaskGraph, stage, micro-batch, device and Horovod rank, then the
+step (a counter beside the check, counting from 1 the steps in which that
+device computed gradients), and fails the step with TensorFlow's
+``InvalidArgumentError``; updates of other variables that did not wait for it
+may already have run in that step.
 """
 from typing import Dict
 
-from tensorflow.python.framework import constant_op, dtypes, ops
+from tensorflow.python.framework import constant_op, device as device_lib, dtypes, ops
 from tensorflow.python.framework import tensor as tensor_lib
-from tensorflow.python.ops import (array_ops, cond, control_flow_assert, gen_math_ops, math_ops,
-                                   resource_variable_ops, string_ops)
+from tensorflow.python.ops import (array_ops, gen_logging_ops, gen_math_ops, math_ops,
+                                   resource_variable_ops)
 
 from tfpar.hooks.loss_scaling import read_or
 from tfpar.rewriters import graph_edit
@@ -66,26 +65,30 @@ def _check_versions(rw, t: tensor_lib.Tensor, var: ops.Operation,
 
 def _checked(t: tensor_lib.Tensor, what: str, where: str,
              counters: Dict[str, tensor_lib.Tensor]) -> tensor_lib.Tensor:
-    """``t``, once every value of it is found finite."""
+    """``t``, once every value of it is found finite: one assertion (a raw
+    Assert op, which prints its data only when it fails; ``tf.debugging.Assert``
+    would guard int64 data with a conditional, a function call per check and
+    step) beside ``t`` (``_cpu``), reading the step counted there."""
     with ops.device(t.device):
         finite = math_ops.reduce_all(gen_math_ops.is_finite(t))
-    host = host_device(t.device) if t.device else ""
+    host = _cpu(t.device)
     if host not in counters:
         counters[host] = _step(host)
-    step = counters[host]
     with ops.device(host):
-        failed = cond.cond(finite, lambda: constant_op.constant(True), lambda: _fail(
-            f"tfpar: check.finite_gradients: {what} holds NaN or Inf in step {{}}, computed by "
-            f"{where}; the step failed, and updates of other variables in it may have run: "
-            "continue from a checkpoint", step))
-    with ops.device(t.device), ops.control_dependencies([failed, step.op]):
+        check = gen_logging_ops._assert(finite, [  # pylint: disable=protected-access
+            f"tfpar: check.finite_gradients: {what} holds NaN or Inf, computed by {where}; the "
+            "step failed, and updates of other variables in it may have run: continue from a "
+            "checkpoint. The step (counted from 1):", counters[host]])
+    with ops.device(t.device), ops.control_dependencies([check]):
         return array_ops.identity(t)
 
 
-def _fail(template: str, step: tensor_lib.Tensor) -> tensor_lib.Tensor:
-    message = string_ops.string_format(template, [step])
-    with ops.control_dependencies([control_flow_assert.Assert(False, [message])]):
-        return constant_op.constant(False)
+def _cpu(device: str) -> str:
+    """``device`` if a CPU (or unplaced), else its host's CPU: where its
+    check's assertion and step counter run (Assert has CPU kernels only)."""
+    if not device or device_lib.DeviceSpec.from_string(device).device_type == "CPU":
+        return device
+    return host_device(device)
 
 
 def _step(host: str) -> tensor_lib.Tensor:
