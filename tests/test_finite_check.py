@@ -2,6 +2,8 @@
 before they are summed; a NaN or Inf fails the step naming where it was."""
 import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -133,13 +135,24 @@ def test_a_tf2_step_names_a_non_finite_gradient(devices, where):
 
 
 @pytest.mark.slow
-def test_a_non_finite_gradient_is_named_with_its_worker(tmp_path):
-    """2 TF_CONFIG workers x 2 devices: the NaN of row 5 (replica 2: worker 1's
-    first device) fails the chief's step 3 naming that device."""
+@pytest.mark.parametrize("job", ["tf_config", "horovod"])
+def test_a_non_finite_gradient_is_named_with_its_worker(job, tmp_path):
+    """The NaN of row 5 of step 2: 2 TF_CONFIG workers x 2 devices fail the
+    chief's step 3 naming replica 2, worker 1's first device; 2 Horovod
+    processes (one device each, rows 4-7 on rank 1) name rank 1."""
     env = dict(os.environ, TFPAR_CHECK_FINITE_GRADIENTS="true")
-    out = launch(SCRIPT, str(tmp_path / "out.npz"), "--nan", "2", str(NAN_ROW), env=env)
-    assert out.returncode == 1, out.stdout[-3000:]
-    assert re.search(r"holds NaN or Inf, computed by replica 2 of TaskGraph replicate_all "
-                     r"\(stage 0\), micro-batch 0, on /job:worker/replica:0/task:1/device:CPU:0; "
-                     r"the step failed.*The step \(counted from 1\):\] \[3\]", out.stdout), \
-        out.stdout[-3000:]
+    args = [SCRIPT, str(tmp_path / "out.npz"), "--nan", "2", str(NAN_ROW)]
+    if job == "tf_config":
+        out = launch(*args, env=env).stdout
+        where = "replica 2 of TaskGraph replicate_all (stage 0), micro-batch 0, on " \
+                "/job:worker/replica:0/task:1/device:CPU:0"
+    else:
+        horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+        done = subprocess.run([horovodrun, "-np", "2", "-H", "localhost:2", "--gloo",
+                               sys.executable, *args, "--horovod"], capture_output=True,
+                              text=True, timeout=240, env=env)
+        out = done.stdout + done.stderr
+        where = "replica 0 of TaskGraph replicate_all (stage 0), micro-batch 0, on " \
+                "/job:localhost/replica:0/task:0/device:CPU:0, Horovod rank 1 of 2"
+    assert re.search(rf"holds NaN or Inf, computed by {re.escape(where)}; the step failed.*The "
+                     r"step \(counted from 1\):\] \[3\]", out), out[-3000:]
