@@ -71,19 +71,29 @@ def cluster(processes, tmp_path, timeout_s, chief_args=()):
     return chief, worker, addresses
 
 
-def test_a_worker_whose_chief_is_lost_exits_naming_it(processes, tmp_path):
-    """The chief killed mid-run (no release at its exit): the other worker,
-    which only serves, exits with an error naming the chief once its port has
-    refused connections for communication.timeout_s (it served forever)."""
-    chief, worker, addresses = cluster(processes, tmp_path, 5, ["--steps", "200", "--sleep", "0.2"])
+@pytest.mark.parametrize("victim,sig,timeout_s,said", [
+    ("chief", signal.SIGKILL, 5, "ClusterError: tfpar: the chief /job:worker/task:0 ({0}) is "
+                                 "unreachable for 5 s: worker /job:worker/task:1 exits"),
+    ("worker", signal.SIGSTOP, 3, "ClusterError: tfpar: worker /job:worker/task:1 ({1}) is not "
+                                  "responding within 2 s (its process is stopped or hung)"),
+], ids=["chief-killed", "worker-stopped"])
+def test_a_lost_peer_is_named_in_time(victim, sig, timeout_s, said, processes, tmp_path):
+    """After step 2 of 200: the chief killed (no release at its exit): the
+    other worker, which only serves, exits naming it once its port has
+    refused connections for communication.timeout_s (it served forever); a
+    worker stopped (SIGSTOP: its port still accepts connections, nothing
+    answers): the chief's step fails at its deadline naming it (it was
+    TensorFlow's DeadlineExceededError, naming no one)."""
+    chief, worker, addresses = cluster(processes, tmp_path, timeout_s,
+                                       ["--steps", "200", "--sleep", "0.2"])
     read_until(chief.stdout, "step 2 ")
-    chief.send_signal(signal.SIGKILL)
-    killed = time.monotonic()
-    _, stderr = worker.communicate(timeout=90)
-    assert worker.returncode == 1, stderr[-2000:]
-    assert (f"ClusterError: tfpar: the chief /job:worker/task:0 ({addresses[0]}) is unreachable "
-            "for 5 s: worker /job:worker/task:1 exits") in stderr, stderr[-2000:]
-    assert time.monotonic() - killed < 30
+    (chief if victim == "chief" else worker).send_signal(sig)
+    hit = time.monotonic()
+    other = worker if victim == "chief" else chief
+    _, stderr = other.communicate(timeout=90)
+    assert other.returncode == 1, stderr[-2000:]
+    assert said.format(*addresses) in stderr, stderr[-2000:]
+    assert time.monotonic() - hit < 30
 
 
 def test_a_run_longer_than_the_timeout_keeps_its_workers(processes, tmp_path):
@@ -127,22 +137,6 @@ def test_no_worker_outlives_its_launcher(sig, processes, tmp_path):
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, "".join(seen)
-
-
-def test_a_stopped_worker_is_named_in_time(processes, tmp_path):
-    """A worker stopped mid-run (SIGSTOP: its port still accepts connections,
-    nothing answers): the chief's step fails at its deadline with a
-    ClusterError naming it (it was TensorFlow's DeadlineExceededError, naming
-    no one)."""
-    chief, worker, addresses = cluster(processes, tmp_path, 3, ["--steps", "200", "--sleep", "0.2"])
-    read_until(chief.stdout, "step 2 ")
-    worker.send_signal(signal.SIGSTOP)
-    stopped = time.monotonic()
-    _, stderr = chief.communicate(timeout=90)
-    assert chief.returncode == 1, stderr[-2000:]
-    assert (f"ClusterError: tfpar: worker /job:worker/task:1 ({addresses[1]}) is not responding "
-            "within 2 s (its process is stopped or hung)") in stderr, stderr[-2000:]
-    assert time.monotonic() - stopped < 30
 
 
 @pytest.mark.parametrize("victim", [1, 0], ids=["worker", "chief"])
