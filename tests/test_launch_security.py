@@ -188,3 +188,25 @@ def test_strict_refuses_an_open_server_unless_the_network_is_trusted():
     assert ("ConfigError config key 'cluster.trusted_network' (True) does nothing in this "
             "process: it needs a TF_CONFIG cluster of 2 or more workers") in out["alone"], \
         out["alone"]
+
+
+def test_a_namespace_whose_loopback_stays_down_is_not_entered(monkeypatch):
+    """unshare succeeds but loopback cannot be brought up (Ubuntu 24.04's
+    restricted user namespaces): a forked child found it out, so this process
+    stays in its network (one entered could not be left, and its workers could
+    not reach one another)."""
+    class Libc:
+        @staticmethod
+        def unshare(flags):
+            return 0
+
+    def refused():
+        raise OSError(errno.EPERM, os.strerror(errno.EPERM))
+    monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: Libc())
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(netns, "_loopback_up", refused)
+    before = os.readlink("/proc/self/ns/net")
+    why = netns.enter_private_network()
+    assert why.startswith("unshare(CLONE_NEWNET) succeeded but loopback could not be brought "
+                          "up (Operation not permitted)"), why
+    assert os.readlink("/proc/self/ns/net") == before

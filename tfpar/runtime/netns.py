@@ -36,9 +36,25 @@ def contained() -> bool:
 def enter_private_network() -> Optional[str]:
     """Move this process, and every process it starts from now on, into a
     network namespace of its own with loopback up. Returns None, or why it
-    could not (the process is then where it was)."""
+    could not (the process is then where it was: a forked child tries first,
+    since a namespace entered whose loopback stays down cannot be left)."""
     if not sys.platform.startswith("linux"):
         return f"network namespaces are Linux's, and this is {sys.platform}"
+    readable, writable = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.close(readable)
+        os.write(writable, (_enter() or "").encode())
+        os._exit(0)  # pylint: disable=protected-access
+    os.close(writable)
+    with os.fdopen(readable, "rb") as answer:
+        why = answer.read().decode() or None
+    os.waitpid(child, 0)
+    return why if why is not None else _enter()
+
+
+def _enter() -> Optional[str]:
+    """``enter_private_network`` in this very process."""
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     uid, gid = os.geteuid(), os.getegid()
     tried = []
