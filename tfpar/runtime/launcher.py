@@ -154,14 +154,14 @@ def _attempt(workers: int, script: str, args: Sequence[str], devices_per_worker:
              out) -> Optional[_Worker]:
     """Start every worker on fresh ports and wait: the first to fail, or None."""
     addresses = [f"127.0.0.1:{p}" for p in _free_ports(workers)]
-    procs = []
+    procs, before_script = [], _die_with(os.getpid())
     for i in range(workers):
         env: Dict[str, str] = dict(os.environ, TF_CONFIG=tf_config(addresses, i))
         if devices_per_worker is not None:
             env["TFPAR_CLUSTER_NUM_DEVICES"] = str(devices_per_worker)
         procs.append(subprocess.Popen([sys.executable, script, *args], env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      preexec_fn=_die_with(os.getpid())))
+                                      preexec_fn=before_script))
     lock = threading.Lock()  # pumps start once every worker is forked (see _die_with)
     started = [_Worker(i, proc, out, lock) for i, proc in enumerate(procs)]
     try:
