@@ -153,8 +153,8 @@ class Cluster:
         with graph.as_default(), ops.device(self.host_cpu(self.task)):
             queue = data_flow_ops.FIFOQueue(1, dtypes.int32, shared_name=_RELEASE_QUEUE)
             release = queue.dequeue()
-        # Only this task's devices: contacting a chief that is not up yet would put the
-        # channel to it in gRPC's back-off and fail the first step's transfers.
+        # Only this task's devices: contacting a chief that is not up yet would put
+        # the channel to it in gRPC's back-off and fail the first step's transfers.
         own = config_pb2.ConfigProto(device_filters=[f"/job:{JOB}/task:{self.task}"])
         released = threading.Event()
 
@@ -164,10 +164,9 @@ class Cluster:
             released.set()
         threading.Thread(target=serve, daemon=True).start()
         if not self._chief_alive(released, timeout_s):
-            sys.stderr.write(f"ClusterError: tfpar: the chief /job:{JOB}/task:0 ({self.workers[0]}) "
-                             f"is unreachable for {timeout_s:g} s: worker /job:{JOB}/task:"
-                             f"{self.task} exits; restart every worker (the chief resumes from "
-                             "its last checkpoint), or raise communication.timeout_s\n")
+            sys.stderr.write(f"ClusterError: tfpar: the chief /job:{JOB}/task:0 "
+                             f"({self.workers[0]}) is unreachable for {timeout_s:g} s: worker "
+                             f"/job:{JOB}/task:{self.task} exits; {LOST}\n")
             self._exit(1)
         # The chief still closes its sessions (the release's, the script's unclosed
         # ones), which call this server: leaving earlier fails those calls (gRPC
