@@ -10,13 +10,18 @@
    default backend ("auto": one-process CPU replicas share variables and sum on
    one device) and, for information, with ``communication.backend: collective``
    (mirrored variables, CollectiveReduceV2 ring: what multi-process runs use).
+4. What ``check.finite_gradients`` costs: step time of tfpar data parallelism
+   on 4 logical CPUs with the check vs without, with one micro-batch and with
+   8 (every micro-batch's gradients are checked), same MLP and batch.
 
 The machine may be noisy, so the two sides of each ratio run alternately (ABBA
 order, ``--reps`` rounds of ``--steps`` timed steps or of one build per side) and
 their medians are compared. tfpar's hooks are on only while its own side runs.
 
 Targets (``TARGETS``, tfpar / baseline at most): graph build 1.15, replicate(1)
-step 1.05, DP (auto backend) step 1.0; the collective row is informational.
+step 1.05, DP (auto backend) step 1.0, the check 1.10 (one micro-batch) and
+1.30 (8: every micro-batch's gradients are read once more); the collective row
+is informational.
 ``--check`` prints PASS/FAIL per target and exits 1 when one is missed or when a
 setup does not train (loss falls, from the same step-0 loss everywhere).
 
@@ -46,7 +51,8 @@ NUM_CPUS = 4  # logical CPU devices for measurement 3
 CHECK_HELP = ("exit 1 when a ratio target is missed or a setup does not train (loss falls, "
               "step-0 losses agree)")
 # Targets of the tfpar / baseline ratios (at most), by measurement.
-TARGETS = {"build": 1.15, "replicate1": 1.05, "dp_auto": 1.0}
+TARGETS = {"build": 1.15, "replicate1": 1.05, "dp_auto": 1.0, "checked": 1.10,
+           "checked_micro": 1.30}
 CLASSES = 10
 SIZES = {"steps": (20, 5, "timed steps per side per round"), "reps": (5, 3, "ABBA rounds"),
          "layers": (24, 2, "transformer layers"), "hidden": (256, 64, "transformer hidden size"),
@@ -257,6 +263,24 @@ def measure_data_parallel(args, data, trainers):
     return rows
 
 
+def measure_finite_check(args, data, trainers):
+    """4. Step time of tfpar DP on NUM_CPUS CPUs with check.finite_gradients vs
+    without, with 1 and with 8 micro-batches: one row each."""
+    build = mlp_builder(args.width, args.mlp_layers)
+    rows = []
+    for micro, target in ((1, TARGETS["checked"]), (8, TARGETS["checked_micro"])):
+        config = {"cluster.num_devices": NUM_CPUS, "pipeline.num_micro_batch": micro}
+        sides = [Trainer(f"DP x{micro}{' checked' if checked else ''}", build, data,
+                         {**config, "check.finite_gradients": checked})
+                 for checked in (True, False)]
+        trainers += sides
+        t, b = alternate(*[(side.step, side.hooks) for side in sides], args.reps, args.steps)
+        rows.append(row(f"step time, tfpar DP with check.finite_gradients vs without "
+                        f"({NUM_CPUS} CPUs, {micro} micro-batch{'es' if micro > 1 else ''}, MLP)",
+                        t, b, target))
+    return rows
+
+
 def make_data(batch, width, seed=0):
     """A fixed learnable batch: labels from a random linear teacher."""
     rng = np.random.RandomState(seed)
@@ -309,7 +333,8 @@ def main(argv=None):
     v1.disable_eager_execution()
     data, trainers = make_data(args.batch, args.width), []
     rows = [measure_build(args), measure_replicate1(args, data, trainers),
-            *measure_data_parallel(args, data, trainers)]
+            *measure_data_parallel(args, data, trainers),
+            *measure_finite_check(args, data, trainers)]
     return finish(rows, trainers, args, print_table, loss_checks)
 
 

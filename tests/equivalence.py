@@ -41,13 +41,15 @@ def layer(h, units, name, seed, activation=None):
 
 
 def mlp_classifier(optimizer=lambda: tf.compat.v1.train.GradientDescentOptimizer(0.5),
-                   hidden=8, classes=3):
-    """build(x, y) for a 2-layer MLP with a mean softmax cross-entropy loss."""
+                   hidden=8, classes=3, global_step=False):
+    """build(x, y) for a 2-layer MLP with a mean softmax cross-entropy loss
+    (and, with ``global_step``, the graph's global step counting its steps)."""
     def build(x, y):
         h = dense(x, hidden, "hidden", seed=1, activation=tf.nn.tanh)
         logits = dense(h, classes, "logits", seed=2)
         loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(y, logits)
-        return loss, optimizer().minimize(loss)
+        step = tf.compat.v1.train.get_or_create_global_step() if global_step else None
+        return loss, optimizer().minimize(loss, global_step=step)
     return build
 
 

@@ -48,6 +48,7 @@ def test_verdict_lines_go_to_stderr_under_json(capsys):
 
 @pytest.mark.parametrize("key, ratio, code", [
     ("build", 1.2, 1), ("build", 1.1, 0), ("replicate1", 1.06, 1), ("dp_auto", 1.01, 1),
+    ("checked", 1.11, 1), ("checked", 1.09, 0), ("checked_micro", 1.31, 1),
 ])
 def test_overhead_check_fails_when_a_ratio_misses_its_target(key, ratio, code, capsys):
     rows = [overhead.row(name, ratio if name == key else 0.5, 1.0, overhead.TARGETS[name])
@@ -57,7 +58,8 @@ def test_overhead_check_fails_when_a_ratio_misses_its_target(key, ratio, code, c
 
 
 def test_overhead_targets_are_the_stated_ones():
-    assert overhead.TARGETS == {"build": 1.15, "replicate1": 1.05, "dp_auto": 1.0}
+    assert overhead.TARGETS == {"build": 1.15, "replicate1": 1.05, "dp_auto": 1.0,
+                                "checked": 1.10, "checked_micro": 1.30}
 
 
 @pytest.mark.parametrize("key", ["sp1_sp2_bytes", "hybrid_dp_step"])

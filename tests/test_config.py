@@ -66,7 +66,7 @@ def test_defaults():
         assert cfg.get(key) == option.default
     assert cfg.to_dict() == {
         "cluster": {"num_devices": None, "hardware": None, "devices_per_node": None,
-                    "colocate_split_and_replicate": False},
+                    "colocate_split_and_replicate": False, "trusted_network": False},
         "pipeline": {"num_micro_batch": 1, "schedule": "auto", "task_functions": True,
                      "group_size": 1, "retune_steps": 100, "retune_tolerance": 0.05},
         "split": {"patterns": None},
@@ -79,6 +79,7 @@ def test_defaults():
         "batch_norm": {"sync": False},
         "communication": {"backend": "auto", "fusion_mb": 64.0, "timeout_s": 60.0},
         "io": {"shard_dataset": False},
+        "check": {"finite_gradients": False},
         "plan": None,
         "strict": False,
     }

@@ -169,10 +169,17 @@ def test_a_worker_lost_mid_run_is_named_in_time(tmp_path):
 
 def test_launcher_returns_the_first_failure_and_stops_the_rest(tmp_path):
     script = tmp_path / "fail.py"
-    script.write_text("import json, os, time\n"
+    # Worker 1 fails once worker 0 has said hello (output after a failure is dropped).
+    script.write_text("import json, os, sys, time\n"
                       "index = json.loads(os.environ['TF_CONFIG'])['task']['index']\n"
                       "print('hello from', index, flush=True)\n"
-                      "raise SystemExit(3) if index == 1 else time.sleep(120)\n")
+                      "said = sys.argv[0] + '.said'\n"
+                      "if index == 0:\n    open(said, 'w').close()\n    time.sleep(120)\n"
+                      "deadline = time.monotonic() + 30\n"
+                      "while not os.path.exists(said) and time.monotonic() < deadline:\n"
+                      "    time.sleep(0.05)\n"
+                      "time.sleep(0.5)\n"
+                      "raise SystemExit(3)\n")
     start = time.monotonic()
     out = launch(str(script), timeout=100)
     assert out.returncode == 3

@@ -6,7 +6,7 @@ import sys
 from typing import Any, Optional
 
 from tfpar import fallback
-from tfpar.config import Config
+from tfpar.config import Config, does_nothing
 from tfpar.errors import AnnotationError, ConfigError, PlanError
 from tfpar.ir.plan import Plan, pinned_plan
 from tfpar.ir.taskgraph import Strategy
@@ -88,17 +88,46 @@ def _start_horovod() -> None:
 
 def _cluster(previous, cfg: Config, device_type: str, per_worker: int):
     """The TF_CONFIG cluster, its server started once per process (on workers
-    other than the chief this serves until the chief is done, then exits)."""
-    import os  # pylint: disable=import-outside-toplevel
+    other than the chief this serves until the chief is done, then exits).
+
+    Raises:
+      ConfigError: ``cluster.trusted_network`` without a cluster.
+      PlanError: under ``strict``, a server open to whoever reaches this host
+        (``_open_server``).
+    """
     from tfpar.runtime.cluster import from_tf_config  # pylint: disable=import-outside-toplevel
 
     if previous is not None and previous.cluster is not None:
         return previous.cluster
     cluster = from_tf_config(os.environ)
+    trusted = cfg.get("cluster.trusted_network")
+    if cluster is None and trusted:
+        raise does_nothing("cluster.trusted_network", trusted, "a TF_CONFIG cluster of 2 or "
+                           "more workers", where="process")
     if cluster is not None:
+        if not trusted:
+            _open_server(cluster)
         timeout = cfg.get("communication.timeout_s")
         cluster.start(cluster.server_config(device_type, per_worker, timeout), timeout)
     return cluster
+
+
+def _open_server(cluster) -> None:
+    """Say, before it starts, that this worker's gRPC server is open to whoever
+    reaches this host, unless its network has no interface but loopback."""
+    from tfpar.runtime.netns import contained  # pylint: disable=import-outside-toplevel
+
+    if contained():
+        return
+    address = cluster.workers[cluster.task]
+    fallback.fall_back(
+        f"a gRPC server for /job:worker/task:{cluster.task} at {address}",
+        f"TensorFlow 2.15 listens on every interface of this host (*:{address.rsplit(':', 1)[1]})"
+        ", with neither authentication nor encryption: whoever connects can run any op here "
+        "(read and write this user's files) and read what the workers send",
+        "Run the workers where only they reach these ports (a private network, or a firewall "
+        "admitting only the cluster's hosts; `tfpar launch` gives local workers a network of "
+        "their own), then set cluster.trusted_network: true")
 
 
 def _make_eager_cpus(count: int) -> None:

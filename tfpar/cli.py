@@ -5,8 +5,11 @@
                                        run SCRIPT until its first session run and print
                                        the plan tfpar would execute (or write its JSON to
                                        FILE), without training
-    tfpar launch --workers N [--devices-per-worker K] SCRIPT [ARGS...]
-                                       run SCRIPT as N local workers of a TF_CONFIG cluster
+    tfpar launch --workers N [--devices-per-worker K] [--network auto|private|host]
+                 [--max-restarts R] SCRIPT [ARGS...]
+                                       run SCRIPT as N local workers of a TF_CONFIG cluster,
+                                       in a network of their own where the OS allows;
+                                       restart them all up to R times after a failure
     tfpar launch --hosts H1,H2 [--port P] SCRIPT [ARGS...]
                                        print each host's command and TF_CONFIG
     tfpar simulate --stages P --micro-batches M [--schedule S] [--group-size K]
@@ -89,7 +92,8 @@ def _launch(args) -> int:
         return 0
     if _script_missing(args):
         return 2
-    return launcher.launch(args.workers, args.script, args.script_args, args.devices_per_worker)
+    return launcher.launch(args.workers, args.script, args.script_args, args.devices_per_worker,
+                           network=args.network, max_restarts=args.max_restarts)
 
 
 def _simulate(args) -> int:
@@ -117,8 +121,17 @@ def _simulate(args) -> int:
     return 0
 
 
+def _count(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 0")
+    return value
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     from tfpar.planner.schedule import SCHEDULES  # pylint: disable=import-outside-toplevel
+    from tfpar.runtime.launcher import NETWORKS  # pylint: disable=import-outside-toplevel
     parser = argparse.ArgumentParser(prog="tfpar", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("config", help="list config keys")
@@ -134,6 +147,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     launch.add_argument("--hosts", help="comma-separated hosts: print each host's command "
                                         "and TF_CONFIG instead of running locally")
     launch.add_argument("--port", type=int, default=2222, help="port on each host (--hosts)")
+    launch.add_argument("--network", choices=NETWORKS, default="auto",
+                        help="private: a network namespace of the workers' own, loopback only "
+                             "(refused where the OS does not allow one); host: this host's "
+                             "network, where their gRPC servers are open to anyone who reaches "
+                             "it; auto: private where allowed, else host, saying why")
+    launch.add_argument("--max-restarts", type=_count, default=0, metavar="R",
+                        help="after a worker fails, stop every worker and start them all again, "
+                             "at most this many times (the script resumes from its checkpoint)")
     launch.add_argument("script")
     launch.add_argument("script_args", nargs=argparse.REMAINDER)
     simulate = sub.add_parser("simulate", help="replay a pipeline schedule (no TensorFlow)")

@@ -4,7 +4,8 @@ Values come from (lowest to highest precedence) the schema defaults, the
 mapping or JSON source, and ``TFPAR_<SECTION>_<KEY>`` environment variables.
 """
 
-__all__ = ["Config", "Option", "Section", "SCHEMA", "ALIASES", "ENV_CONFIG", "describe"]
+__all__ = ["Config", "Option", "Section", "SCHEMA", "ALIASES", "ENV_CONFIG", "describe",
+           "does_nothing"]
 
 import copy
 import difflib
@@ -78,6 +79,10 @@ SCHEMA = {
                                        "TF_CONFIG's devices per worker, else one node"),
     "cluster.colocate_split_and_replicate": Option("bool", False, (),
                                                    "let TaskGraphs share devices"),
+    "cluster.trusted_network": Option(
+        "bool", False, (), "the network of this TF_CONFIG cluster admits only its workers to "
+        "their ports (a private network, a firewall): their gRPC servers, open to whoever "
+        "connects, are then not said to be (see Security)"),
     "pipeline.num_micro_batch": Option("int", 1, _at_least(1),
                                        "micro-batches per step (1 with auto.auto_parallel and "
                                        "a known batch: the planner chooses)"),
@@ -150,6 +155,10 @@ SCHEMA = {
     "communication.fusion_mb": Option("float", 64.0, _POSITIVE, "gradient fusion bucket (MB)"),
     "communication.timeout_s": Option("float", 60.0, _POSITIVE, "collective timeout"),
     "io.shard_dataset": Option("bool", False, (), "shard input datasets across replicas"),
+    "check.finite_gradients": Option(
+        "bool", False, (), "every replica's and micro-batch's gradients are checked before they "
+        "are summed: a NaN or Inf fails the step naming the variable, the step, the replica, "
+        "TaskGraph / stage, micro-batch and device"),
     "plan": Option("dict|None", None, (), "plan JSON (dict or text) that pins the plan"),
     "strict": Option("bool", False, (), "every fallback (tfpar running something other than "
                      "what was asked, a tfpar.FallbackWarning) raises PlanError instead"),
@@ -307,8 +316,14 @@ def _check_modes(values):
     ignored would change what the user thinks runs)."""
     for key, used, mode in _modes(values):
         if not used and values[key] != SCHEMA[key].default:
-            raise ConfigError(f"config key {key!r} ({values[key]!r}) does nothing in this "
-                              f"config: it needs {mode}; drop it or set that")
+            raise does_nothing(key, values[key], mode)
+
+
+def does_nothing(key, value, mode, where="config") -> ConfigError:
+    """The error of ``key``, set to ``value``, in a ``where`` whose mode makes it
+    do nothing: it needs ``mode``."""
+    return ConfigError(f"config key {key!r} ({value!r}) does nothing in this {where}: it needs "
+                       f"{mode}; drop it or set that")
 
 
 class Section:

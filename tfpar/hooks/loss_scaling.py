@@ -24,7 +24,7 @@ from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import array_ops, array_ops_stack, cond_v2, control_flow_ops, math_ops
 from tensorflow.python.ops import gen_control_flow_ops, gen_math_ops, resource_variable_ops
 
-__all__ = ["LossScale", "INITIAL_SCALE", "GROWTH_STEPS"]
+__all__ = ["LossScale", "INITIAL_SCALE", "GROWTH_STEPS", "read_or"]
 
 INITIAL_SCALE = 2.0 ** 15
 GROWTH_STEPS = 2000
@@ -40,8 +40,8 @@ class LossScale:
                 ops.name_scope("tfpar_loss_scale/"):
             self.scale = _variable(INITIAL_SCALE, dtypes.float32, "scale")
             self.good_steps = _variable(0, dtypes.int64, "good_steps")
-            self.value = _read(self.scale, INITIAL_SCALE)
-            self.steps = _read(self.good_steps, 0)
+            self.value = read_or(self.scale, INITIAL_SCALE)
+            self.steps = read_or(self.good_steps, 0)
 
     def scaled(self, seeds: Sequence[Any]) -> List[Any]:
         """``seeds`` times S (floating ones; others as they are)."""
@@ -100,7 +100,7 @@ def _variable(initial, dtype, name):
         constant_op.constant(initial, dtype), trainable=False, collections=[], name=name)
 
 
-def _read(variable, initial) -> tensor_lib.Tensor:
+def read_or(variable, initial) -> tensor_lib.Tensor:
     """The variable's value, or ``initial`` while it has none (a new session):
     a branch (cond_v2, so it may run inside task functions) reads it only
     once it was written."""

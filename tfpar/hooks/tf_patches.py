@@ -68,6 +68,7 @@ from tfpar.hooks import batch_shapes
 from tfpar.hooks import capture as cap_lib
 from tfpar.hooks import loss_scaling
 from tfpar.hooks.patching import PatchSet
+from tfpar.hooks.session_close import add_session_close_patches, lost_worker
 from tfpar.hooks.keras_patches import add_keras_patches
 from tfpar.hooks.keras_scopes import add_keras_scope_patches
 from tfpar.hooks.optimizer_slots import add_optimizer_slot_patches
@@ -76,6 +77,7 @@ from tfpar.hooks.split_patches import add_split_patches
 from tfpar.hooks.step_graphs import is_step_function
 from tfpar.hooks.sync_batch_norm import add_sync_batch_norm_patches
 from tfpar.hooks.variable_aggregation import add_variable_aggregation_patches
+from tfpar.errors import ClusterError
 from tfpar.ir.taskgraph import Phase
 
 __all__ = ["install", "installed", "uninstall"]
@@ -160,6 +162,7 @@ def install(runtime: Any) -> None:
     add_optimizer_slot_patches(_patches)
     add_checkpoint_binding_patches(_patches)
     add_variable_aggregation_patches(_patches)
+    add_session_close_patches(_patches)
     add_sync_batch_norm_patches(_patches, lambda: _runtime is not None
                                 and _runtime.sync_batch_norm())
 
@@ -624,7 +627,11 @@ def _wrap_session_run(original):
             result = original(self, fetches, feed_dict, options, run_metadata)
         except tf_errors.OpError as error:
             if _runtime is not None:
-                _runtime.run_failed(error)
+                try:
+                    _runtime.run_failed(error)
+                except ClusterError:
+                    lost_worker(self)
+                    raise
             raise
         if _runtime is not None:
             _runtime.after_run(self.graph, run_metadata)

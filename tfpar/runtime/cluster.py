@@ -6,9 +6,12 @@ runs the whole parallel graph (in-graph replication): its devices span every
 worker (``/job:worker/replica:0/task:t/device:...``), data moves over gRPC, and
 collectives span processes with task 0 as group leader. The other workers
 serve their devices; ``wh.init`` does not return there: released at the
-chief's exit, they exit once the chief's process has ended. Before the chief
-trains, every worker must answer within ``communication.timeout_s``, and a
-worker lost later fails the step with an error naming it, never a hang.
+chief's exit, they exit once the chief's process has ended, or with an error
+naming the chief when its port has refused connections for
+``communication.timeout_s`` (it never started, or died unreleasing them).
+Before the chief trains, every worker must answer within
+``communication.timeout_s``, and a worker lost later fails the step with an
+error naming it, never a hang.
 """
 import atexit
 import dataclasses
@@ -16,8 +19,9 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
-from typing import List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional
 
 from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.client import session as tf_session
@@ -28,10 +32,19 @@ from tensorflow.python.training import server_lib
 from tfpar.cluster.devices import device_names
 from tfpar.errors import ClusterError, ConfigError
 
-__all__ = ["Cluster", "from_tf_config"]
+__all__ = ["Cluster", "LOST", "START", "from_tf_config"]
 
 JOB = "worker"
 _RELEASE_QUEUE = "tfpar_release"
+_GET_STATUS = "/tensorflow.WorkerService/GetStatus"
+START = ("start every worker of TF_CONFIG (or use `tfpar launch`), or raise "
+         "communication.timeout_s")
+LOST = ("restart every worker (`tfpar launch --max-restarts R` does): the chief resumes from "
+        "its last checkpoint; or raise communication.timeout_s")
+_WATCH_S = 1.0  # how often a worker checks that the chief is up
+# The release waits as long as the chief trains: not communication.timeout_s,
+# the server's deadline for every other run.
+_NO_DEADLINE_MS = 2 ** 40
 
 
 @dataclasses.dataclass
@@ -85,21 +98,36 @@ class Cluster:
                 return missing
             time.sleep(0.2)
 
+    def lost_workers(self, timeout_s: float) -> Dict[int, str]:
+        """Tasks (the chief aside) whose server does not answer a status request
+        within ``timeout_s`` -> what is wrong: nothing listens, or it does not
+        answer (its process is stopped or hung, though its port still accepts
+        connections)."""
+        answers: Dict[int, Optional[str]] = {}
+        probes = [threading.Thread(target=lambda t=t: answers.update({t: _status(
+            self.workers[t], timeout_s)})) for t in range(1, len(self.workers))]
+        for probe in probes:  # threads, not an executor: this also runs at exit
+            probe.start()
+        for probe in probes:
+            probe.join()
+        return {t: why for t, why in sorted(answers.items()) if why}
+
     def wait_for_workers(self, timeout_s: float) -> None:
         missing = self.missing_workers(timeout_s)
         if missing:
-            raise ClusterError(self.describe_missing(missing, f"did not start within "
-                                                              f"{timeout_s:g} s"))
+            raise ClusterError(self.describe({t: f"did not start within {timeout_s:g} s"
+                                              for t in missing}, START))
 
-    def describe_missing(self, tasks: List[int], what: str) -> str:
-        names = ", ".join(f"/job:{JOB}/task:{t} ({self.workers[t]})" for t in tasks)
-        return (f"tfpar: worker {names} {what}; start every worker of TF_CONFIG (or use "
-                "`tfpar launch`), or raise communication.timeout_s")
+    def describe(self, why: Dict[int, str], remedy: str) -> str:
+        """The error text of workers (task -> what is wrong), then ``remedy``."""
+        names = "; ".join(f"worker /job:{JOB}/task:{t} ({self.workers[t]}) {what}"
+                          for t, what in sorted(why.items()))
+        return f"tfpar: {names}; {remedy}"
 
     def release_workers(self, timeout_s: float) -> None:
         """Tell every other worker still up that it may exit (best effort, bounded;
         only live workers are contacted: a session to a dead one would wait)."""
-        lost = set(self.missing_workers(timeout_s=0.0))
+        lost = self.lost_workers(timeout_s=2.0)  # a session to a hung one would wait too
         live = [t for t in range(1, len(self.workers)) if t not in lost]
         if not live:
             return
@@ -128,8 +156,18 @@ class Cluster:
         # Only this task's devices: contacting a chief that is not up yet would put
         # the channel to it in gRPC's back-off and fail the first step's transfers.
         own = config_pb2.ConfigProto(device_filters=[f"/job:{JOB}/task:{self.task}"])
-        with tf_session.Session(self.server.target, graph=graph, config=own) as sess:
-            sess.run(release)
+        released = threading.Event()
+
+        def serve():
+            with tf_session.Session(self.server.target, graph=graph, config=own) as sess:
+                sess.run(release, options=config_pb2.RunOptions(timeout_in_ms=_NO_DEADLINE_MS))
+            released.set()
+        threading.Thread(target=serve, daemon=True).start()
+        if not self._chief_alive(released, timeout_s):
+            sys.stderr.write(f"ClusterError: tfpar: the chief /job:{JOB}/task:0 "
+                             f"({self.workers[0]}) is unreachable for {timeout_s:g} s: worker "
+                             f"/job:{JOB}/task:{self.task} exits; {LOST}\n")
+            self._exit(1)
         # The chief still closes its sessions (the release's, the script's unclosed
         # ones), which call this server: leaving earlier fails those calls (gRPC
         # UNAVAILABLE logs) or even the release step in flight (its session then
@@ -137,9 +175,40 @@ class Cluster:
         deadline = time.monotonic() + timeout_s
         while _reachable(self.workers[0]) and time.monotonic() < deadline:
             time.sleep(0.1)
+        self._exit(0)
+
+    def _chief_alive(self, released: threading.Event, timeout_s: float) -> bool:
+        """Wait for the chief's release: False when the chief's port refuses
+        connections for ``timeout_s`` in a row first (not started, or gone)."""
+        last_seen = time.monotonic()
+        while not released.wait(_WATCH_S):
+            if _reachable(self.workers[0]):
+                last_seen = time.monotonic()
+            elif time.monotonic() - last_seen > timeout_s:
+                return False
+        return True
+
+    @staticmethod
+    def _exit(code: int) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)  # pylint: disable=protected-access  (gRPC server teardown can block)
+        os._exit(code)  # pylint: disable=protected-access  (gRPC server teardown can block)
+
+
+def _status(address: str, timeout_s: float) -> Optional[str]:
+    """None when the TensorFlow server at ``address`` answers a status request
+    (``WorkerService.GetStatus``: an empty request, its devices in reply)
+    within ``timeout_s``, else what is wrong."""
+    import grpc  # pylint: disable=import-outside-toplevel  (TensorFlow's dependency)
+    with grpc.insecure_channel(address) as channel:
+        try:
+            channel.unary_unary(_GET_STATUS)(b"", timeout=timeout_s)
+            return None
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return (f"is not responding within {timeout_s:g} s (its process is stopped or "
+                        "hung)")
+            return "is unreachable"
 
 
 def _reachable(address: str) -> bool:

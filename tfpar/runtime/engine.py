@@ -31,6 +31,7 @@ from tfpar.rewriters.recompute import recompute_ops, recompute_scopes
 from tfpar.runtime.precision import applied, applied_option
 from tfpar.rewriters.stages import Placement, assign_stages, canonical_device, split_op_devices
 from tfpar.rewriters.fetch_translation import FetchTranslator
+from tfpar.rewriters.finite_check import check_gradients
 from tfpar.rewriters.function_outputs import rewire_outputs
 from tfpar.runtime.automatic import (Automatic, automatic_plan, cluster_hardware, estimate_of,
                                      part_estimate, pinned_sharding, planned_config,
@@ -38,6 +39,7 @@ from tfpar.runtime.automatic import (Automatic, automatic_plan, cluster_hardware
                                      sharded_plan, warn_unbuilt_sharding, with_stage_search)
 from tfpar.runtime.balanced import batch_shares, shard_shares
 from tfpar.runtime.captured_batches import captured_batch, unsplittable
+from tfpar.runtime.cluster import LOST
 from tfpar.runtime.context import Runtime, active
 from tfpar.runtime.gc_paused import gc_paused
 from tfpar.runtime.retune import GroupRetuner
@@ -261,13 +263,14 @@ def ran_before_rewrite(graph: ops.Graph, carried: int) -> bool:
 
 
 def run_failed(error: Exception) -> None:
-    """A step failed: in a cluster, name the workers that are gone."""
+    """A step failed: in a cluster, name the workers that are gone or do not
+    answer (stopped, hung)."""
     rt = active()
     if rt is None or rt.cluster is None:
         return
-    missing = rt.cluster.missing_workers(timeout_s=2.0)
-    if missing:
-        raise ClusterError(rt.cluster.describe_missing(missing, "is unreachable")) from error
+    lost = rt.cluster.lost_workers(timeout_s=2.0)
+    if lost:
+        raise ClusterError(rt.cluster.describe(lost, LOST)) from error
 
 
 def make_split_context(capture: GraphCapture, spec: TaskGraphSpec, rt: Runtime,
@@ -554,16 +557,20 @@ def _train_on_one_device(rt: Runtime, graph: Optional[ops.Graph], why: str,
         return
     rt.warned_one_device.add(name)
     where = "eager code" if name is None else f"the tf.function {name!r}"
+    unchecked = (" (and check.finite_gradients does not check its gradients)"
+                 if rt.config.get("check.finite_gradients") else "")
     fallback.fall_back(f"{where}, data parallel over {len(rt.devices)} devices",
-                       f"it trains on one device, as it would without tfpar: {why}", remedy,
-                       graph)
+                       f"it trains on one device, as it would without tfpar{unchecked}: {why}",
+                       remedy, graph)
 
 
 def _plan_changes_nothing(rt: Runtime) -> bool:
-    """One device in one process, whole batches: any plan runs the step as it is."""
+    """One device in one process, whole batches, no check to add: any plan runs
+    the step as it is."""
     return (len(rt.devices) == 1 and rt.cluster is None
             and rt.config.get("communication.backend") != "horovod"
-            and rt.config.get("pipeline.num_micro_batch") == 1)
+            and rt.config.get("pipeline.num_micro_batch") == 1
+            and not rt.config.get("check.finite_gradients"))
 
 
 def sync_batch_norm() -> bool:
@@ -665,6 +672,22 @@ def _built_after_rewrite(graph: ops.Graph, capture: GraphCapture) -> None:
     capture.plan = dataclasses.replace(capture.plan, notes=fallback.notes(graph))
 
 
+def _check_finite(graph: ops.Graph, rewrite, rt: Runtime) -> None:
+    """``check.finite_gradients`` (``rewriters.finite_check``), said in the plan.
+
+    Raises:
+      PlanError: the graph is loss-scaled (fp16), where non-finite gradients
+        are expected and the step is skipped.
+    """
+    if applied(rt.config, rt.device_type) == "fp16":
+        raise PlanError("tfpar: check.finite_gradients would fail the steps fp16 loss scaling "
+                        "skips on purpose (their gradients overflow, and the loss scale halves): "
+                        "use one or the other")
+    checks = check_gradients(graph, rewrite)
+    fallback.note(f"tfpar: check.finite_gradients: {checks} gradient tensors (every replica's "
+                  "and micro-batch's) are checked for NaN and Inf before they are summed", graph)
+
+
 def _planned_zero(techniques, reducer_for, devices) -> int:
     """The plan's ZeRO stage, if its replicas (on ``devices``) mirror
     variables: replicas sharing one copy of each (the CPUs of one process)
@@ -730,6 +753,8 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
                             zero=cfg.get("memory.zero") or _planned_zero(
                                 techniques, reducer_for, placement.stage_devices[0]),
                             precision=applied_option(cfg, rt.device_type))
+        if cfg.get("check.finite_gradients"):
+            _check_finite(graph, rewrite, rt)
     capture.plan = dataclasses.replace(plan, notes=fallback.notes(graph))  # the rewrite's too
     capture.rewritten_calls = len(capture.gradient_calls)
     capture.rewrite = FetchTranslator(graph, rewrite, plan.group_size)

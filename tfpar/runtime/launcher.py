@@ -6,13 +6,21 @@ lines are prefixed with the worker index. The launch ends when the chief ends
 (the chief releases the other workers at exit; stragglers are stopped after a
 grace period) or when any worker fails: then the rest are stopped, their output
 from then on dropped (consequences, not causes), and the launch ends with a
-summary of the failing worker's error; its exit code is returned.
+summary of the failing worker's error; its exit code is returned, unless
+``max_restarts`` allows starting every worker again (the script resumes from
+its own checkpoint). Workers run in a network namespace of their own where the
+OS allows (``netns``), and end with the launcher, even when it is killed.
 ``hosts_commands`` prints what to run on real hosts instead.
 """
 import collections
+import contextlib
+import ctypes
+import ctypes.util
 import json
 import os
 import re
+import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -20,7 +28,11 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
-__all__ = ["hosts_commands", "launch", "tf_config"]
+from tfpar.runtime import netns
+
+__all__ = ["NETWORKS", "hosts_commands", "launch", "tf_config"]
+
+NETWORKS = ("auto", "private", "host")
 
 GRACE_S = 30.0  # workers still running this long after the chief's success are stopped
 STOP_S = 5.0  # a stopped worker gets SIGTERM, then SIGKILL after this
@@ -36,10 +48,12 @@ def tf_config(workers: Sequence[str], index: int) -> str:
 
 
 def hosts_commands(hosts: Sequence[str], port: int, script: str, args: Sequence[str]) -> str:
-    """The command to run on each host of a real cluster."""
+    """The command to run on each host of a real cluster, every word quoted
+    for a POSIX shell (an argument holding a space, a quote or a ``;`` reaches
+    the script whole, never the shell)."""
     workers = [f"{h}:{port}" for h in hosts]
-    quoted = " ".join([script, *args])
-    return "\n".join(f"# on {host}\nTF_CONFIG='{tf_config(workers, i)}' python {quoted}"
+    command = shlex.join(["python", script, *args])
+    return "\n".join(f"# on {host}\nTF_CONFIG={shlex.quote(tf_config(workers, i))} {command}"
                      for i, host in enumerate(hosts))
 
 
@@ -92,30 +106,100 @@ class _Worker:
 
 
 def launch(workers: int, script: str, args: Sequence[str], devices_per_worker: Optional[int] = None,
-           out=None) -> int:
-    """Run ``script args`` as ``workers`` local workers; returns the exit code."""
+           out=None, network: str = "auto", max_restarts: int = 0) -> int:
+    """Run ``script args`` as ``workers`` local workers; returns the exit code.
+
+    ``network``: ``private``, a network namespace of their own (loopback only;
+    this process moves into it), or exit code 2 when the OS refuses one;
+    ``host``, this host's network; ``auto``, private where the OS allows it,
+    else the host's, saying why. ``max_restarts``: after a worker fails, stop
+    every worker and start them all again, at most this many times."""
     out = out or sys.stdout
+    if not _network(network, out):
+        return 2
+    with _stopped_by_signals():
+        for attempt in range(max_restarts + 1):
+            failed = _attempt(workers, script, args, devices_per_worker, out)
+            if failed is None:
+                return 0
+            out.write(failed.summary())
+            if attempt < max_restarts:
+                out.write(f"tfpar launch: restarting every worker (restart {attempt + 1} of "
+                          f"{max_restarts})\n")
+            out.flush()
+    return failed.proc.returncode
+
+
+def _network(network: str, out) -> bool:
+    """Give the workers the network asked for; False (said) when it cannot."""
+    if network == "host":
+        return True
+    why = netns.enter_private_network()
+    if why is None:
+        out.write("tfpar launch: the workers share a network namespace of their own (loopback "
+                  "only): nothing outside this launch can reach their gRPC servers, and they "
+                  "reach no other host (--network host gives them this host's network)\n")
+    elif network == "private":
+        out.write(f"tfpar launch: --network private: cannot give the workers a network of their "
+                  f"own: {why}\n")
+        return False
+    else:
+        out.write(f"tfpar launch: the workers use this host's network, where their gRPC servers "
+                  f"are open to anyone who reaches this host: a private one was refused: {why}\n")
+    out.flush()
+    return True
+
+
+def _attempt(workers: int, script: str, args: Sequence[str], devices_per_worker: Optional[int],
+             out) -> Optional[_Worker]:
+    """Start every worker on fresh ports and wait: the first to fail, or None."""
     addresses = [f"127.0.0.1:{p}" for p in _free_ports(workers)]
-    lock = threading.Lock()
-    started: List[_Worker] = []
+    procs, before_script = [], _die_with(os.getpid())
     for i in range(workers):
         env: Dict[str, str] = dict(os.environ, TF_CONFIG=tf_config(addresses, i))
         if devices_per_worker is not None:
             env["TFPAR_CLUSTER_NUM_DEVICES"] = str(devices_per_worker)
-        proc = subprocess.Popen([sys.executable, script, *args], env=env, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        started.append(_Worker(i, proc, out, lock))
+        procs.append(subprocess.Popen([sys.executable, script, *args], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      preexec_fn=before_script))
+    lock = threading.Lock()  # pumps start once every worker is forked (see _die_with)
+    started = [_Worker(i, proc, out, lock) for i, proc in enumerate(procs)]
     try:
-        failed = _wait(started)
+        return _wait(started)
     finally:
         _stop([w for w in started if w.proc.poll() is None], lock)
         for worker in started:
             worker.pump.join(timeout=5)
-    if failed is None:
-        return 0
-    out.write(failed.summary())
-    out.flush()
-    return failed.proc.returncode
+
+
+def _die_with(parent: int):
+    """What a worker runs before its script: it gets SIGTERM when the launcher
+    ends, even killed (Linux's PR_SET_PDEATHSIG; elsewhere nothing). Runs
+    between fork and exec, so the launcher forks before its pumps start."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).prctl
+    pr_set_pdeathsig = 1
+
+    def child():
+        prctl(pr_set_pdeathsig, signal.SIGTERM)
+        if os.getppid() != parent:  # the launcher ended before prctl
+            os._exit(1)  # pylint: disable=protected-access
+    return child
+
+
+@contextlib.contextmanager
+def _stopped_by_signals():
+    """SIGTERM and SIGHUP end the launch as Ctrl-C does: the workers are
+    stopped (``_attempt``'s ``finally``) and the exit code is 128 + the signal."""
+    def end(signum, _frame):
+        raise SystemExit(128 + signum)
+    previous = {sig: signal.signal(sig, end) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _wait(workers: List[_Worker]) -> Optional[_Worker]:
