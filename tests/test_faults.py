@@ -159,7 +159,7 @@ def test_a_restarted_launch_ends_as_an_uninterrupted_run(victim, processes, tmp_
     text = "".join(seen) + launch.communicate(timeout=240)[0]
     assert launch.returncode == 0, text[-3000:]
     role = " (chief)" if victim == 0 else ""
-    assert f"tfpar launch: worker {victim}{role} failed with signal 9:\n" in text, text[-3000:]
+    assert f"tfpar launch: worker {victim}{role} failed with signal 9 (SIGKILL):\n" in text, text[-3000:]
     assert "tfpar launch: restarting every worker (restart 1 of 1)\n" in text
     printed = [line.split()[3:6:2] for line in text.splitlines()
                if line.startswith("[worker 0] step ")]

@@ -16,6 +16,7 @@ error naming it, never a hang.
 import atexit
 import dataclasses
 import json
+import logging
 import os
 import socket
 import sys
@@ -26,11 +27,14 @@ from typing import Dict, List, Mapping, Optional
 from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.client import session as tf_session
 from tensorflow.python.framework import dtypes, ops
+from tensorflow.python.framework import errors as tf_errors
 from tensorflow.python.ops import data_flow_ops
 from tensorflow.python.training import server_lib
 
 from tfpar.cluster.devices import device_names
 from tfpar.errors import ClusterError, ConfigError
+
+log = logging.getLogger("tfpar")
 
 __all__ = ["Cluster", "LOST", "START", "from_tf_config"]
 
@@ -145,8 +149,11 @@ class Cluster:
                 with tf_session.Session(self.server.target, graph=graph,
                                         config=only_live) as sess:
                     sess.run(ops_, options=options)
-            except Exception:  # pylint: disable=broad-except
-                pass  # workers already gone: nothing to release
+            except (tf_errors.UnavailableError, tf_errors.DeadlineExceededError,
+                    tf_errors.CancelledError) as gone:
+                # A worker went in the meantime: it needs no release, and the
+                # others exit by themselves once the chief's port is gone.
+                log.info("tfpar: releasing the workers: %s", gone.message.splitlines()[0])
 
     def _serve_until_released(self, timeout_s: float) -> None:
         graph = ops.Graph()

@@ -99,7 +99,8 @@ class _Worker:
     def summary(self) -> str:
         """How it failed, then its error lines: the launch's last lines."""
         code = self.proc.returncode
-        how = f"exit code {code}" if code > 0 else f"signal {-code}"
+        how = (f"exit code {code}" if code > 0
+               else f"signal {-code} ({signal.Signals(-code).name})")
         role = " (chief)" if self.index == 0 else ""
         return "".join([f"tfpar launch: worker {self.index}{role} failed with {how}:\n"] +
                        [f"[worker {self.index}] {line}\n" for line in self.error_lines()])
