@@ -1,9 +1,15 @@
 """Saying what ran instead of what was asked (issue 44): every fallback is a
 ``tfpar.FallbackWarning`` and a note of the plan, and a ``PlanError`` under
 ``strict: true``; what cannot run correctly is refused."""
+import contextlib
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.python.eager import context
 
 import tfpar as wh
 from equivalence import dense
@@ -100,3 +106,168 @@ def test_io_shard_dataset_in_one_process_is_said():
     with pytest.raises(wh.PlanError, match="io.shard_dataset: this process runs alone"):
         shard_in_one_process({"strict": True})
     wh.reset()
+
+
+# --- every fallback, under strict: true ---------------------------------------------------
+
+def _build_and_run(build, config, rows=8, features=6):
+    """Build ``build(x, y)`` under ``config`` and run its initializer and one
+    step (the rewrite, and what runs then)."""
+    with tf.Graph().as_default():
+        wh.init(config)
+        x = v1.placeholder(tf.float32, [None, features])
+        y = v1.placeholder(tf.int64, [None])
+        loss, train_op = build(x, y)
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            sess.run([loss, train_op], {x: np.ones((rows, features)), y: np.zeros(rows)})
+        notes = wh.current_plan().notes
+    wh.reset()
+    return notes
+
+
+def _mlp(stages=1, scope=None, name="h"):
+    """build(x, y): ``stages`` dense layers, each in ``scope()`` if given."""
+    def build(x, y):
+        h = x
+        for s in range(stages):
+            with scope() if scope else contextlib.nullcontext():
+                h = dense(h, 4, f"{name}{s}", s, tf.nn.tanh)
+        loss = v1.losses.sparse_softmax_cross_entropy(y, dense(h, 3, f"{name}_logits", 9))
+        return loss, v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    return build
+
+
+def _unreadable_loss(x, y):
+    """A loss tfpar cannot tell a mean or a sum over the batch: the first
+    row's logits, by a slice."""
+    loss = tf.reduce_mean(dense(x, 3, "logits", 2)[0])
+    return loss, v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+
+
+def _recomputed_scope_without_gradient(x, y):
+    """memory.recompute names a scope whose output the loss does not read."""
+    with v1.variable_scope("unused"):
+        tf.identity(dense(x, 4, "side", 1))
+    return _mlp()(x, y)
+
+
+def _masked_synchronized_batch_norm(x, y):
+    bn = tf.keras.layers.BatchNormalization(synchronized=True)
+    h = bn(dense(x, 4, "h", 1), training=True, mask=tf.ones_like(x[:, 0], tf.bool))
+    loss = v1.losses.sparse_softmax_cross_entropy(y, dense(h, 3, "logits", 2))
+    return loss, v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+
+
+def _whole_einsum_dense(x, y):
+    with wh.split(2):
+        h = tf.keras.layers.EinsumDense("ab,b->ab", [6])(x)
+    loss = v1.losses.sparse_softmax_cross_entropy(y, dense(h, 3, "logits", 2))
+    return loss, v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+
+
+def _one_head_attention(x, y):
+    rows = tf.reshape(x, [-1, 2, 3])
+    with wh.split(2):
+        h = tf.keras.layers.MultiHeadAttention(num_heads=1, key_dim=4)(rows, rows)
+    loss = v1.losses.sparse_softmax_cross_entropy(y, dense(tf.reshape(h, [-1, 6]), 3, "l", 2))
+    return loss, v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+
+
+FALLBACKS = {
+    "loss kind": (_unreadable_loss, {"cluster.num_devices": 2},
+                  "cannot tell whether it is a mean or a sum"),
+    "recompute": (_recomputed_scope_without_gradient,
+                  {"cluster.num_devices": 1, "memory.recompute": ["unused"]},
+                  "memory.recompute asked to recompute scope 'unused'"),
+    "synchronized with a mask": (_masked_synchronized_batch_norm, {"cluster.num_devices": 2},
+                                 "is synchronized and called with a mask"),
+    "whole EinsumDense": (_whole_einsum_dense, {"cluster.num_devices": 2},
+                          "it runs whole on"),
+    "attention on gathered heads": (_one_head_attention, {"cluster.num_devices": 2},
+                                    "by heads: it runs once on"),
+    "shared devices": (_mlp(3, lambda: wh.replicate(1)),
+                       {"cluster.num_devices": 2, "pipeline.num_micro_batch": 2},
+                       "they share devices"),
+    "idle device": (_mlp(2, lambda: wh.replicate(1)),
+                    {"cluster.num_devices": 3, "pipeline.num_micro_batch": 2}, "left idle"),
+    "even rows in several processes": (
+        _mlp(), {"cluster.num_devices": 2, "communication.backend": "horovod",
+                 "cluster.hardware": ["V100-32GB", "P100-16GB"]},
+        "the replicas take even rows: in a job of several processes"),
+    "online tuning in Horovod": (
+        _mlp(2, lambda: wh.replicate(1)),
+        {"cluster.num_devices": 2, "communication.backend": "horovod",
+         "pipeline.num_micro_batch": 2, "pipeline.schedule": "kfkb",
+         "pipeline.group_size": "auto"}, "k stays 1 as planned: each Horovod process"),
+}
+
+
+@pytest.mark.parametrize("case", FALLBACKS)
+def test_each_fallback_is_warned_noted_and_refused_under_strict(case):
+    build, config, said = FALLBACKS[case]
+    with pytest.warns(wh.FallbackWarning, match=f".*{said}"):
+        notes = _build_and_run(build, config)
+    assert any(said in note for note in notes), notes
+    with pytest.raises(wh.PlanError, match=f".*{said}.*strict: true makes this an error"):
+        _build_and_run(build, {**config, "strict": True})
+    wh.reset()
+
+
+def test_graphs_built_before_init_and_gradients_built_after_the_rewrite_under_strict():
+    """Both run as built, on one device: refused under strict."""
+    with tf.Graph().as_default():
+        x, y = v1.placeholder(tf.float32, [None, 6]), v1.placeholder(tf.int64, [None])
+        _, train_op = _mlp()(x, y)
+        wh.init({"cluster.num_devices": 2, "strict": True})
+        with v1.Session() as sess, pytest.raises(wh.PlanError, match="built before wh.init"):
+            sess.run(v1.global_variables_initializer())
+    wh.reset()
+    with tf.Graph().as_default():
+        wh.init({"cluster.num_devices": 2, "strict": True})
+        x, y = v1.placeholder(tf.float32, [None, 6]), v1.placeholder(tf.int64, [None])
+        _, first = _mlp(name="first")(x, y)
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            sess.run(first, {x: np.ones((4, 6)), y: np.zeros(4)})
+            _, second = _mlp(name="second")(x, y)
+            with pytest.raises(wh.PlanError, match="built after tfpar rewrote this graph"):
+                sess.run(second, {x: np.ones((4, 6)), y: np.zeros(4)})
+    wh.reset()
+
+
+def test_tf2_fallbacks_are_refused_under_strict():
+    """Eager gradients (one device, as without tfpar) and a scope around
+    eager code (nothing) are PlanErrors under strict."""
+    with context.eager_mode():
+        wh.init({"cluster.num_devices": 2, "strict": True})
+        w = tf.Variable(tf.ones([4, 2]))
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * w)
+        with pytest.raises(wh.PlanError, match="eager code, data parallel over 2 devices: it "
+                                               "trains on one device"):
+            tape.gradient(loss, w)
+        with pytest.raises(wh.PlanError, match=r"split\(2\) around eager code"):
+            with wh.split(2):
+                tf.constant(1.0) + 1.0
+    wh.reset()
+
+
+def test_a_legacy_optimizers_split_slots_are_refused_under_strict():
+    """In a TF2 step (a fresh process: the logical devices), strict refuses
+    what a checkpoint would miss."""
+    code = ("import tensorflow as tf\nimport tfpar as wh\n"
+            "wh.init({'cluster.num_devices': 2, 'strict': True})\n"
+            "head, opt = tf.keras.layers.Dense(4), tf.keras.optimizers.legacy.Adam()\n"
+            "@tf.function\ndef step(x):\n"
+            "    with tf.GradientTape() as tape:\n"
+            "        with wh.split(2):\n"
+            "            loss = tf.reduce_sum(head(x))\n"
+            "    opt.apply_gradients(zip(tape.gradient(loss, head.trainable_variables),"
+            " head.trainable_variables))\n"
+            "step(tf.ones([8, 4]))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert done.returncode != 0
+    assert "PlanError: tfpar: checkpoints of legacy optimizer 'Adam' to hold its slots" \
+        in done.stderr, done.stderr[-3000:]

@@ -2,6 +2,7 @@
 import contextlib
 import dataclasses
 import logging
+import os
 import sys
 from typing import Any, Optional
 
