@@ -12,7 +12,7 @@ import tensorflow as tf
 from tensorflow.python.eager import context
 
 import tfpar as wh
-from equivalence import dense
+from equivalence import dense, fed_graph
 
 v1 = tf.compat.v1
 
@@ -20,19 +20,14 @@ v1 = tf.compat.v1
 def fetch_after_a_step(config, fetch):
     """``fetch(x)`` of an MLP's step fetched with its train op; returns (the
     value, the plan's notes)."""
-    with tf.Graph().as_default():
-        wh.init(config)
-        x = v1.placeholder(tf.float32, [None, 6])
-        y = v1.placeholder(tf.int64, [None])
+    fetched = []
+
+    def build(x, y):
         loss = v1.losses.sparse_softmax_cross_entropy(y, dense(x, 3, "logits", 2))
-        train_op = v1.train.GradientDescentOptimizer(0.5).minimize(loss)
-        fetched = fetch(x)
-        with v1.Session() as sess:
-            sess.run(v1.global_variables_initializer())
-            value = sess.run([fetched, train_op], {x: np.ones((8, 6)), y: np.zeros(8)})[0]
-        notes = wh.current_plan().notes
-    wh.reset()
-    return value, notes
+        fetched.append(fetch(x))
+        return [loss, fetched[0]], v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+    values, notes = _build_and_run(build, config)
+    return values[0][1], notes
 
 
 def sampled(x):
@@ -110,20 +105,16 @@ def test_io_shard_dataset_in_one_process_is_said():
 
 # --- every fallback, under strict: true ---------------------------------------------------
 
-def _build_and_run(build, config, rows=8, features=6):
-    """Build ``build(x, y)`` under ``config`` and run its initializer and one
-    step (the rewrite, and what runs then)."""
-    with tf.Graph().as_default():
-        wh.init(config)
-        x = v1.placeholder(tf.float32, [None, features])
-        y = v1.placeholder(tf.int64, [None])
-        loss, train_op = build(x, y)
+def _build_and_run(build, config, rows=8):
+    """Build ``build(x, y)`` (returning what to fetch and the train op) under
+    ``config`` and run its initializer (the rewrite) and one step; returns
+    (what the step fetched, the plan's notes)."""
+    with fed_graph(config) as (_, x, y):
+        fetches, train_op = build(x, y)
         with v1.Session() as sess:
             sess.run(v1.global_variables_initializer())
-            sess.run([loss, train_op], {x: np.ones((rows, features)), y: np.zeros(rows)})
-        notes = wh.current_plan().notes
-    wh.reset()
-    return notes
+            values = sess.run([fetches, train_op], {x: np.ones((rows, 6)), y: np.zeros(rows)})
+        return values, wh.current_plan().notes
 
 
 def _mlp(stages=1, scope=None, name="h"):
@@ -207,7 +198,7 @@ FALLBACKS = {
 def test_each_fallback_is_warned_noted_and_refused_under_strict(case):
     build, config, said = FALLBACKS[case]
     with pytest.warns(wh.FallbackWarning, match=f".*{said}"):
-        notes = _build_and_run(build, config)
+        notes = _build_and_run(build, config)[1]
     assert any(said in note for note in notes), notes
     with pytest.raises(wh.PlanError, match=f".*{said}.*strict: true makes this an error"):
         _build_and_run(build, {**config, "strict": True})
