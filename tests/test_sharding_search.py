@@ -177,7 +177,7 @@ def test_a_deadline_bounds_the_sharding_search():
     mesh = Mesh(devices=8, tensor=8, batch=64, hardware=Hardware("gpu", 100.0, 80.0, 300, 25))
     start = time.monotonic()
     plan = plan_sharding(graph, mesh, 1e12, "O2", deadline=start + 1.0)
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < 6.0  # a loaded machine runs late; before: 75 s
     assert (plan.outcome.path, plan.outcome.timed_out, plan.optimal) == ("feasible", True, False)
     assert plan.outcome.why.startswith("segment ILPs")
 

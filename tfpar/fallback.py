@@ -19,7 +19,7 @@ from typing import Any, List, Optional, Tuple
 
 from tfpar.errors import FallbackWarning, PlanError
 
-__all__ = ["advise", "configure", "fall_back", "notes", "reset"]
+__all__ = ["advise", "configure", "fall_back", "note", "notes", "reset"]
 
 log = logging.getLogger("tfpar")
 
@@ -47,7 +47,7 @@ def fall_back(asked: str, instead: str, remedy: str, graph: Optional[Any] = None
     text = f"tfpar: {asked}: {instead}. {remedy}"
     if _strict[0]:
         raise PlanError(f"{text} (strict: true makes this an error)")
-    _note(text, graph)
+    note(text, graph)
     warnings.warn(text, FallbackWarning, stacklevel=2)
     return text
 
@@ -56,12 +56,12 @@ def advise(text: str, graph: Optional[Any] = None) -> str:
     """Say ``text`` (advice, starting "tfpar: "): a warning of the ``tfpar``
     logger, once, and a note of ``graph``'s plan (of every plan, without a
     graph), under ``strict: true`` too. Returns the text."""
-    if _note(text, graph):
+    if note(text, graph):
         log.warning("%s", text)
     return text
 
 
-def _note(text: str, graph: Optional[Any] = None) -> bool:
+def note(text: str, graph: Optional[Any] = None) -> bool:
     """Record ``text`` as a note of ``graph``'s plan (of every plan, without a
     graph), once. False when it was noted already."""
     said = _process_notes if graph is None else _graph_notes.setdefault(graph, [])
