@@ -39,6 +39,7 @@ bench: $(STAMP) $(HOROVOD_STAMP)
 	$(PY) benchmarks/tf2.py --check
 	$(PY) benchmarks/plan_scale.py --check
 	$(PY) benchmarks/retune.py --check
+	$(PY) benchmarks/batch_norm.py --check
 
 # Horovod 0.28.1 built from source against the installed TF (~3 min, then pip's
 # wheel cache; for communication.backend "horovod", not needed otherwise).
