@@ -210,3 +210,41 @@ def test_a_namespace_whose_loopback_stays_down_is_not_entered(monkeypatch):
     assert why.startswith("unshare(CLONE_NEWNET) succeeded but loopback could not be brought "
                           "up (Operation not permitted)"), why
     assert os.readlink("/proc/self/ns/net") == before
+
+
+INIT_ONLY = """import tensorflow as tf
+import tfpar as wh
+tf.compat.v1.disable_eager_execution()
+wh.init({"communication.timeout_s": 30.0, "cluster.trusted_network": True})
+print("served", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_port_taken_before_its_worker_binds_it_is_started_again(monkeypatch, tmp_path):
+    """On the host's network another process can take a port between the
+    launcher choosing it and the worker binding it: the launch starts again on
+    fresh ports, says why, and ends well without spending a restart."""
+    taken = socket.socket()
+    taken.bind(("0.0.0.0", 0))
+    taken.listen()
+    choices = []
+
+    def ports(count, real=launcher._free_ports):  # pylint: disable=protected-access
+        fresh = real(count)
+        choices.append(fresh if choices else [taken.getsockname()[1]] + fresh[1:])
+        return choices[-1]
+    monkeypatch.setattr(launcher, "_free_ports", ports)
+    script = tmp_path / "init.py"
+    script.write_text(INIT_ONLY)
+    out = io.StringIO()
+    try:
+        code = launcher.launch(2, str(script), [], network="host", out=out)
+    finally:
+        taken.close()
+    text = out.getvalue()
+    assert code == 0, text[-3000:]
+    assert ("tfpar launch: worker 0 could not listen on its port (another process took it after "
+            "the launcher chose it): every worker starts again on fresh ports (retry 1 of 3, not "
+            "counted as a restart)\n") in text, text[-3000:]
+    assert len(choices) == 2 and "[worker 0] served" in text and "restarting" not in text

@@ -36,6 +36,8 @@ NETWORKS = ("auto", "private", "host")
 
 GRACE_S = 30.0  # workers still running this long after the chief's success are stopped
 STOP_S = 5.0  # a stopped worker gets SIGTERM, then SIGKILL after this
+PORT_RETRIES = 3  # launches started again because a worker's port was taken
+_PORT_TAKEN = "Could not start gRPC server"  # TensorFlow's error when the bind fails
 # TensorFlow's C++ log lines and the lines some add (gRPC errors, the CPU
 # banner): not a script's error.
 _TF_LOG = re.compile(r'\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IWE] '
@@ -96,6 +98,12 @@ class _Worker:
                   if line.startswith("Traceback (most recent call last)")]
         return list(self.lines)[starts[-1] if starts else -10:]
 
+    def lost_its_port(self) -> bool:
+        """Whether its gRPC server could not bind its port: on the host's
+        network another process may take a free port between ``_free_ports``
+        and the worker's bind (in a private namespace nothing else binds)."""
+        return any(_PORT_TAKEN in line for line in self.lines)
+
     def summary(self) -> str:
         """How it failed, then its error lines: the launch's last lines."""
         code = self.proc.returncode
@@ -119,16 +127,26 @@ def launch(workers: int, script: str, args: Sequence[str], devices_per_worker: O
     if not _network(network, out):
         return 2
     with _stopped_by_signals():
-        for attempt in range(max_restarts + 1):
+        attempt, port_retries = 0, 0
+        while True:
             failed = _attempt(workers, script, args, devices_per_worker, out)
             if failed is None:
                 return 0
             out.write(failed.summary())
-            if attempt < max_restarts:
-                out.write(f"tfpar launch: restarting every worker (restart {attempt + 1} of "
+            if failed.lost_its_port() and port_retries < PORT_RETRIES:
+                port_retries += 1
+                out.write(f"tfpar launch: worker {failed.index} could not listen on its port "
+                          f"(another process took it after the launcher chose it): every worker "
+                          f"starts again on fresh ports (retry {port_retries} of {PORT_RETRIES}, "
+                          f"not counted as a restart)\n")
+            elif attempt < max_restarts:
+                attempt += 1
+                out.write(f"tfpar launch: restarting every worker (restart {attempt} of "
                           f"{max_restarts})\n")
+            else:
+                out.flush()
+                return failed.proc.returncode
             out.flush()
-    return failed.proc.returncode
 
 
 def _network(network: str, out) -> bool:
