@@ -83,8 +83,9 @@ from tfpar.planner.memory import (  # noqa: E402
     MIXED_ACTIVATIONS, SLOTS, recomputation, state_bytes)
 from tfpar.planner.schedule import build_schedule  # noqa: E402
 from tfpar.planner.simulate import simulate  # noqa: E402
-from tfpar.rewriters.model_view import model_view  # noqa: E402
-from tfpar.rewriters.select import GraphIndex, variable_bytes  # noqa: E402
+from tfpar.analysis.model_view import model_view  # noqa: E402
+from tfpar.analysis.graph_index import GraphIndex  # noqa: E402
+from tfpar.analysis.variables import variable_bytes  # noqa: E402
 from tfpar.runtime.precision import onednn_computes_bf16  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -64,8 +64,8 @@ from tfpar.cluster.hardware import CATALOG  # noqa: E402
 from tfpar.hooks.capture import capture_for  # noqa: E402
 from tfpar.planner.auto import choose, search_all  # noqa: E402
 from tfpar.planner.memory import RECOMPUTE, Techniques  # noqa: E402
-from tfpar.rewriters.model_view import model_view  # noqa: E402
-from tfpar.rewriters.select import GraphIndex  # noqa: E402
+from tfpar.analysis.model_view import model_view  # noqa: E402
+from tfpar.analysis.graph_index import GraphIndex  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_args import cell, parse_sizes, report  # noqa: E402  (same directory)

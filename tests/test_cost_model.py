@@ -56,8 +56,8 @@ from tfpar.planner.comm import allgather, allreduce
 from tfpar.planner.layers import Layer, LayerGraph
 from tfpar.planner.roofline import low_precision_speed_up
 from tfpar.planner.sharding import Mesh, Problem
-from tfpar.rewriters.model_view import model_view
-from tfpar.rewriters.select import GraphIndex
+from tfpar.analysis.model_view import model_view
+from tfpar.analysis.graph_index import GraphIndex
 
 v1 = tf.compat.v1
 FLOAT = 4

@@ -18,8 +18,8 @@ import tfpar as wh
 from tfpar.hooks.capture import existing_capture
 from tfpar.planner.auto import search_all
 from tfpar.planner.layers import layer_graph
-from tfpar.rewriters.model_view import model_view
-from tfpar.rewriters.select import GraphIndex
+from tfpar.analysis.model_view import model_view
+from tfpar.analysis.graph_index import GraphIndex
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "benchmarks"))

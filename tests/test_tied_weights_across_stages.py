@@ -15,7 +15,7 @@ from tied_gpt import FOUR, gpt, token_data
 
 import tfpar as wh
 from tfpar.hooks.capture import existing_capture
-from tfpar.rewriters.select import gradient_tensors
+from tfpar.analysis.op_kinds import gradient_tensors
 
 v1 = tf.compat.v1
 DATA = token_data()

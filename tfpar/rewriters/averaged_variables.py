@@ -35,7 +35,7 @@ from tensorflow.python.ops import handle_data_util
 from tfpar import fallback
 from tfpar.rewriters import graph_edit
 from tfpar.rewriters.replica_sync import assign_value, read_value
-from tfpar.rewriters.select import VARIABLE_TYPES
+from tfpar.analysis.op_kinds import VARIABLE_TYPES
 
 __all__ = ["average_local_copies", "local_copy", "make_local_copies", "reroute_to_local_copies"]
 

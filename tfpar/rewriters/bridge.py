@@ -18,7 +18,7 @@ from tensorflow.python.ops import array_ops, array_ops_stack, math_ops
 from tfpar.errors import PlanError
 from tfpar.rewriters.batch_split import BatchSplit, concat_rows
 from tfpar.rewriters.layout import Layout
-from tfpar.rewriters.stages import Placement
+from tfpar.analysis.stages import Placement
 
 __all__ = ["Bridges"]
 

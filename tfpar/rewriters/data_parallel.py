@@ -55,8 +55,10 @@ from tfpar.rewriters.merge import merge_step_tensor
 from tfpar.rewriters.pipeline import lower_schedule, stage_tasks, task_ops
 from tfpar.rewriters.replica_sums import marked_sums, sum_across_replicas
 from tfpar.rewriters.replica_sync import add_replica_sync
-from tfpar.rewriters.select import GraphIndex, Selection, gradient_tensors, select_replication
-from tfpar.rewriters.stages import Placement, host_device
+from tfpar.analysis.graph_index import GraphIndex
+from tfpar.analysis.op_kinds import gradient_tensors
+from tfpar.rewriters.select import Selection, select_replication
+from tfpar.analysis.stages import Placement, host_device
 from tfpar.rewriters.task_functions import call_tasks, task_order
 from tfpar.rewriters.tied_weights import reduce_per_stage
 from tfpar.rewriters.zero import Sharding, plan_sharding, refuse_unshardable, shard_updates

@@ -21,8 +21,8 @@ from tensorflow.python.ops import (array_ops, gen_logging_ops, gen_math_ops, mat
 
 from tfpar.hooks.loss_scaling import read_or
 from tfpar.rewriters import graph_edit
-from tfpar.rewriters.select import gradient_tensors
-from tfpar.rewriters.stages import host_device
+from tfpar.analysis.op_kinds import gradient_tensors
+from tfpar.analysis.stages import host_device
 
 __all__ = ["check_gradients"]
 

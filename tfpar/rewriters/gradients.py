@@ -15,7 +15,8 @@ from tfpar.analysis.batch_reductions import loss_scaling
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture
 from tfpar.rewriters import graph_edit
-from tfpar.rewriters.select import GraphIndex, gradient_tensors
+from tfpar.analysis.graph_index import GraphIndex
+from tfpar.analysis.op_kinds import gradient_tensors
 
 __all__ = ["loss_weights", "reduce_gradients", "scale_seed", "scale_seeds"]
 

@@ -19,8 +19,8 @@ from tensorflow.python.ops import control_flow_ops
 
 from tfpar.hooks.capture import GraphCapture
 from tfpar.rewriters import graph_edit
-from tfpar.rewriters.select import GraphIndex
-from tfpar.rewriters.stages import backward_dependent
+from tfpar.analysis.graph_index import GraphIndex
+from tfpar.analysis.stages import backward_dependent
 
 __all__ = ["lower_schedule", "order_tasks", "stage_tasks", "task_ops"]
 

@@ -25,7 +25,7 @@ from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture
 from tfpar.ir.taskgraph import Phase
 from tfpar.rewriters import graph_edit
-from tfpar.rewriters.select import data_ancestors
+from tfpar.analysis.graph_index import data_ancestors
 
 __all__ = ["recompute_ops", "recompute_scopes"]
 

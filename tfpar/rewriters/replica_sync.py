@@ -8,7 +8,8 @@ from tensorflow.python.ops import array_ops, control_flow_ops, state_ops
 from tensorflow.python.ops import gen_resource_variable_ops, handle_data_util
 
 from tfpar.rewriters import graph_edit
-from tfpar.rewriters.select import GraphIndex, variable_writers
+from tfpar.analysis.graph_index import GraphIndex
+from tfpar.analysis.variables import variable_writers
 
 __all__ = ["add_replica_sync", "assign_value", "read_value", "sync_new_writers"]
 

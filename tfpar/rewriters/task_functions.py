@@ -39,7 +39,7 @@ from tensorflow.python.ops import gen_resource_variable_ops, gen_state_ops
 
 from tfpar.rewriters.averaged_variables import local_copy
 from tfpar.rewriters.gradients import scale_seed
-from tfpar.rewriters.select import is_resource_variable
+from tfpar.analysis.op_kinds import is_resource_variable
 
 __all__ = ["TaskFunction", "call_task", "call_tasks", "define_task", "task_order"]
 

@@ -21,35 +21,16 @@ reading stage, each stage's summed contribution back), the optimizer's
 slots and update exist once, and nothing has to be kept equal.
 """
 import dataclasses
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Tuple
 
-from tensorflow.python.framework import indexed_slices, ops
+from tensorflow.python.framework import ops
 from tensorflow.python.framework import tensor as tensor_lib
 
-from tfpar.rewriters.select import Selection, gradient_tensors
+from tfpar.analysis.op_kinds import gradient_tensors
+from tfpar.analysis.stages import stage_terms
+from tfpar.rewriters.select import Selection
 
-__all__ = ["reduce_per_stage", "stage_terms"]
-
-
-def stage_terms(g, stage: Callable[[ops.Operation], int]
-                ) -> Optional[Tuple[list, List[ops.Operation]]]:
-    """(the terms, the ops summing them) of gradient ``g`` when it sums
-    contributions of several stages (``stage``: op -> its stage), else None."""
-    if isinstance(g, indexed_slices.IndexedSlices):
-        values, indices = g.values.op, g.indices.op
-        if not (values.type == indices.type == "ConcatV2"
-                and len(values.inputs) == len(indices.inputs)):
-            return None
-        terms = [indexed_slices.IndexedSlices(v, i, g.dense_shape)
-                 for v, i in zip(values.inputs[:-1], indices.inputs[:-1])]
-        sums = [values, indices]
-    elif g.op.type == "AddN":
-        terms, sums = list(g.op.inputs), [g.op]
-    else:
-        return None
-    if len({stage(gradient_tensors(term)[0].op) for term in terms}) < 2:
-        return None
-    return terms, sums
+__all__ = ["reduce_per_stage"]
 
 
 def reduce_per_stage(sel: Selection, stage: Callable[[ops.Operation], int]

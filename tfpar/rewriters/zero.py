@@ -29,9 +29,11 @@ from tensorflow.python.framework import ops
 from tfpar.errors import PlanError
 from tfpar.rewriters import graph_edit
 from tfpar.rewriters.replica_sync import assign_value, read_value
-from tfpar.rewriters.select import (Selection, data_ancestors, is_variable, variable_bytes,
-                                    variable_writers)
-from tfpar.rewriters.stages import Placement
+from tfpar.analysis.graph_index import data_ancestors
+from tfpar.analysis.op_kinds import is_variable
+from tfpar.analysis.variables import variable_bytes, variable_writers
+from tfpar.rewriters.select import Selection
+from tfpar.analysis.stages import Placement
 
 __all__ = ["Sharding", "plan_sharding", "refuse_unshardable", "shard_updates"]
 

@@ -21,8 +21,8 @@ from tfpar.planner.memory import Techniques
 from tfpar.planner.partition import StageCut, partition_stages
 from tfpar.planner.sharding import STATE_BYTES
 from tfpar.planner.step_model import in_flight
-from tfpar.rewriters.model_view import model_view
-from tfpar.rewriters.select import GraphIndex
+from tfpar.analysis.model_view import model_view
+from tfpar.analysis.graph_index import GraphIndex
 from tfpar.runtime.context import Runtime
 from tfpar.runtime.gc_paused import gc_paused
 from tfpar.runtime.precision import applied

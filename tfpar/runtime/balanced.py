@@ -10,9 +10,9 @@ from tfpar.hooks.capture import GraphCapture
 from tfpar.ir.plan import Plan, pinned_plan
 from tfpar.planner.auto import stage_costs
 from tfpar.planner.balance import balance_load, integer_shares, well_formed_shares
-from tfpar.rewriters.model_view import model_view
-from tfpar.rewriters.select import GraphIndex
-from tfpar.rewriters.stages import canonical_device
+from tfpar.analysis.model_view import model_view
+from tfpar.analysis.graph_index import GraphIndex
+from tfpar.analysis.stages import canonical_device
 from tfpar.runtime.automatic import planning_batch
 from tfpar.runtime.context import Runtime
 

@@ -22,7 +22,8 @@ from tensorflow.python.framework import dtypes, ops
 from tfpar.analysis.batch_axes import BatchAxes
 from tfpar.analysis.batch_reductions import loss_scaling
 from tfpar.hooks.capture import GraphCapture
-from tfpar.rewriters.select import GraphIndex, ancestors, is_input
+from tfpar.analysis.graph_index import GraphIndex, ancestors
+from tfpar.analysis.op_kinds import is_input
 
 __all__ = ["captured_batch", "unsplittable"]
 

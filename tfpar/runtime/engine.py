@@ -25,11 +25,12 @@ from tfpar.rewriters import graph_edit
 from tfpar.rewriters.allreduce import CollectiveKeys, LocalReducer, make_reducer
 from tfpar.rewriters.data_parallel import replicate
 from tfpar.rewriters.horovod_backend import HorovodProcesses, HorovodReducer
-from tfpar.rewriters.select import GraphIndex, is_input, is_resource_variable, is_variable
-from tfpar.rewriters.model_view import model_view
+from tfpar.analysis.graph_index import GraphIndex
+from tfpar.analysis.op_kinds import is_input, is_resource_variable, is_variable
+from tfpar.analysis.model_view import model_view
 from tfpar.rewriters.recompute import recompute_ops, recompute_scopes
 from tfpar.runtime.precision import applied, applied_option
-from tfpar.rewriters.stages import Placement, assign_stages, canonical_device, split_op_devices
+from tfpar.analysis.stages import Placement, assign_stages, canonical_device, split_op_devices
 from tfpar.rewriters.fetch_translation import FetchTranslator
 from tfpar.rewriters.finite_check import check_gradients
 from tfpar.rewriters.function_outputs import rewire_outputs

@@ -18,13 +18,14 @@ from typing import Dict, List, Optional, Tuple
 from tensorflow.python.framework import config, dtypes, ops, tensor_util
 from tensorflow.python.framework import tensor as tensor_lib
 
+from tfpar.analysis.graph_index import GraphIndex, ancestors, data_ancestors
+from tfpar.analysis.op_kinds import (INPUT_TYPES, VARIABLE_TYPES, gradient_tensors, is_input,
+                                     is_variable)
+from tfpar.analysis.variables import variable_bytes
 from tfpar.hooks.capture import GraphCapture
 from tfpar.ir.taskgraph import Phase
 from tfpar.planner.auto import ModelView
 from tfpar.planner.pruning import block_labels
-from tfpar.rewriters.select import (INPUT_TYPES, VARIABLE_TYPES, GraphIndex, ancestors,
-                                    data_ancestors, gradient_tensors, is_input, is_variable,
-                                    variable_bytes)
 
 __all__ = ["model_view"]
 

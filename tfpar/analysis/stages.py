@@ -32,19 +32,19 @@ colocated with (a slot: its variable's), else of the first variable it reads
 several stages (tied weights, ``tied_weights``).
 """
 import dataclasses
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from tensorflow.python.framework import device as device_lib
-from tensorflow.python.framework import ops
+from tensorflow.python.framework import indexed_slices, ops
 
+from tfpar.analysis.graph_index import GraphIndex
+from tfpar.analysis.op_kinds import gradient_tensors, is_variable
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture
 from tfpar.ir.taskgraph import Phase
-from tfpar.rewriters.select import GraphIndex, is_variable
-from tfpar.rewriters.tied_weights import stage_terms
 
 __all__ = ["Placement", "assign_stages", "backward_dependent", "canonical_device",
-           "host_device", "split_op_devices"]
+           "host_device", "split_op_devices", "stage_terms"]
 
 
 @dataclasses.dataclass
@@ -191,6 +191,27 @@ def _follow_variables(index: GraphIndex, capture: GraphCapture, stage_of, by_nam
                      if g is not None and var in stage_of and is_variable(var) else None)
             for op in found[1] if found else ():
                 stage_of[op] = stage_of[var]
+
+
+def stage_terms(g, stage: Callable[[ops.Operation], int]
+                ) -> Optional[Tuple[list, List[ops.Operation]]]:
+    """(the terms, the ops summing them) of gradient ``g`` when it sums
+    contributions of several stages (``stage``: op -> its stage), else None."""
+    if isinstance(g, indexed_slices.IndexedSlices):
+        values, indices = g.values.op, g.indices.op
+        if not (values.type == indices.type == "ConcatV2"
+                and len(values.inputs) == len(indices.inputs)):
+            return None
+        terms = [indexed_slices.IndexedSlices(v, i, g.dense_shape)
+                 for v, i in zip(values.inputs[:-1], indices.inputs[:-1])]
+        sums = [values, indices]
+    elif g.op.type == "AddN":
+        terms, sums = list(g.op.inputs), [g.op]
+    else:
+        return None
+    if len({stage(gradient_tensors(term)[0].op) for term in terms}) < 2:
+        return None
+    return terms, sums
 
 
 def _forward_valued_to_readers(index: GraphIndex, capture: GraphCapture, stage_of) -> None:
