@@ -32,207 +32,58 @@ a pipeline replica (``layout.Layout``, ``stages.Placement``):
     every version reads the original variables and the update ops run once;
   * ops outside the step that read step tensors (summaries) read merged values.
 """
-import dataclasses
 import functools
-from typing import Any, Dict, List, Optional, Set
+from typing import List, NamedTuple, Optional
 
-from tensorflow.python.framework import dtypes, ops
-from tensorflow.python.framework import tensor as tensor_lib
-from tensorflow.python.util import nest
+from tensorflow.python.framework import ops
 
 from tfpar import fallback
 from tfpar.analysis.batch_axes import BatchAxes
+from tfpar.analysis.graph_index import GraphIndex
+from tfpar.analysis.op_kinds import gradient_tensors
+from tfpar.analysis.stages import Placement, host_device
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture
 from tfpar.rewriters import graph_edit
 from tfpar.rewriters.averaged_variables import (average_local_copies, make_local_copies,
                                                reroute_to_local_copies)
+from tfpar.rewriters.batch_sources import refuse_unsplittable, worker_sources
 from tfpar.rewriters.batch_split import split_batch, split_sources
 from tfpar.rewriters.bridge import Bridges
 from tfpar.rewriters.gradients import reduce_gradients, scale_seed, scale_seeds
 from tfpar.rewriters.layout import Layout
-from tfpar.rewriters.merge import merge_step_tensor
+from tfpar.rewriters.mirrored import clone_variables, copy_updates, owner_inputs
 from tfpar.rewriters.pipeline import lower_schedule, stage_tasks, task_ops
 from tfpar.rewriters.replica_sums import marked_sums, sum_across_replicas
 from tfpar.rewriters.replica_sync import add_replica_sync
-from tfpar.analysis.graph_index import GraphIndex
-from tfpar.analysis.op_kinds import gradient_tensors
+from tfpar.rewriters.rewrite_record import DataParallelRewrite
 from tfpar.rewriters.select import Selection, select_replication
-from tfpar.analysis.stages import Placement, host_device
-from tfpar.rewriters.task_functions import call_tasks, task_order
+from tfpar.rewriters.task_calls import call_tasks, task_order
 from tfpar.rewriters.tied_weights import reduce_per_stage
-from tfpar.rewriters.zero import Sharding, plan_sharding, refuse_unshardable, shard_updates
+from tfpar.rewriters.zero import plan_sharding, refuse_unshardable, shard_updates
 
-__all__ = ["DataParallelRewrite", "offload_optimizer", "replicate"]
+__all__ = ["offload_optimizer", "replicate"]
 
 
-@dataclasses.dataclass
-class DataParallelRewrite:
-    """What ``replicate`` did; read by fetch translation and tests.
+class BuiltEdges(NamedTuple):
+    """The edges around the copied ops as the script built them, read before
+    the rewrite adds ops of its own.
 
     Attributes:
-      placement: stage devices; stage of every op.
-      layout: the rows of every version of every stage.
-      selection: the ops/variables/inputs that were copied.
-      version_maps: ``version_maps[s][v]``: original op of stage s -> its
-        version v (empty for v = 0, the originals): its copy, or the call of
-        its task's function.
-      version_values: ``version_values[s][v]``: tensor of stage s -> its
-        value in version v, for versions made by function calls (their
-        results); empty for copies.
-      functions: versions are function calls (``task_functions``).
-      outside_tasks: step ops that run outside the task functions, once per
-        stage device (variable reads).
-      device_maps: ``device_maps[s][j]``: original variable / update op of stage
-        s -> its copy on stage device j (mirrored variables only; j = 0 empty).
-      bridges: the batch pieces, version weights and cross-stage tensors.
-      reduced: raw gradient tensor -> reduced gradient per stage device.
-      sync_ops: writer op -> op that runs it and copies the result to replicas.
-      mirrored: stage devices hold their own copies of the variables.
-      merged: step tensor -> merged tensor, filled on demand.
-      seed_weighted: step ops downstream of scaled gradient seeds: their
-        versions' values are already multiplied by the version weight.
-      summed_grads: raw gradients of batch-sum losses, whose versions weigh 1
-        (when gradients, not seeds, are weighted).
-      gradient_terms: raw gradient tensor that is one stage's term of a
-        variable's gradient summed across stages -> that gradient's tensor
-        (``tied_weights``).
-      original_inputs: step op -> its inputs as the script built them (the
-        rewrite reroutes the originals' to their rows and stages).
-      original_controls: step op -> its control inputs as the script built them.
-      batch_axes: which axis of each step tensor holds the batch rows
-        (``analysis.batch_axes.BatchAxes``).
-      weight_tasks: each stage's backward is two tasks, input gradients ("B")
-        and weight gradients ("W"): the schedule runs W tasks (zero-bubble).
-      stage_tasks: (stage, kind) -> the original ops of that task
-        (``pipeline.stage_tasks``).
-      task_ops: (stage device j, stage, "F"/"B"/"W", micro-batch) -> the ops of
-        that pipeline task (``pipeline.task_ops``).
-      schedule_edges: the control edges (op, op it waits for) that order the
-        tasks as the schedule says (``pipeline.order_tasks``).
-      processes: the Horovod job this process is part of
-        (``horovod_backend.HorovodProcesses``), or None.
-      zero: which device owns each variable's optimizer state
-        (``zero.Sharding``, ``memory.zero``), or None.
-      precision: the grappler option computing in 16 bits, which task
-        function calls turn on (``runtime.precision``), or None.
-      local_copies: (stage, version) -> averaged variable's handle -> the
-        handle of the version's local copy (``averaged_variables``).
-      edits: number of in-place edits of original ops.
+      copied: step and update ops.
+      raw: the raw gradients' tensors.
+      outside_readers: (step tensor, op outside ``copied`` reading it, input index).
+      control_readers: step, update or sync-writer op -> the ops waiting on it.
+      crossing: (step op, input index, step tensor of another stage it reads).
+      crossing_controls: (step op, step op of another stage it waits on).
     """
 
-    placement: Placement
-    layout: Layout
-    selection: Selection
-    version_maps: List[List[Dict[ops.Operation, ops.Operation]]]
-    device_maps: List[List[Dict[ops.Operation, ops.Operation]]]
-    version_values: List[List[Dict[tensor_lib.Tensor, tensor_lib.Tensor]]] = dataclasses.field(
-        default_factory=list)
-    functions: bool = False
-    outside_tasks: Set[ops.Operation] = dataclasses.field(default_factory=set)
-    bridges: Optional[Bridges] = None
-    reduced: Dict[tensor_lib.Tensor, List[tensor_lib.Tensor]] = dataclasses.field(default_factory=dict)
-    sync_ops: Dict[ops.Operation, ops.Operation] = dataclasses.field(default_factory=dict)
-    mirrored: bool = True
-    merged: Dict[tensor_lib.Tensor, tensor_lib.Tensor] = dataclasses.field(default_factory=dict)
-    seed_weighted: Set[ops.Operation] = dataclasses.field(default_factory=set)
-    summed_grads: Set[tensor_lib.Tensor] = dataclasses.field(default_factory=set)
-    gradient_terms: Dict[tensor_lib.Tensor, tensor_lib.Tensor] = dataclasses.field(
-        default_factory=dict)
-    original_inputs: Dict[ops.Operation, List[tensor_lib.Tensor]] = dataclasses.field(
-        default_factory=dict)
-    original_controls: Dict[ops.Operation, List[ops.Operation]] = dataclasses.field(
-        default_factory=dict)
-    batch_axes: Any = None
-    weight_tasks: bool = False
-    stage_tasks: Dict[tuple, List[ops.Operation]] = dataclasses.field(default_factory=dict)
-    task_ops: Dict[tuple, List[ops.Operation]] = dataclasses.field(default_factory=dict)
-    schedule_edges: Set[tuple] = dataclasses.field(default_factory=set)
-    processes: Any = None
-    zero: Optional[Sharding] = None
-    precision: Optional[str] = None
-    local_copies: Dict[tuple, Dict[tensor_lib.Tensor, tensor_lib.Tensor]] = dataclasses.field(
-        default_factory=dict)
-    edits: int = 0
-    _copies: Dict[tuple, Dict] = dataclasses.field(default_factory=dict)
-
-    @property
-    def num_micro_batch(self) -> int:
-        return self.layout.num_micro_batch
-
-    @property
-    def trivial(self) -> bool:
-        """One version of everything in one process: the graph runs as built."""
-        return self.layout.num_pieces == 1 and self.processes is None
-
-    @property
-    def synced(self) -> bool:
-        """Writes of variables outside training must be copied (to mirrored
-        copies, or to other processes)."""
-        return self.mirrored or self.processes is not None
-
-    def versions(self, op: ops.Operation) -> List[ops.Operation]:
-        """Every version of a step op, in batch order."""
-        return [m.get(op, op) for m in self.version_maps[self.placement.stage(op)]]
-
-    def replica_versions(self, op: ops.Operation) -> List[ops.Operation]:
-        """Every stage device's copy of an update op or variable (just ``op``
-        when the devices share variables, or for a ZeRO slot)."""
-        if not self.mirrored or (self.zero is not None and op in self.zero.slots):
-            return [op]
-        maps = self.device_maps[self.placement.stage(op)]
-        return [m.get(op, op) if j else op for j, m in enumerate(maps)]
-
-    def built_inputs(self, op: ops.Operation) -> List[tensor_lib.Tensor]:
-        """``op``'s inputs as the script built them (before the rewrite rerouted
-        the originals to their rows and stages)."""
-        return self.original_inputs.get(op, op.inputs)
-
-    def built_controls(self, op: ops.Operation) -> List[ops.Operation]:
-        """``op``'s control inputs as the script built them."""
-        return self.original_controls.get(op, op.control_inputs)
-
-    def version_tensor(self, t: tensor_lib.Tensor, version: int) -> tensor_lib.Tensor:
-        """Step tensor ``t`` as version ``version`` computes it.
-
-        Raises:
-          PlanError: the version is a function call that does not return it
-            (``task_functions.call_tasks`` says which tensors it returns).
-        """
-        if t.op not in self.selection.step_ops_set or not (version or self.functions):
-            return t
-        stage = self.placement.stage(t.op)
-        if not self.functions:
-            return self.version_maps[stage][version][t.op].outputs[t.value_index]
-        value = self.version_values[stage][version].get(t)
-        if value is None:
-            raise PlanError(
-                f"tfpar: '{t.name}' ({t.op.type}) is computed inside a task function of "
-                f"TaskGraph '{self.placement.task_graph_names[stage]}' and is not one of its "
-                "results (tensors other ops read when tfpar rewrote the graph, forward tensors "
-                "holding batch rows, what tf.gradients returned), so its per-micro-batch values "
-                "cannot be fetched; to fetch it, set pipeline.task_functions to false")
-        return value
-
-    def variable_copies(self, stage: int, device: int) -> Dict:
-        """Original variable handle -> the copy stage device ``device`` of
-        ``stage`` reads."""
-        key = (stage, device)
-        if key not in self._copies:
-            self._copies[key] = _variable_copies(self, stage, device)
-        return self._copies[key]
-
-    def prefix(self, stage: int, device: int) -> str:
-        """Name scope of what stage device ``device`` of ``stage`` runs."""
-        return (f"replica_{device}" if self.placement.num_stages == 1
-                else f"stage_{stage}/replica_{device}")
-
-    def merged_tensor(self, t: tensor_lib.Tensor) -> tensor_lib.Tensor:
-        """``t`` (a step tensor) merged over versions (``merge``). Builds ops on
-        first use."""
-        if t not in self.merged:
-            self.merged[t] = merge_step_tensor(self, t)
-        return self.merged[t]
+    copied: set
+    raw: set
+    outside_readers: list
+    control_readers: dict
+    crossing: list
+    crossing_controls: list
 
 
 def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placement: Placement,
@@ -258,15 +109,59 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
       precision: the grappler option computing in 16 bits
         (``runtime.precision``), which task function calls turn on.
     """
+    sel = _selection(graph, capture, index)
+    rw = _new_rewrite(sel, placement, num_micro_batch, reducer_for, schedule, processes,
+                      precision)
+    _place(graph, rw, zero, offload)
+    if rw.trivial:
+        rw.task_ops = task_ops(rw, capture, index)
+        return rw
+    refuse_unsplittable(rw.selection)
+    edges = _built_edges(rw, index)
+    with graph.as_default(), ops.name_scope(None), ops.name_scope("tfpar"):
+        _split_batch(capture, rw, shares)
+        _reroute_batch_inputs(rw)
+        if rw.mirrored:
+            clone_variables(graph, rw)
+        make_local_copies(graph, rw)
+        tasks = stage_tasks(rw, capture, index)
+        marks = marked_sums(rw, capture)
+        order = _task_order_or_say(graph, rw, tasks, marks) if functions else None
+        seeds = scale_seeds(rw, capture, index)
+        if order is not None:
+            _versions_as_calls(graph, rw, capture, tasks, order, seeds)
+            lower_schedule(rw, capture, index, schedule)
+            _updates_read_version_0(rw, edges.raw)
+        else:
+            _versions_as_copies(graph, rw, edges, marks, reducer_for)
+            lower_schedule(rw, capture, index, schedule)
+            for seed in seeds:
+                scale_seed(rw, seed, range(len(rw.versions(seed.op))))
+        _reduce_and_update(graph, rw, edges, reducer_for)
+        _rewire_readers(rw, edges)
+    return rw
+
+
+def _selection(graph: ops.Graph, capture: GraphCapture, index: GraphIndex) -> Selection:
+    """What a replica copies (``select_replication``), but the global step
+    (updated once per step) and local / metric variables (shared)."""
     global_steps = {v.op for v in graph.get_collection(ops.GraphKeys.GLOBAL_STEP)}
     global_steps |= {c.global_step.op for c in capture.apply_calls if c.global_step is not None}
     shared = {v.op for key in (ops.GraphKeys.LOCAL_VARIABLES, ops.GraphKeys.METRIC_VARIABLES)
               for v in graph.get_collection(key)}
-    sel, terms = reduce_per_stage(select_replication(graph, capture, index, global_steps, shared),
-                                  placement.stage)
+    return select_replication(graph, capture, index, global_steps, shared)
+
+
+def _new_rewrite(sel: Selection, placement: Placement, num_micro_batch: int, reducer_for,
+                 schedule, processes, precision: Optional[str]) -> DataParallelRewrite:
+    """The empty record: gradients summed across stages split into their
+    stages' terms (``tied_weights``), one version map per version of each
+    stage and one device map per stage device; variables mirrored when the
+    reducer mirrors them and some stage has several devices."""
+    sel, terms = reduce_per_stage(sel, placement.stage)
     layout = Layout(placement.num_replicas, num_micro_batch, placement.widths)
     stages = range(placement.num_stages)
-    rw = DataParallelRewrite(
+    return DataParallelRewrite(
         placement=placement, layout=layout, selection=sel,
         version_maps=[[{} for _ in range(layout.num_versions(s))] for s in stages],
         device_maps=[[{} for _ in placement.stage_devices[s]] for s in stages],
@@ -274,125 +169,124 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
                   and max(map(len, placement.stage_devices)) > 1), processes=processes,
         weight_tasks=any(task.kind == "W" for tasks in schedule for task in tasks),
         precision=precision, gradient_terms=terms)
+
+
+def _place(graph: ops.Graph, rw: DataParallelRewrite, zero: int, offload: bool) -> None:
+    """The originals move to their stage's device 0 (a tf.function's
+    variable stays where it was made); ZeRO's sharding is planned, and the
+    optimizer offloaded, if asked."""
+    sel = rw.selection
     for op in sel.step_ops + sel.update_ops + sel.variables:
-        if op.type != "Placeholder":  # a tf.function's variable stays where it was made
-            graph_edit.set_device(op, placement.device(op))
+        if op.type != "Placeholder":
+            graph_edit.set_device(op, rw.placement.device(op))
     if zero:
-        refuse_unshardable(zero, rw.mirrored, processes is not None, graph.building_function)
-        rw.zero = plan_sharding(sel, placement, zero)
+        refuse_unshardable(zero, rw.mirrored, rw.processes is not None, graph.building_function)
+        rw.zero = plan_sharding(sel, rw.placement, zero)
     if offload:
         offload_optimizer(graph, rw)
-    if rw.trivial:
-        rw.task_ops = task_ops(rw, capture, index)
-        return rw
-    if not sel.batch_inputs:
-        raise PlanError(
-            "tfpar: found no batch input to split into replicas / micro-batches: feed the "
-            "model through a tf.compat.v1.placeholder or a tf.data iterator")
-    _refuse_unsplittable(sel.batch_inputs, sel.sparse_inputs)
+
+
+def _built_edges(rw: DataParallelRewrite, index: GraphIndex) -> BuiltEdges:
+    """The edges as the script built them (``BuiltEdges``), also kept in the
+    record (``original_inputs``, ``original_controls``)."""
+    sel, stage_of = rw.selection, rw.placement.stage
     step = sel.step_ops_set
     rw.original_inputs = {op: list(op.inputs) for op in sel.step_ops}
     rw.original_controls = {op: list(op.control_inputs) for op in sel.step_ops}
     copied = step | set(sel.update_ops)
-    raw = {t for g, _ in sel.raw_grads for t in gradient_tensors(g)}
-    # Snapshot edges before tfpar adds ops of its own.
-    outside_readers = [(t, c, k) for op in sel.step_ops for t in op.outputs
-                       for c in t.consumers() if c not in copied
-                       for k, x in enumerate(c.inputs) if x is t]
-    control_readers = {op: list(index.control_consumers.get(op, ()))
-                       for op in sel.step_ops + sel.update_ops + sel.sync_writers}
-    crossing = [(c, k, t) for c in sel.step_ops for k, t in enumerate(c.inputs)
-                if t.op in step and placement.stage(t.op) != placement.stage(c)]
-    crossing_controls = [(c, p) for c in sel.step_ops for p in c.control_inputs
-                         if p in step and placement.stage(p) != placement.stage(c)]
-    with graph.as_default(), ops.name_scope(None), ops.name_scope("tfpar"):
-        sources = _worker_sources(capture, sel, layout.num_pieces)
-        if sources is not None:
-            split = split_sources(sources, layout.num_pieces)
-        else:
-            per_replica = layout.num_pieces // layout.num_replicas  # replica-major pieces
-            split = split_batch(sel.batch_inputs, layout.num_pieces,
-                                processes.share if processes is not None else (0, 1),
-                                processes.global_rows() if processes is not None else None,
-                                sel.sparse_inputs, [w for w in shares for _ in range(per_replica)])
-        rw.batch_axes = BatchAxes(sel.batch_dependent, sel.batch_inputs, rw.built_inputs,
-                                  lambda op: capture.differentiates.get(op.name),
-                                  not_rows={t for group in sel.sparse_inputs for t in group})
-        rw.bridges = Bridges(layout, placement, split, rw.version_tensor, sel.batch_dependent,
-                             rw.batch_axes.axis)
-        _reroute_batch_inputs(rw, step)
-        if rw.mirrored:
-            _clone_variables(graph, rw)
-        make_local_copies(graph, rw)
-        tasks = stage_tasks(rw, capture, index)
-        marks = marked_sums(rw, capture)
-        order = _task_order_or_say(graph, rw, tasks, marks) if functions else None
-        seeds = scale_seeds(rw, capture, index)
-        if order is not None:
-            rw.functions = True
-            rw.version_values = [[{} for _ in range(layout.num_versions(s))] for s in stages]
-            call_tasks(graph, rw, tasks, order, seeds,
-                       {t for call in capture.gradient_calls for g in call.grads
-                        if g is not None for t in gradient_tensors(g)},
-                       capture.calls_optimized and not graph.building_function)
-            lower_schedule(rw, capture, index, schedule)
-            for op in sel.update_ops:  # they read version 0's values, not the template's
-                for k, t in enumerate(op.inputs):
-                    if t.op in step and t not in raw:
-                        graph_edit.update_input(op, k, rw.version_tensor(t, 0))
-        else:
-            for s in stages:
-                _clone_stage(graph, rw, s)
-            reroute_to_local_copies(rw)
-            _connect_stages(rw, crossing, crossing_controls)
-            sum_across_replicas(rw, marks, reducer_for)
-            lower_schedule(rw, capture, index, schedule)
-            for seed in seeds:
-                scale_seed(rw, seed, range(len(rw.versions(seed.op))))
-        reduce_gradients(rw, raw, reducer_for)
-        average_local_copies(graph, rw, reducer_for, control_readers)
-        if rw.mirrored:
-            _copy_updates(graph, rw)
-        if rw.zero is not None:
-            shard_updates(graph, rw, functools.partial(_owner_inputs, rw))
-        _wire_control_edges(rw, control_readers, step, copied)
-        for t, c, k in outside_readers:
-            if t not in raw:
-                graph_edit.update_input(c, k, rw.merged_tensor(t))
-                rw.edits += 1
-        if rw.synced:
-            for writer in sel.sync_writers:
-                add_replica_sync(rw, writer, control_readers[writer])
-    return rw
+    return BuiltEdges(
+        copied=copied, raw={t for g, _ in sel.raw_grads for t in gradient_tensors(g)},
+        outside_readers=[(t, c, k) for op in sel.step_ops for t in op.outputs
+                         for c in t.consumers() if c not in copied
+                         for k, x in enumerate(c.inputs) if x is t],
+        control_readers={op: list(index.control_consumers.get(op, ()))
+                         for op in sel.step_ops + sel.update_ops + sel.sync_writers},
+        crossing=[(c, k, t) for c in sel.step_ops for k, t in enumerate(c.inputs)
+                  if t.op in step and stage_of(t.op) != stage_of(c)],
+        crossing_controls=[(c, p) for c in sel.step_ops for p in c.control_inputs
+                           if p in step and stage_of(p) != stage_of(c)])
 
 
-def _refuse_unsplittable(batch_inputs, sparse_inputs) -> None:
-    """Batch inputs keep their batch dimension unknown (``hooks.batch_shapes``
-    relaxes placeholders and tf.data iterators made after ``wh.init``); one
-    that fixes it (a queue's dequeue, a source made before ``wh.init``) let
-    TensorFlow build its size into the graph, which copies on fewer rows would
-    silently contradict. Composite inputs other than SparseTensors (a ragged
-    tensor from an iterator arrives as one variant tensor) cannot be cut by
-    rows yet."""
-    sparse = {t for group in sparse_inputs for t in group}
-    for t in batch_inputs:
-        if t.dtype == dtypes.variant:
-            consumers = ", ".join(f"'{c.name}' ({c.type})" for c in t.consumers()[:3])
-            raise PlanError(
-                f"tfpar: batch input '{t.name}' ({t.op.type}) is a composite tensor (a "
-                f"ragged tensor or other composite from a tf.data iterator, read by {consumers}); "
-                "tfpar cannot cut it into replicas / micro-batches by rows yet. Make it dense "
-                "or a SparseTensor in the input pipeline (Dataset.map)")
-        if t not in sparse and t.shape.rank and t.shape[0] is not None:
-            queue = t.op.type.startswith("QueueDequeue")
-            raise PlanError(
-                f"tfpar: batch input '{t.name}' ({t.op.type}) has the static batch size "
-                f"{t.shape[0]}, which TensorFlow built into the ops that read it; tfpar cannot "
-                "split it over replicas / micro-batches. " + (
-                    "Queue-based input (tf.train.batch, slice_input_producer) fixes it: read "
-                    "the data with tf.data instead (Dataset.from_tensor_slices(...).batch(n))"
-                    if queue else "Create it after wh.init(), or with its batch dimension "
-                    "unknown (placeholder([None, ...]))"))
+def _split_batch(capture: GraphCapture, rw: DataParallelRewrite, shares) -> None:
+    """Cut the batch inputs into the layout's pieces (each worker's own
+    reads with ``io.shard_dataset``), find the batch axis of every step
+    tensor and make the bridges that hand each version its rows."""
+    sel, layout, processes = rw.selection, rw.layout, rw.processes
+    sources = worker_sources(capture, sel, layout.num_pieces)
+    if sources is not None:
+        split = split_sources(sources, layout.num_pieces)
+    else:
+        per_replica = layout.num_pieces // layout.num_replicas  # replica-major pieces
+        split = split_batch(sel.batch_inputs, layout.num_pieces,
+                            processes.share if processes is not None else (0, 1),
+                            processes.global_rows() if processes is not None else None,
+                            sel.sparse_inputs, [w for w in shares for _ in range(per_replica)])
+    rw.batch_axes = BatchAxes(sel.batch_dependent, sel.batch_inputs, rw.built_inputs,
+                              lambda op: capture.differentiates.get(op.name),
+                              not_rows={t for group in sel.sparse_inputs for t in group})
+    rw.bridges = Bridges(layout, rw.placement, split, rw.version_tensor, sel.batch_dependent,
+                         rw.batch_axes.axis)
+
+
+def _versions_as_calls(graph: ops.Graph, rw: DataParallelRewrite, capture: GraphCapture,
+                       tasks, order: list, seeds) -> None:
+    """Every version of every task is a call of its function
+    (``task_functions``)."""
+    rw.functions = True
+    rw.version_values = [[{} for _ in range(rw.layout.num_versions(s))]
+                         for s in range(rw.placement.num_stages)]
+    call_tasks(graph, rw, tasks, order, seeds,
+               {t for call in capture.gradient_calls for g in call.grads
+                if g is not None for t in gradient_tensors(g)},
+               capture.calls_optimized and not graph.building_function)
+
+
+def _updates_read_version_0(rw: DataParallelRewrite, raw: set) -> None:
+    """With task functions, the update ops read version 0's values of step
+    tensors (not the template's, which no longer runs), but raw gradients."""
+    step = rw.selection.step_ops_set
+    for op in rw.selection.update_ops:
+        for k, t in enumerate(op.inputs):
+            if t.op in step and t not in raw:
+                graph_edit.update_input(op, k, rw.version_tensor(t, 0))
+
+
+def _versions_as_copies(graph: ops.Graph, rw: DataParallelRewrite, edges: BuiltEdges,
+                        marks: List[ops.Operation], reducer_for) -> None:
+    """Versions 1.. of every stage are copies of its ops, reading their local
+    copies of averaged variables, other stages' tensors through bridges and
+    the replicas' sums of ``marks``."""
+    for s in range(rw.placement.num_stages):
+        _clone_stage(graph, rw, s)
+    reroute_to_local_copies(rw)
+    _connect_stages(rw, edges.crossing, edges.crossing_controls)
+    sum_across_replicas(rw, marks, reducer_for)
+
+
+def _reduce_and_update(graph: ops.Graph, rw: DataParallelRewrite, edges: BuiltEdges,
+                       reducer_for) -> None:
+    """Reduce the gradients and the averaged variables' local copies, then
+    copy the update ops to the mirrors and shard them (ZeRO)."""
+    reduce_gradients(rw, edges.raw, reducer_for)
+    average_local_copies(graph, rw, reducer_for, edges.control_readers)
+    if rw.mirrored:
+        copy_updates(graph, rw)
+    if rw.zero is not None:
+        shard_updates(graph, rw, functools.partial(owner_inputs, rw))
+
+
+def _rewire_readers(rw: DataParallelRewrite, edges: BuiltEdges) -> None:
+    """Ops outside the step wait on every version and read merged values
+    (raw gradients stay: they were reduced); writes of mirrored variables
+    outside the step are copied to the replicas."""
+    _wire_control_edges(rw, edges.control_readers, rw.selection.step_ops_set, edges.copied)
+    for t, c, k in edges.outside_readers:
+        if t not in edges.raw:
+            graph_edit.update_input(c, k, rw.merged_tensor(t))
+            rw.edits += 1
+    if rw.synced:
+        for writer in rw.selection.sync_writers:
+            add_replica_sync(rw, writer, edges.control_readers[writer])
 
 
 def offload_optimizer(graph: ops.Graph, rw: DataParallelRewrite) -> None:
@@ -421,55 +315,13 @@ def offload_optimizer(graph: ops.Graph, rw: DataParallelRewrite) -> None:
         graph_edit.set_device(op, host_device(rw.placement.device(op)))
 
 
-def _worker_sources(capture: GraphCapture, sel: Selection, num_pieces: int):
-    """With ``io.shard_dataset`` in a cluster: per worker, the batch inputs as
-    read by that worker's own iterator (worker 0: the originals), or None."""
-    if not capture.worker_iterators:
-        return None
-    batch_inputs = sel.batch_inputs
-    if sel.sparse_inputs:
-        raise PlanError(f"tfpar: io.shard_dataset cannot split the SparseTensor input "
-                        f"'{sel.sparse_inputs[0][0].name}' yet; turn io.shard_dataset off (every "
-                        "worker then reads the global batch and takes its rows)")
-    workers = 1 + len(next(iter(capture.worker_iterators.values())))
-    if num_pieces % workers:
-        raise PlanError(f"tfpar: io.shard_dataset splits the rows of {workers} workers into "
-                        f"{num_pieces} replicas x micro-batches; use a multiple of {workers}")
-    sources = [list(batch_inputs)] + [[] for _ in range(workers - 1)]
-    read = {}
-    for t in batch_inputs:
-        resource = t.op.inputs[0].op if t.op.type.startswith("IteratorGetNext") else None
-        if resource not in capture.worker_iterators:
-            raise PlanError(f"tfpar: with io.shard_dataset in a cluster every batch input must "
-                            f"come from a tf.data iterator; '{t.name}' does not")
-        if t.op not in read:
-            read[t.op] = []
-            for iterator in capture.worker_iterators[resource]:
-                with ops.device(iterator._iterator_resource.device):  # pylint: disable=protected-access
-                    read[t.op].append(nest.flatten(iterator.get_next()))
-        for worker, outputs in enumerate(read[t.op], start=1):
-            sources[worker].append(outputs[t.value_index])
-    return sources
-
-
-def _reroute_batch_inputs(rw: DataParallelRewrite, step) -> None:
+def _reroute_batch_inputs(rw: DataParallelRewrite) -> None:
     """The originals (version 0 of each stage) read their stage's first rows."""
+    step = rw.selection.step_ops_set
     for i, t in enumerate(rw.selection.batch_inputs):
         for c in t.consumers():
             if c in step:
                 rw.edits += graph_edit.reroute(c, t, rw.bridges.batch_input(i, rw.placement.stage(c), 0))
-
-
-def _clone_variables(graph: ops.Graph, rw: DataParallelRewrite) -> None:
-    """Mirrored: a copy of each stage's variables on its stage devices 1.."""
-    placement = rw.placement
-    for stage, devices in enumerate(placement.stage_devices):
-        variables = [v for v in rw.selection.variables if placement.stage(v) == stage
-                     and len(rw.replica_versions(v)) > 1]  # not a ZeRO slot
-        for j in range(1, len(devices)):
-            rw.device_maps[stage][j] = graph_edit.clone_ops(
-                graph, variables, rw.prefix(stage, j) + "/variables",
-                functools.partial(placement.device, index=j), {})
 
 
 def _clone_stage(graph: ops.Graph, rw: DataParallelRewrite, stage: int) -> None:
@@ -491,7 +343,7 @@ def _clone_stage(graph: ops.Graph, rw: DataParallelRewrite, stage: int) -> None:
 
 def _task_order_or_say(graph: ops.Graph, rw: DataParallelRewrite, tasks,
                        marks: List[ops.Operation]) -> Optional[list]:
-    """The order to define the task functions in (``task_functions.task_order``);
+    """The order to define the task functions in (``task_calls.task_order``);
     where tasks cannot be functions (also with ``marks``, sums over the
     replicas: ``replica_sums``), None, said (``fallback``) when copies grow
     with micro-batches (with one micro-batch a copy per replica costs what a
@@ -507,17 +359,6 @@ def _task_order_or_say(graph: ops.Graph, rw: DataParallelRewrite, tasks,
             f"they are copies of its ops (graph size and start-up grow with them), because {why}",
             "To ask for copies (and silence this), set pipeline.task_functions to false", graph)
     return order
-
-
-def _variable_copies(rw: DataParallelRewrite, stage: int, device: int) -> Dict:
-    """Original variable handle -> the copy stage device ``device`` reads."""
-    result = {}
-    for var in rw.selection.variables:
-        owner = rw.placement.stage(var)
-        peer = rw.layout.peer(device, stage, owner)
-        if peer and var in rw.device_maps[owner][peer]:  # not a ZeRO slot
-            result[var.outputs[0]] = rw.device_maps[owner][peer][var].outputs[0]
-    return result
 
 
 def _connect_stages(rw: DataParallelRewrite, crossing, crossing_controls) -> None:
@@ -536,48 +377,6 @@ def _connect_stages(rw: DataParallelRewrite, crossing, crossing_controls) -> Non
             unit = rw.layout.unit(stage_of(c), v)
             for source in rw.layout.unit_versions(stage_of(p), unit):
                 graph_edit.add_control_input(c_v, producer_versions[source])
-
-
-def _copy_updates(graph: ops.Graph, rw: DataParallelRewrite) -> None:
-    """Stage device j > 0 runs its own copy of the update ops of its stage on the
-    reduced gradients and its copies of the variables (all but ZeRO's owned
-    updates)."""
-    owned = rw.zero.owned_ops if rw.zero is not None else set()
-    for stage, devices in enumerate(rw.placement.stage_devices):
-        update_ops = [op for op in rw.selection.update_ops
-                      if rw.placement.stage(op) == stage and op not in owned]
-        for j in range(1, len(devices)) if update_ops else ():
-            rw.device_maps[stage][j].update(graph_edit.clone_ops(
-                graph, update_ops, rw.prefix(stage, j) + "/update",
-                functools.partial(rw.placement.device, index=j),
-                _device_inputs(rw, stage, j)))
-
-
-def _device_inputs(rw: DataParallelRewrite, stage: int, j: int) -> Dict:
-    """Tensor an update op of ``stage`` reads from outside the update ops ->
-    the one stage device j's copy reads: its variables, its peers' reduced
-    gradients and step tensors."""
-    placement, layout = rw.placement, rw.layout
-    step = rw.selection.step_ops_set
-    imap = dict(rw.variable_copies(stage, j))
-    # The originals read device 0's reduced gradients: copies read their peer's.
-    for grad, red in rw.reduced.items():
-        imap[red[0]] = red[layout.peer(j, stage, placement.stage(grad.op))]
-    for op in rw.selection.update_ops:
-        for t in op.inputs if placement.stage(op) == stage else ():
-            if t.op in step and t not in imap:
-                owner = placement.stage(t.op)
-                v = layout.version(owner, layout.peer(j, stage, owner), 0)
-                imap[t] = rw.version_tensor(t, v)
-    return imap
-
-
-def _owner_inputs(rw: DataParallelRewrite, stage: int, j: int):
-    """Tensor an original update op of ``stage`` reads -> the one stage device
-    j's copies read (``zero.shard_updates``)."""
-    imap, copies = _device_inputs(rw, stage, j), rw.device_maps[stage][j]
-    return lambda t: (copies[t.op].outputs[t.value_index] if t.op in copies
-                      else imap.get(t, t))
 
 
 def _wire_control_edges(rw: DataParallelRewrite, control_readers, step, copied) -> None:

@@ -9,7 +9,7 @@ from tensorflow.python.ops import control_flow_ops
 
 from tfpar.hooks.capture import recording_paused
 from tfpar.rewriters import graph_edit
-from tfpar.rewriters.data_parallel import DataParallelRewrite
+from tfpar.rewriters.rewrite_record import DataParallelRewrite
 from tfpar.rewriters.replica_sync import sync_new_writers
 from tfpar.rewriters.schedule_versions import ScheduleVersion
 
