@@ -276,3 +276,18 @@ def test_replicate_runs_the_phases_in_order(model):
     # each version (2), the update reading the reduced gradient and the
     # summary the merged loss (1 + 1)
     assert rw.edits == 6
+
+
+def test_versions_as_calls_make_one_call_per_task_and_version(model):
+    rw = dp.replicate(model.graph, model.capture, GraphIndex(model.graph), _placement(model),
+                      1, LocalReducer, [], functions=True)
+    assert rw.functions
+    calls = [rw.version_maps[0][v][model["y"]] for v in range(2)]
+    assert [c.type for c in calls] == ["StatefulPartitionedCall"] * 2
+    assert [c.name for c in calls] == ["tfpar/replica_0/micro_0/F", "tfpar/replica_1/micro_0/F"]
+    assert [canonical_device(c.device) for c in calls] == CPU
+    assert rw.version_tensor(model["y"].outputs[0], 1).op is calls[1]
+    # the backward call of version 1 reads its own forward call's values
+    backward = rw.version_maps[0][1][model["grad"].op]
+    assert backward.name == "tfpar/replica_1/micro_0/B" and calls[1] in {
+        t.op for t in backward.inputs}
