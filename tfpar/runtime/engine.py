@@ -83,10 +83,12 @@ def session_config(config: Optional[config_pb2.ConfigProto],
         return merged
     if _calls_optimize(graph if graph is not None else ops.get_default_graph(), rt, plain):
         rewriting.disable_meta_optimizer = True
-    elif not rewriting.function_optimization:
+    elif not rewriting.function_optimization and rt.config.get("pipeline.num_micro_batch") != 1:
         # Grappler's function optimizer reads the body of every call (one per
         # micro-batch and device) to see whether it may inline it, which task
-        # functions forbid: start-up would grow with micro-batches for nothing.
+        # functions forbid: start-up would grow with micro-batches. Without
+        # micro-batches it stays on: it is what optimizes the bodies here (off,
+        # a data-parallel MLP step ran 936 kernels instead of 740, 1.1x slower).
         rewriting.function_optimization = rewriter_config_pb2.RewriterConfig.OFF
     return merged
 
