@@ -27,7 +27,7 @@ from tfpar.runtime.stated import say_how_it_was_found
 from tfpar.planner.auto import (ALL_TECHNIQUES, Candidate, ModelView, _meshes, _scattered, choose,
                                faster_with_techniques, meshes_named, search, search_all,
                                stage_units)
-from tfpar.planner.schedule import build_schedule
+from tfpar.ir.schedule import build_schedule
 
 v1 = tf.compat.v1
 DATA = make_data(steps=3, batch=8)

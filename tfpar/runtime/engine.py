@@ -20,7 +20,7 @@ from tfpar.planner.from_annotations import plan_from_annotations
 from tfpar.planner.grouper import tune_group_size
 from tfpar.planner.memory import recomputation
 from tfpar.patterns.sharded import SplitContext
-from tfpar.planner.schedule import build_schedule
+from tfpar.ir.schedule import build_schedule
 from tfpar.rewriters import graph_edit
 from tfpar.rewriters.allreduce import CollectiveKeys, LocalReducer, make_reducer
 from tfpar.rewriters.data_parallel import replicate
