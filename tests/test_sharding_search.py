@@ -9,7 +9,8 @@ import pytest
 
 from tfpar.cluster.hardware import Hardware
 from tfpar.planner import sharding
-from tfpar.planner.auto import ModelView, search
+from tfpar.planner.auto import search
+from tfpar.planner.model_view import ModelView
 from tfpar.planner.layers import Layer, LayerGraph, layer_graph
 from tfpar.planner.sharding import Mesh, Problem, critical_layers, plan_sharding
 

@@ -15,7 +15,7 @@ from tfpar.hooks.batch_shapes import relaxed_dataset
 from tfpar.hooks.capture import GraphCapture, capture_for, existing_capture, recording_paused
 from tfpar.ir.plan import Plan, pinned_plan
 from tfpar.ir.taskgraph import Strategy, TaskGraphSpec
-from tfpar.planner.auto import stage_costs
+from tfpar.planner.stage_costs import stage_costs
 from tfpar.planner.from_annotations import plan_from_annotations
 from tfpar.planner.grouper import tune_group_size
 from tfpar.planner.memory import recomputation
