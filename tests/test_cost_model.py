@@ -57,7 +57,7 @@ from tfpar.planner.stage_costs import stage_costs
 from tfpar.planner.comm import allgather, allreduce
 from tfpar.planner.layers import Layer, LayerGraph
 from tfpar.planner.roofline import low_precision_speed_up
-from tfpar.planner.sharding import Mesh, Problem
+from tfpar.planner.sharding_costs import Mesh, Problem
 from tfpar.rewriters.model_view import model_view
 from tfpar.rewriters.select import GraphIndex
 

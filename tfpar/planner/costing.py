@@ -12,8 +12,8 @@ from tfpar.planner.memory import RECOMPUTE, Techniques, recomputation
 from tfpar.planner.model_view import ModelView, timed
 from tfpar.planner.partition import StageCut, partition_stages
 from tfpar.planner.roofline import low_precision_speed_up
-from tfpar.planner.sharding import (STATE_BYTES as BYTES_PER_PARAM_STATE, Mesh, Problem,
-                                    plan_sharding)
+from tfpar.planner.sharding import plan_sharding
+from tfpar.planner.sharding_costs import STATE_BYTES as BYTES_PER_PARAM_STATE, Mesh, Problem
 from tfpar.planner.stage_costs import stage_costs
 from tfpar.planner.step_model import (KERNELS_PER_OP, LAUNCH_S, Setting, Space, StageModel,
                                       best_setting, micro_batch_counts, technique_space)

@@ -6,7 +6,7 @@ from typing import Sequence, Tuple
 from tfpar.cluster.hardware import Hardware
 from tfpar.planner.comm import LATENCY_S
 from tfpar.planner.model_view import ModelView, timed
-from tfpar.planner.sharding import STATE_BYTES as BYTES_PER_PARAM_STATE
+from tfpar.planner.sharding_costs import STATE_BYTES as BYTES_PER_PARAM_STATE
 
 __all__ = ["StageCosts", "stage_costs"]
 

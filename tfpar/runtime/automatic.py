@@ -21,7 +21,7 @@ from tfpar.planner.costing import STAGE_ILP_SHARE
 from tfpar.planner.from_annotations import plan_from_annotations
 from tfpar.planner.memory import Techniques
 from tfpar.planner.partition import StageCut, partition_stages
-from tfpar.planner.sharding import STATE_BYTES
+from tfpar.planner.sharding_costs import STATE_BYTES
 from tfpar.planner.step_model import in_flight
 from tfpar.rewriters.model_view import model_view
 from tfpar.rewriters.select import GraphIndex
