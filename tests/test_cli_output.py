@@ -10,7 +10,8 @@ from equivalence import mlp_classifier
 
 import tfpar as wh
 from tfpar import cli
-from tfpar.config import SCHEMA, Config, describe
+from tfpar.config import Config
+from tfpar.config_schema import SCHEMA, describe
 from tfpar.ir.plan import Plan, TaskGraphPlan
 from tfpar.ir.schedule import build_schedule
 from tfpar.ir.simulate import simulate

@@ -174,7 +174,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "launch":
         return _launch(args)
     if args.command == "config":
-        from tfpar.config import describe  # pylint: disable=import-outside-toplevel
+        from tfpar.config_schema import describe  # pylint: disable=import-outside-toplevel
         print(describe())
         return 0
     return _plan(args)
