@@ -81,8 +81,8 @@ from tfpar.planner.balance import (  # noqa: E402
     balance_load, balance_stages, integer_shares, step_time)
 from tfpar.planner.memory import (  # noqa: E402
     MIXED_ACTIVATIONS, SLOTS, recomputation, state_bytes)
-from tfpar.planner.schedule import build_schedule  # noqa: E402
-from tfpar.planner.simulate import simulate  # noqa: E402
+from tfpar.ir.schedule import build_schedule  # noqa: E402
+from tfpar.ir.simulate import simulate  # noqa: E402
 from tfpar.rewriters.model_view import model_view  # noqa: E402
 from tfpar.rewriters.select import GraphIndex, variable_bytes  # noqa: E402
 from tfpar.runtime.precision import onednn_computes_bf16  # noqa: E402

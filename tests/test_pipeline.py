@@ -12,7 +12,7 @@ from equivalence import (assert_equivalent, deep_mlp, dense, fed_graph, initiali
 
 import tfpar as wh
 from tfpar.hooks.capture import existing_capture
-from tfpar.planner.schedule import build_schedule
+from tfpar.ir.schedule import build_schedule
 
 DATA = make_data(steps=3, batch=8)
 v1 = tf.compat.v1

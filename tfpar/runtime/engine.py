@@ -15,12 +15,12 @@ from tfpar.hooks.batch_shapes import relaxed_dataset
 from tfpar.hooks.capture import GraphCapture, capture_for, existing_capture, recording_paused
 from tfpar.ir.plan import Plan, pinned_plan
 from tfpar.ir.taskgraph import Strategy, TaskGraphSpec
-from tfpar.planner.auto import stage_costs
+from tfpar.planner.stage_costs import stage_costs
 from tfpar.planner.from_annotations import plan_from_annotations
 from tfpar.planner.grouper import tune_group_size
 from tfpar.planner.memory import recomputation
 from tfpar.patterns.sharded import SplitContext
-from tfpar.planner.schedule import build_schedule
+from tfpar.ir.schedule import build_schedule
 from tfpar.rewriters import graph_edit
 from tfpar.rewriters.allreduce import CollectiveKeys, LocalReducer, make_reducer
 from tfpar.rewriters.data_parallel import replicate
