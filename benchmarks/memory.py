@@ -81,8 +81,8 @@ from tfpar.planner.balance import (  # noqa: E402
     balance_load, balance_stages, integer_shares, step_time)
 from tfpar.planner.memory import (  # noqa: E402
     MIXED_ACTIVATIONS, SLOTS, recomputation, state_bytes)
-from tfpar.planner.schedule import build_schedule  # noqa: E402
-from tfpar.planner.simulate import simulate  # noqa: E402
+from tfpar.ir.schedule import build_schedule  # noqa: E402
+from tfpar.ir.simulate import simulate  # noqa: E402
 from tfpar.analysis.model_view import model_view  # noqa: E402
 from tfpar.analysis.graph_index import GraphIndex  # noqa: E402
 from tfpar.analysis.variables import variable_bytes  # noqa: E402

@@ -1,12 +1,12 @@
 """tfpar plan quality: the planner's estimates ranked against the seed papers' measurements.
 
 No TensorFlow and no training. Each case's model is written out op by op as the
-planner's ``auto.ModelView`` (op names and types as TensorFlow's layers name
+planner's ``model_view.ModelView`` (op names and types as TensorFlow's layers name
 them, so the sharding search groups them into layers as it would a real graph;
 FLOPs, output bytes and weight bytes per op from the architecture), on the
 paper's devices, GPU count and batch. Per row the planner searches every mesh
-(``auto.search_all`` + ``auto.choose``: the "chosen plan", as data d x tensor
-t x pipeline p), and its cost model (``sharding.Problem``) estimates the step
+(``auto.search_all`` + ``choice.choose``: the "chosen plan", as data d x tensor
+t x pipeline p), and its cost model (``sharding_costs.Problem``) estimates the step
 time of the plan the paper ran ("paper plan") and of the baseline the paper
 compares it with; "est. ratio" is baseline / paper plan (an estimated
 speed-up), next to the paper's measured ratio. Rows:
@@ -74,10 +74,12 @@ from typing import Dict, List
 
 from tfpar.cluster.hardware import CATALOG
 from tfpar.errors import PlanError
-from tfpar.planner.auto import ModelView, choose, search_all
+from tfpar.planner.auto import search_all
+from tfpar.planner.choice import choose
+from tfpar.planner.model_view import ModelView
 from tfpar.planner.layers import layer_graph
 from tfpar.planner.pruning import block_labels
-from tfpar.planner.sharding import Mesh, Problem
+from tfpar.planner.sharding_costs import Mesh, Problem
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_args import cell, meets, parse_sizes, ratio, report  # noqa: E402  (same directory)

@@ -62,7 +62,8 @@ import tensorflow as tf  # noqa: E402
 import tfpar as wh  # noqa: E402
 from tfpar.cluster.hardware import CATALOG  # noqa: E402
 from tfpar.hooks.capture import capture_for  # noqa: E402
-from tfpar.planner.auto import choose, search_all  # noqa: E402
+from tfpar.planner.auto import search_all  # noqa: E402
+from tfpar.planner.choice import choose  # noqa: E402
 from tfpar.planner.memory import RECOMPUTE, Techniques  # noqa: E402
 from tfpar.analysis.model_view import model_view  # noqa: E402
 from tfpar.analysis.graph_index import GraphIndex  # noqa: E402

@@ -51,7 +51,8 @@ from tfpar.cluster.hardware import CATALOG  # noqa: E402
 from tfpar.hooks.capture import capture_for  # noqa: E402
 from tfpar.planner.layers import layer_graph  # noqa: E402
 from tfpar.planner.pruning import shared_blocks  # noqa: E402
-from tfpar.planner.sharding import Mesh, critical_layers, plan_sharding  # noqa: E402
+from tfpar.planner.sharding import critical_layers, plan_sharding  # noqa: E402
+from tfpar.planner.sharding_costs import Mesh  # noqa: E402
 from tfpar.analysis.graph_index import GraphIndex  # noqa: E402
 from tfpar.analysis.model_view import model_view  # noqa: E402
 from tfpar.runtime.automatic import automatic_plan  # noqa: E402

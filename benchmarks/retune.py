@@ -44,8 +44,8 @@ import tensorflow as tf  # noqa: E402
 import tfpar as wh  # noqa: E402
 from tfpar.hooks.capture import existing_capture  # noqa: E402
 from tfpar.planner.grouper import tune_group_size  # noqa: E402
-from tfpar.planner.schedule import build_schedule  # noqa: E402
-from tfpar.planner.simulate import simulate  # noqa: E402
+from tfpar.ir.schedule import build_schedule  # noqa: E402
+from tfpar.ir.simulate import simulate  # noqa: E402
 from tfpar.runtime.retune import GroupRetuner  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

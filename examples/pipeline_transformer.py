@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfpar as wh  # noqa: E402
-from tfpar.planner.schedule import SCHEDULES  # noqa: E402
+from tfpar.ir.schedule import SCHEDULES  # noqa: E402
 from loss_report import example_parser, report  # noqa: E402  (examples/loss_report.py)
 
 v1 = tf.compat.v1

@@ -24,10 +24,13 @@ from tfpar.planner.comm import allreduce
 from tfpar.runtime.automatic import cluster_hardware
 from tfpar.runtime.context import active
 from tfpar.runtime.stated import say_how_it_was_found
-from tfpar.planner.auto import (ALL_TECHNIQUES, Candidate, ModelView, _meshes, _scattered, choose,
-                               faster_with_techniques, meshes_named, search, search_all,
-                               stage_units)
-from tfpar.planner.schedule import build_schedule
+from tfpar.planner.auto import search, search_all
+from tfpar.planner.candidate import ALL_TECHNIQUES, Candidate
+from tfpar.planner.choice import choose, faster_with_techniques
+from tfpar.planner.costing import _scattered
+from tfpar.planner.meshes import candidate_meshes as _meshes, meshes_named
+from tfpar.planner.model_view import ModelView, stage_units
+from tfpar.ir.schedule import build_schedule
 
 v1 = tf.compat.v1
 DATA = make_data(steps=3, batch=8)

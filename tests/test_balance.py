@@ -14,8 +14,8 @@ import tfpar as wh
 from tfpar.cluster.hardware import CATALOG
 from tfpar.ir.plan import Plan
 from tfpar.planner.balance import balance_load, balance_stages, integer_shares, step_time
-from tfpar.planner.schedule import build_schedule
-from tfpar.planner.simulate import simulate
+from tfpar.ir.schedule import build_schedule
+from tfpar.ir.simulate import simulate
 
 v1 = tf.compat.v1
 V100, P100 = CATALOG["V100-32GB"], CATALOG["P100-16GB"]

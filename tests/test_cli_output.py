@@ -10,10 +10,11 @@ from equivalence import mlp_classifier
 
 import tfpar as wh
 from tfpar import cli
-from tfpar.config import SCHEMA, Config, describe
+from tfpar.config import Config
+from tfpar.config_schema import SCHEMA, describe
 from tfpar.ir.plan import Plan, TaskGraphPlan
-from tfpar.planner.schedule import build_schedule
-from tfpar.planner.simulate import simulate
+from tfpar.ir.schedule import build_schedule
+from tfpar.ir.simulate import simulate
 
 CPU = "/job:localhost/replica:0/task:0/device:CPU:"
 
@@ -127,7 +128,7 @@ def test_import_tfpar_without_tensorflow_then_lazy_names():
     code = ("import sys\n"
             "import tfpar as wh\n"
             "from tfpar import Config, ConfigError, Plan, PlanError\n"
-            "import tfpar.config, tfpar.errors, tfpar.ir.plan, tfpar.planner.simulate\n"
+            "import tfpar.config, tfpar.errors, tfpar.ir.plan, tfpar.ir.simulate\n"
             "assert 'tensorflow' not in sys.modules, 'tensorflow imported'\n"
             "from tfpar import step_timeline\n"
             "assert 'tensorflow' in sys.modules\n")

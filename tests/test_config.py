@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from tfpar.cluster.hardware import device_hardware
-from tfpar.config import ALIASES, SCHEMA, Config, describe
+from tfpar.config import Config
+from tfpar.config_schema import ALIASES, SCHEMA, describe
 from tfpar.errors import (AnnotationError, ConfigError, PlanError, ShardingError,
                           TfparError)
 from tfpar.ir.taskgraph import Strategy, TaskGraphSpec

@@ -51,11 +51,13 @@ import tfpar as wh
 from tfpar.cluster.hardware import CATALOG, DTYPES, HOST_CPU, Hardware, device_hardware, slowest
 from tfpar.config import Config
 from tfpar.hooks.capture import existing_capture
-from tfpar.planner.auto import ModelView, search, stage_costs, timed
+from tfpar.planner.auto import search
+from tfpar.planner.model_view import ModelView, timed
+from tfpar.planner.stage_costs import stage_costs
 from tfpar.planner.comm import allgather, allreduce
 from tfpar.planner.layers import Layer, LayerGraph
 from tfpar.planner.roofline import low_precision_speed_up
-from tfpar.planner.sharding import Mesh, Problem
+from tfpar.planner.sharding_costs import Mesh, Problem
 from tfpar.analysis.model_view import model_view
 from tfpar.analysis.graph_index import GraphIndex
 

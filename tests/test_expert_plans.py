@@ -32,7 +32,8 @@ from equivalence import plan_of
 from test_cost_model import ACTIVATION_KEPT, graph_view, hand_memory, mlp_block, mlp_block_ops
 
 from tfpar.cluster.hardware import CATALOG, DTYPES
-from tfpar.planner.auto import TENSOR_TOLERANCE, choose, search_all
+from tfpar.planner.auto import search_all
+from tfpar.planner.choice import TENSOR_TOLERANCE, choose
 
 v1 = tf.compat.v1
 GPUS = {"cluster.hardware": ["V100-32GB"], "cluster.devices_per_node": 8,

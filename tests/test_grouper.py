@@ -4,8 +4,8 @@ import pytest
 
 from tfpar.errors import PlanError
 from tfpar.planner.grouper import tune_group_size
-from tfpar.planner.schedule import build_schedule
-from tfpar.planner.simulate import simulate
+from tfpar.ir.schedule import build_schedule
+from tfpar.ir.simulate import simulate
 
 TWO_STAGES = dict(forward=[1.0, 1.0], backward=[2.0, 2.0], fixed_bytes=[0.0, 0.0],
                   activation_bytes=[1.0, 1.0])

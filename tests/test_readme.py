@@ -20,7 +20,7 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-from tfpar import config as tfpar_config
+from tfpar import config_schema as tfpar_config
 from tfpar import errors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -16,8 +16,8 @@ from test_pipeline import DATA, assert_follows, mlp_stages
 import tfpar as wh
 from tfpar.hooks.capture import existing_capture, recording_paused
 from tfpar.planner.grouper import group_lengths, preferred_group_size, profile_pipeline
-from tfpar.planner.schedule import build_schedule
-from tfpar.planner.simulate import simulate
+from tfpar.ir.schedule import build_schedule
+from tfpar.ir.simulate import simulate
 from tfpar.rewriters import graph_edit
 from tfpar.runtime import engine
 from tfpar.runtime.retune import GroupRetuner

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from tfpar.planner.schedule import SCHEDULES, Task, build_schedule, validate_schedule
-from tfpar.planner.simulate import simulate
-from tfpar.planner.trace import chrome_trace, write_chrome_trace
+from tfpar.ir.schedule import SCHEDULES, Task, build_schedule, validate_schedule
+from tfpar.ir.simulate import simulate
+from tfpar.ir.trace import chrome_trace, write_chrome_trace
 
 GRID = list(itertools.product(range(1, 5), range(1, 9)))  # (num_stages, num_micro_batch)
 

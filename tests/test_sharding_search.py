@@ -9,9 +9,11 @@ import pytest
 
 from tfpar.cluster.hardware import Hardware
 from tfpar.planner import sharding
-from tfpar.planner.auto import ModelView, search
+from tfpar.planner.auto import search
+from tfpar.planner.model_view import ModelView
 from tfpar.planner.layers import Layer, LayerGraph, layer_graph
-from tfpar.planner.sharding import Mesh, Problem, critical_layers, plan_sharding
+from tfpar.planner.sharding import critical_layers, plan_sharding
+from tfpar.planner.sharding_costs import Mesh, Problem
 
 DEVICE = Hardware("test", tflops=0.05, memory_gb=16, intra_node_gbps=10)
 KINDS = ("matmul", "elementwise", "other", "matmul", "xent")

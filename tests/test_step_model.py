@@ -7,8 +7,8 @@ import pytest
 
 from tfpar.planner.comm import LATENCY_S, Cost
 from tfpar.planner.memory import Techniques
-from tfpar.planner.schedule import build_schedule
-from tfpar.planner.simulate import simulate
+from tfpar.ir.schedule import build_schedule
+from tfpar.ir.simulate import simulate
 from tfpar.planner.step_model import (SEARCHED_SCHEDULES, Space, StageModel, best_setting,
                                       in_flight, pipeline_length)
 

@@ -7,7 +7,8 @@ import sys
 from typing import Any, Optional
 
 from tfpar import fallback
-from tfpar.config import Config, does_nothing
+from tfpar.config import Config
+from tfpar.config_rules import does_nothing
 from tfpar.errors import AnnotationError, ConfigError, PlanError
 from tfpar.ir.plan import Plan, pinned_plan
 from tfpar.ir.taskgraph import Strategy

@@ -97,7 +97,7 @@ def _launch(args) -> int:
 
 
 def _simulate(args) -> int:
-    from tfpar.planner import schedule, simulate, trace  # pylint: disable=import-outside-toplevel
+    from tfpar.ir import schedule, simulate, trace  # pylint: disable=import-outside-toplevel
     try:
         tasks = schedule.build_schedule(args.schedule, args.stages, args.micro_batches,
                                         args.group_size)
@@ -130,7 +130,7 @@ def _count(text: str) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from tfpar.planner.schedule import SCHEDULES  # pylint: disable=import-outside-toplevel
+    from tfpar.ir.schedule import SCHEDULES  # pylint: disable=import-outside-toplevel
     from tfpar.runtime.launcher import NETWORKS  # pylint: disable=import-outside-toplevel
     parser = argparse.ArgumentParser(prog="tfpar", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -174,7 +174,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "launch":
         return _launch(args)
     if args.command == "config":
-        from tfpar.config import describe  # pylint: disable=import-outside-toplevel
+        from tfpar.config_schema import describe  # pylint: disable=import-outside-toplevel
         print(describe())
         return 0
     return _plan(args)

@@ -2,7 +2,7 @@
 losses depend on, with FLOPs, output bytes, input bytes and memory traffic
 (bytes read and written: none for a view or a shape read) per sample, the
 bytes of the weights each reads, edges and repeated blocks, the batch the
-inputs declare and the dtype of the FLOPs (``auto.ModelView``).
+inputs declare and the dtype of the FLOPs (``planner.model_view.ModelView``).
 
 Sizes are per sample of the global batch, found by propagating from the
 model's inputs rather than read off static shapes, which say nothing about
@@ -24,7 +24,7 @@ from tfpar.analysis.op_kinds import (INPUT_TYPES, VARIABLE_TYPES, gradient_tenso
 from tfpar.analysis.variables import variable_bytes
 from tfpar.hooks.capture import GraphCapture
 from tfpar.ir.taskgraph import Phase
-from tfpar.planner.auto import ModelView
+from tfpar.planner.model_view import ModelView
 from tfpar.planner.pruning import block_labels
 
 __all__ = ["model_view"]

@@ -61,8 +61,8 @@ from tfpar.patterns.attention import ATTENTION_PATTERNS, HEADS, attention_unit, 
 from tfpar.patterns.dense import choose_dense
 from tfpar.patterns.einsum_dense import choose_einsum_dense
 from tfpar.patterns.matcher import choose
-from tfpar.patterns.sharded import (ShardedVariable, creation_slices, shard_being_created,
-                                    sharded_variable)
+from tfpar.patterns.sharded import creation_slices, shard_being_created
+from tfpar.patterns.sharded_variable import ShardedVariable, sharded_variable
 from tfpar.patterns.split_weights import split_weight
 from tfpar.hooks.step_graphs import is_step_function
 from tfpar.patterns.weights import regularization_loss

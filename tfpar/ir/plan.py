@@ -11,6 +11,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from tfpar.errors import PlanError
 from tfpar.ir.compact import device_ranges, numbered
 from tfpar.ir.outcome import Outcome
+from tfpar.ir.schedule import build_schedule
+from tfpar.ir.simulate import simulate as simulate_schedule
+from tfpar.ir.trace import chrome_trace, write_chrome_trace
 
 __all__ = ["Plan", "TaskGraphPlan", "pinned_plan"]
 
@@ -173,9 +176,7 @@ class Plan:
 
         Times are per stage; by default each TaskGraph's op count (forward a
         third, backward two thirds): relative units until the cost model
-        estimates seconds. Returns a ``planner.simulate.SimulationResult``."""
-        from tfpar.planner.schedule import build_schedule  # planner imports ir, not back
-        from tfpar.planner.simulate import simulate
+        estimates seconds. Returns an ``ir.simulate.SimulationResult``."""
         ops_per_stage = [max(tg.num_ops, 1) for tg in self.task_graphs]
         schedule = build_schedule(self.schedule, len(self.task_graphs), self.num_micro_batch,
                                   self.group_size if isinstance(self.group_size, int) else 1)
@@ -183,13 +184,12 @@ class Plan:
             forward_time = [n / 3 for n in ops_per_stage]
         if backward_time is None:
             backward_time = [2 * n / 3 for n in ops_per_stage]
-        return simulate(schedule, forward_time, backward_time, transfer_time)
+        return simulate_schedule(schedule, forward_time, backward_time, transfer_time)
 
     def timeline(self, path: str, **times) -> Any:
         """Write the planned schedule as a Chrome trace (one row per device of
         the first replica, a block per forward / backward task and transfer) to
         ``path``; ``times`` go to :meth:`simulate`. Returns the simulation."""
-        from tfpar.planner.trace import chrome_trace, write_chrome_trace
         result = self.simulate(**times)
         names = [f"{tg.name} ({device_ranges(tg.replicas[0])})" for tg in self.task_graphs]
         write_chrome_trace(chrome_trace(result, names), path)

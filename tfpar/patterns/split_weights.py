@@ -24,7 +24,8 @@ from tensorflow.python.ops import variables as variables_lib
 from tensorflow.python.trackable import base as trackable
 from tensorflow.python.training.saving import saveable_object_util
 
-from tfpar.patterns.sharded import check_shardable, slice_offsets
+from tfpar.patterns.sharded import slice_offsets
+from tfpar.patterns.sharded_variable import check_shardable
 
 __all__ = ["SplitWeight", "split_weight", "split_weight_of"]
 

@@ -12,7 +12,7 @@ from tfpar.ir.compact import device_ranges
 from tfpar.ir.plan import Plan, TaskGraphPlan, pinned_plan
 from tfpar.ir.taskgraph import Strategy, TaskGraphSpec
 from tfpar.planner.balance import well_formed_shares
-from tfpar.planner.schedule import SCHEDULES
+from tfpar.ir.schedule import SCHEDULES
 
 __all__ = ["plan_from_annotations"]
 

@@ -16,8 +16,8 @@ import statistics
 from typing import Dict, List, Sequence, Tuple
 
 from tfpar.errors import PlanError
-from tfpar.planner.schedule import build_schedule
-from tfpar.planner.simulate import TimedTask, simulate, task_dependencies
+from tfpar.ir.schedule import build_schedule
+from tfpar.ir.simulate import TimedTask, simulate, task_dependencies
 
 __all__ = ["PipelineProfile", "group_lengths", "preferred_group_size", "profile_pipeline",
            "tune_group_size"]

@@ -99,7 +99,7 @@ class LayerGraph:
 
 
 def layer_graph(view) -> LayerGraph:
-    """Group the ops of an ``auto.ModelView`` (with names and types) into layers."""
+    """Group the ops of an ``model_view.ModelView`` (with names and types) into layers."""
     names, types, edges, param_bytes = view.names, view.types, view.edges, view.param_bytes
     consumers: Dict[int, List[int]] = collections.defaultdict(list)
     for i, j, _ in edges:

@@ -99,7 +99,7 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
       num_micro_batch: micro-batches per pipeline replica.
       reducer_for: devices -> the ``allreduce`` reducer summing across them.
       schedule: per stage, the ordered forward/backward tasks of one stage
-        device (``planner.schedule.build_schedule``).
+        device (``ir.schedule.build_schedule``).
       processes: the Horovod job (``horovod_backend.HorovodProcesses``) or None.
       functions: make versions function calls where tasks can be functions.
       shares: per pipeline replica, its integer weight in the batch's rows

@@ -1,6 +1,6 @@
 """Lowering a pipeline schedule to control dependencies (Whale §4, Ada-Grouper §4).
 
-The schedule (``planner.schedule.build_schedule``) is data: per stage, the
+The schedule (``ir.schedule.build_schedule``) is data: per stage, the
 ordered forward / backward tasks of the micro-batches. A task is the ops of the
 version a stage device runs for one micro-batch, in one direction; backward
 means backward-phase ops and every step op depending on one

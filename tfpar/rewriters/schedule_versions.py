@@ -29,7 +29,7 @@ class ScheduleVersion:
       graph: the rewritten graph.
       rw: the ``DataParallelRewrite`` (its ``task_ops`` and ``schedule_edges``
         are version 0's).
-      schedule: the version's schedule (``planner.schedule.build_schedule``).
+      schedule: the version's schedule (``ir.schedule.build_schedule``).
       name: name scope of the copies.
 
     Attributes:

@@ -14,12 +14,14 @@ from tfpar.hooks.capture import GraphCapture, layer_of
 from tfpar.ir.outcome import Outcome
 from tfpar.ir.plan import Plan, pinned_plan
 from tfpar.ir.taskgraph import Phase, Strategy, TaskGraphSpec
-from tfpar.planner.auto import STAGE_ILP_SHARE, choose, search_all
+from tfpar.planner.auto import search_all
 from tfpar.planner.balance import balance_stages
+from tfpar.planner.choice import choose
+from tfpar.planner.costing import STAGE_ILP_SHARE
 from tfpar.planner.from_annotations import plan_from_annotations
 from tfpar.planner.memory import Techniques
 from tfpar.planner.partition import StageCut, partition_stages
-from tfpar.planner.sharding import STATE_BYTES
+from tfpar.planner.sharding_costs import STATE_BYTES
 from tfpar.planner.step_model import in_flight
 from tfpar.analysis.model_view import model_view
 from tfpar.analysis.graph_index import GraphIndex

@@ -8,7 +8,7 @@ from tfpar.cluster.hardware import Hardware, device_hardware, slowest
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture
 from tfpar.ir.plan import Plan, pinned_plan
-from tfpar.planner.auto import stage_costs
+from tfpar.planner.stage_costs import stage_costs
 from tfpar.planner.balance import balance_load, integer_shares, well_formed_shares
 from tfpar.analysis.model_view import model_view
 from tfpar.analysis.graph_index import GraphIndex

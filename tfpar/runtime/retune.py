@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence
 
 from tfpar.planner.grouper import (PipelineProfile, group_lengths, preferred_group_size,
                                    profile_pipeline)
-from tfpar.planner.simulate import TimedTask
+from tfpar.ir.simulate import TimedTask
 
 __all__ = ["GroupRetuner", "Retuning"]
 

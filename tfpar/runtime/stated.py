@@ -9,8 +9,10 @@ from typing import Any, Dict, Optional, Sequence
 
 from tfpar import fallback
 from tfpar.ir.outcome import Outcome
-from tfpar.planner.auto import (SOLVE_SHARE, STAGE_ILP_SHARE, Candidate, faster_with_techniques,
-                                meshes_named)
+from tfpar.planner.candidate import Candidate
+from tfpar.planner.choice import faster_with_techniques
+from tfpar.planner.costing import SOLVE_SHARE, STAGE_ILP_SHARE
+from tfpar.planner.meshes import meshes_named
 from tfpar.planner.roofline import LOW_PRECISION
 
 __all__ = ["estimate_of", "say_how_it_was_found", "say_stage_cut"]

@@ -10,9 +10,9 @@ from tensorflow.python.framework import ops
 from tfpar.cluster.devices import short_name
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import existing_capture
-from tfpar.planner.schedule import Task
-from tfpar.planner.simulate import SimulationResult, TimedTask, measured
-from tfpar.planner.trace import chrome_trace, write_chrome_trace
+from tfpar.ir.schedule import Task
+from tfpar.ir.simulate import SimulationResult, TimedTask, measured
+from tfpar.ir.trace import chrome_trace, write_chrome_trace
 
 __all__ = ["step_devices", "step_timeline"]
 

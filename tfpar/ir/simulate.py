@@ -9,7 +9,7 @@ import dataclasses
 import numbers
 from typing import Dict, List, Sequence, Tuple, Union
 
-from tfpar.planner.schedule import Task, validate_schedule
+from tfpar.ir.schedule import Task, validate_schedule
 
 __all__ = ["TimedTask", "Transfer", "SimulationResult", "measured", "simulate", "task_dependencies"]
 

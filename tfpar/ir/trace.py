@@ -2,7 +2,7 @@
 import json
 from typing import Dict, Optional, Sequence
 
-from tfpar.planner.simulate import SimulationResult
+from tfpar.ir.simulate import SimulationResult
 
 __all__ = ["chrome_trace", "write_chrome_trace"]
 

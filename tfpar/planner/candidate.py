@@ -1,0 +1,98 @@
+"""What the automatic search answers: a ``Candidate`` mesh with its estimates,
+its ``Part``s, and the ``SearchRecord`` of how the search went (no TensorFlow)."""
+import dataclasses
+from typing import Optional, Tuple
+
+from tfpar.cluster.hardware import Hardware
+from tfpar.ir.outcome import Outcome
+from tfpar.planner.memory import Techniques
+from tfpar.planner.step_model import Setting
+
+__all__ = ["ALL_TECHNIQUES", "Candidate", "Part", "SearchRecord"]
+
+ALL_TECHNIQUES = ("recompute", "zero", "mixed_precision", "offload")
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """The estimates of one piece of a candidate - a pipeline stage, or a layer
+    of a sharded plan (with its ops): busy seconds per step, bytes per device,
+    bytes sent per step."""
+
+    seconds: float
+    memory_bytes: float
+    comm_bytes: float
+    ops: Tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchRecord:
+    """How a search went and what its estimates assume: the feasible
+    ``meshes`` (tensor, pipeline) in search order, those it did not plan -
+    ``unsearched`` (its ``time_limit_s`` ran out first) and ``pruned``
+    (tensor degrees across nodes, once one planned slower than the one
+    before) - and the ``seconds`` it took; the device type it costed
+    (``hardware``, the slowest of the cluster) and how many, the model's
+    compute dtype, and the global batch (``batch_known``: the graph or
+    config states it); the memory techniques it was allowed (names)."""
+
+    meshes: Tuple[Tuple[int, int], ...]
+    unsearched: Tuple[Tuple[int, int], ...]
+    pruned: Tuple[Tuple[int, int], ...]
+    time_limit_s: float
+    seconds: float
+    hardware: Hardware
+    num_devices: int
+    dtype: str
+    global_batch: int
+    batch_known: bool
+    techniques: Tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One (data, tensor, pipeline) mesh with its estimates, the stage of every
+    op, the sharded layers: (name scope, sharding candidate) for every layer
+    that runs in a split TaskGraph (with tensor and pipeline both > 1: every
+    layer, and ``split_stages`` its pipeline stage), the estimates of its
+    parts (stages, or layers of a sharded plan); its micro-batches per step
+    and memory techniques, and the bytes of weights, gradients and optimizer
+    slots on its fullest device (``state_bytes``).
+
+    How it was found: ``stage_search`` (with a pipeline) and
+    ``sharding_search`` (with a tensor degree), ``search`` (the search's
+    record). ``flops``: FLOPs per step, the model's (3 x forward) and those
+    its recomputation adds; ``faster_with``: its best setting with every
+    memory technique (``ALL_TECHNIQUES``) that fits, when the search was not
+    allowed them all and it is faster."""
+
+    data: int
+    pipeline: int
+    stages: Tuple[int, ...]
+    step_time_s: float
+    memory_bytes: float
+    comm_bytes: float
+    tensor: int = 1
+    split_scopes: Tuple[Tuple[str, str], ...] = ()
+    parts: Tuple[Part, ...] = ()
+    split_stages: Tuple[int, ...] = ()
+    micro_batches: int = 1
+    techniques: Techniques = Techniques()
+    state_bytes: float = 0.0
+    schedule: str = "1f1b"
+    group_size: int = 1
+    stage_search: Optional[Outcome] = None
+    sharding_search: Optional[Outcome] = None
+    flops: Tuple[float, float] = (0.0, 0.0)
+    faster_with: Optional[Setting] = None
+    search: Optional[SearchRecord] = None
+
+    def describe(self) -> str:
+        """'data 4 x tensor 2 x pipeline 2, 8 micro-batches, zero_bubble,
+        recompute full' (the schedule when not 1F1B)."""
+        micro = f", {self.micro_batches} micro-batches" if self.micro_batches > 1 else ""
+        schedule = {"1f1b": "", "kfkb": f", kfkb k={self.group_size}"}.get(
+            self.schedule, f", {self.schedule}")
+        used = self.techniques.describe()
+        return (f"data {self.data} x tensor {self.tensor} x pipeline {self.pipeline}{micro}"
+                + schedule + (f", {used}" if used != "none" else ""))

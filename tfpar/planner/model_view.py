@@ -1,0 +1,78 @@
+"""``ModelView``: the planner's view of a model - its forward ops' FLOPs,
+bytes and edges - and what the search reads off it (no TensorFlow)."""
+import dataclasses
+from typing import Optional, Sequence, Tuple
+
+from tfpar.cluster.hardware import Hardware
+from tfpar.planner.roofline import timed_flops
+
+__all__ = ["ModelView", "stage_units", "timed"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelView:
+    """The forward ops of a model in topological order.
+
+    Attributes:
+      flops: FLOPs per batch row of each op.
+      activation_bytes: bytes per row each op's output allocates (none for
+        one that is its input's buffer: a reshape): whether it runs a kernel.
+      param_bytes: bytes of the weights each op reads (counted once).
+      edges: (i, j, bytes per row) between ops.
+      labels: each op's repeated block (``pruning.block_labels``) or None.
+      names, types: op names and types (the sharding search groups ops into
+        layers by name scope; without them only pipelines are searched).
+      input_bytes: bytes per row each op reads from the model's inputs.
+      batch: the global batch the model's inputs declare (None: unknown).
+      compute_dtype: the dtype of most of its FLOPs (``hardware.DTYPES``;
+        "tf32": float32 that TensorFlow may run as TF32).
+      traffic_bytes: bytes per row each op reads and writes in device
+        memory (None: unknown, FLOPs alone time the ops).
+      kept_bytes: bytes per row of each op's outputs the backward pass reads
+        (kept from the forward pass until then; None: unknown, and ``kept``
+        is every output, about twice as much on a GPT:
+        ``benchmarks/memory.py``).
+    """
+
+    flops: Sequence[float]
+    activation_bytes: Sequence[float]
+    param_bytes: Sequence[float]
+    edges: Sequence[Tuple[int, int, float]]
+    labels: Optional[Sequence[Optional[str]]] = None
+    names: Optional[Sequence[str]] = None
+    types: Optional[Sequence[str]] = None
+    input_bytes: Optional[Sequence[float]] = None
+    batch: Optional[int] = None
+    compute_dtype: str = "fp32"
+    traffic_bytes: Optional[Sequence[float]] = None
+    kept_bytes: Optional[Sequence[float]] = None
+
+    @property
+    def kept(self) -> Sequence[float]:
+        """Bytes per row each op keeps for the backward pass: ``kept_bytes``,
+        else (unknown) every output."""
+        return self.activation_bytes if self.kept_bytes is None else self.kept_bytes
+
+
+
+def stage_units(model: ModelView) -> int:
+    """How many stages the model can be cut into: its runs of ops of one
+    repeated block (a transformer layer) and of ops outside blocks, each op
+    its own unit when there are no blocks."""
+    if not model.labels or all(label is None for label in model.labels):
+        return len(model.flops)
+    runs = [label for i, label in enumerate(model.labels)
+            if i == 0 or label != model.labels[i - 1]]
+    return len(runs)
+
+
+
+def timed(model: ModelView, hardware: Hardware) -> ModelView:
+    """``model`` with each op's FLOPs its roofline time on ``hardware``
+    (``roofline.timed_flops``) and the traffic folded in (None)."""
+    if model.traffic_bytes is None:
+        return model
+    return dataclasses.replace(
+        model, flops=timed_flops(model.flops, model.traffic_bytes, hardware, model.compute_dtype),
+        traffic_bytes=None)
+

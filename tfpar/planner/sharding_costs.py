@@ -1,0 +1,250 @@
+"""The cost model of tensor sharding over a layer graph (Rhino §4, TAP §IV), no TensorFlow.
+
+Mesh: ``devices`` = data x tensor. Every layer picks one candidate (Rhino
+§4.2); a candidate reads its input in one layout and writes its output in one:
+``B`` rows split over all devices (data parallel), ``W`` whole rows of a
+tensor group (replicated over its t devices), ``F`` features split over the
+group. Candidates by kind:
+
+  ============  ======  ======  ===========================================
+  candidate     input   output  cost besides compute
+  ============  ======  ======  ===========================================
+  dp            B       B       weights all-reduced over all devices
+  column        W       F       weights / t, all-reduced over d
+  row           F       W       weights / t; output partial sums all-reduced
+  whole         W       W       compute repeated on the t devices
+  shards        F       F       elementwise on the shards
+  xent          F       W       per-row max and sum all-reduced over t
+  vocab         W       W       table rows / t; looked-up rows all-reduced
+  heads         F       F       an attention core's op on the group's heads
+  ============  ======  ======  ===========================================
+
+``heads`` (``layers.attention_layers``; only with ``split_heads``) reads
+``F`` as Megatron does: a column-split Q K V projection gives each device
+the Q, K and V columns of its heads (their order in the weight is the
+runtime's concern), so the core runs on a group's heads with no collective
+and hands the row-split output projection its heads' features.
+
+Resharding an edge costs an all-gather (``B``->``W``, ``F``->``W``) forward and
+its transpose backward (Megatron's f / g operators for ``W``->``F``). Step time
+is the sum (Rhino's objective); memory per device is weights x4 (weights,
+gradients, two optimizer slots) plus the activations kept for backward.
+"""
+import dataclasses
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from tfpar.cluster.hardware import Hardware
+from tfpar.ir.outcome import Outcome
+from tfpar.planner.comm import Cost, allgather, allreduce, allreduce_latency
+from tfpar.planner.layers import LayerGraph
+
+__all__ = ["CANDIDATES", "LAYOUTS", "Mesh", "Problem", "SHARDED", "STATE_BYTES",
+           "ShardingPlan"]
+
+LAYOUTS = {"dp": ("B", "B"), "column": ("W", "F"), "row": ("F", "W"), "whole": ("W", "W"),
+           "shards": ("F", "F"), "xent": ("F", "W"), "vocab": ("W", "W"), "heads": ("F", "F")}
+CANDIDATES = {"matmul": ("dp", "column", "row"), "xent": ("dp", "whole", "xent"),
+              "elementwise": ("dp", "whole", "shards"), "other": ("dp", "whole"),
+              "embedding": ("dp", "whole", "vocab"), "attention": ("dp", "whole", "heads")}
+SHARDED = frozenset({"column", "row", "vocab"})  # weights split over the tensor group
+STATE_BYTES = 4  # weights, gradients and two optimizer slots per parameter byte
+
+
+@dataclasses.dataclass(frozen=True)
+class Mesh:
+    """``devices`` = data x ``tensor``; the global batch, the device type and
+    the compute dtype (``hardware.DTYPES``)."""
+
+    devices: int
+    tensor: int
+    batch: float
+    hardware: Hardware
+    dtype: str = "fp32"
+
+    @property
+    def data(self) -> int:
+        return self.devices // self.tensor
+
+    @property
+    def group_bandwidth(self) -> float:
+        """Within a tensor group (consecutive devices)."""
+        return self.hardware.bandwidth(self.tensor)
+
+    @property
+    def replica_bandwidth(self) -> float:
+        """Among data-parallel replicas (``tensor`` apart)."""
+        return self.hardware.bandwidth(self.data, self.tensor)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPlan:
+    """Candidate per layer and the estimates (whole step and per layer);
+    ``optimal`` when the solver proved it, ``outcome`` how it was found."""
+
+    candidates: Tuple[str, ...]
+    step_time_s: float
+    memory_bytes: float
+    comm_bytes: float
+    optimal: bool
+    layer_costs: Tuple[Cost, ...] = ()
+    layer_memory: Tuple[float, ...] = ()
+    weight_memory: float = 0.0
+    outcome: Optional[Outcome] = None
+
+
+
+class Problem:
+    """Costs of one layer graph on one mesh; ``split_only``: every layer runs in
+    a split TaskGraph (a pipeline stage of a 3-D mesh), so no ``dp``;
+    ``gradients``: count the gradient all-reduces (a pipeline stage's, once
+    per step, are counted by its caller); ``limit_activations``: whether the
+    memory limit counts activations (else weights, gradients and slots);
+    ``split_heads``: attention cores may run on a group's heads (``heads``)."""
+
+    def __init__(self, graph: LayerGraph, mesh: Mesh, split_only: bool = False,
+                 gradients: bool = True, limit_activations: bool = True,
+                 split_heads: bool = False):
+        self.graph, self.mesh = graph, mesh
+        self.split_only, self.gradients = split_only, gradients
+        self.limit_activations, self.split_heads = limit_activations, split_heads
+        self.rows_device = mesh.batch / mesh.devices
+        self.rows_group = mesh.batch / mesh.data
+        self.preds: List[List[Tuple[int, float]]] = [[] for _ in graph.layers]
+        for i, j, size in graph.edges:
+            self.preds[j].append((i, size))
+        # Costs depend on a layer's identity, not its position: a model's
+        # repeated blocks are costed once (``layer_cost``, ``memory_of``).
+        self.klass = graph.classes
+        self._nodes: Dict[Tuple, Cost] = {}
+        self._costs: Dict[Tuple, Cost] = {}
+        self._memory: Dict[Tuple, float] = {}
+
+    def allowed(self) -> List[Tuple[str, ...]]:
+        if self.mesh.tensor == 1:
+            return [("dp",)] * len(self.graph.layers)
+        allowed = [CANDIDATES[layer.kind] if layer.kind != "elementwise" or not layer.param_bytes
+                   else ("dp", "whole") for layer in self.graph.layers]
+        if not self.split_heads:
+            allowed = [tuple(c for c in options if c != "heads") for options in allowed]
+        return [options[1:] for options in allowed] if self.split_only else allowed
+
+    def rows(self, candidate: str, kept: bool = False) -> float:
+        """Rows per device a layer with ``candidate`` computes on or, ``kept``,
+        keeps outputs of (row and vocab keep whole rows of partial sums)."""
+        if candidate == "dp":
+            return self.rows_device
+        if candidate == "whole" or kept and candidate in ("row", "vocab"):
+            return self.rows_group
+        return self.rows_group / self.mesh.tensor
+
+    def node(self, i: int, candidate: str) -> Cost:
+        """Compute (forward + backward = 3 x forward) and communication of layer i."""
+        key = (self.klass[i], candidate)
+        if key not in self._nodes:
+            self._nodes[key] = self._node(i, candidate)
+        return self._nodes[key]
+
+    def _node(self, i: int, candidate: str) -> Cost:
+        layer, mesh = self.graph.layers[i], self.mesh
+        t, bandwidth = mesh.tensor, mesh.group_bandwidth
+        compute = Cost(3 * layer.flops * self.rows(candidate)
+                       / mesh.hardware.flops_per_s(mesh.dtype))
+        if not self.gradients:
+            grads = Cost()
+        elif candidate in SHARDED:
+            grads = allreduce(mesh.data, layer.param_bytes / t, mesh.replica_bandwidth,
+                              latency=False)
+        else:
+            grads = allreduce(mesh.devices, layer.param_bytes,
+                              mesh.hardware.bandwidth(mesh.devices), latency=False)
+        # The model's inputs arrive split by rows (data parallelism feeds them);
+        # a split layer gathers them (labels and ids are never feature-split).
+        extra = self.edge(layer.input_bytes, "B", "B" if candidate == "dp" else "W")
+        if candidate in ("row", "vocab"):  # partial sums of whole rows
+            extra += allreduce(t, layer.out_bytes * self.rows_group, bandwidth)
+        elif candidate == "xent":
+            extra += allreduce(t, 8 * self.rows_group, bandwidth) * 2
+        return compute + grads + extra
+
+    def compute_seconds(self, chosen: Sequence[str]) -> float:
+        """Forward and backward compute of the layers as ``chosen`` (no collectives)."""
+        speed = self.mesh.hardware.flops_per_s(self.mesh.dtype)
+        return sum(3 * layer.flops * self.rows(c) for layer, c in zip(self.graph.layers, chosen)
+                   ) / speed
+
+    def edge(self, size: float, out_layout: str, in_layout: str) -> Cost:
+        """Resharding ``size`` bytes per row, forward and backward."""
+        if out_layout == in_layout or not size:
+            return Cost()
+        if "W" not in (out_layout, in_layout):  # through whole rows
+            return self.edge(size, out_layout, "W") + self.edge(size, "W", in_layout)
+        t, total, bandwidth = self.mesh.tensor, size * self.rows_group, self.mesh.group_bandwidth
+        gather = allgather(t, total, bandwidth)
+        return {("B", "W"): gather * 2, ("W", "B"): gather, ("F", "W"): gather,
+                ("W", "F"): allreduce(t, total, bandwidth)}[out_layout, in_layout]
+
+    def memory_of(self, i: int, candidate: str, activations: bool = True) -> float:
+        key = (self.klass[i], candidate, activations)
+        if key not in self._memory:
+            self._memory[key] = self._layer_memory(i, candidate, activations)
+        return self._memory[key]
+
+    def _layer_memory(self, i: int, candidate: str, activations: bool) -> float:
+        layer, t = self.graph.layers[i], self.mesh.tensor
+        weights = layer.param_bytes / (t if candidate in SHARDED else 1)
+        if not activations:
+            return STATE_BYTES * weights
+        return STATE_BYTES * weights + layer.activation_bytes * self.rows(candidate, kept=True)
+
+    def memory(self, chosen: Sequence[str]) -> float:
+        """Bytes per device the memory limit applies to."""
+        return sum(self.memory_of(i, c, self.limit_activations) for i, c in enumerate(chosen))
+
+    def reshard(self, size: float, producer: str, consumer: str) -> Cost:
+        """The edge between a layer with candidate ``producer`` and one with ``consumer``."""
+        return self.edge(size, LAYOUTS[producer][1], LAYOUTS[consumer][0])
+
+    def layer_cost(self, j: int, candidate_of) -> Cost:
+        """Layer j's cost with the resharding of its inputs (``candidate_of``:
+        layer -> candidate, for j and its producers)."""
+        mine = candidate_of[j]
+        inputs = tuple((size, candidate_of[i]) for i, size in self.preds[j])
+        key = (self.klass[j], mine, inputs)
+        if key not in self._costs:
+            self._costs[key] = sum((self.reshard(size, theirs, mine) for size, theirs in inputs),
+                                   self.node(j, mine))
+        return self._costs[key]
+
+    def layer_costs(self, chosen: Sequence[str]) -> List[Cost]:
+        return [self.layer_cost(j, chosen) for j in range(len(chosen))]
+
+    def objective(self, chosen: Sequence[str]) -> Cost:
+        """What the solvers minimise: layers' costs plus resharding edges."""
+        return _sum_costs(self.layer_costs(chosen))
+
+    def _bucket_latency(self, chosen: Sequence[str]) -> Cost:
+        """Gradients go in fused buckets: one latency per all-reduce group."""
+        mesh, latency = self.mesh, 0.0
+        if not self.gradients:
+            return Cost()
+        if any(c not in SHARDED and self.graph.layers[i].param_bytes for i, c in enumerate(chosen)):
+            latency += allreduce_latency(mesh.devices)
+        if any(c in SHARDED for c in chosen):
+            latency += allreduce_latency(mesh.data)
+        return Cost(latency)
+
+    def plan(self, chosen: Sequence[str], optimal: bool,
+             outcome: Optional[Outcome] = None) -> ShardingPlan:
+        costs = self.layer_costs(chosen)
+        step = _sum_costs(costs) + self._bucket_latency(chosen)
+        memory = [self.memory_of(i, c) for i, c in enumerate(chosen)]
+        weights = sum(self.memory_of(i, c, activations=False) for i, c in enumerate(chosen))
+        return ShardingPlan(tuple(chosen), step.seconds, sum(memory), step.bytes, optimal,
+                            tuple(costs), tuple(memory), weights, outcome)
+
+
+
+def _sum_costs(costs: Sequence[Cost]) -> Cost:
+    """The sum of ``costs`` (summed field by field: they are many)."""
+    return Cost(*map(sum, zip(*costs))) if costs else Cost()
+
