@@ -36,7 +36,7 @@ from tfpar.runtime.sessions import run_failed, run_options, session_config, sess
 from tfpar.runtime.split_contexts import check_forced_units, setup_capture
 from tfpar.runtime.tf2_functions import function_gradients, retraces_relaxed
 
-# The seams, as ``hooks.tf_patches.install`` documents them.
+# The seams, as ``hooks.seams`` documents them.
 __all__ = ["after_run", "before_run", "function_gradients", "loss_scaled", "made_callable",
            "make_iterator", "ran_before_rewrite", "retraces_relaxed", "rewrite_function",
            "rewrites_next", "run_failed", "run_options", "session_config", "session_target",
