@@ -43,8 +43,8 @@ def _wrap_gradients(original):
     def _GradientsHelper(ys, xs, *args, **kwargs):  # pylint: disable=invalid-name
         graph = ops.get_default_graph()
         if not recorded(graph):
-            if seams.runtime is not None and type(graph) is func_graph.FuncGraph and not _backward_of(
-                    args, kwargs):
+            if (seams.runtime is not None and type(graph) is func_graph.FuncGraph
+                    and not _backward_of(args, kwargs)):
                 seams.runtime.function_gradients(graph)  # a tf.function's, not If / While's
             # Gradients TF takes inside function graphs (If / While gradients)
             # have seeds of their own: keep them out of the outer call's.
