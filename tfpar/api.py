@@ -220,7 +220,7 @@ class _Scope:
 
     def _open(self, graph, rt, key):
         from tfpar.hooks.capture import capture_for  # pylint: disable=import-outside-toplevel
-        from tfpar.runtime import engine  # pylint: disable=import-outside-toplevel
+        from tfpar.runtime.split_contexts import make_split_context  # pylint: disable=import-outside-toplevel
 
         capture = capture_for(graph)
         if capture.in_scope:
@@ -228,7 +228,7 @@ class _Scope:
                                   "replicate/split scopes cannot be nested")
         spec = capture.open_scope(self.strategy, self.device_count, self.name, key)
         if self.strategy == Strategy.SPLIT and spec.index not in capture.split_contexts:
-            capture.split_contexts[spec.index] = engine.make_split_context(capture, spec, rt)
+            capture.split_contexts[spec.index] = make_split_context(capture, spec, rt)
         return capture
 
     @contextlib.contextmanager
@@ -299,9 +299,9 @@ def current_plan() -> Plan:
     """
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     from tfpar.hooks.capture import capture_for  # pylint: disable=import-outside-toplevel
-    from tfpar.runtime.engine import plan_for  # pylint: disable=import-outside-toplevel
+    from tfpar.runtime.planning import plan_for  # pylint: disable=import-outside-toplevel
 
-    from tfpar.runtime.engine import built_before_init_message, unseen_training  # pylint: disable=import-outside-toplevel
+    from tfpar.runtime.built_before_init import built_before_init_message, unseen_training  # pylint: disable=import-outside-toplevel
 
     rt = _runtime("current_plan")
     if tf.executing_eagerly():
