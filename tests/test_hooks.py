@@ -76,7 +76,7 @@ def test_session_keeps_tf_config_settings(monkeypatch):
     """With no ConfigProto, sessions start from tf.config's settings, as in plain TF."""
     import types
     from tensorflow.core.protobuf import config_pb2
-    from tfpar.runtime import engine
+    from tfpar.runtime import sessions as engine
     fake = types.SimpleNamespace(config=config_pb2.ConfigProto(intra_op_parallelism_threads=1))
     with tf.Graph().as_default():
         wh.init({"cluster.num_devices": 2})

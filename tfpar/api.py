@@ -138,11 +138,11 @@ def _make_eager_cpus(count: int) -> None:
     them when it first runs an op; after that this does nothing (a step then
     says it runs on one device)."""
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    from tensorflow.python.eager import context  # pylint: disable=import-outside-toplevel
+    from tfpar.compat import tf as internals  # pylint: disable=import-outside-toplevel
 
     cpu = tf.config.list_physical_devices("CPU")[0]
     present = tf.config.get_logical_device_configuration(cpu)
-    if count > 1 and not context.context()._initialized and (  # pylint: disable=protected-access
+    if count > 1 and not internals.eager_context_initialized() and (
             present is None or len(present) < count):
         tf.config.set_logical_device_configuration(
             cpu, [tf.config.LogicalDeviceConfiguration()] * count)
@@ -181,7 +181,7 @@ class _Scope:
         self.strategy, self.device_count, self.name = strategy, device_count, name
         self._capture = None
 
-    def _describe(self) -> str:
+    def describe(self) -> str:
         label = f", name={self.name!r}" if self.name else ""
         return f"{self.strategy.value}({self.device_count}{label})"
 
@@ -189,10 +189,10 @@ class _Scope:
         import tensorflow as tf  # pylint: disable=import-outside-toplevel
         from tfpar.hooks import keras_scopes  # pylint: disable=import-outside-toplevel
 
-        rt = _runtime(self._describe())
+        rt = _runtime(self.describe())
         if self.device_count is not None and self.device_count > len(rt.devices):
             raise AnnotationError(
-                f"tfpar: {self._describe()} asks for {self.device_count} devices but only "
+                f"tfpar: {self.describe()} asks for {self.device_count} devices but only "
                 f"{len(rt.devices)} exist; set cluster.num_devices or lower device_count")
         if tf.executing_eagerly():
             keras_scopes.enter_eagerly(self)
@@ -207,7 +207,7 @@ class _Scope:
         if self._capture is None:
             if not keras_scopes.exit_eagerly(self) and exc[0] is None:
                 fallback.fall_back(
-                    f"{self._describe()} around eager code", "no Keras layer was made or called "
+                    f"{self.describe()} around eager code", "no Keras layer was made or called "
                     "in it, so it changes nothing: eager ops run in it as without tfpar",
                     "Put the scope around building or calling the model's layers, or inside "
                     "the tf.function step")
@@ -220,15 +220,15 @@ class _Scope:
 
     def _open(self, graph, rt, key):
         from tfpar.hooks.capture import capture_for  # pylint: disable=import-outside-toplevel
-        from tfpar.runtime import engine  # pylint: disable=import-outside-toplevel
+        from tfpar.runtime.split_contexts import make_split_context  # pylint: disable=import-outside-toplevel
 
         capture = capture_for(graph)
         if capture.in_scope:
-            raise AnnotationError(f"tfpar: {self._describe()} is nested inside another scope; "
+            raise AnnotationError(f"tfpar: {self.describe()} is nested inside another scope; "
                                   "replicate/split scopes cannot be nested")
         spec = capture.open_scope(self.strategy, self.device_count, self.name, key)
         if self.strategy == Strategy.SPLIT and spec.index not in capture.split_contexts:
-            capture.split_contexts[spec.index] = engine.make_split_context(capture, spec, rt)
+            capture.split_contexts[spec.index] = make_split_context(capture, spec, rt)
         return capture
 
     @contextlib.contextmanager
@@ -247,9 +247,9 @@ class _Scope:
             return
         if spec is not None:
             raise AnnotationError(
-                f"tfpar: Keras layer '{layer}' was made or called in {self._describe()} and "
+                f"tfpar: Keras layer '{layer}' was made or called in {self.describe()} and "
                 "is now called inside another scope; replicate/split scopes cannot be nested")
-        self._open(graph, _runtime(self._describe()), key=self)
+        self._open(graph, _runtime(self.describe()), key=self)
         try:
             yield
         finally:
@@ -299,9 +299,9 @@ def current_plan() -> Plan:
     """
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     from tfpar.hooks.capture import capture_for  # pylint: disable=import-outside-toplevel
-    from tfpar.runtime.engine import plan_for  # pylint: disable=import-outside-toplevel
+    from tfpar.runtime.planning import plan_for  # pylint: disable=import-outside-toplevel
 
-    from tfpar.runtime.engine import built_before_init_message, unseen_training  # pylint: disable=import-outside-toplevel
+    from tfpar.runtime.built_before_init import built_before_init_message, unseen_training  # pylint: disable=import-outside-toplevel
 
     rt = _runtime("current_plan")
     if tf.executing_eagerly():

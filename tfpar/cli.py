@@ -36,7 +36,7 @@ def _plan(args) -> int:
     if _script_missing(args):
         return 2
     from tfpar import api  # pylint: disable=import-outside-toplevel
-    from tfpar.runtime import engine, planning_pass  # pylint: disable=import-outside-toplevel
+    from tfpar.runtime import engine, planning, planning_pass  # pylint: disable=import-outside-toplevel
 
     original_init = api.init
     forced = args.config
@@ -52,7 +52,7 @@ def _plan(args) -> int:
         capture = existing_capture(graph)
         if active() is None or capture is None or not capture.gradient_calls:
             return None
-        plan = engine.plan_for(graph, capture, active())
+        plan = planning.plan_for(graph, capture, active())
         if args.out:
             with open(args.out, "w", encoding="utf-8") as f:
                 f.write(plan.to_json())

@@ -35,8 +35,15 @@ class ApplyCall:
     train_op: Any
 
 
+def _new(factory):
+    """A field whose default is a new ``factory()`` for each capture."""
+    return dataclasses.field(default_factory=factory)
+
+
+@dataclasses.dataclass(eq=False, repr=False)
 class GraphCapture:
-    """What tfpar learnt about one graph while the user built it.
+    """What tfpar learnt about one graph while the user built it, and what
+    the runtime decided for it (fields grouped by concern).
 
     Attributes:
       task_graphs: scopes opened in this graph, in order.
@@ -47,76 +54,84 @@ class GraphCapture:
       rewrite: the rewrite applied to the graph (set once, by the runtime).
     """
 
-    def __init__(self) -> None:
-        self.task_graphs: List[TaskGraphSpec] = []
-        self.op_task_graph: Dict[str, int] = {}
-        self.op_phase: Dict[str, Phase] = {}
-        # Backward op name -> the forward op tf.gradients differentiated when it
-        # made it (its gradient has that op's inputs' and outputs' layouts).
-        self.differentiates: Dict[str, Any] = {}
-        # Op name of a recomputed forward copy (``memory.recompute``) -> the
-        # name of the forward op it copies, whose stage it runs in.
-        self.copied_from: Dict[str, str] = {}
-        self.gradient_calls: List[GradientCall] = []
-        self.apply_calls: List[ApplyCall] = []
-        self.rewrite: Any = None
-        # How many of ``gradient_calls`` the rewrite parallelised (those
-        # built later, a second model's, run as built).
-        self.rewritten_calls = 0
-        # Ada-Grouper's online tuner of k (``runtime.retune``), if it applies.
-        self.retuner: Any = None
-        # fp16 mixed precision: the graph's ``loss_scaling.LossScale``.
-        self.loss_scale: Any = None
-        # The search's sharded plan of a graph built unsharded (it runs the best
-        # unsharded plan): what current_plan() shows, to be pinned.
-        self.sharded_plan: Any = None
-        self._scopes: List[int] = []
-        # Key of a reopened scope -> its TaskGraph index (``open_scope``).
-        self._keyed: Dict[Any, int] = {}
-        # TaskGraph index -> patterns.sharded.SplitContext of each split scope,
-        # and the sharded tensors they share.
-        self.split_contexts: Dict[int, Any] = {}
-        # wh.set_default_strategy: (Strategy, device_count) for unscoped ops, which
-        # then form implicit TaskGraphs, one per run of ops between scopes.
-        self.default_strategy: Any = None
-        self._implicit: Optional[int] = None
-        self.sharded_tensors: Dict[Any, Any] = {}
-        # io.shard_dataset in a TF_CONFIG cluster: the chief's iterator op ->
-        # the iterators the other workers read their shards with.
-        self.worker_iterators: Dict[Any, List[Any]] = {}
-        # Batch sources declared with a static batch, built with it relaxed
-        # (``batch_shapes``): op or iterator name -> the declared size.
-        self.declared_batch: Dict[str, int] = {}
-        # Variable op name -> its declared tf.VariableAggregation name ('SUM',
-        # 'MEAN', 'ONLY_FIRST_REPLICA'), where declared (``variable_aggregation``).
-        self.aggregations: Dict[str, str] = {}
-        # Names of the identities whose value the rewrite sums over the replicas
-        # of a micro-batch (``sync_batch_norm.replica_sum``, forward and backward).
-        self.replica_sums: Set[str] = set()
-        # (indices, values, dense shape) of SparseTensors made of fed
-        # placeholders (``sparse_placeholder``): split by rows, as one input.
-        self.sparse_feeds: List[Any] = []
-        # Whether task function calls optimize their bodies when instantiated,
-        # tfpar's sessions of the graph then running grappler off
-        # (runtime.engine; None until a session or the rewrite decides).
-        self.calls_optimized: Optional[bool] = None
-        # A tf.function that trains, traced with static batch arguments: it is
-        # traced again with them relaxed (``relaxed`` in that trace's capture),
-        # and this trace is left as it is.
-        self.retrace = False
-        self.relaxed = False
-        # The eager tensors a tf.function step reads as its batch (no argument
-        # or iterator feeds it one: ``runtime.captured_batches``), chosen in
-        # its first trace; its relaxed trace captures them with dimension 0 unknown.
-        self.batch_captured: List[Any] = []
-        # (training calls seen, automatic plan) cached by the runtime's planner.
-        self.automatic: Any = None
-        self._phases: List[Phase] = []
-        # A pinned plan's sharded layers (name scopes), their tensor degree and
-        # the SplitContext factory; the split TaskGraph open while they build.
-        self._planned_split: Any = None
-        self._open_planned: Optional[int] = None
-        self._open_stage = 0
+    # -- what the hooks record as the model is built -----------------------------
+    task_graphs: List[TaskGraphSpec] = _new(list)
+    op_task_graph: Dict[str, int] = _new(dict)
+    op_phase: Dict[str, Phase] = _new(dict)
+    # Backward op name -> the forward op tf.gradients differentiated when it
+    # made it (its gradient has that op's inputs' and outputs' layouts).
+    differentiates: Dict[str, Any] = _new(dict)
+    # Op name of a recomputed forward copy (``memory.recompute``) -> the
+    # name of the forward op it copies, whose stage it runs in.
+    copied_from: Dict[str, str] = _new(dict)
+    gradient_calls: List[GradientCall] = _new(list)
+    apply_calls: List[ApplyCall] = _new(list)
+    # Batch sources declared with a static batch, built with it relaxed
+    # (``batch_shapes``): op or iterator name -> the declared size.
+    declared_batch: Dict[str, int] = _new(dict)
+    # Variable op name -> its declared tf.VariableAggregation name ('SUM',
+    # 'MEAN', 'ONLY_FIRST_REPLICA'), where declared (``variable_aggregation``).
+    aggregations: Dict[str, str] = _new(dict)
+    # Names of the identities whose value the rewrite sums over the replicas
+    # of a micro-batch (``sync_batch_norm.replica_sum``, forward and backward).
+    replica_sums: Set[str] = _new(set)
+    # (indices, values, dense shape) of SparseTensors made of fed
+    # placeholders (``sparse_placeholder``): split by rows, as one input.
+    sparse_feeds: List[Any] = _new(list)
+    # fp16 mixed precision: the graph's ``loss_scaling.LossScale``.
+    loss_scale: Any = None
+    # io.shard_dataset in a TF_CONFIG cluster: the chief's iterator op ->
+    # the iterators the other workers read their shards with.
+    worker_iterators: Dict[Any, List[Any]] = _new(dict)
+
+    # -- split scopes and default strategies ------------------------------------
+    # TaskGraph index -> patterns.sharded.SplitContext of each split scope,
+    # and the sharded tensors they share.
+    split_contexts: Dict[int, Any] = _new(dict)
+    sharded_tensors: Dict[Any, Any] = _new(dict)
+    # wh.set_default_strategy: (Strategy, device_count) for unscoped ops, which
+    # then form implicit TaskGraphs, one per run of ops between scopes.
+    default_strategy: Any = None
+
+    # -- TF2 steps ---------------------------------------------------------------
+    # A tf.function that trains, traced with static batch arguments: it is
+    # traced again with them relaxed (``relaxed`` in that trace's capture),
+    # and this trace is left as it is.
+    retrace: bool = False
+    relaxed: bool = False
+    # The eager tensors a tf.function step reads as its batch (no argument
+    # or iterator feeds it one: ``runtime.captured_batches``), chosen in
+    # its first trace; its relaxed trace captures them with dimension 0 unknown.
+    batch_captured: List[Any] = _new(list)
+
+    # -- what the runtime decides --------------------------------------------
+    rewrite: Any = None
+    # How many of ``gradient_calls`` the rewrite parallelised (those
+    # built later, a second model's, run as built).
+    rewritten_calls: int = 0
+    # Ada-Grouper's online tuner of k (``runtime.retune``), if it applies.
+    retuner: Any = None
+    # The search's sharded plan of a graph built unsharded (it runs the best
+    # unsharded plan): what current_plan() shows, to be pinned.
+    sharded_plan: Any = None
+    # Whether task function calls optimize their bodies when instantiated,
+    # tfpar's sessions of the graph then running grappler off
+    # (``runtime.sessions``; None until a session or the rewrite decides).
+    calls_optimized: Optional[bool] = None
+    # (training calls seen, automatic plan) cached by the runtime's planner.
+    automatic: Any = None
+
+    # -- open scopes and phases (this class's own bookkeeping) -------------------
+    _scopes: List[int] = _new(list)
+    # Key of a reopened scope -> its TaskGraph index (``open_scope``).
+    _keyed: Dict[Any, int] = _new(dict)
+    _implicit: Optional[int] = None
+    _phases: List[Phase] = _new(list)
+    # A pinned plan's sharded layers (name scopes), their tensor degree and
+    # the SplitContext factory; the split TaskGraph open while they build.
+    _planned_split: Any = None
+    _open_planned: Optional[int] = None
+    _open_stage: int = 0
 
     # -- recording -----------------------------------------------------------------
     def record_op(self, op: Any, differentiated: Any = None) -> None:

@@ -9,7 +9,7 @@ bindings of the whole weight to the split one.
 """
 import weakref
 
-from tensorflow.python.checkpoint import checkpoint
+from tfpar.compat import tf as internals
 
 __all__ = ["add_checkpoint_binding_patches", "rebind"]
 
@@ -17,8 +17,7 @@ _restores: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def add_checkpoint_binding_patches(patches) -> None:
-    coordinator = checkpoint._CheckpointRestoreCoordinator  # pylint: disable=protected-access
-    patches.add(coordinator, "__init__", _remembered)
+    patches.add(internals.restore_coordinator_class(), "__init__", _remembered)
 
 
 def _remembered(original):
@@ -31,8 +30,7 @@ def _remembered(original):
 def rebind(old, new) -> None:
     """Restores that bound ``old`` bind ``new`` in its place (its value is
     ``old``'s, restored as far as ``old`` was)."""
-    new._maybe_initialize_trackable()  # pylint: disable=protected-access
-    new._self_update_uid = old._update_uid  # pylint: disable=protected-access
+    internals.take_restore_identity(new, old)
     for restore in list(_restores):
         for node, bound in list(restore.object_by_proto_id.items()):
             if bound is old:

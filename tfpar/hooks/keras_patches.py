@@ -18,6 +18,8 @@ from keras.src import backend
 from keras.src.engine import training_v1
 from tensorflow.python.framework import ops
 
+from tfpar.compat import keras as keras_internals, tf as internals
+
 __all__ = ["add_keras_patches"]
 
 # graph -> the compiled models built in it.
@@ -42,7 +44,7 @@ def _remembering(original, active):
 def _building_first(original, active):
     def get_session(op_input_list=()):
         if active():
-            graph = ops._get_graph_from_inputs(op_input_list)  # pylint: disable=protected-access
+            graph = internals.graph_of_inputs(op_input_list)
             for model in list(_compiled.get(graph, ())):
                 _build_train_function(model)
         return original(op_input_list)
@@ -54,4 +56,4 @@ def _build_train_function(model) -> None:
     (a subclassed model learns its inputs at its first call)."""
     if (getattr(model, "_is_compiled", False) and getattr(model, "train_function", None) is None
             and getattr(model, "total_loss", None) is not None and not model.run_eagerly):
-        model._make_train_function()  # pylint: disable=protected-access
+        keras_internals.make_train_function(model)

@@ -30,13 +30,9 @@ def _open():
     return getattr(_state, "open", None)
 
 
-def _describe(scope) -> str:
-    return scope._describe()  # pylint: disable=protected-access
-
-
 def enter_eagerly(scope) -> None:
     if _open() is not None:
-        raise AnnotationError(f"tfpar: {_describe(scope)} is nested inside another scope; "
+        raise AnnotationError(f"tfpar: {scope.describe()} is nested inside another scope; "
                               "replicate/split scopes cannot be nested")
     _state.open = [scope, 0]
 
@@ -58,8 +54,8 @@ def _remember(layer, called: bool) -> None:
     scope, by_call = layer.__dict__.get("_tfpar_scope", (None, False))
     if by_call and called and scope is not entry[0]:
         raise AnnotationError(
-            f"tfpar: Keras layer '{layer.name}' is called in {_describe(scope)} and again in "
-            f"{_describe(entry[0])}; a layer of a model built in eager code belongs to one "
+            f"tfpar: Keras layer '{layer.name}' is called in {scope.describe()} and again in "
+            f"{entry[0].describe()}; a layer of a model built in eager code belongs to one "
             "scope (make one layer per scope, or put the scopes inside the tf.function step)")
     if not by_call:
         object.__setattr__(layer, "_tfpar_scope", (entry[0], called))  # untracked by keras

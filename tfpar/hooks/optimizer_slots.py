@@ -19,12 +19,12 @@
 import weakref
 from typing import Any, Dict, List, Optional
 
-from keras.src.optimizers import optimizer as keras_optimizer
 from keras.src.optimizers.legacy import optimizer_v2
 from tensorflow.python.framework import ops
 from tensorflow.python.trackable import base as trackable
 
 from tfpar import fallback
+from tfpar.compat import keras as keras_internals, tf as internals
 from tfpar.patterns.split_slots import SlotList, has_split_slots, record_slot
 from tfpar.patterns.split_weights import split_weight_of
 
@@ -39,7 +39,7 @@ _built: "weakref.WeakSet" = weakref.WeakSet()  # keras optimizers that made thei
 
 
 def add_optimizer_slot_patches(patches) -> None:
-    base = keras_optimizer._BaseOptimizer  # pylint: disable=protected-access
+    base = keras_internals.base_optimizer_class()
     patches.add(base, "add_variable_from_reference", _recording)
     patches.add(base, "_trackable_children", _slot_lists)
     patches.add(base, "_build_index_dict", _taking_pending)
@@ -82,27 +82,25 @@ def _taking_pending(original):
 
 def optimizer_built_with(variable) -> Optional[Any]:
     """A Keras optimizer that made slots for ``variable``, or None."""
-    # pylint: disable=protected-access
-    return next((opt for opt in list(_built)
-                 if opt._var_key(variable) in getattr(opt, "_index_dict", {})), None)
+    return next((opt for opt in list(_built) if keras_internals.slot_index_has(opt, variable)),
+                None)
 
 
 def _take_pending(optimizer) -> None:
     """The restores waiting for ``optimizer``'s children, and for the
     elements of its lists, to be handed over once its slots exist."""
-    # pylint: disable=protected-access
-    optimizer._maybe_initialize_trackable()
-    waiting = optimizer._deferred_dependencies
+    internals.initialize_trackable(optimizer)
+    waiting = internals.deferred_restores(optimizer)
     pending = _pending.setdefault(optimizer, {})
     for name in list(waiting):
         pending.setdefault(name, []).extend(waiting.pop(name))
-    for reference in optimizer._checkpoint_dependencies:
+    for reference in internals.checkpoint_children(optimizer):
         child = reference.ref
-        if isinstance(child, list) and child._deferred_dependencies:
-            taken = _slot_list(optimizer, reference.name)._deferred_dependencies
-            for name, positions in child._deferred_dependencies.items():
+        if isinstance(child, list) and internals.deferred_restores(child):
+            taken = internals.deferred_restores(_slot_list(optimizer, reference.name))
+            for name, positions in internals.deferred_restores(child).items():
                 taken.setdefault(name, []).extend(positions)
-            child._deferred_dependencies.clear()
+            internals.deferred_restores(child).clear()
 
 
 def _restore_pending(optimizer) -> None:
@@ -112,7 +110,7 @@ def _restore_pending(optimizer) -> None:
             child = getattr(optimizer, name, None)
             target = _slot_list(optimizer, name) if isinstance(child, list) else child
             if target is None:  # not made by this build: it waits on
-                waiting = optimizer._deferred_dependencies  # pylint: disable=protected-access
+                waiting = internals.deferred_restores(optimizer)
                 waiting.setdefault(name, []).extend(positions)
                 continue
             for position in positions:
@@ -135,7 +133,7 @@ def _warning_legacy(original):
         weight = split_weight_of(var)
         if weight is not None and self not in _warned:
             _warned.add(self)
-            name = self._name  # pylint: disable=protected-access
+            name = keras_internals.optimizer_name(self)
             fallback.fall_back(
                 f"checkpoints of legacy optimizer '{name}' to hold its slots ('{slot_name}') of "
                 f"split weight '{weight.name}'",

@@ -1,16 +1,9 @@
-"""Hooks that turn API calls inside a ``wh.split`` scope into ShardingUnits
-(Whale §3.2.2): each wrapper asks the matcher for a pattern and builds its
-distributed implementation; outside split scopes, or for inputs the patterns
-do not cover, the original TensorFlow function runs.
+"""Hooks that turn TensorFlow calls inside a ``wh.split`` scope into
+ShardingUnits (Whale §3.2.2): each wrapper asks the matcher for a pattern and
+builds its distributed implementation; outside split scopes, or for inputs
+the patterns do not cover, the original TensorFlow function runs. Keras
+layers are ``split_layer_patches``'.
 
-* keras ``Dense`` (``tf.keras.layers.Dense``, ``tf.compat.v1.layers.dense``)
-  and ``EinsumDense``: ``build`` makes no full weight, ``call`` builds the
-  chosen dense / einsum-dense pattern; the layer keeps its regularizers
-  (``layer.losses``, and the collection for ``tf.compat.v1.layers``), its
-  constraints (on every shard) and its ``kernel`` / ``bias`` attributes
-  (partitioned variables when split), named as keras names them;
-* keras ``MultiHeadAttention._compute_attention`` on query, key and value
-  split by heads: keras' attention on each device's heads;
 * ``gen_nn_ops`` softmax cross-entropy (sparse and dense; every ``tf.nn`` and
   ``tf.compat.v1.losses`` variant ends there) on class-split logits;
 * ``gen_math_ops.arg_max`` (``tf.argmax``) over the split dimension;
@@ -31,53 +24,33 @@ do not cover, the original TensorFlow function runs.
 * elementwise activations (relu, tanh, sigmoid) of a split tensor act on its
   shards, so it stays split.
 """
-import contextlib
 import functools
 import inspect
 
-from keras.src import backend as keras_backend
-from keras.src import initializers as keras_initializers
-from keras.src.layers.attention import multi_head_attention as keras_attention
-from keras.src.layers.core import dense as keras_dense
-from keras.src.layers.core import einsum_dense as keras_einsum_dense
-from keras.src.legacy_tf_layers import base as legacy_layers
-from tensorflow.python.framework import dtypes, ops, tensor_util
+from tensorflow.python.framework import ops, tensor_util
 from tensorflow.python.ops import gen_array_ops, gen_linalg_ops, gen_math_ops, gen_nn_ops
-from tensorflow.python.ops import init_ops, math_ops, special_math_ops, variable_scope
+from tensorflow.python.ops import math_ops, special_math_ops, variable_scope
 
-from tfpar.hooks import capture as cap_lib
 from tfpar.errors import ShardingError
-from tfpar.fallback import fall_back
-from tfpar.hooks.checkpoint_bindings import rebind
-from tfpar.hooks.optimizer_slots import optimizer_built_with
 from tfpar.hooks.patching import PatchSet
+from tfpar.hooks.split_layer_patches import add_split_layer_patches
+from tfpar.hooks.split_scope import open_split_context
 from tfpar.ir.sharding import ShardingUnit
+from tfpar.patterns import moe
 from tfpar.patterns.argmax import sharded_argmax
 from tfpar.patterns.contraction import (CONTRACTION_PATTERNS, GATHER as GATHER_OPERANDS,
                                         contraction_unit, sharded_contraction)
-from tfpar.patterns import moe
 from tfpar.patterns.embedding import vocab_lookup
-from tfpar.patterns.attention import ATTENTION_PATTERNS, HEADS, attention_unit, heads_attention
-from tfpar.patterns.dense import choose_dense
-from tfpar.patterns.einsum_dense import choose_einsum_dense
 from tfpar.patterns.matcher import choose
 from tfpar.patterns.sharded import creation_slices, shard_being_created
 from tfpar.patterns.sharded_variable import ShardedVariable, sharded_variable
-from tfpar.patterns.split_weights import split_weight
-from tfpar.hooks.step_graphs import is_step_function
-from tfpar.patterns.weights import regularization_loss
 from tfpar.patterns.softmax_xent import GATHER, XENT_PATTERNS, softmax_xent
 
 __all__ = ["add_split_patches"]
 
 
 def add_split_patches(patches: PatchSet) -> None:
-    for layer, choose_pattern in ((keras_dense.Dense, choose_dense),
-                                  (keras_einsum_dense.EinsumDense, choose_einsum_dense)):
-        patches.add(layer, "build", _wrap_layer_build)
-        patches.add(layer, "call", functools.partial(_wrap_layer_call, choose=choose_pattern))
-    patches.add(keras_attention.MultiHeadAttention, "_compute_attention",
-                _wrap_compute_attention)
+    add_split_layer_patches(patches)
     patches.add(gen_nn_ops, "sparse_softmax_cross_entropy_with_logits",
                 lambda original: _wrap_xent(original, sparse=True))
     patches.add(gen_nn_ops, "softmax_cross_entropy_with_logits",
@@ -95,186 +68,11 @@ def add_split_patches(patches: PatchSet) -> None:
         patches.add(module, name, _wrap_elementwise)
 
 
-def _split_context():
-    graph = ops.get_default_graph()
-    if graph.building_function and not is_step_function(graph):
-        return None
-    capture = cap_lib.existing_capture(graph)
-    ctx = capture.current_split(graph.get_name_scope()) if capture is not None else None
-    return None if ctx is None or ctx.busy else ctx
-
-
-def _wrap_layer_build(original):
-    def build(self, input_shape):
-        if _split_context() is None and not hasattr(self, "_tfpar_split"):
-            return original(self, input_shape)
-        return None  # the pattern makes sharded weights when called
-    return build
-
-
-def _wrap_layer_call(original, choose):
-    """A layer built in a split scope stays split: calling it again (a keras
-    model applied to a new input; a TF2 step traced again, in its own split
-    scope) reuses its pattern and sharded weights. ``choose(ctx, layer,
-    inputs)`` picks the pattern."""
-    def call(self, inputs):
-        ctx = _split_context()
-        if not hasattr(self, "_tfpar_split"):
-            if ctx is None:
-                return original(self, inputs)
-            pattern = choose(ctx, self, inputs)
-            self._tfpar_split = (ctx, pattern, {}, next(reversed(ctx.decisions)))
-        first, pattern, made, unit = self._tfpar_split
-        if ctx is not None and ctx is not first and ctx.devices == first.devices:
-            ctx.decisions.setdefault(unit, pattern.name)
-        else:
-            ctx = first
-        with ctx.building():
-            return pattern.build(ctx, self, inputs, _layer_getter(ctx, self, made))
-    return call
-
-
-def _layer_getter(ctx, layer, made):
-    """The getter of the dense patterns (``patterns/dense.py``): the layer's
-    weight ``name`` split along ``axis`` (None: whole), made once under the
-    layer's variable names (legacy layers already run inside their variable
-    scope; keras layers name weights after their name scope) with the layer's
-    constraint; its regularizer's value on the whole weight is added as the
-    layer's loss, as ``add_weight`` does; the weight becomes the layer's
-    attribute (``layer.kernel``), is tracked as its weight and by keras'
-    session (which initializes it in ``model.fit``)."""
-    def getter(name, shape, dtype, initializer, axis, regularizer=None, constraint=None):
-        if name in made:
-            return made[name]
-        initializer = _add_weight_default(initializer, dtype)
-        if ops.get_default_graph().building_function:  # a TF2 step: eager weights
-            made[name] = _eager_weight(ctx, layer, name, shape, dtype, initializer, axis,
-                                       regularizer, constraint)
-            return made[name]
-        legacy = isinstance(layer, legacy_layers.Layer)
-        scope = contextlib.nullcontext() if legacy else _keras_weight_scope()
-        known = ops.get_default_graph().get_collection_ref(ops.GraphKeys.GLOBAL_VARIABLES)
-        count = len(known)
-        with scope:
-            if axis is None:
-                variable = variable_scope.get_variable(
-                    name, shape=shape, dtype=dtype, initializer=initializer,
-                    constraint=constraint, trainable=layer.trainable)
-            else:
-                variable = sharded_variable(
-                    ctx, name, shape, axis, dtype, initializer, constraint=constraint,
-                    owner=f"layer '{layer.name}': {name}_constraint", trainable=layer.trainable)
-        made[name] = variable
-        parts = list(variable) if axis is not None else [variable]
-        # pylint: disable=protected-access
-        weights = layer._trainable_weights if layer.trainable else layer._non_trainable_weights
-        # pylint: enable=protected-access
-        weights.extend(parts)
-        for part in parts:
-            keras_backend.track_variable(part)
-        setattr(layer, name, variable)  # as Dense.build sets layer.kernel / layer.bias
-        if regularizer is not None and len(known) > count:  # reused weights: once, by their maker
-            # Named as keras names it: legacy layers evaluate it now, in their name scope.
-            layer.add_loss(functools.partial(_layer_regularization, ctx, regularizer, variable,
-                                             axis, name if legacy else f"{layer.name}/{name}"))
-        return variable
-    return getter
-
-
-def _keras_weight_scope():
-    """Keras names a layer's weights after the name scope it builds them in,
-    the one its ``call`` runs in (``block/attention/query/kernel``): a
-    variable scope of that name."""
-    name = ops.get_default_graph().get_name_scope()
-    return variable_scope.variable_scope(variable_scope.VariableScope(None, name=name),
-                                         auxiliary_name_scope=False)
-
-
-def _add_weight_default(initializer, dtype):
-    """The initializer keras' ``add_weight`` uses where a layer gives None (a
-    ``tf.compat.v1.layers`` kernel by default): the variable scope's, else
-    keras' glorot uniform for floats, zeros for the rest."""
-    if initializer is None:
-        initializer = variable_scope.get_variable_scope().initializer
-    if initializer is None:
-        floating = dtypes.as_dtype(dtype).is_floating
-        initializer = (keras_initializers.get("glorot_uniform") if floating
-                       else init_ops.zeros_initializer())
-    return initializer
-
-
-def _eager_weight(ctx, layer, name, shape, dtype, initializer, axis, regularizer, constraint):
-    """A layer's weight in a TF2 step (``patterns.split_weights``): whole (axis
-    None) as keras makes it, else split from the whole weight's value (the
-    layer's own, when it was built whole before), replacing it."""
-    existing = getattr(layer, name, None)
-    if axis is None:
-        if existing is None:
-            with ops.init_scope():
-                existing = layer.add_weight(name, shape, dtype, initializer, regularizer,
-                                            trainable=layer.trainable, constraint=constraint)
-        return existing
-    built = optimizer_built_with(existing) if existing is not None else None
-    if built is not None:
-        raise ShardingError(
-            f"tfpar: optimizer '{built.name}' made its slots for '{existing.name}' whole before "
-            f"layer '{layer.name}' was split in a TF2 step (its weights are split when the step "
-            "is first traced): let the first step build the optimizer; to resume from a "
-            "checkpoint, restore it before the first step (the restore waits for the slots)")
-    with ops.init_scope():
-        initial = (existing if existing is not None else initializer(shape, dtype=dtype)).numpy()
-    weight = split_weight(ctx, name, initial, axis, dtype, layer.trainable, constraint)
-    attribute = "_trainable_weights" if layer.trainable else "_non_trainable_weights"
-    weights = getattr(layer, attribute)
-    position = next((i for i, w in enumerate(weights) if w is existing), len(weights))
-    setattr(layer, name, weight)  # drops the whole one, if any, from the layer's weights
-    if existing is not None:
-        rebind(existing, weight)
-    weights = getattr(layer, attribute)
-    weights[position:position] = list(weight)  # where it was: keras' order of weights
-    if regularizer is not None:
-        layer.add_loss(functools.partial(_layer_regularization, ctx, regularizer, weight, axis,
-                                         f"{layer.name}/{name}"))
-    return weight
-
-
-def _wrap_compute_attention(original):
-    """Keras' attention on each device's heads (``patterns/attention.py``)
-    when the projections split query, key and value by heads; else once, on
-    their gathered values, said by ``fall_back`` unless forced."""
-    def compute_attention(self, query, key, value, attention_mask=None, training=None):
-        ctx = _split_context()
-        if ctx is None:
-            return original(self, query, key, value, attention_mask, training)
-        unit = attention_unit(ctx, self, query, key, value)
-        by_heads = choose(ctx, unit, ATTENTION_PATTERNS) is HEADS
-        if not by_heads and ctx.forced_pattern(unit.name) is None:
-            fall_back(f"wh.split asked to split the attention of layer '{self.name}' by heads",
-                      f"it runs once on {ctx.devices[0]}, on its query, key and value gathered "
-                      "(they are not all split by heads: fewer heads than devices, or other "
-                      "patterns forced on the projections)",
-                      f"Give it at least {ctx.size} heads, or force split.patterns "
-                      f"{{'{unit.name}': 'gather'}} to silence this", ops.get_default_graph())
-        with ctx.building():
-            if not by_heads:
-                with ops.device(ctx.devices[0]):
-                    return original(self, query, key, value, attention_mask, training)
-            return heads_attention(
-                ctx, lambda q, k, v: original(self, q, k, v, attention_mask, training),
-                query, key, value, self._dot_product_equation)  # pylint: disable=protected-access
-    return compute_attention
-
-
-def _layer_regularization(ctx, regularizer, variable, axis, name):
-    with ops.name_scope(f"{name}/Regularizer"):
-        return regularization_loss(ctx, regularizer, variable, axis)
-
-
 def _wrap_xent(original, sparse: bool):
     kind = "sparse_softmax_xent" if sparse else "softmax_xent"
 
     def xent(features, labels, name=None):
-        ctx = _split_context()
+        ctx = open_split_context()
         sharded = ctx.lookup(features) if ctx is not None else None
         if sharded is None:
             return original(features, labels, name=name)
@@ -290,7 +88,7 @@ def _wrap_xent(original, sparse: bool):
 
 def _wrap_arg_max(original):
     def arg_max(input, dimension, output_type=None, name=None):  # pylint: disable=redefined-builtin
-        ctx = _split_context()
+        ctx = open_split_context()
         sharded = ctx.lookup(input) if ctx is not None else None
         axis = dimension if isinstance(dimension, int) else tensor_util.constant_value(dimension)
         if sharded is None or axis is None or int(axis) % input.shape.rank != sharded.axis:
@@ -306,7 +104,7 @@ def _wrap_get_variable(original):
 
     def get_variable(self, var_store, name, shape=None, dtype=None, initializer=None,
                      *args, partitioner=None, **kwargs):
-        ctx = _split_context()
+        ctx = open_split_context()
         rank = len(shape) if shape is not None else getattr(initializer, "ndim", 0)
         if ctx is None or partitioner is not None or not rank:
             return original(self, var_store, name, shape, dtype, initializer, *args,
@@ -357,7 +155,7 @@ def _wrap_iter_slices(original):
 
 def _wrap_gather(original):
     def gather_v2(params, indices, axis, batch_dims=0, name=None):
-        ctx = _split_context()
+        ctx = open_split_context()
         if ctx is not None:
             params = _read(params)
         sharded = ctx.lookup(params) if ctx is not None else None
@@ -398,7 +196,7 @@ def _read(x):
 
 
 def _contraction(kind, equation, operands, compute, fallback):
-    ctx = _split_context()
+    ctx = open_split_context()
     if ctx is None:
         return fallback()
     operands = [_read(x) for x in operands]
@@ -431,7 +229,7 @@ def _dispatch(ctx, kind, equation, operands, fallback):
 
 def _wrap_elementwise(original):
     def elementwise(x, name=None):
-        ctx = _split_context()
+        ctx = open_split_context()
         sharded = ctx.lookup(x) if ctx is not None else None
         if sharded is None:
             return original(x, name=name)

@@ -24,10 +24,10 @@ import dataclasses
 import math
 from typing import Dict, Optional
 
-from keras.src.layers.core import einsum_dense as keras_einsum_dense
 from tensorflow.python.framework import dtypes, ops, tensor_shape
 from tensorflow.python.ops import array_ops, math_ops, special_math_ops
 
+from tfpar.compat import keras as keras_internals
 from tfpar.fallback import fall_back
 from tfpar.ir.sharding import ShardingUnit
 from tfpar.patterns.matcher import choose
@@ -70,7 +70,7 @@ class _Equation:
 def _shapes(layer, x):
     """(kernel shape, bias shape or None, full output shape), as keras'
     ``EinsumDense.build`` computes them."""
-    return keras_einsum_dense._analyze_einsum_string(  # pylint: disable=protected-access
+    return keras_internals.analyze_einsum_string(
         layer.equation, layer.bias_axes, tensor_shape.TensorShape(x.shape),
         layer.partial_output_shape)
 

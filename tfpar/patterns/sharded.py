@@ -172,7 +172,7 @@ class SplitContext:
         """``variable`` was made as shard ``index`` of a split TaskGraph (an
         eager variable, a TF2 step's, carries it)."""
         if _eager(variable):
-            variable._tfpar_shard = index  # pylint: disable=protected-access
+            variable.tfpar_shard = index
         else:
             _shard_of.setdefault(variable.graph, {})[variable.op.name] = index
 
@@ -180,7 +180,7 @@ class SplitContext:
     def shard_index(variable) -> int:
         """Which shard ``variable`` (a slice of a sharded variable) is."""
         if _eager(variable):
-            return variable._tfpar_shard  # pylint: disable=protected-access
+            return variable.tfpar_shard
         return _shard_of[variable.graph][variable.op.name]
 
     def device_of(self, variable) -> str:

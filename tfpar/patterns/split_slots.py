@@ -41,7 +41,7 @@ class _Group:
 
 
 # optimizer -> {(id of split weight, slot kind): its _Group}; a slot knows its
-# key (``_tfpar_slot_key``: variables are not hashable).
+# key (``tfpar_slot_key``: variables are not hashable).
 _groups: "weakref.WeakKeyDictionary[Any, Dict[Tuple[int, str], _Group]]" = (
     weakref.WeakKeyDictionary())
 
@@ -57,7 +57,7 @@ def record_slot(optimizer, model_variable, kind: str, slot) -> None:
     groups = _groups.setdefault(optimizer, {})
     group = groups.setdefault(key, _Group(weight, kind, [None] * len(weight)))
     group.slots[SplitContext.shard_index(model_variable)] = slot
-    slot._tfpar_slot_key = key  # pylint: disable=protected-access
+    slot.tfpar_slot_key = key
 
 
 def has_split_slots(optimizer) -> bool:
@@ -76,7 +76,7 @@ class SlotList(trackable.Trackable):
         found, seen = [], set()
         groups = _groups.get(self._owner, {})
         for item in getattr(self._owner, self._attribute, ()):
-            key = getattr(item, "_tfpar_slot_key", None)
+            key = getattr(item, "tfpar_slot_key", None)
             whole = groups[key].complete() if key in groups else None
             if whole is None:
                 found.append(item)

@@ -96,10 +96,10 @@ def split_weight(ctx, name: str, initial: np.ndarray, axis: int, dtype, trainabl
             shards.append(shard)
     weight = SplitWeight(name, shards, axis, initial.shape)
     for shard in shards:
-        shard._tfpar_split_weight = weight  # pylint: disable=protected-access
+        shard.tfpar_split_weight = weight
     return weight
 
 
 def split_weight_of(variable):
     """The SplitWeight ``variable`` is a shard of, or None."""
-    return getattr(variable, "_tfpar_split_weight", None)
+    return getattr(variable, "tfpar_split_weight", None)

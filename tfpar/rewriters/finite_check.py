@@ -16,9 +16,10 @@ from typing import Dict
 
 from tensorflow.python.framework import constant_op, device as device_lib, dtypes, ops
 from tensorflow.python.framework import tensor as tensor_lib
-from tensorflow.python.ops import (array_ops, gen_logging_ops, gen_math_ops, math_ops,
+from tensorflow.python.ops import (array_ops, gen_math_ops, math_ops,
                                    resource_variable_ops)
 
+from tfpar.compat import tf as internals
 from tfpar.hooks.loss_scaling import read_or
 from tfpar.rewriters import graph_edit
 from tfpar.analysis.op_kinds import gradient_tensors
@@ -75,7 +76,7 @@ def _checked(t: tensor_lib.Tensor, what: str, where: str,
     if host not in counters:
         counters[host] = _step(host)
     with ops.device(host):
-        check = gen_logging_ops._assert(finite, [  # pylint: disable=protected-access
+        check = internals.raw_assert(finite, [
             f"tfpar: check.finite_gradients: {what} holds NaN or Inf, computed by {where}; the "
             "step failed, and updates of other variables in it may have run: continue from a "
             "checkpoint. The step (counted from 1):", counters[host]])

@@ -1,4 +1,5 @@
-"""Graph-surgery verbs. The only module that calls TF's private op mutators.
+"""Graph-surgery verbs. The only module that calls TF's private op mutators
+(through ``tfpar.compat.tf``).
 
 Every verb takes explicit ops/tensors and returns what it created, so tests
 can assert on it. A graph must not be mutated after a session ran it.
@@ -9,6 +10,8 @@ from tensorflow.core.framework import attr_value_pb2, graph_pb2
 from tensorflow.python.framework import importer, ops
 from tensorflow.python.framework import tensor as tensor_lib
 
+from tfpar.compat import tf as internals
+
 __all__ = ["add_control_input", "clear_colocation", "clone_ops", "remove_control_input",
            "reroute", "set_device", "unfinalized", "update_input"]
 
@@ -17,7 +20,7 @@ _VARIABLE_TYPES = ("VarHandleOp", "VariableV2", "Variable")
 
 def update_input(op: ops.Operation, index: int, tensor: tensor_lib.Tensor) -> None:
     """Make ``op`` read ``tensor`` as its input ``index``."""
-    op._update_input(index, tensor)  # pylint: disable=protected-access
+    internals.update_input(op, index, tensor)
 
 
 def reroute(consumer: ops.Operation, old: tensor_lib.Tensor, new: tensor_lib.Tensor) -> int:
@@ -33,25 +36,24 @@ def reroute(consumer: ops.Operation, old: tensor_lib.Tensor, new: tensor_lib.Ten
 def add_control_input(op: ops.Operation, dep: ops.Operation) -> None:
     """Make ``op`` run after ``dep``."""
     if dep not in op.control_inputs:
-        op._add_control_input(dep)  # pylint: disable=protected-access
+        internals.add_control_input(op, dep)
 
 
 def remove_control_input(op: ops.Operation, dep: ops.Operation) -> None:
     """Make ``op`` no longer wait for ``dep``."""
     if dep in op.control_inputs:
         kept = [d for d in op.control_inputs if d is not dep]
-        op._remove_all_control_inputs()  # pylint: disable=protected-access
-        op._add_control_inputs(kept)  # pylint: disable=protected-access
+        internals.set_control_inputs(op, kept)
 
 
 def set_device(op: ops.Operation, device: str) -> None:
-    op._set_device(device)  # pylint: disable=protected-access
+    internals.set_device(op, device)
 
 
 def clear_colocation(op: ops.Operation) -> None:
     """Drop ``op``'s colocation constraints: its device alone places it."""
     if "_class" in op.node_def.attr:
-        op._clear_attr("_class")  # pylint: disable=protected-access
+        internals.clear_attr(op, "_class")
 
 
 class unfinalized:  # pylint: disable=invalid-name
@@ -63,12 +65,12 @@ class unfinalized:  # pylint: disable=invalid-name
 
     def __enter__(self) -> ops.Graph:
         if self._was_final:
-            self._graph._unsafe_unfinalize()  # pylint: disable=protected-access
+            internals.unfinalize(self._graph)
         return self._graph
 
     def __exit__(self, *exc) -> None:
         if self._was_final:
-            self._graph._finalized = True  # pylint: disable=protected-access
+            internals.refinalize(self._graph)
 
 
 def clone_ops(graph: ops.Graph, op_list: Sequence[ops.Operation], prefix: str,

@@ -1,0 +1,85 @@
+"""Optimizer updates as they are built: ``Optimizer.apply_gradients`` (and
+subclasses' overrides) and keras' (``tf.keras.optimizers.legacy``, used by
+``model.fit`` in graph mode) build APPLY ops, recorded (keras' ``iterations``
+counts as the global step), loss-scaled with fp16 (``loss_scaling``)."""
+import functools
+
+from keras.src.optimizers import optimizer as keras_optimizer
+from keras.src.optimizers.legacy import optimizer_v2 as keras_optimizer_v2
+from tensorflow.python.eager import context
+from tensorflow.python.framework import ops
+from tensorflow.python.training import optimizer as tf_optimizer
+
+from tfpar.hooks import capture as cap_lib
+from tfpar.hooks.patching import PatchSet
+from tfpar.hooks.recording import handle_in, loss_scale, recorded
+from tfpar.ir.taskgraph import Phase
+
+__all__ = ["add_optimizer_patches"]
+
+
+def add_optimizer_patches(patches: PatchSet) -> None:
+    _patch_optimizer_class(patches, tf_optimizer.Optimizer)
+    patches.add(tf_optimizer.Optimizer, "__init__",
+                functools.partial(_wrap_optimizer_init, patches=patches))
+    patches.add(keras_optimizer_v2.OptimizerV2, "apply_gradients", _wrap_keras_apply)
+    patches.add(keras_optimizer.Optimizer, "apply_gradients", _wrap_keras_apply)
+
+
+def _recorded_apply(grads_and_vars, global_step, apply):
+    """Run ``apply(grads_and_vars)`` in the APPLY phase; record the outermost call.
+    ``global_step``: the variable, or a function giving it after ``apply`` ran
+    (keras creates its ``iterations`` inside its own name scope there, and
+    counts a step whose loss-scaled update was skipped)."""
+    graph = ops.get_default_graph()
+    if not recorded(graph):
+        return apply(grads_and_vars)
+    cap = cap_lib.capture_for(graph)
+    grads_and_vars = tuple(grads_and_vars)
+    nested = getattr(cap, "_applying", False)
+    scale = None if nested else loss_scale(graph)
+    cap._applying = True  # pylint: disable=protected-access
+    try:
+        with cap.phase(Phase.APPLY):
+            result = apply(grads_and_vars) if scale is None else scale.gated_apply(
+                grads_and_vars, apply, global_step if callable(global_step) else None)
+    finally:
+        cap._applying = nested  # pylint: disable=protected-access
+    if not nested:
+        cap.apply_calls.append(cap_lib.ApplyCall(
+            grads_and_vars=list(grads_and_vars),
+            global_step=handle_in(graph, global_step() if callable(global_step) else global_step),
+            train_op=result))
+    return result
+
+
+def _wrap_apply(original):
+    def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+        return _recorded_apply(grads_and_vars, global_step, lambda gv: original(
+            self, gv, global_step=global_step, name=name))
+    return apply_gradients
+
+
+def _wrap_keras_apply(original):
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        if context.executing_eagerly():
+            return original(self, grads_and_vars, *args, **kwargs)
+        return _recorded_apply(grads_and_vars, lambda: self.iterations, lambda gv: original(
+            self, gv, *args, **kwargs))
+    return apply_gradients
+
+
+def _patch_optimizer_class(patches: PatchSet, cls) -> None:
+    """Wrap ``apply_gradients`` where ``cls`` defines it itself."""
+    if "apply_gradients" in cls.__dict__ and not patches.is_patched(cls, "apply_gradients"):
+        patches.add(cls, "apply_gradients", _wrap_apply)
+
+
+def _wrap_optimizer_init(original, patches: PatchSet):
+    def __init__(self, *args, **kwargs):
+        # Subclasses defined after install() get their overrides wrapped here.
+        for klass in type(self).__mro__:
+            if isinstance(klass, type) and issubclass(klass, tf_optimizer.Optimizer):
+                _patch_optimizer_class(patches, klass)
+        original(self, *args, **kwargs)
+    return __init__

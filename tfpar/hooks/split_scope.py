@@ -1,0 +1,19 @@
+"""The split scope ops are being built in, as the split hooks see it."""
+from tensorflow.python.framework import ops
+
+from tfpar.hooks import capture as cap_lib
+from tfpar.hooks.step_graphs import is_step_function
+
+__all__ = ["open_split_context"]
+
+
+def open_split_context():
+    """The SplitContext of the split scope (or planned split layer) the default
+    graph builds in, unless a pattern is building it already; None outside
+    (and in functions other than a TF2 step)."""
+    graph = ops.get_default_graph()
+    if graph.building_function and not is_step_function(graph):
+        return None
+    capture = cap_lib.existing_capture(graph)
+    ctx = capture.current_split(graph.get_name_scope()) if capture is not None else None
+    return None if ctx is None or ctx.busy else ctx

@@ -1,0 +1,116 @@
+"""The plan of a captured graph: its TaskGraphs, as annotated or as the
+planner chose, with Ada-Grouper's k and the batch shares of mixed devices."""
+import dataclasses
+from typing import Optional
+
+from tensorflow.python.framework import ops
+
+from tfpar import fallback
+from tfpar.hooks.capture import GraphCapture
+from tfpar.ir.plan import Plan
+from tfpar.ir.taskgraph import Strategy, TaskGraphSpec
+from tfpar.planner.stage_costs import stage_costs
+from tfpar.planner.from_annotations import plan_from_annotations
+from tfpar.planner.grouper import tune_group_size
+from tfpar.analysis.model_view import model_view
+from tfpar.analysis.graph_index import GraphIndex
+from tfpar.analysis.stages import assign_stages
+from tfpar.runtime.automatic import (Automatic, automatic_plan, cluster_hardware, estimate_of,
+                                     part_estimate, planned_config, planning_batch,
+                                     sharded_plan, with_stage_search)
+from tfpar.runtime.balanced import batch_shares
+from tfpar.runtime.context import Runtime
+
+__all__ = ["group_costs", "plan_for", "planned", "task_graph_specs"]
+
+
+def task_graph_specs(capture: GraphCapture, rt: Runtime, automatic: Optional[Automatic]):
+    """The graph's TaskGraphs; the whole model is one when nothing is annotated,
+    or the automatic partition's one-device stages."""
+    if capture.task_graphs:
+        return list(capture.task_graphs)
+    if automatic is not None and automatic.count > 1:
+        return [TaskGraphSpec(i, f"stage_{i}", Strategy.REPLICATE, 1, implicit=True)
+                for i in range(automatic.count)]
+    if rt.default_strategy is not None:
+        strategy, count = rt.default_strategy
+        return [TaskGraphSpec(0, "default", strategy, count, implicit=True)]
+    return [TaskGraphSpec(0, "replicate_all", Strategy.REPLICATE, None, implicit=True)]
+
+
+def plan_for(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> Plan:
+    """The plan for ``graph``: as annotated, or as the planner chose (no
+    rewrite; a plan that shards layers even when this graph was built before
+    it was known, so that it can be pinned)."""
+    plan, index, _, _ = planned(graph, capture, rt)
+    automatic = capture.automatic[1] if capture.automatic is not None else None
+    if automatic is not None and automatic.best is not automatic.runnable:
+        return sharded_plan(automatic, rt, index, capture)
+    return plan
+
+
+def planned(graph: ops.Graph, capture: GraphCapture, rt: Runtime):
+    """The plan, with the graph index and the stage of every op it rests on
+    (the rewrite uses the same ones), and, when Ada-Grouper chose k, the
+    costs it chose by (``group_costs``; else None)."""
+    index = GraphIndex(graph)
+    automatic = automatic_plan(index, capture, rt)
+    specs = task_graph_specs(capture, rt, automatic)
+    stage_of = assign_stages(index, capture, len(specs), [s.name for s in specs],
+                             automatic.tags if automatic is not None else None)
+    plan = plan_from_annotations(specs, rt.devices, planned_config(rt, automatic),
+                                 _stats(graph, capture, index, stage_of, len(specs)), graph)
+    if automatic is not None and automatic.runnable is not None:
+        runnable = automatic.runnable
+        plan = dataclasses.replace(plan, estimate=estimate_of(runnable, rt), task_graphs=tuple(
+            dataclasses.replace(tg, estimate=part_estimate([part]))
+            for tg, part in zip(plan.task_graphs, runnable.parts)))
+    plan = with_stage_search(plan, automatic)
+    costs = None
+    if plan.schedule == "kfkb" and plan.group_size == "auto":
+        costs = group_costs(index, capture, rt, plan, stage_of)
+        stage, memory_limit = costs
+        plan = dataclasses.replace(plan, group_size=tune_group_size(
+            plan.num_micro_batch, stage.forward_s, stage.backward_s, stage.transfer_s,
+            stage.fixed_bytes, stage.activation_bytes, memory_limit))
+    shares = batch_shares(index, capture, rt, plan)
+    if shares:
+        plan = dataclasses.replace(plan, batch_shares=shares)
+    return dataclasses.replace(plan, notes=fallback.notes(graph)), index, stage_of, costs
+
+
+def group_costs(index: GraphIndex, capture: GraphCapture, rt: Runtime, plan: Plan, stage_of):
+    """The pipeline's stage costs for choosing Ada-Grouper's k
+    (``planner.grouper``), and the memory per device."""
+    order, view = model_view(index, capture)
+    rows = planning_batch(rt, view) / plan.data_parallel_degree / plan.num_micro_batch
+    hardware = cluster_hardware(rt)
+    costs = stage_costs(view, [stage_of.get(op, 0) for op in order], len(plan.task_graphs),
+                        rows, hardware)
+    return costs, hardware.memory_gb * 2 ** 30
+
+
+def _stats(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, stage_of,
+           num_task_graphs: int):
+    """Per TaskGraph: ops (as placed: backward and updates with their forward
+    TaskGraph) and trainable bytes."""
+    num_ops = [0] * num_task_graphs
+    for op in index.ops:
+        num_ops[stage_of.get(op, 0)] += 1
+    param_bytes = [0] * num_task_graphs
+    for op, v in _trainable_variables(graph):
+        if v.shape.is_fully_defined():
+            param_bytes[stage_of.get(op, 0)] += v.shape.num_elements() * v.dtype.size
+    split = {i: (ctx.devices, ctx.decisions, ctx.shares)
+             for i, ctx in capture.split_contexts.items()}
+    return {"num_ops": num_ops, "param_bytes": param_bytes, "split": split}
+
+
+def _trainable_variables(graph: ops.Graph) -> list:
+    """(op, variable) per trainable variable of ``graph``: its collection's, or
+    for a TF2 step, the variables it reads (their op: the handle it captured)."""
+    if not graph.building_function:
+        return [(v.op, v) for v in graph.get_collection(ops.GraphKeys.TRAINABLE_VARIABLES)]
+    inner = {id(outer): placeholder for outer, placeholder in graph.captures}
+    return [(inner[id(v.handle)].op, v) for v in graph.variables
+            if v.trainable and id(v.handle) in inner]

@@ -1,0 +1,55 @@
+"""Recomputation before the rewrite: the scopes ``memory.recompute`` names,
+or what the planner chose (Korthikanti et al., ``planner.memory``)."""
+from typing import Dict, List
+
+from tensorflow.python.framework import ops
+
+from tfpar.errors import PlanError
+from tfpar.hooks.capture import GraphCapture, recording_paused
+from tfpar.planner.memory import recomputation
+from tfpar.rewriters import graph_edit
+from tfpar.analysis.model_view import model_view
+from tfpar.rewriters.recompute import recompute_ops, recompute_scopes
+from tfpar.analysis.graph_index import GraphIndex
+from tfpar.runtime.context import Runtime
+
+__all__ = ["recompute_configured", "recompute_planned"]
+
+
+def recompute_configured(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
+    """``memory.recompute``'s scopes are recomputed in the backward pass."""
+    scopes = rt.config.get("memory.recompute")
+    if not scopes:
+        return
+    _check_recompute(rt)
+    with graph_edit.unfinalized(graph), recording_paused():
+        recompute_scopes(graph, capture, scopes)
+
+
+def _check_recompute(rt: Runtime) -> None:
+    """``memory.recompute`` is not for plans the planner makes: its estimates
+    would not count it (the planner chooses recomputation itself, from
+    ``auto.memory_techniques``, and applies what it chose)."""
+    if rt.config.get("auto.auto_parallel"):
+        raise PlanError("tfpar: memory.recompute is applied to graphs the planner did not "
+                        "plan: with auto.auto_parallel, list 'recompute' in "
+                        "auto.memory_techniques instead (the planner then recomputes what "
+                        "memory needs, and counts it), or remove the key")
+
+
+def recompute_planned(graph: ops.Graph, capture: GraphCapture, index: GraphIndex,
+                      mode: str) -> None:
+    """The plan's recomputation (Korthikanti et al., ``planner.memory``):
+    ``full`` recomputes every repeated block (``ModelView.labels``, name
+    scopes), as ``memory.recompute`` would; ``selective`` every attention
+    core, outputs included."""
+    order, view = model_view(index, capture)
+    with graph_edit.unfinalized(graph), recording_paused():
+        if mode == "full":
+            recompute_scopes(graph, capture, sorted({label for label in view.labels if label}))
+            return
+        groups: Dict[str, List[ops.Operation]] = {}
+        for op, unit in zip(order, recomputation(view).unit["selective"]):
+            if unit >= 0:
+                groups.setdefault(f"attention_core_{unit}", []).append(op)
+        recompute_ops(graph, capture, groups)

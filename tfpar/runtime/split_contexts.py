@@ -1,0 +1,68 @@
+"""The SplitContexts of split TaskGraphs: their devices and shares, a pinned
+plan's sharded layers built split, and ``split.patterns`` checked."""
+from typing import Dict, Optional, Sequence
+
+from tfpar.cluster.virtual_device import assign_devices
+from tfpar.errors import ConfigError, PlanError
+from tfpar.hooks.capture import GraphCapture
+from tfpar.ir.plan import pinned_plan
+from tfpar.ir.taskgraph import TaskGraphSpec
+from tfpar.patterns.sharded import SplitContext
+from tfpar.runtime.automatic import pinned_sharding
+from tfpar.runtime.balanced import shard_shares
+from tfpar.runtime.context import Runtime, active
+
+__all__ = ["check_forced_units", "make_split_context", "setup_capture"]
+
+
+def make_split_context(capture: GraphCapture, spec: TaskGraphSpec, rt: Runtime,
+                       devices: Optional[Sequence[str]] = None,
+                       planned: Optional[Dict[str, str]] = None):
+    """The SplitContext of a split TaskGraph: its shard devices, fixed now
+    because its variables are built sharded: ``devices``, or its
+    VirtualDevice given the TaskGraphs opened so far (Whale §3.2.1); on
+    mixed devices, shards in proportion to their speeds, or as a pinned plan
+    says (``shard_shares``).
+    ``planned`` (a pinned plan's layer -> candidate) forces its column / row
+    choices on the dense units named after those layers, unless
+    ``split.patterns`` names them."""
+    if devices is None:
+        devices = assign_devices([(s.name, s.device_count) for s in capture.task_graphs],
+                                 rt.devices, rt.config.get("cluster.colocate_split_and_replicate")
+                                 ).virtual_devices[-1][0]
+    return SplitContext(spec.name, devices, rt.config.get("split.patterns"),
+                        capture.sharded_tensors, shard_shares(rt, spec.index, devices),
+                        {scope: how for scope, how in (planned or {}).items()
+                         if how in ("column", "row")})
+
+
+def setup_capture(capture: GraphCapture) -> None:
+    """A pinned plan that shards layers: they are built split, on the devices
+    the plan gives their TaskGraph, as the model is built."""
+    rt = active()
+    sharding = pinned_sharding(rt)
+    if not sharding.get("layers"):
+        return
+    stages = sharding.get("stages") or {}
+    task_graphs = pinned_plan(rt.config).task_graphs
+
+    def context(cap: GraphCapture, spec: TaskGraphSpec):
+        if spec.index >= len(task_graphs) or task_graphs[spec.index].strategy != "split":
+            raise PlanError(f"tfpar: the pinned plan has no split TaskGraph {spec.index} for the "
+                            f"layers being built; the model differs from the one planned")
+        return make_split_context(cap, spec, rt, task_graphs[spec.index].replicas[0],
+                                  sharding["layers"])
+    capture.plan_split_layers({scope: stages.get(scope, 0) for scope in sharding["layers"]},
+                              sharding["tensor_degree"], context, pipelined=bool(stages))
+
+
+def check_forced_units(capture: GraphCapture, rt: Runtime) -> None:
+    """Every ShardingUnit ``split.patterns`` names exists in this graph."""
+    forced = rt.config.get("split.patterns") or {}
+    known = {name for ctx in capture.split_contexts.values() for name in ctx.decisions}
+    unknown = sorted(set(forced) - known)
+    if unknown:
+        raise ConfigError(
+            f"split.patterns names {', '.join(map(repr, unknown))}, but no ShardingUnit of this "
+            f"graph is called so; its units (layer names as in their variables, or op kinds "
+            f"numbered _1, _2...): {', '.join(sorted(known)) or 'none (no wh.split scope)'}")

@@ -1,0 +1,158 @@
+"""TF2 training steps: a tf.function traced from eager code is planned and
+rewritten like a graph, traced again with its batch relaxed, or left to
+train on one device, saying why."""
+import logging
+from typing import Any, Callable, Optional
+
+from tensorflow.python.eager import context
+from tensorflow.python.framework import ops
+
+from tfpar import fallback
+from tfpar.hooks.capture import GraphCapture, existing_capture
+from tfpar.rewriters.function_outputs import rewire_outputs
+from tfpar.analysis.op_kinds import is_input
+from tfpar.runtime.captured_batches import captured_batch, unsplittable
+from tfpar.runtime.context import Runtime, active
+from tfpar.runtime.planning import plan_for
+
+__all__ = ["function_gradients", "retraces_relaxed", "rewrite_function"]
+
+log = logging.getLogger("tfpar")
+
+_PASS_THE_BATCH = ("Pass the batch to the step as arguments (step(x, y)), or read it from a "
+                   "tf.data iterator in the step, for tfpar to split it")
+
+
+def rewrite_function(graph: ops.Graph, rewrite: Callable[[ops.Graph], Optional[Any]]) -> None:
+    """A tf.function traced from eager code, before TensorFlow makes it a
+    function: if it trains (tfpar recorded its gradients), it is planned and
+    rewritten like a graph (``rewrite``: the runtime's ``before_run``), and
+    returns the merged values of what it returned
+    (``rewriters.function_outputs``). Its variables stay where they are (one
+    copy, outside the function): replicas read them and their summed
+    gradients update them once."""
+    rt = active()
+    capture = existing_capture(graph)
+    if rt is None or capture is None or not capture.gradient_calls:
+        return
+    if _plan_changes_nothing(rt):  # the step as traced is the plan: not retraced nor rewritten
+        with graph.as_default():
+            rt.function_plan = plan_for(graph, capture, rt)
+        return
+    if not capture.relaxed and _traced_again(rt, graph, capture):
+        return
+    why, remedy = _unsplit_why(rt, graph, capture)
+    if why:
+        train_on_one_device(rt, graph, why, remedy)
+        return
+    with graph.as_default():
+        translate = rewrite(graph)
+        if translate is not None:
+            rewire_outputs(graph, translate)
+            rt.function_plan = capture.plan
+
+
+def _traced_again(rt: Runtime, graph: ops.Graph, capture: GraphCapture) -> bool:
+    """Whether the first trace of a step is left as it is: it reads a static
+    batch, or a batch captured from eager code, and is traced again with that
+    batch relaxed (that trace is rewritten); or its captured batch cannot be
+    split, and it trains on one device."""
+    static = _static_batch_inputs(graph)
+    captured, why = captured_batch(graph, capture)
+    if why:
+        train_on_one_device(rt, graph, why, _PASS_THE_BATCH)
+        return True
+    if captured:
+        log.info("tfpar: the tf.function %r reads its batch from tensors captured from "
+                 "eager code (shapes %s): their rows are split over the replicas",
+                 graph.name, ", ".join(str(t.shape.as_list()) for t in captured))
+    if static or captured:
+        capture.batch_captured = captured
+        capture.retrace = True  # traced again, batch relaxed; that trace is rewritten
+        return True
+    return False
+
+
+def _unsplit_why(rt: Runtime, graph: ops.Graph, capture: GraphCapture):
+    """(why the step cannot be split over the replicas, the remedy), or ("", "")."""
+    why = unsplittable(graph, capture) if capture.batch_captured else ""
+    if why:
+        return why, ("Make each loss a mean or a sum over the rows of the batch (of "
+                     "per-example losses) for tfpar to split it")
+    static = _static_batch_inputs(graph)
+    if static:
+        return (f"it reads a batch of static size ({static[0].name}: {static[0].shape}), "
+                "which TensorFlow built into the step"), ("Make the dataset or iterator after "
+                                                          "wh.init()")
+    present = len(context.context().list_logical_devices(rt.device_type))
+    if present < len(rt.devices):
+        return (f"TensorFlow's eager context has {present} {rt.device_type} device(s) and the "
+                f"plan {len(rt.devices)}"), ("Call wh.init() before the script runs its first "
+                                              "TensorFlow op (logical CPU devices can only be "
+                                              "made then)")
+    return "", ""
+
+
+def train_on_one_device(rt: Runtime, graph: Optional[ops.Graph], why: str,
+                        remedy: str) -> None:
+    """Say, once per function (``graph``; None: eager code), that its step
+    runs as traced, on one device."""
+    name = graph.name if graph is not None else None
+    if name in rt.warned_one_device:
+        return
+    rt.warned_one_device.add(name)
+    where = "eager code" if name is None else f"the tf.function {name!r}"
+    unchecked = (" (and check.finite_gradients does not check its gradients)"
+                 if rt.config.get("check.finite_gradients") else "")
+    fallback.fall_back(f"{where}, data parallel over {len(rt.devices)} devices",
+                       f"it trains on one device, as it would without tfpar{unchecked}: {why}",
+                       remedy, graph)
+
+
+def _plan_changes_nothing(rt: Runtime) -> bool:
+    """One device in one process, whole batches, no check to add: any plan runs
+    the step as it is."""
+    return (len(rt.devices) == 1 and rt.cluster is None
+            and rt.config.get("communication.backend") != "horovod"
+            and rt.config.get("pipeline.num_micro_batch") == 1
+            and not rt.config.get("check.finite_gradients"))
+
+
+def retraces_relaxed(graph: ops.Graph) -> bool:
+    """Whether the tf.function just traced into ``graph`` trains with a static
+    batch size: it is traced again with its arguments' batch dimension unknown."""
+    capture = existing_capture(graph)
+    return capture is not None and capture.retrace
+
+
+def _static_batch_inputs(graph: ops.Graph) -> list:
+    """A FuncGraph's batch inputs (arguments, iterator reads: not captures)
+    with a known dimension 0."""
+    return [t for op in graph.get_operations() if is_input(op) for t in op.outputs
+            if t.shape.rank and t.shape[0] is not None]
+
+
+def function_gradients(graph: ops.Graph) -> None:
+    """Gradients tfpar does not record (a tf.GradientTape in eager code, a
+    tf.function in a graph-mode script): their step runs on one device."""
+    rt = active()
+    if rt is None:
+        return
+    eager = context.executing_eagerly()
+    step = graph
+    while getattr(getattr(step, "outer_graph", None), "building_function", False):
+        step = step.outer_graph  # the loop body's (or inner function's) step
+    if eager:
+        why, remedy = ("tfpar parallelises graphs and tf.functions called from eager code, not "
+                       "eager gradients"), "Take the gradients in a tf.function step"
+    elif ops.executing_eagerly_outside_functions():  # within a TF2 step
+        why = ("its gradients are taken inside a loop, branch or tf.function within the step "
+               "(a `for` over a dataset inside the tf.function is a loop); tfpar parallelises "
+               "a step's top level")
+        remedy = ("Iterate the dataset in Python or call next(iterator) in the step, and leave "
+                  "the functions it calls undecorated")
+    else:
+        why = ("tfpar parallelises a tf.function called from eager code, not one built into "
+               "a graph")
+        remedy = "Use tf.gradients or an optimizer's minimize there"
+    train_on_one_device(rt, None if eager else step, why, remedy)
