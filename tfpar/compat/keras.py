@@ -31,3 +31,14 @@ def optimizer_name(legacy_optimizer) -> str:
 def make_train_function(model) -> None:
     """Build a compiled graph-mode model's training function now."""
     model._make_train_function()
+
+
+def layer_weight_list(layer) -> list:
+    """The list of ``layer``'s own weights (trainable ones if it trains) that
+    a weight made outside ``add_weight`` joins."""
+    return layer._trainable_weights if layer.trainable else layer._non_trainable_weights
+
+
+def attention_equation(layer) -> str:
+    """The einsum equation a ``MultiHeadAttention`` layer takes q.k with."""
+    return layer._dot_product_equation

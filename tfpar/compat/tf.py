@@ -16,7 +16,14 @@ if not _tf.__version__.startswith(TESTED) and not os.environ.get(ALLOW_UNTESTED)
         f"{ALLOW_UNTESTED}=1 to try this version at your own risk")
 
 # IMPORTS (every tensorflow.python / tensorflow.core name tfpar uses)
+import contextlib
+
+from tensorflow.python import pywrap_tfe
 from tensorflow.python.checkpoint import checkpoint
+from tensorflow.python.client import pywrap_tf_session as c_session
+from tensorflow.python.eager import backprop
+from tensorflow.python.framework import tensor as tensor_lib
+from tensorflow.python.ops import variable_scope
 from tensorflow.python.eager import context
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import gen_logging_ops
@@ -94,3 +101,50 @@ def deferred_restores(trackable) -> dict:
 def checkpoint_children(trackable) -> list:
     """The references to ``trackable``'s checkpointed children (``.name``, ``.ref``)."""
     return trackable._checkpoint_dependencies
+
+
+def register_tape_gradient_function() -> None:
+    """Make eager tapes call the gradient function ``backprop`` holds now
+    (tapes call the function registered with them, not the module attribute)."""
+    pywrap_tfe.TFE_Py_RegisterGradientFunction(backprop._gradient_function)
+
+
+def original_op_scope(graph, op):
+    """Ops made in this context record ``op`` as the op they came from."""
+    return graph._original_op(op)
+
+
+def variable_store_class():
+    """The class behind ``tf.compat.v1.get_variable`` that makes variables."""
+    return variable_scope._VariableStore
+
+
+def iterator_resource(iterator):
+    """The resource tensor of a graph-mode dataset iterator."""
+    return iterator._iterator_resource
+
+
+@contextlib.contextmanager
+def tensors_by_identity():
+    """Tensors compare and hash by identity, as in graph mode, inside this
+    context (TF2 makes a function's tensors unhashable and compares them
+    elementwise)."""
+    used = tensor_lib.Tensor._USE_EQUALITY
+    tensor_lib.disable_tensor_equality()
+    try:
+        yield
+    finally:
+        tensor_lib.Tensor._USE_EQUALITY = used
+
+
+def reopen_session(session) -> None:
+    """Give ``session`` a new TensorFlow session on its graph, in place of its
+    own: the state it held (variables, iterators, tables) starts anew."""
+    c_session.TF_CloseSession(session._session)
+    c_session.TF_DeleteSession(session._session)
+    options = c_session.TF_NewSessionOptions(target=session._target, config=session._config)
+    try:
+        with session._graph._c_graph.get() as c_graph:
+            session._session = c_session.TF_NewSessionRef(c_graph, options)
+    finally:
+        c_session.TF_DeleteSessionOptions(options)

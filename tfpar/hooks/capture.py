@@ -80,6 +80,8 @@ class GraphCapture:
     sparse_feeds: List[Any] = _new(list)
     # fp16 mixed precision: the graph's ``loss_scaling.LossScale``.
     loss_scale: Any = None
+    # inside an apply_gradients another one called (its calls are the outer one's)
+    applying: bool = False
     # io.shard_dataset in a TF_CONFIG cluster: the chief's iterator op ->
     # the iterators the other workers read their shards with.
     worker_iterators: Dict[Any, List[Any]] = _new(dict)

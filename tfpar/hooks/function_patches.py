@@ -2,14 +2,13 @@
 batch is traced again with it relaxed (arguments, and the eager tensors it
 captures as its batch); a traced step is handed to the runtime to rewrite
 before TensorFlow makes it a function."""
-import contextlib
 import threading
 
 from tensorflow.core.function.capture import capture_container
 from tensorflow.python.eager.polymorphic_function import tracing_compilation, transform
 from tensorflow.python.framework import func_graph, ops
-from tensorflow.python.framework import tensor as tensor_lib
 
+from tfpar.compat import tf as internals
 from tfpar.hooks import capture as cap_lib
 from tfpar.hooks import seams
 from tfpar.hooks.patching import PatchSet
@@ -88,19 +87,8 @@ def _wrap_func_graph_transforms(original):
     def apply_func_graph_transforms(graph):
         original(graph)
         if seams.runtime is not None and is_step_function(graph):
-            with _tensors_by_identity():
+            with internals.tensors_by_identity():
                 seams.runtime.rewrite_function(graph)
     return apply_func_graph_transforms
 
 
-@contextlib.contextmanager
-def _tensors_by_identity():
-    """Tensors compare and hash by identity, as in graph mode, while tfpar
-    rewrites a tf.function (TF2 makes a function's tensors unhashable and
-    compares them elementwise)."""
-    used = tensor_lib.Tensor._USE_EQUALITY  # pylint: disable=protected-access
-    tensor_lib.disable_tensor_equality()
-    try:
-        yield
-    finally:
-        tensor_lib.Tensor._USE_EQUALITY = used  # pylint: disable=protected-access

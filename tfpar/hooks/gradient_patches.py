@@ -6,13 +6,13 @@ with fp16); a tape's op gradients are built under their forward op, as
 import contextlib
 import threading
 
-from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import backprop
 from tensorflow.python.framework import func_graph, ops
 from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import array_ops, gradients_util
 from tensorflow.python.util import nest
 
+from tfpar.compat import tf as internals
 from tfpar.hooks import capture as cap_lib
 from tfpar.hooks import seams
 from tfpar.hooks.patching import PatchSet
@@ -28,7 +28,7 @@ def add_gradient_patches(patches: PatchSet) -> None:
     patches.add(gradients_util, "_DefaultGradYs", _wrap_default_grad_ys)
     patches.add(backprop.GradientTape, "gradient", _wrap_tape_gradient)
     patches.add(backprop, "_gradient_function", _wrap_gradient_function)
-    pywrap_tfe.TFE_Py_RegisterGradientFunction(backprop._gradient_function)
+    internals.register_tape_gradient_function()
 
 
 def _as_list(x):
@@ -127,7 +127,8 @@ def _wrap_gradient_function(original):
         graph = ops.get_default_graph()
         forward = (_taped_op(graph, op_name, inputs, outputs)
                    if seams.runtime is not None and is_step_function(graph) else None)
-        with graph._original_op(forward) if forward is not None else contextlib.nullcontext():
+        with (internals.original_op_scope(graph, forward) if forward is not None
+              else contextlib.nullcontext()):
             return original(op_name, attr_tuple, num_inputs, inputs, outputs, out_grads,
                             skip_input_indices, forward_pass_name_scope)
     return gradient_function

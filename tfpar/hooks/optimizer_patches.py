@@ -36,15 +36,15 @@ def _recorded_apply(grads_and_vars, global_step, apply):
         return apply(grads_and_vars)
     cap = cap_lib.capture_for(graph)
     grads_and_vars = tuple(grads_and_vars)
-    nested = getattr(cap, "_applying", False)
+    nested = cap.applying
     scale = None if nested else loss_scale(graph)
-    cap._applying = True  # pylint: disable=protected-access
+    cap.applying = True
     try:
         with cap.phase(Phase.APPLY):
             result = apply(grads_and_vars) if scale is None else scale.gated_apply(
                 grads_and_vars, apply, global_step if callable(global_step) else None)
     finally:
-        cap._applying = nested  # pylint: disable=protected-access
+        cap.applying = nested
     if not nested:
         cap.apply_calls.append(cap_lib.ApplyCall(
             grads_and_vars=list(grads_and_vars),

@@ -5,11 +5,11 @@ import weakref
 from typing import Any
 
 from tensorflow.core.protobuf import config_pb2
-from tensorflow.python.client import pywrap_tf_session as c_session
 from tensorflow.python.client import session as tf_session
 from tensorflow.python.framework import errors as tf_errors
 from tensorflow.python.framework import ops
 
+from tfpar.compat import tf as internals
 from tfpar.errors import ClusterError
 from tfpar.hooks import capture as cap_lib
 from tfpar.hooks import seams
@@ -48,7 +48,7 @@ def _before_run(session):
     if need be), or None. A session that already ran the graph before the
     rewrite keeps the nodes it was sent (TensorFlow ignores later changes to
     them): it is reopened on the rewritten graph, with the values its variables
-    had (``_reopen``)."""
+    had (``compat.tf.reopen_session``)."""
     if seams.runtime is None:
         return None
     graph = session.graph
@@ -56,7 +56,7 @@ def _before_run(session):
     carried = _variable_values(session) if early and not graph.finalized else {}
     translate = seams.runtime.before_run(graph)
     if early and seams.runtime.ran_before_rewrite(graph, len(carried)):
-        _reopen(session)
+        internals.reopen_session(session)
         if carried:
             session.run([v.initializer for v in carried],
                         {v.initializer.inputs[1]: value for v, value in carried.items()})
@@ -85,21 +85,6 @@ def _variable_values(session) -> dict:
     live = [v for v, ok in zip(variables, _plain_run(session, flags))
             if ok and len(v.initializer.inputs) == 2]  # an assign of its initial value
     return dict(zip(live, _plain_run(session, live)))
-
-
-def _reopen(session) -> None:
-    """Give ``session`` a new TensorFlow session on its (rewritten) graph, in
-    place of the one that ran the graph before: the state it held (variables,
-    iterators, tables) starts anew; variables are restored by the caller."""
-    # pylint: disable=protected-access
-    c_session.TF_CloseSession(session._session)
-    c_session.TF_DeleteSession(session._session)
-    options = c_session.TF_NewSessionOptions(target=session._target, config=session._config)
-    try:
-        with session._graph._c_graph.get() as c_graph:
-            session._session = c_session.TF_NewSessionRef(c_graph, options)
-    finally:
-        c_session.TF_DeleteSessionOptions(options)
 
 
 def _wrap_make_callable(original):

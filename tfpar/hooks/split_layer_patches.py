@@ -22,6 +22,7 @@ from keras.src.legacy_tf_layers import base as legacy_layers
 from tensorflow.python.framework import dtypes, ops
 from tensorflow.python.ops import init_ops, variable_scope
 
+from tfpar.compat import keras as keras_internals
 from tfpar.errors import ShardingError
 from tfpar.fallback import fall_back
 from tfpar.hooks.checkpoint_bindings import rebind
@@ -110,10 +111,7 @@ def _layer_getter(ctx, layer, made):
                     owner=f"layer '{layer.name}': {name}_constraint", trainable=layer.trainable)
         made[name] = variable
         parts = list(variable) if axis is not None else [variable]
-        # pylint: disable=protected-access
-        weights = layer._trainable_weights if layer.trainable else layer._non_trainable_weights
-        # pylint: enable=protected-access
-        weights.extend(parts)
+        keras_internals.layer_weight_list(layer).extend(parts)
         for part in parts:
             keras_backend.track_variable(part)
         setattr(layer, name, variable)  # as Dense.build sets layer.kernel / layer.bias
@@ -205,7 +203,7 @@ def _wrap_compute_attention(original):
                     return original(self, query, key, value, attention_mask, training)
             return heads_attention(
                 ctx, lambda q, k, v: original(self, q, k, v, attention_mask, training),
-                query, key, value, self._dot_product_equation)  # pylint: disable=protected-access
+                query, key, value, keras_internals.attention_equation(self))
     return compute_attention
 
 

@@ -31,6 +31,7 @@ from tensorflow.python.framework import ops, tensor_util
 from tensorflow.python.ops import gen_array_ops, gen_linalg_ops, gen_math_ops, gen_nn_ops
 from tensorflow.python.ops import math_ops, special_math_ops, variable_scope
 
+from tfpar.compat import tf as internals
 from tfpar.errors import ShardingError
 from tfpar.hooks.patching import PatchSet
 from tfpar.hooks.split_layer_patches import add_split_layer_patches
@@ -57,8 +58,7 @@ def add_split_patches(patches: PatchSet) -> None:
                 lambda original: _wrap_xent(original, sparse=False))
     patches.add(gen_math_ops, "arg_max", _wrap_arg_max)
     patches.add(variable_scope.VariableScope, "get_variable", _wrap_get_variable)
-    store = variable_scope._VariableStore  # pylint: disable=protected-access
-    patches.add(store, "_get_single_variable", _wrap_get_single_variable)
+    patches.add(internals.variable_store_class(), "_get_single_variable", _wrap_get_single_variable)
     patches.add(variable_scope, "_iter_slices", _wrap_iter_slices)
     patches.add(gen_array_ops, "gather_v2", _wrap_gather)
     patches.add(gen_math_ops, "mat_mul", _wrap_mat_mul)

@@ -51,9 +51,8 @@ thing, and calls the runtime through ``seams``.
 """
 from typing import Any
 
-from tensorflow.python import pywrap_tfe
-from tensorflow.python.eager import backprop
 
+from tfpar.compat import tf as internals
 from tfpar.hooks import capture as cap_lib
 from tfpar.hooks import seams
 from tfpar.hooks.checkpoint_bindings import add_checkpoint_binding_patches
@@ -107,6 +106,6 @@ def install(runtime: Any) -> None:
 
 def uninstall() -> None:
     _patches.remove()
-    pywrap_tfe.TFE_Py_RegisterGradientFunction(backprop._gradient_function)  # TensorFlow's again
+    internals.register_tape_gradient_function()  # TensorFlow's own again
     cap_lib.set_capture_setup(None)
     seams.runtime = None

@@ -3,6 +3,7 @@
 from tensorflow.python.framework import ops
 
 from tfpar import fallback
+from tfpar.compat import tf as internals
 from tfpar.hooks.batch_shapes import relaxed_dataset
 from tfpar.hooks.capture import capture_for
 from tfpar.runtime.context import Runtime, active
@@ -24,7 +25,7 @@ def make_iterator(ds, make):
     iterator, shards = _sharded_iterator(rt, ds, make)
     if declared is not None:  # the global batch: every shard's
         capture = capture_for(ops.get_default_graph())
-        capture.declared_batch[iterator._iterator_resource.op.name] = declared * shards  # pylint: disable=protected-access
+        capture.declared_batch[internals.iterator_resource(iterator).op.name] = declared * shards
     return iterator
 
 
@@ -49,5 +50,5 @@ def _sharded_iterator(rt: Runtime, ds, make):
         with ops.device(rt.cluster.host_cpu(task)):
             others.append(make(ds.shard(count, task)))
     capture = capture_for(ops.get_default_graph())
-    capture.worker_iterators[iterator._iterator_resource.op] = others  # pylint: disable=protected-access
+    capture.worker_iterators[internals.iterator_resource(iterator).op] = others
     return iterator, count
