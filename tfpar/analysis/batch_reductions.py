@@ -20,6 +20,8 @@ from typing import Callable, List, Optional, Set, Tuple
 from tensorflow.python.framework import ops, tensor_util
 from tensorflow.python.framework import tensor as tensor_lib
 
+from tfpar.compat import tf as internals
+
 __all__ = ["Region", "Scaling", "loss_scaling", "reduction_region"]
 
 # Ops whose output scales with the batch exactly as their first input does.
@@ -66,7 +68,7 @@ def reduction_region(t: tensor_lib.Tensor, batch_dependent: Set[ops.Operation],
         if op in seen:
             continue
         seen.add(op)
-        stateful = op._is_stateful and op.type not in _PURE  # pylint: disable=protected-access
+        stateful = internals.is_stateful(op) and op.type not in _PURE
         if stateful or not allowed(op):
             why = "is stateful" if stateful else "is part of the backward pass"
             return None, f"'{op.name}' ({op.type}) {why}"

@@ -8,6 +8,7 @@ from tensorflow.python.framework import dtypes, ops, tensor_shape
 from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import handle_data_util
 
+from tfpar.compat import tf as internals
 from tfpar.analysis.graph_index import data_ancestors
 from tfpar.analysis.op_kinds import (READ_ONLY_RESOURCE_TYPES, REF_READ_TYPES, is_resource_variable,
                                      is_variable)
@@ -64,7 +65,7 @@ def _may_write(op: ops.Operation, handle: tensor_lib.Tensor) -> bool:
     for attr in attrs:
         value = op.get_attr(attr)
         for fn in value if isinstance(value, list) else [value]:
-            defined = op.graph._get_function(fn.name)  # pylint: disable=protected-access
+            defined = internals.library_function(op.graph, fn.name)
             body = getattr(defined, "graph", None)
             if body is None:
                 return True

@@ -5,6 +5,7 @@ reaches, each behind a function named for what it does."""
 # IMPORTS (every keras.src name tfpar uses)
 from keras.src.layers.core import einsum_dense
 from keras.src.optimizers import optimizer
+# END IMPORTS
 
 
 def analyze_einsum_string(equation, bias_axes, input_shape, output_shape):

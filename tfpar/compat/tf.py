@@ -2,6 +2,7 @@
 and the private members it reaches, each behind a function named for what it
 does. Importing this module checks the TensorFlow version."""
 # pylint: disable=protected-access,unused-import
+import contextlib
 import os
 
 import tensorflow as _tf
@@ -16,8 +17,6 @@ if not _tf.__version__.startswith(TESTED) and not os.environ.get(ALLOW_UNTESTED)
         f"{ALLOW_UNTESTED}=1 to try this version at your own risk")
 
 # IMPORTS (every tensorflow.python / tensorflow.core name tfpar uses)
-import contextlib
-
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.checkpoint import checkpoint
 from tensorflow.python.client import pywrap_tf_session as c_session
@@ -25,8 +24,9 @@ from tensorflow.python.eager import backprop
 from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import variable_scope
 from tensorflow.python.eager import context
-from tensorflow.python.framework import ops
+from tensorflow.python.framework import function, ops
 from tensorflow.python.ops import gen_logging_ops
+# END IMPORTS
 
 
 def update_input(op, index: int, tensor) -> None:
@@ -148,3 +148,18 @@ def reopen_session(session) -> None:
             session._session = c_session.TF_NewSessionRef(c_graph, options)
     finally:
         c_session.TF_DeleteSessionOptions(options)
+
+
+def is_stateful(op) -> bool:
+    """Whether TensorFlow treats ``op`` as stateful (its kernel's own flag)."""
+    return op._is_stateful
+
+
+def library_function(graph, name: str):
+    """The function ``name`` of ``graph``'s library (or an outer graph's), or None."""
+    return graph._get_function(name)
+
+
+def function_from_definition(definition):
+    """A ``FunctionDef`` as a function that can be added to a graph's library."""
+    return function._from_definition(definition)

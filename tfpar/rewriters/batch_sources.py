@@ -4,6 +4,7 @@ cluster, what each worker's own iterator reads instead."""
 from tensorflow.python.framework import dtypes, ops
 from tensorflow.python.util import nest
 
+from tfpar.compat import tf as internals
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture
 from tfpar.rewriters.select import Selection
@@ -72,7 +73,7 @@ def worker_sources(capture: GraphCapture, sel: Selection, num_pieces: int):
         if t.op not in read:
             read[t.op] = []
             for iterator in capture.worker_iterators[resource]:
-                with ops.device(iterator._iterator_resource.device):  # pylint: disable=protected-access
+                with ops.device(internals.iterator_resource(iterator).device):
                     read[t.op].append(nest.flatten(iterator.get_next()))
         for worker, outputs in enumerate(read[t.op], start=1):
             sources[worker].append(outputs[t.value_index])

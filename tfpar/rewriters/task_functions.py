@@ -21,8 +21,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Set
 from tensorflow.core.framework import attr_value_pb2, function_pb2
 from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 from tensorflow.python.eager import context
-from tensorflow.python.framework import dtypes, function, ops
+from tensorflow.python.framework import dtypes, ops
 from tensorflow.python.framework import tensor as tensor_lib
+
+from tfpar.compat import tf as internals
 
 __all__ = ["TaskFunction", "call_task", "define_task", "is_constant"]
 
@@ -65,7 +67,7 @@ def define_task(graph: ops.Graph, task: Sequence[ops.Operation], name: str,
                        or any(c not in inside for c in t.consumers()))
     definition = _function_def(_library_name(graph, name), constants + list(task), body,
                                list(arguments), results)
-    library_function = function._from_definition(definition)  # pylint: disable=protected-access
+    library_function = internals.function_from_definition(definition)
     library_function.add_to_graph(graph)
     if graph.building_function:  # a tf.function's callees run from the eager context's library
         context.context().add_function_def(definition)
