@@ -11,8 +11,7 @@ and join tensors along this axis (Whale §3.2.3 bridges along the batch).
 """
 from typing import Callable, Dict, List, Optional, Set
 
-from tensorflow.python.framework import ops, tensor_util
-from tensorflow.python.framework import tensor as tensor_lib
+from tfpar.compat.tf import ops, tensor_lib, tensor_util
 
 __all__ = ["BatchAxes"]
 

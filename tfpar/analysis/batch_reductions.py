@@ -17,10 +17,8 @@ import dataclasses
 import enum
 from typing import Callable, List, Optional, Set, Tuple
 
-from tensorflow.python.framework import ops, tensor_util
-from tensorflow.python.framework import tensor as tensor_lib
-
 from tfpar.compat import tf as internals
+from tfpar.compat.tf import ops, tensor_lib, tensor_util
 
 __all__ = ["Region", "Scaling", "loss_scaling", "reduction_region"]
 

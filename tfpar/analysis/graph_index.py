@@ -3,7 +3,7 @@ pass, descendants and ancestors. Nothing here mutates."""
 import collections
 from typing import Dict, Iterable, List, Set
 
-from tensorflow.python.framework import ops
+from tfpar.compat.tf import ops
 
 __all__ = ["GraphIndex", "ancestors", "data_ancestors"]
 

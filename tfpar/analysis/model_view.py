@@ -15,13 +15,11 @@ nothing per sample, and neither do scalars (a batch mean is one value).
 import math
 from typing import Dict, List, Optional, Tuple
 
-from tensorflow.python.framework import config, dtypes, ops, tensor_util
-from tensorflow.python.framework import tensor as tensor_lib
-
 from tfpar.analysis.graph_index import GraphIndex, ancestors, data_ancestors
 from tfpar.analysis.op_kinds import (INPUT_TYPES, VARIABLE_TYPES, gradient_tensors, is_input,
                                      is_variable)
 from tfpar.analysis.variables import variable_bytes
+from tfpar.compat.tf import config, dtypes, ops, tensor_lib, tensor_util
 from tfpar.hooks.capture import GraphCapture
 from tfpar.ir.taskgraph import Phase
 from tfpar.planner.model_view import ModelView

@@ -3,8 +3,7 @@
 and summaries; and the tensors of a gradient. Nothing here mutates."""
 import weakref
 
-from tensorflow.python.framework import indexed_slices, ops
-
+from tfpar.compat.tf import indexed_slices, ops
 from tfpar.hooks.capture import existing_capture
 
 __all__ = ["AUX_TYPES", "INPUT_TYPES", "READ_ONLY_RESOURCE_TYPES", "REF_READ_TYPES",

@@ -34,11 +34,9 @@ several stages (tied weights, ``tied_weights``).
 import dataclasses
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from tensorflow.python.framework import device as device_lib
-from tensorflow.python.framework import indexed_slices, ops
-
 from tfpar.analysis.graph_index import GraphIndex
 from tfpar.analysis.op_kinds import gradient_tensors, is_variable
+from tfpar.compat.tf import device_lib, indexed_slices, ops
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture
 from tfpar.ir.taskgraph import Phase

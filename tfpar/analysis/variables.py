@@ -4,14 +4,11 @@ statistics) rather than trains. Nothing here mutates."""
 import collections
 from typing import Dict, List, NamedTuple, Set, Tuple
 
-from tensorflow.python.framework import dtypes, ops, tensor_shape
-from tensorflow.python.framework import tensor as tensor_lib
-from tensorflow.python.ops import handle_data_util
-
 from tfpar.compat import tf as internals
 from tfpar.analysis.graph_index import data_ancestors
 from tfpar.analysis.op_kinds import (READ_ONLY_RESOURCE_TYPES, REF_READ_TYPES, is_resource_variable,
                                      is_variable)
+from tfpar.compat.tf import dtypes, handle_data_util, ops, tensor_lib, tensor_shape
 from tfpar.hooks.capture import GraphCapture
 
 __all__ = ["Averaged", "all_variables", "averaged_variables", "declared_aggregations",

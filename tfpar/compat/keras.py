@@ -3,20 +3,27 @@ reaches, each behind a function named for what it does."""
 # pylint: disable=protected-access,unused-import
 
 # IMPORTS (every keras.src name tfpar uses)
-from keras.src.layers.core import einsum_dense
-from keras.src.optimizers import optimizer
+from keras.src import backend, constraints, initializers as keras_initializers, regularizers
+from keras.src.engine import base_layer, functional, training_v1
+from keras.src.layers.attention import multi_head_attention as keras_attention
+from keras.src.layers.core import dense as keras_dense, einsum_dense as keras_einsum_dense
+from keras.src.layers.normalization import batch_normalization
+from keras.src.legacy_tf_layers import base as legacy_layers
+from keras.src.optimizers import optimizer as keras_optimizer
+from keras.src.optimizers.legacy import optimizer_v2 as keras_optimizer_v2
 # END IMPORTS
 
 
 def analyze_einsum_string(equation, bias_axes, input_shape, output_shape):
     """(kernel shape, bias shape or None, full output shape) of an
     ``EinsumDense``, as its ``build`` computes them."""
-    return einsum_dense._analyze_einsum_string(equation, bias_axes, input_shape, output_shape)
+    return keras_einsum_dense._analyze_einsum_string(equation, bias_axes, input_shape,
+                                                     output_shape)
 
 
 def base_optimizer_class():
     """The class Keras' (non-legacy) optimizers derive from."""
-    return optimizer._BaseOptimizer
+    return keras_optimizer._BaseOptimizer
 
 
 def slot_index_has(keras_optimizer, variable) -> bool:

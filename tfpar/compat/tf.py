@@ -17,15 +17,31 @@ if not _tf.__version__.startswith(TESTED) and not os.environ.get(ALLOW_UNTESTED)
         f"{ALLOW_UNTESTED}=1 to try this version at your own risk")
 
 # IMPORTS (every tensorflow.python / tensorflow.core name tfpar uses)
+from tensorflow.core.framework import attr_value_pb2, function_pb2, graph_pb2
+from tensorflow.core.function.capture import capture_container
+from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.checkpoint import checkpoint
-from tensorflow.python.client import pywrap_tf_session as c_session
-from tensorflow.python.eager import backprop
-from tensorflow.python.framework import tensor as tensor_lib
-from tensorflow.python.ops import variable_scope
-from tensorflow.python.eager import context
-from tensorflow.python.framework import function, ops
-from tensorflow.python.ops import gen_logging_ops
+from tensorflow.python.client import pywrap_tf_session as c_session, session as tf_session
+from tensorflow.python.data.ops import dataset_ops
+from tensorflow.python.eager import backprop, context
+from tensorflow.python.eager.polymorphic_function import tracing_compilation, transform
+from tensorflow.python.framework import (config, constant_op, device as device_lib, dtypes,
+                                         errors as tf_errors, func_graph, function, importer,
+                                         indexed_slices, ops, sparse_tensor, tensor as tensor_lib,
+                                         tensor_conversion_registry, tensor_shape, tensor_util)
+from tensorflow.python.ops import (array_ops, array_ops_stack, check_ops, collective_ops, cond_v2,
+                                   control_flow_ops, custom_gradient, data_flow_ops, gen_array_ops,
+                                   gen_control_flow_ops, gen_linalg_ops, gen_logging_ops,
+                                   gen_math_ops, gen_nn_ops, gen_resource_variable_ops,
+                                   gen_sparse_ops, gen_state_ops, gradients_util, handle_data_util,
+                                   init_ops, math_ops, nn_ops, resource_variable_ops,
+                                   special_math_ops, state_ops, variable_scope,
+                                   variables as variables_lib)
+from tensorflow.python.trackable import base as trackable
+from tensorflow.python.training import optimizer as tf_optimizer, server_lib
+from tensorflow.python.training.saving import saveable_object_util
+from tensorflow.python.util import nest
 # END IMPORTS
 
 

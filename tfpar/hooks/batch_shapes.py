@@ -15,12 +15,7 @@ in the capture's ``declared_batch`` (no error message reads them yet).
 """
 from typing import Dict, Optional, Tuple
 
-from tensorflow.core.framework import attr_value_pb2
-from tensorflow.python.data.ops import dataset_ops
-from tensorflow.python.framework import sparse_tensor
-from tensorflow.python.framework import tensor as tensor_lib
-from tensorflow.python.ops import array_ops
-from tensorflow.python.util import nest
+from tfpar.compat.tf import array_ops, attr_value_pb2, dataset_ops, nest, sparse_tensor, tensor_lib
 
 __all__ = ["relaxed_dataset", "relaxed_placeholder_attrs"]
 

@@ -1,8 +1,6 @@
 """Datasets: eager iteration (keras fit) reads batches of unknown size;
 graph-mode iterators are made by the runtime (``io.shard_dataset``)."""
-from tensorflow.python.data.ops import dataset_ops
-from tensorflow.python.eager import context
-
+from tfpar.compat.tf import context, dataset_ops
 from tfpar.hooks import batch_shapes, seams
 from tfpar.hooks.patching import PatchSet
 

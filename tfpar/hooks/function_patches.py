@@ -4,11 +4,8 @@ captures as its batch); a traced step is handed to the runtime to rewrite
 before TensorFlow makes it a function."""
 import threading
 
-from tensorflow.core.function.capture import capture_container
-from tensorflow.python.eager.polymorphic_function import tracing_compilation, transform
-from tensorflow.python.framework import func_graph, ops
-
 from tfpar.compat import tf as internals
+from tfpar.compat.tf import capture_container, func_graph, ops, tracing_compilation, transform
 from tfpar.hooks import capture as cap_lib
 from tfpar.hooks import seams
 from tfpar.hooks.patching import PatchSet

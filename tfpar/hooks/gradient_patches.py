@@ -6,13 +6,8 @@ with fp16); a tape's op gradients are built under their forward op, as
 import contextlib
 import threading
 
-from tensorflow.python.eager import backprop
-from tensorflow.python.framework import func_graph, ops
-from tensorflow.python.framework import tensor as tensor_lib
-from tensorflow.python.ops import array_ops, gradients_util
-from tensorflow.python.util import nest
-
 from tfpar.compat import tf as internals
+from tfpar.compat.tf import array_ops, backprop, func_graph, gradients_util, nest, ops, tensor_lib
 from tfpar.hooks import capture as cap_lib
 from tfpar.hooks import seams
 from tfpar.hooks.patching import PatchSet

@@ -14,11 +14,9 @@ then rewrites the whole step.
 """
 import weakref
 
-from keras.src import backend
-from keras.src.engine import training_v1
-from tensorflow.python.framework import ops
-
+from tfpar.compat.keras import backend, training_v1
 from tfpar.compat import keras as keras_internals, tf as internals
+from tfpar.compat.tf import ops
 
 __all__ = ["add_keras_patches"]
 

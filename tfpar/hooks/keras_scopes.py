@@ -13,10 +13,8 @@ TaskGraph of that step, as the same code inside the step would.
 """
 import threading
 
-from keras.src.engine import base_layer, functional
-from tensorflow.python.eager import context
-from tensorflow.python.framework import ops
-
+from tfpar.compat.keras import base_layer, functional
+from tfpar.compat.tf import context, ops
 from tfpar.errors import AnnotationError
 from tfpar.hooks.step_graphs import is_step_function
 

@@ -19,10 +19,9 @@ the first step writes it).
 """
 from typing import Any, Callable, List, Optional, Sequence
 
-from tensorflow.python.framework import constant_op, dtypes, indexed_slices, ops
-from tensorflow.python.framework import tensor as tensor_lib
-from tensorflow.python.ops import array_ops, array_ops_stack, cond_v2, control_flow_ops, math_ops
-from tensorflow.python.ops import gen_control_flow_ops, gen_math_ops, resource_variable_ops
+from tfpar.compat.tf import (array_ops, array_ops_stack, cond_v2, constant_op, control_flow_ops,
+                             dtypes, gen_control_flow_ops, gen_math_ops, indexed_slices, math_ops,
+                             ops, resource_variable_ops, tensor_lib)
 
 __all__ = ["LossScale", "INITIAL_SCALE", "GROWTH_STEPS", "read_or"]
 

@@ -1,8 +1,7 @@
 """Ops as they are made: each joins the open scope and phase; a placeholder
 declared with a static batch dimension is made with it unknown
 (``batch_shapes``); SparseTensors of fed placeholders are recorded."""
-from tensorflow.python.framework import ops, sparse_tensor
-
+from tfpar.compat.tf import ops, sparse_tensor
 from tfpar.hooks import batch_shapes
 from tfpar.hooks import capture as cap_lib
 from tfpar.hooks.function_patches import retracing

@@ -4,12 +4,8 @@ subclasses' overrides) and keras' (``tf.keras.optimizers.legacy``, used by
 counts as the global step), loss-scaled with fp16 (``loss_scaling``)."""
 import functools
 
-from keras.src.optimizers import optimizer as keras_optimizer
-from keras.src.optimizers.legacy import optimizer_v2 as keras_optimizer_v2
-from tensorflow.python.eager import context
-from tensorflow.python.framework import ops
-from tensorflow.python.training import optimizer as tf_optimizer
-
+from tfpar.compat.keras import keras_optimizer, keras_optimizer_v2
+from tfpar.compat.tf import context, ops, tf_optimizer
 from tfpar.hooks import capture as cap_lib
 from tfpar.hooks.patching import PatchSet
 from tfpar.hooks.recording import handle_in, loss_scale, recorded

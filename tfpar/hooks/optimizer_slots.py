@@ -19,12 +19,10 @@
 import weakref
 from typing import Any, Dict, List, Optional
 
-from keras.src.optimizers.legacy import optimizer_v2
-from tensorflow.python.framework import ops
-from tensorflow.python.trackable import base as trackable
-
+from tfpar.compat.keras import keras_optimizer_v2 as optimizer_v2
 from tfpar import fallback
 from tfpar.compat import keras as keras_internals, tf as internals
+from tfpar.compat.tf import ops, trackable
 from tfpar.patterns.split_slots import SlotList, has_split_slots, record_slot
 from tfpar.patterns.split_weights import split_weight_of
 

@@ -1,7 +1,6 @@
 """What the recording hooks share: which graphs tfpar records, a variable as
 a graph reads it, and a graph's loss scale."""
-from tensorflow.python.ops import resource_variable_ops
-
+from tfpar.compat.tf import resource_variable_ops
 from tfpar.hooks import capture as cap_lib
 from tfpar.hooks import loss_scaling, seams
 from tfpar.hooks.step_graphs import is_step_function

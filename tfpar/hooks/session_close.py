@@ -8,7 +8,7 @@ session's ``close`` runs in the background and returns at once.
 import threading
 import weakref
 
-from tensorflow.python.client import session as tf_session
+from tfpar.compat.tf import tf_session
 
 __all__ = ["add_session_close_patches", "lost_worker"]
 

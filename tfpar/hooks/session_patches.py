@@ -4,12 +4,8 @@ to their parallel versions; after a run, the runtime hears how it went."""
 import weakref
 from typing import Any
 
-from tensorflow.core.protobuf import config_pb2
-from tensorflow.python.client import session as tf_session
-from tensorflow.python.framework import errors as tf_errors
-from tensorflow.python.framework import ops
-
 from tfpar.compat import tf as internals
+from tfpar.compat.tf import config_pb2, ops, tf_errors, tf_session
 from tfpar.errors import ClusterError
 from tfpar.hooks import capture as cap_lib
 from tfpar.hooks import seams

@@ -13,16 +13,10 @@
 import contextlib
 import functools
 
-from keras.src import backend as keras_backend
-from keras.src import initializers as keras_initializers
-from keras.src.layers.attention import multi_head_attention as keras_attention
-from keras.src.layers.core import dense as keras_dense
-from keras.src.layers.core import einsum_dense as keras_einsum_dense
-from keras.src.legacy_tf_layers import base as legacy_layers
-from tensorflow.python.framework import dtypes, ops
-from tensorflow.python.ops import init_ops, variable_scope
-
+from tfpar.compat.keras import (backend as keras_backend, keras_attention, keras_dense,
+                                keras_einsum_dense, keras_initializers, legacy_layers)
 from tfpar.compat import keras as keras_internals
+from tfpar.compat.tf import dtypes, init_ops, ops, variable_scope
 from tfpar.errors import ShardingError
 from tfpar.fallback import fall_back
 from tfpar.hooks.checkpoint_bindings import rebind

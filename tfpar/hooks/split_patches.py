@@ -27,11 +27,9 @@ layers are ``split_layer_patches``'.
 import functools
 import inspect
 
-from tensorflow.python.framework import ops, tensor_util
-from tensorflow.python.ops import gen_array_ops, gen_linalg_ops, gen_math_ops, gen_nn_ops
-from tensorflow.python.ops import math_ops, special_math_ops, variable_scope
-
 from tfpar.compat import tf as internals
+from tfpar.compat.tf import (gen_array_ops, gen_linalg_ops, gen_math_ops, gen_nn_ops, math_ops, ops,
+                             special_math_ops, tensor_util, variable_scope)
 from tfpar.errors import ShardingError
 from tfpar.hooks.patching import PatchSet
 from tfpar.hooks.split_layer_patches import add_split_layer_patches

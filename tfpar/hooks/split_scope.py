@@ -1,6 +1,5 @@
 """The split scope ops are being built in, as the split hooks see it."""
-from tensorflow.python.framework import ops
-
+from tfpar.compat.tf import ops
 from tfpar.hooks import capture as cap_lib
 from tfpar.hooks.step_graphs import is_step_function
 

@@ -1,5 +1,5 @@
 """Which graphs are TF2 training steps."""
-from tensorflow.python.framework import func_graph, ops
+from tfpar.compat.tf import func_graph, ops
 
 __all__ = ["is_step_function"]
 

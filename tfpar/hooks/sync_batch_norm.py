@@ -13,12 +13,9 @@ the rewrite replaces by a sum over the replicas of the same micro-batch
 normalizes with, and their gradients, are the whole batch's: with one
 micro-batch the numbers are one device's.
 """
-from keras.src.layers.normalization import batch_normalization
-from tensorflow.python.eager import context
-from tensorflow.python.framework import ops
-from tensorflow.python.ops import array_ops, custom_gradient, math_ops
-
+from tfpar.compat.keras import batch_normalization
 from tfpar import fallback
+from tfpar.compat.tf import array_ops, context, custom_gradient, math_ops, ops
 from tfpar.hooks import capture as cap_lib
 
 __all__ = ["add_sync_batch_norm_patches", "replica_sum"]

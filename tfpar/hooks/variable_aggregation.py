@@ -4,9 +4,7 @@ op name. Keras declares MEAN for BatchNorm's moving statistics and SUM for
 metric totals; the rewrite averages or sums the replicas' updates of a
 variable the step writes accordingly (``rewriters.select``). A tf.function
 reads its variables' declarations from ``FuncGraph.variables`` instead."""
-from tensorflow.python.framework import ops
-from tensorflow.python.ops import resource_variable_ops
-
+from tfpar.compat.tf import ops, resource_variable_ops
 from tfpar.hooks import capture as cap_lib
 
 __all__ = ["add_variable_aggregation_patches"]

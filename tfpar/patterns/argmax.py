@@ -1,8 +1,7 @@
 """Sharding pattern for ``argmax`` over the split (class) dimension: each device
 finds its shard's best value and index; the best of those wins (ties go to the
 lower class, as in TensorFlow)."""
-from tensorflow.python.framework import ops
-from tensorflow.python.ops import array_ops, array_ops_stack, math_ops
+from tfpar.compat.tf import array_ops, array_ops_stack, math_ops, ops
 
 __all__ = ["sharded_argmax"]
 

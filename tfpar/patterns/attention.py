@@ -13,8 +13,7 @@ Costs are float32 bytes per batch row moved.
 """
 from typing import Callable, List, Optional, Sequence
 
-from tensorflow.python.framework import ops
-
+from tfpar.compat.tf import ops
 from tfpar.ir.sharding import ShardingUnit
 from tfpar.patterns.matcher import Gather
 

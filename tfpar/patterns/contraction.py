@@ -11,9 +11,7 @@ activation, an expert dimension).
 """
 from typing import Callable, List, Optional, Sequence
 
-from tensorflow.python.framework import ops
-from tensorflow.python.ops import array_ops, math_ops
-
+from tfpar.compat.tf import array_ops, math_ops, ops
 from tfpar.ir.sharding import ShardingUnit
 from tfpar.patterns.matcher import Gather
 from tfpar.patterns.moe import TOKENS, combine_token, index_sizes, reads_weight

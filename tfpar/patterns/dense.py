@@ -14,9 +14,7 @@ Costs are float32 bytes per batch row moved between devices.
 """
 import dataclasses
 
-from tensorflow.python.framework import dtypes, ops
-from tensorflow.python.ops import math_ops
-
+from tfpar.compat.tf import dtypes, math_ops, ops
 from tfpar.errors import ShardingError
 from tfpar.ir.sharding import ShardingUnit
 from tfpar.patterns.matcher import choose

@@ -24,10 +24,8 @@ import dataclasses
 import math
 from typing import Dict, Optional
 
-from tensorflow.python.framework import dtypes, ops, tensor_shape
-from tensorflow.python.ops import array_ops, math_ops, special_math_ops
-
 from tfpar.compat import keras as keras_internals
+from tfpar.compat.tf import array_ops, dtypes, math_ops, ops, special_math_ops, tensor_shape
 from tfpar.fallback import fall_back
 from tfpar.ir.sharding import ShardingUnit
 from tfpar.patterns.matcher import choose

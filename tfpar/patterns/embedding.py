@@ -2,8 +2,7 @@
 devices; each device looks up the ids in its row range (others masked to
 zero) and the partial results are summed. Moves one embedding row per id;
 the table is never gathered."""
-from tensorflow.python.framework import ops
-from tensorflow.python.ops import array_ops, math_ops
+from tfpar.compat.tf import array_ops, math_ops, ops
 
 __all__ = ["vocab_lookup"]
 

@@ -20,9 +20,7 @@ Costs: float32 bytes of the einsum's output crossing devices.
 import itertools
 from typing import Dict, List, Optional, Tuple
 
-from tensorflow.python.framework import dtypes, ops
-from tensorflow.python.ops import array_ops, array_ops_stack, math_ops, special_math_ops
-
+from tfpar.compat.tf import array_ops, array_ops_stack, dtypes, math_ops, ops, special_math_ops
 from tfpar.ir.sharding import ShardingUnit
 
 __all__ = ["DISPATCH_PATTERNS", "TOKENS", "combine_token", "dispatch_indices",

@@ -16,11 +16,7 @@ import dataclasses
 import weakref
 from typing import Dict, List, Optional, Sequence
 
-from tensorflow.python.framework import ops
-from tensorflow.python.framework import tensor as tensor_lib
-from tensorflow.python.ops import array_ops
-from tensorflow.python.ops import variables as variables_lib
-
+from tfpar.compat.tf import array_ops, ops, tensor_lib, variables_lib
 from tfpar.errors import ShardingError
 from tfpar.ir.sharding import ShardingInfo
 

@@ -4,11 +4,8 @@ each slice initialised to its part of what the full variable would get."""
 from typing import Sequence
 
 import numpy as np
-from tensorflow.python.framework import dtypes, ops, tensor_conversion_registry
-from tensorflow.python.framework import tensor as tensor_lib
-from tensorflow.python.ops import array_ops, init_ops, variable_scope
-from tensorflow.python.ops import variables as variables_lib
-
+from tfpar.compat.tf import (array_ops, dtypes, init_ops, ops, tensor_conversion_registry,
+                             tensor_lib, variable_scope, variables_lib)
 from tfpar.errors import ShardingError
 from tfpar.patterns.sharded import SplitContext
 from tfpar.patterns.weights import NO_REGULARIZER, check_constraint, regularization_loss

@@ -7,9 +7,7 @@
   Moves three floats per row.
 * ``gather``: gather the logits (the split bridge) and run TensorFlow's op.
 """
-from tensorflow.python.framework import dtypes, ops
-from tensorflow.python.ops import array_ops, array_ops_stack, math_ops
-
+from tfpar.compat.tf import array_ops, array_ops_stack, dtypes, math_ops, ops
 from tfpar.ir.sharding import ShardingUnit
 from tfpar.patterns.matcher import Gather
 

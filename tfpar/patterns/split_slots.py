@@ -15,8 +15,7 @@ import dataclasses
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
-from tensorflow.python.trackable import base as trackable
-
+from tfpar.compat.tf import trackable
 from tfpar.patterns.sharded import SplitContext
 from tfpar.patterns.split_weights import SplitWeight, split_weight_of
 

@@ -18,12 +18,8 @@ into a plain one and back.
 from typing import List, Sequence
 
 import numpy as np
-from tensorflow.python.framework import ops, tensor_conversion_registry
-from tensorflow.python.ops import array_ops
-from tensorflow.python.ops import variables as variables_lib
-from tensorflow.python.trackable import base as trackable
-from tensorflow.python.training.saving import saveable_object_util
-
+from tfpar.compat.tf import (array_ops, ops, saveable_object_util, tensor_conversion_registry,
+                             trackable, variables_lib)
 from tfpar.patterns.sharded import slice_offsets
 from tfpar.patterns.sharded_variable import check_shardable
 

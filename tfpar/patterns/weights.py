@@ -16,12 +16,8 @@ asked of it on one device:
 """
 from typing import Optional, Sequence, Tuple
 
-from keras.src import constraints, regularizers
-from tensorflow.python.framework import dtypes, func_graph, ops
-from tensorflow.python.framework import tensor as tensor_lib
-from tensorflow.python.ops import array_ops, math_ops
-from tensorflow.python.ops import variables as variables_lib
-
+from tfpar.compat.keras import constraints, regularizers
+from tfpar.compat.tf import array_ops, dtypes, func_graph, math_ops, ops, tensor_lib, variables_lib
 from tfpar.errors import ShardingError
 
 __all__ = ["NO_REGULARIZER", "check_constraint", "describe", "keeps_whole", "regularization_loss",

@@ -17,10 +17,7 @@ Two reducers with one interface (``sum``, ``gather``):
 import dataclasses
 from typing import List, Sequence
 
-from tensorflow.python.framework import device as device_lib
-from tensorflow.python.framework import ops
-from tensorflow.python.framework import tensor as tensor_lib
-from tensorflow.python.ops import array_ops, collective_ops, math_ops
+from tfpar.compat.tf import array_ops, collective_ops, device_lib, math_ops, ops, tensor_lib
 
 __all__ = ["CollectiveKeys", "CollectiveReducer", "LocalReducer", "bucketize",
            "communication_hint", "make_reducer"]

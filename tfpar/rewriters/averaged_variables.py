@@ -27,12 +27,9 @@ too far on R versions, and racing where the update assigns.
 """
 from typing import Dict, List, Optional
 
-from tensorflow.python.framework import ops
-from tensorflow.python.framework import tensor as tensor_lib
-from tensorflow.python.ops import control_flow_ops, gen_resource_variable_ops, math_ops
-from tensorflow.python.ops import handle_data_util
-
 from tfpar import fallback
+from tfpar.compat.tf import (control_flow_ops, gen_resource_variable_ops, handle_data_util,
+                             math_ops, ops, tensor_lib)
 from tfpar.rewriters import graph_edit
 from tfpar.rewriters.replica_sync import assign_value, read_value
 from tfpar.analysis.op_kinds import VARIABLE_TYPES

@@ -1,10 +1,8 @@
 """The batch inputs a data-parallel rewrite cuts into replicas and
 micro-batches: whether they can be cut, and with ``io.shard_dataset`` in a
 cluster, what each worker's own iterator reads instead."""
-from tensorflow.python.framework import dtypes, ops
-from tensorflow.python.util import nest
-
 from tfpar.compat import tf as internals
+from tfpar.compat.tf import dtypes, nest, ops
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture
 from tfpar.rewriters.select import Selection

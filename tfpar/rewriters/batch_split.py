@@ -15,9 +15,8 @@ whose indices count rows from the slice's start, as the dense slices do.
 import dataclasses
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from tensorflow.python.framework import dtypes, ops
-from tensorflow.python.framework import tensor as tensor_lib
-from tensorflow.python.ops import array_ops, array_ops_stack, check_ops, gen_sparse_ops, math_ops
+from tfpar.compat.tf import (array_ops, array_ops_stack, check_ops, dtypes, gen_sparse_ops,
+                             math_ops, ops, tensor_lib)
 
 __all__ = ["BatchSplit", "concat_rows", "split_batch", "split_sources"]
 

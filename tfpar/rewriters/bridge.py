@@ -11,10 +11,7 @@ gathered only to be cut again. Stages of equal width read version to version.
 """
 from typing import Callable, Dict, List, Optional
 
-from tensorflow.python.framework import ops
-from tensorflow.python.framework import tensor as tensor_lib
-from tensorflow.python.ops import array_ops, array_ops_stack, math_ops
-
+from tfpar.compat.tf import array_ops, array_ops_stack, math_ops, ops, tensor_lib
 from tfpar.errors import PlanError
 from tfpar.rewriters.batch_split import BatchSplit, concat_rows
 from tfpar.rewriters.layout import Layout

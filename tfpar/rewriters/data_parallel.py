@@ -35,13 +35,12 @@ a pipeline replica (``layout.Layout``, ``stages.Placement``):
 import functools
 from typing import List, NamedTuple, Optional
 
-from tensorflow.python.framework import ops
-
 from tfpar import fallback
 from tfpar.analysis.batch_axes import BatchAxes
 from tfpar.analysis.graph_index import GraphIndex
 from tfpar.analysis.op_kinds import gradient_tensors
 from tfpar.analysis.stages import Placement, host_device
+from tfpar.compat.tf import ops
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture
 from tfpar.rewriters import graph_edit

@@ -3,10 +3,7 @@ import collections
 import contextlib
 from typing import Any, Dict, Optional
 
-from tensorflow.python.framework import ops
-from tensorflow.python.framework import tensor as tensor_lib
-from tensorflow.python.ops import control_flow_ops
-
+from tfpar.compat.tf import control_flow_ops, ops, tensor_lib
 from tfpar.hooks.capture import recording_paused
 from tfpar.rewriters import graph_edit
 from tfpar.rewriters.rewrite_record import DataParallelRewrite

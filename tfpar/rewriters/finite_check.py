@@ -14,12 +14,9 @@ may already have run in that step.
 """
 from typing import Dict
 
-from tensorflow.python.framework import constant_op, device as device_lib, dtypes, ops
-from tensorflow.python.framework import tensor as tensor_lib
-from tensorflow.python.ops import (array_ops, gen_math_ops, math_ops,
-                                   resource_variable_ops)
-
 from tfpar.compat import tf as internals
+from tfpar.compat.tf import (array_ops, constant_op, device_lib, dtypes, gen_math_ops, math_ops,
+                             ops, resource_variable_ops, tensor_lib)
 from tfpar.hooks.loss_scaling import read_or
 from tfpar.rewriters import graph_edit
 from tfpar.analysis.op_kinds import gradient_tensors

@@ -11,8 +11,7 @@ and micro-batches, a step op to run becomes every version of it.
 """
 from typing import Dict
 
-from tensorflow.python.framework import ops
-from tensorflow.python.util import nest
+from tfpar.compat.tf import nest, ops
 
 __all__ = ["rewire_outputs"]
 

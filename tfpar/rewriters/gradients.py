@@ -6,12 +6,9 @@ variable by the reducer of ``allreduce`` (or Horovod's)."""
 import collections
 from typing import List, Set
 
-from tensorflow.python.framework import indexed_slices, ops
-from tensorflow.python.framework import tensor as tensor_lib
-from tensorflow.python.ops import array_ops, check_ops, math_ops
-
 from tfpar import fallback
 from tfpar.analysis.batch_reductions import loss_scaling
+from tfpar.compat.tf import array_ops, check_ops, indexed_slices, math_ops, ops, tensor_lib
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture
 from tfpar.rewriters import graph_edit

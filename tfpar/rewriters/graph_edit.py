@@ -6,11 +6,8 @@ can assert on it. A graph must not be mutated after a session ran it.
 """
 from typing import Callable, Dict, Iterable, List, Mapping, Sequence, Union
 
-from tensorflow.core.framework import attr_value_pb2, graph_pb2
-from tensorflow.python.framework import importer, ops
-from tensorflow.python.framework import tensor as tensor_lib
-
 from tfpar.compat import tf as internals
+from tfpar.compat.tf import attr_value_pb2, graph_pb2, importer, ops, tensor_lib
 
 __all__ = ["add_control_input", "clear_colocation", "clone_ops", "remove_control_input",
            "reroute", "set_device", "unfinalized", "update_input"]

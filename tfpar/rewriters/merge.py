@@ -13,12 +13,9 @@
 """
 from typing import List
 
-from tensorflow.python.framework import ops
-from tensorflow.python.framework import tensor as tensor_lib
-from tensorflow.python.ops import math_ops
-
 from tfpar import fallback
 from tfpar.analysis.batch_reductions import reduction_region
+from tfpar.compat.tf import math_ops, ops, tensor_lib
 from tfpar.errors import PlanError
 from tfpar.rewriters import graph_edit
 from tfpar.rewriters.batch_split import concat_rows

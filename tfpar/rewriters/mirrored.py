@@ -5,8 +5,7 @@ originals)."""
 import functools
 from typing import Dict
 
-from tensorflow.python.framework import ops
-
+from tfpar.compat.tf import ops
 from tfpar.rewriters import graph_edit
 from tfpar.rewriters.rewrite_record import DataParallelRewrite
 

@@ -14,9 +14,7 @@ earlier one). With one micro-batch there is nothing to order.
 """
 from typing import Dict, List, Sequence, Set, Tuple
 
-from tensorflow.python.framework import ops
-from tensorflow.python.ops import control_flow_ops
-
+from tfpar.compat.tf import control_flow_ops, ops
 from tfpar.hooks.capture import GraphCapture
 from tfpar.rewriters import graph_edit
 from tfpar.analysis.graph_index import GraphIndex

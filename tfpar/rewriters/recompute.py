@@ -18,9 +18,8 @@ outputs included: the forward reads the originals, the backward copies.
 import re
 from typing import AbstractSet, Dict, List, Sequence, Set
 
-from tensorflow.python.framework import ops
-
 from tfpar import fallback
+from tfpar.compat.tf import ops
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture
 from tfpar.ir.taskgraph import Phase

@@ -11,8 +11,7 @@ forward marks' collectives come before the backward ones' on every device.
 """
 from typing import List
 
-from tensorflow.python.framework import ops
-
+from tfpar.compat.tf import ops
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture
 from tfpar.rewriters import graph_edit

@@ -2,11 +2,8 @@
 variable (initializer, ``Saver.restore``, ``assign``), its value is copied to
 the other stage devices' mirrored copies and, in a Horovod job, broadcast from
 rank 0 (see ``data_parallel``)."""
-from tensorflow.python.framework import dtypes, ops
-from tensorflow.python.framework import tensor as tensor_lib
-from tensorflow.python.ops import array_ops, control_flow_ops, state_ops
-from tensorflow.python.ops import gen_resource_variable_ops, handle_data_util
-
+from tfpar.compat.tf import (array_ops, control_flow_ops, dtypes, gen_resource_variable_ops,
+                             handle_data_util, ops, state_ops, tensor_lib)
 from tfpar.rewriters import graph_edit
 from tfpar.analysis.graph_index import GraphIndex
 from tfpar.analysis.variables import variable_writers

@@ -5,10 +5,8 @@ fetch translation and by tests."""
 import dataclasses
 from typing import Any, Dict, List, Optional, Set
 
-from tensorflow.python.framework import ops
-from tensorflow.python.framework import tensor as tensor_lib
-
 from tfpar.analysis.stages import Placement
+from tfpar.compat.tf import ops, tensor_lib
 from tfpar.errors import PlanError
 from tfpar.rewriters.bridge import Bridges
 from tfpar.rewriters.layout import Layout

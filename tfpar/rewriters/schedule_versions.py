@@ -13,9 +13,7 @@ copied on demand for fetches it has not seen.
 """
 from typing import Any, Dict, List, Sequence, Set
 
-from tensorflow.python.framework import ops
-from tensorflow.python.framework import tensor as tensor_lib
-
+from tfpar.compat.tf import ops, tensor_lib
 from tfpar.rewriters import graph_edit
 from tfpar.rewriters.pipeline import order_tasks
 

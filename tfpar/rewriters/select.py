@@ -7,8 +7,6 @@ import dataclasses
 import functools
 from typing import Dict, List, NamedTuple, Set, Tuple
 
-from tensorflow.python.framework import ops
-
 from tfpar.analysis.graph_index import GraphIndex, ancestors
 from tfpar.analysis.op_kinds import (AUX_TYPES, INPUT_TYPES, READ_ONLY_RESOURCE_TYPES,
                                      REF_READ_TYPES, SPARSE_READER_TYPES, TABLE_TYPES,
@@ -16,6 +14,7 @@ from tfpar.analysis.op_kinds import (AUX_TYPES, INPUT_TYPES, READ_ONLY_RESOURCE_
 from tfpar.analysis.variables import (Averaged, all_variables, averaged_variables,
                                       declared_aggregations, variable_writers, writers_of,
                                       written_variables)
+from tfpar.compat.tf import ops
 from tfpar.hooks.capture import GraphCapture
 from tfpar.ir.taskgraph import Phase
 

@@ -16,11 +16,8 @@ alone.
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import networkx as nx
-from tensorflow.python.framework import dtypes, ops
-from tensorflow.python.framework import tensor as tensor_lib
-from tensorflow.python.ops import gen_resource_variable_ops, gen_state_ops
-
 from tfpar.analysis.op_kinds import is_resource_variable
+from tfpar.compat.tf import dtypes, gen_resource_variable_ops, gen_state_ops, ops, tensor_lib
 from tfpar.rewriters.averaged_variables import local_copy
 from tfpar.rewriters.gradients import scale_seed
 from tfpar.rewriters.task_functions import call_task, define_task, is_constant

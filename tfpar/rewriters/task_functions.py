@@ -18,13 +18,9 @@ import dataclasses
 import functools
 from typing import Callable, Dict, List, Optional, Sequence, Set
 
-from tensorflow.core.framework import attr_value_pb2, function_pb2
-from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
-from tensorflow.python.eager import context
-from tensorflow.python.framework import dtypes, ops
-from tensorflow.python.framework import tensor as tensor_lib
-
 from tfpar.compat import tf as internals
+from tfpar.compat.tf import (attr_value_pb2, config_pb2, context, dtypes, function_pb2, ops,
+                             rewriter_config_pb2, tensor_lib)
 
 __all__ = ["TaskFunction", "call_task", "define_task", "is_constant"]
 

@@ -23,11 +23,9 @@ slots and update exist once, and nothing has to be kept equal.
 import dataclasses
 from typing import Callable, Dict, Tuple
 
-from tensorflow.python.framework import ops
-from tensorflow.python.framework import tensor as tensor_lib
-
 from tfpar.analysis.op_kinds import gradient_tensors
 from tfpar.analysis.stages import stage_terms
+from tfpar.compat.tf import ops, tensor_lib
 from tfpar.rewriters.select import Selection
 
 __all__ = ["reduce_per_stage"]

@@ -24,8 +24,7 @@ import collections
 import dataclasses
 from typing import Dict, List, Set
 
-from tensorflow.python.framework import ops
-
+from tfpar.compat.tf import ops
 from tfpar.errors import PlanError
 from tfpar.rewriters import graph_edit
 from tfpar.rewriters.replica_sync import assign_value, read_value

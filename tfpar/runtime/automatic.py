@@ -5,10 +5,9 @@ with a sharded plan pinned makes."""
 import dataclasses
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from tensorflow.python.framework import ops
-
 from tfpar import fallback
 from tfpar.cluster.hardware import HOST_CPU, Hardware, default_node, device_hardware, slowest
+from tfpar.compat.tf import ops
 from tfpar.errors import ConfigError, PlanError
 from tfpar.hooks.capture import GraphCapture, layer_of
 from tfpar.ir.outcome import Outcome

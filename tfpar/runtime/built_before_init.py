@@ -3,9 +3,8 @@ them being built, and runs them unchanged, saying so once per graph."""
 import weakref
 from typing import Optional
 
-from tensorflow.python.framework import ops
-
 from tfpar import fallback
+from tfpar.compat.tf import ops
 from tfpar.hooks.capture import existing_capture
 
 __all__ = ["built_before_init_message", "unseen_training", "warn_unseen_training"]

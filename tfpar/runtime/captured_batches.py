@@ -17,10 +17,9 @@ one device, and says why.
 """
 from typing import Any, List, Tuple
 
-from tensorflow.python.framework import dtypes, ops
-
 from tfpar.analysis.batch_axes import BatchAxes
 from tfpar.analysis.batch_reductions import loss_scaling
+from tfpar.compat.tf import dtypes, ops
 from tfpar.hooks.capture import GraphCapture
 from tfpar.analysis.graph_index import GraphIndex, ancestors
 from tfpar.analysis.op_kinds import is_input

@@ -24,14 +24,9 @@ import threading
 import time
 from typing import Dict, List, Mapping, Optional
 
-from tensorflow.core.protobuf import config_pb2
-from tensorflow.python.client import session as tf_session
-from tensorflow.python.framework import dtypes, ops
-from tensorflow.python.framework import errors as tf_errors
-from tensorflow.python.ops import data_flow_ops
-from tensorflow.python.training import server_lib
-
 from tfpar.cluster.devices import device_names
+from tfpar.compat.tf import (config_pb2, data_flow_ops, dtypes, ops, server_lib, tf_errors,
+                             tf_session)
 from tfpar.errors import ClusterError, ConfigError
 
 log = logging.getLogger("tfpar")

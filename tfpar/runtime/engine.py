@@ -5,9 +5,8 @@ import dataclasses
 import logging
 from typing import Any, Callable, Optional
 
-from tensorflow.python.framework import ops
-
 from tfpar import fallback
+from tfpar.compat.tf import ops
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture, capture_for, existing_capture, recording_paused
 from tfpar.ir.plan import Plan

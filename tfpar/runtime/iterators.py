@@ -1,9 +1,8 @@
 """The iterators scripts make under tfpar: batch dimension relaxed, and with
 ``io.shard_dataset`` one shard per Horovod process or TF_CONFIG worker."""
-from tensorflow.python.framework import ops
-
 from tfpar import fallback
 from tfpar.compat import tf as internals
+from tfpar.compat.tf import ops
 from tfpar.hooks.batch_shapes import relaxed_dataset
 from tfpar.hooks.capture import capture_for
 from tfpar.runtime.context import Runtime, active

@@ -4,10 +4,8 @@ import dataclasses
 import logging
 from typing import Optional
 
-from tensorflow.core.protobuf import config_pb2
-from tensorflow.python.framework import ops
-
 from tfpar import fallback
+from tfpar.compat.tf import config_pb2, ops
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import existing_capture
 from tfpar.ir.schedule import build_schedule

@@ -3,9 +3,8 @@ planner chose, with Ada-Grouper's k and the batch shares of mixed devices."""
 import dataclasses
 from typing import Optional
 
-from tensorflow.python.framework import ops
-
 from tfpar import fallback
+from tfpar.compat.tf import ops
 from tfpar.hooks.capture import GraphCapture
 from tfpar.ir.plan import Plan
 from tfpar.ir.taskgraph import Strategy, TaskGraphSpec

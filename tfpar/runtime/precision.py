@@ -22,8 +22,7 @@ import functools
 from typing import Any, Dict, Optional
 
 import numpy as np
-from tensorflow.python.eager import context
-
+from tfpar.compat.tf import context
 from tfpar.errors import PlanError
 from tfpar.ir.plan import pinned_plan
 
@@ -103,10 +102,10 @@ def onednn_computes_bf16() -> bool:
     graph of its own and look for the cast it inserts (TensorFlow decides by
     the CPU's features and its oneDNN build, and says nothing if it declines)."""
     # pylint: disable=import-outside-toplevel
-    from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
-    from tensorflow.python.client import session
-    from tensorflow.python.framework import dtypes, ops
-    from tensorflow.python.ops import array_ops, math_ops, nn_ops
+    from tfpar.compat.tf import config_pb2, rewriter_config_pb2
+    from tfpar.compat.tf import tf_session as session
+    from tfpar.compat.tf import dtypes, ops
+    from tfpar.compat.tf import array_ops, math_ops, nn_ops
 
     graph = ops.Graph()
     with graph.as_default():

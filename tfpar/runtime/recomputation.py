@@ -2,8 +2,7 @@
 or what the planner chose (Korthikanti et al., ``planner.memory``)."""
 from typing import Dict, List
 
-from tensorflow.python.framework import ops
-
+from tfpar.compat.tf import ops
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture, recording_paused
 from tfpar.planner.memory import recomputation

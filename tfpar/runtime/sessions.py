@@ -2,10 +2,7 @@
 cluster's target, a deadline, a traced step, and the workers a failed step lost."""
 from typing import Optional
 
-from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
-from tensorflow.python.eager import context
-from tensorflow.python.framework import ops
-
+from tfpar.compat.tf import config_pb2, context, ops, rewriter_config_pb2
 from tfpar.errors import ClusterError
 from tfpar.hooks.capture import existing_capture
 from tfpar.analysis.op_kinds import is_resource_variable, is_variable

@@ -4,10 +4,8 @@ import collections
 import re
 from typing import Dict, Optional, Set
 
-from tensorflow.core.protobuf import config_pb2
-from tensorflow.python.framework import ops
-
 from tfpar.cluster.devices import short_name
+from tfpar.compat.tf import config_pb2, ops
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import existing_capture
 from tfpar.ir.schedule import Task

@@ -4,10 +4,8 @@ train on one device, saying why."""
 import logging
 from typing import Any, Callable, Optional
 
-from tensorflow.python.eager import context
-from tensorflow.python.framework import ops
-
 from tfpar import fallback
+from tfpar.compat.tf import context, ops
 from tfpar.hooks.capture import GraphCapture, existing_capture
 from tfpar.rewriters.function_outputs import rewire_outputs
 from tfpar.analysis.op_kinds import is_input
