@@ -42,7 +42,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import tensorflow as tf  # noqa: E402
 
 import tfpar as wh  # noqa: E402
-from tfpar.hooks.capture import existing_capture  # noqa: E402
+from tfpar.runtime.graph_state import existing_state  # noqa: E402
 from tfpar.planner.grouper import tune_group_size  # noqa: E402
 from tfpar.ir.schedule import build_schedule  # noqa: E402
 from tfpar.ir.simulate import simulate  # noqa: E402
@@ -138,10 +138,10 @@ def _run(args, config, data, move):
     times["new_fetches_s"] = time.perf_counter() - begin
     if move:
         begin = time.perf_counter()
-        existing_capture(graph).rewrite.use_group_size(2, build_schedule("kfkb", 4, 8, 2))
+        existing_state(graph).rewrite.use_group_size(2, build_schedule("kfkb", 4, 8, 2))
         times["build_s"] = time.perf_counter() - begin
         times["first_k2_s"], times["step_k2_s"] = step(), steady()
-        existing_capture(graph).rewrite.use_group_size(1, build_schedule("kfkb", 4, 8, 1))
+        existing_state(graph).rewrite.use_group_size(1, build_schedule("kfkb", 4, 8, 1))
         times["first_back_s"] = step()
     else:
         for _ in range(args.steps + 2):

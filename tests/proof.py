@@ -22,7 +22,7 @@ from typing import Dict, List, Set
 from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.client import session as tf_session
 
-from tfpar.hooks.capture import existing_capture
+from tfpar.runtime.graph_state import existing_state
 from tfpar.runtime.step_trace import executed_ops
 
 __all__ = ["TRACER", "StepTracer", "assert_parallel", "assert_plan_ran", "executed_nodes",
@@ -81,10 +81,10 @@ class StepTracer:
     def record(self, graph, metadata):
         self.devices.setdefault(graph, set()).update(
             _canonical(d.device) for d in metadata.step_stats.dev_stats if d.node_stats)
-        capture = existing_capture(graph)
-        if capture is None or capture.rewrite is None:
+        state = existing_state(graph)
+        if state is None or state.rewrite is None:
             return
-        entry = self.graphs.setdefault(graph, RewrittenGraph(capture.plan, capture.rewrite.rewrite))
+        entry = self.graphs.setdefault(graph, RewrittenGraph(state.plan, state.rewrite.rewrite))
         entry.run_metadata.append(metadata)
 
     def reset(self):

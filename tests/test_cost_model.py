@@ -51,6 +51,7 @@ import tfpar as wh
 from tfpar.cluster.hardware import CATALOG, DTYPES, HOST_CPU, Hardware, device_hardware, slowest
 from tfpar.config import Config
 from tfpar.hooks.capture import existing_capture
+from tfpar.runtime.graph_state import existing_state
 from tfpar.planner.auto import search
 from tfpar.planner.model_view import ModelView, timed
 from tfpar.planner.stage_costs import stage_costs
@@ -141,7 +142,7 @@ def planned_stages(build, config, shape=(None, 6)):
         wh.init(config)
         build(v1.placeholder(tf.float32, list(shape)), v1.placeholder(tf.int64, [None]))
         plan = wh.current_plan()
-        tags = existing_capture(graph).automatic[1].tags
+        tags = existing_state(graph).automatic[1].tags
     wh.reset()
     return plan, tags
 
@@ -616,7 +617,7 @@ def measured_step(build, config, batch, features, classes=10):
             metadata = v1.RunMetadata()
             sess.run(train_op, dict(zip((x, y), values)), run_metadata=metadata,
                      options=v1.RunOptions(trace_level=v1.RunOptions.FULL_TRACE))
-        plan = existing_capture(graph).plan
+        plan = existing_state(graph).plan
         handles = {op.name: tensor_shape.TensorShape(op.get_attr("shape")).num_elements()
                    * tf.as_dtype(op.get_attr("dtype")).size
                    for op in graph.get_operations() if op.type == "VarHandleOp"}

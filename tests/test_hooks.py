@@ -9,6 +9,7 @@ from equivalence import dense
 
 import tfpar as wh
 from tfpar.hooks.capture import existing_capture
+from tfpar.runtime.graph_state import existing_state
 from tfpar.ir.taskgraph import Phase
 
 
@@ -100,6 +101,6 @@ def test_init_in_another_graph_keeps_earlier_rewrites():
     with tf.Graph().as_default():
         wh.init({"cluster.num_devices": 2})
     feed = {x: np.ones((4, 6), np.float32), y: np.zeros(4, np.int64)}
-    assert existing_capture(graph) is not None and existing_capture(graph).rewrite is not None
+    assert existing_capture(graph) is not None and existing_state(graph).rewrite is not None
     sess.run([loss, train_op], feed)
     sess.close()

@@ -11,7 +11,7 @@ from equivalence import (assert_equivalent, deep_mlp, dense, fed_graph, initiali
                          plan_of, traced_first_step, train)
 
 import tfpar as wh
-from tfpar.hooks.capture import existing_capture
+from tfpar.runtime.graph_state import existing_state
 from tfpar.ir.schedule import build_schedule
 
 DATA = make_data(steps=3, batch=8)
@@ -300,7 +300,7 @@ def test_bridge_fuses_gather_and_partition(widths, reads):
         mlp_stages(2, True, widths=widths)(x, y)
         with v1.Session() as sess:
             sess.run(v1.global_variables_initializer())
-        rw = existing_capture(graph).rewrite.rewrite
+        rw = existing_state(graph).rewrite.rewrite
         matmul = graph.get_operation_by_name("stage1/MatMul")
         hidden = rw.built_inputs(matmul)[0]  # what each version of stage 1 reads for it:
         read = [rw.bridges.tensor(hidden, 1, v).op for v in range(len(rw.versions(matmul)))]

@@ -14,7 +14,8 @@ from proof import TRACER
 from test_pipeline import DATA, assert_follows, mlp_stages
 
 import tfpar as wh
-from tfpar.hooks.capture import existing_capture, recording_paused
+from tfpar.hooks.capture import recording_paused
+from tfpar.runtime.graph_state import existing_state
 from tfpar.planner.grouper import group_lengths, preferred_group_size, profile_pipeline
 from tfpar.ir.schedule import build_schedule
 from tfpar.ir.simulate import simulate
@@ -92,7 +93,7 @@ class SlowLink:
 
         def rewrite_with_slow_links(graph, capture, rt):
             rewrite(graph, capture, rt)
-            rw = capture.rewrite.rewrite
+            rw = existing_state(graph).rewrite.rewrite
             stage = {op: key[1] for key, members in rw.task_ops.items() for op in members}
             with graph_edit.unfinalized(graph), graph.as_default(), recording_paused():
                 for consumer, s in stage.items():
@@ -142,8 +143,8 @@ def test_a_slow_link_moves_k_up_and_back_building_each_pipeline_once(monkeypatch
                     timeline = wh.step_timeline(metadata, graph=graph)
                     devices = wh.step_devices(metadata, graph=graph)
             values = {v.op.name: value for v, value in zip(variables, sess.run(variables))}
-        capture = existing_capture(graph)
-        history = capture.retuner.history
+        state = existing_state(graph)
+        history = state.retuner.history
         plan = wh.current_plan()
     wh.reset()
     assert link.links >= 2 * (STAGES - 1) * MICRO
@@ -165,7 +166,7 @@ def test_a_slow_link_moves_k_up_and_back_building_each_pipeline_once(monkeypatch
             building |= {r.step - 1, r.step}
         known.add(r.after)
     assert {i for i in range(1, len(sizes)) if sizes[i] != sizes[i - 1]} <= building
-    assert set(capture.rewrite.versions) == known and len(known) >= 2
+    assert set(state.rewrite.versions) == known and len(known) >= 2
     assert_follows(timeline, build_schedule("kfkb", STAGES, MICRO, slow))
     assert {d for per in devices.values() for d in per} >= {f"CPU:{i}" for i in range(STAGES)}
     assert plan.group_size == history[-1].after
@@ -264,7 +265,7 @@ def test_another_k_computes_the_same_numbers_and_follows_its_schedule(functions)
             v1.RunMetadata(), []
         with v1.Session() as sess:
             sess.run(v1.global_variables_initializer())
-            translator = existing_capture(graph).rewrite
+            translator = existing_state(graph).rewrite
             for step, k in enumerate([1, 4, 1]):
                 built = translator.use_group_size(k, build_schedule("kfkb", 2, 4, k))
                 assert built == (step == 1)

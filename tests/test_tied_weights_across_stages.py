@@ -14,7 +14,7 @@ from proof import TRACER
 from tied_gpt import FOUR, gpt, token_data
 
 import tfpar as wh
-from tfpar.hooks.capture import existing_capture
+from tfpar.runtime.graph_state import existing_state
 from tfpar.analysis.op_kinds import gradient_tensors
 
 v1 = tf.compat.v1
@@ -83,7 +83,7 @@ def test_tied_embeddings_with_data_parallelism_around_the_pipeline(reference):
             sess.run(v1.global_variables_initializer())
             losses = [sess.run([loss, train_op], {ids: batch})[0] for batch in DATA[0]]
             values = variable_values(sess, v1.global_variables())
-            rw = existing_capture(graph).rewrite.rewrite
+            rw = existing_state(graph).rewrite.rewrite
             copies = rw.replica_versions(graph.get_operation_by_name("wte"))
             reads = [v1.raw_ops.ReadVariableOp(resource=c.outputs[0], dtype=tf.float32)
                      for c in copies]

@@ -30,7 +30,7 @@ def init(config: Any = None) -> Config:
     """
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     from tfpar.hooks import capture, tf_patches  # pylint: disable=import-outside-toplevel
-    from tfpar.runtime import context, engine, planning_pass  # pylint: disable=import-outside-toplevel
+    from tfpar.runtime import context, engine, graph_state, planning_pass  # pylint: disable=import-outside-toplevel
     from tfpar.runtime import precision  # pylint: disable=import-outside-toplevel
 
     caller = sys._getframe(1).f_globals  # pylint: disable=protected-access
@@ -64,18 +64,20 @@ def init(config: Any = None) -> Config:
     context.activate(runtime)
     # Other graphs (and sessions still running them) keep their rewrites.
     capture.reset_captures(tf.compat.v1.get_default_graph())
+    graph_state.reset_states(tf.compat.v1.get_default_graph())
     return cfg
 
 
 def reset() -> None:
     """Remove every tfpar hook and forget all state (for tests and notebooks)."""
     from tfpar.hooks import capture, tf_patches  # pylint: disable=import-outside-toplevel
-    from tfpar.runtime import context, precision  # pylint: disable=import-outside-toplevel
+    from tfpar.runtime import context, graph_state, precision  # pylint: disable=import-outside-toplevel
 
     tf_patches.uninstall()
     context.deactivate()
     precision.restore_functions()
     capture.reset_captures()
+    graph_state.reset_states()
     fallback.reset()
 
 
@@ -299,6 +301,7 @@ def current_plan() -> Plan:
     """
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     from tfpar.hooks.capture import capture_for  # pylint: disable=import-outside-toplevel
+    from tfpar.runtime.graph_state import state_of  # pylint: disable=import-outside-toplevel
     from tfpar.runtime.planning import plan_for  # pylint: disable=import-outside-toplevel
 
     from tfpar.runtime.built_before_init import built_before_init_message, unseen_training  # pylint: disable=import-outside-toplevel
@@ -314,6 +317,6 @@ def current_plan() -> Plan:
     unseen = unseen_training(graph)
     if unseen is not None:
         raise PlanError(built_before_init_message(unseen))
-    capture = capture_for(graph)
-    plan = capture.sharded_plan or getattr(capture, "plan", None) or plan_for(graph, capture, rt)
+    state = state_of(graph)
+    plan = state.sharded_plan or state.plan or plan_for(graph, capture_for(graph), rt)
     return dataclasses.replace(plan, notes=fallback.notes(graph))  # said since, too

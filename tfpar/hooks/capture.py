@@ -42,8 +42,9 @@ def _new(factory):
 
 @dataclasses.dataclass(eq=False, repr=False)
 class GraphCapture:
-    """What tfpar learnt about one graph while the user built it, and what
-    the runtime decided for it (fields grouped by concern).
+    """What tfpar learnt about one graph while the user built it (fields
+    grouped by concern; what the runtime decides for it is its
+    ``runtime.graph_state``).
 
     Attributes:
       task_graphs: scopes opened in this graph, in order.
@@ -51,7 +52,6 @@ class GraphCapture:
       op_phase: op name -> Phase for ops created in backward/apply phases
         (forward ops are absent).
       gradient_calls / apply_calls: the training API calls seen.
-      rewrite: the rewrite applied to the graph (set once, by the runtime).
     """
 
     # -- what the hooks record as the model is built -----------------------------
@@ -105,23 +105,6 @@ class GraphCapture:
     # or iterator feeds it one: ``runtime.captured_batches``), chosen in
     # its first trace; its relaxed trace captures them with dimension 0 unknown.
     batch_captured: List[Any] = _new(list)
-
-    # -- what the runtime decides --------------------------------------------
-    rewrite: Any = None
-    # How many of ``gradient_calls`` the rewrite parallelised (those
-    # built later, a second model's, run as built).
-    rewritten_calls: int = 0
-    # Ada-Grouper's online tuner of k (``runtime.retune``), if it applies.
-    retuner: Any = None
-    # The search's sharded plan of a graph built unsharded (it runs the best
-    # unsharded plan): what current_plan() shows, to be pinned.
-    sharded_plan: Any = None
-    # Whether task function calls optimize their bodies when instantiated,
-    # tfpar's sessions of the graph then running grappler off
-    # (``runtime.sessions``; None until a session or the rewrite decides).
-    calls_optimized: Optional[bool] = None
-    # (training calls seen, automatic plan) cached by the runtime's planner.
-    automatic: Any = None
 
     # -- open scopes and phases (this class's own bookkeeping) -------------------
     _scopes: List[int] = _new(list)

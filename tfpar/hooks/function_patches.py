@@ -51,7 +51,7 @@ def _wrap_create_concrete_function(original):
         finally:
             retracing.graph = None
         # Not rewritten (the step runs on one device): the first trace, as without tfpar.
-        return again if capture.rewrite is not None else concrete
+        return again if seams.runtime.rewritten(relaxed) else concrete
     return _create_concrete_function
 
 

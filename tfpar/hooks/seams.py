@@ -14,6 +14,7 @@ It provides:
   run_failed: called with the TensorFlow error a run raised (may raise a
     clearer one).
   rewrites_next: graph -> whether its next run rewrites it.
+  rewritten: graph -> whether tfpar has rewritten it.
   ran_before_rewrite: (graph, number of variables carried) -> whether a
     session that ran the graph before its rewrite must be reopened
     (called after the rewrite; may raise).

@@ -87,7 +87,7 @@ class BuiltEdges(NamedTuple):
 
 def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placement: Placement,
               num_micro_batch: int, reducer_for, schedule,
-              processes=None, functions: bool = True, shares=(),
+              processes=None, functions: bool = True, calls_optimized: bool = False, shares=(),
               offload: bool = False, zero: int = 0,
               precision: Optional[str] = None) -> DataParallelRewrite:
     """Rewrite ``graph`` (see module docstring).
@@ -101,6 +101,7 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
         device (``ir.schedule.build_schedule``).
       processes: the Horovod job (``horovod_backend.HorovodProcesses``) or None.
       functions: make versions function calls where tasks can be functions.
+      calls_optimized: those calls optimize their bodies (``runtime.sessions``).
       shares: per pipeline replica, its integer weight in the batch's rows
         (``Plan.batch_shares``; empty: even; one process only).
       offload: ``memory.offload_optimizer`` (``offload_optimizer``).
@@ -128,7 +129,8 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
         order = _task_order_or_say(graph, rw, tasks, marks) if functions else None
         seeds = scale_seeds(rw, capture, index)
         if order is not None:
-            _versions_as_calls(graph, rw, capture, tasks, order, seeds)
+            _versions_as_calls(graph, rw, capture, tasks, order, seeds,
+                               calls_optimized and not graph.building_function)
             lower_schedule(rw, capture, index, schedule)
             _updates_read_version_0(rw, edges.raw)
         else:
@@ -228,7 +230,7 @@ def _split_batch(capture: GraphCapture, rw: DataParallelRewrite, shares) -> None
 
 
 def _versions_as_calls(graph: ops.Graph, rw: DataParallelRewrite, capture: GraphCapture,
-                       tasks, order: list, seeds) -> None:
+                       tasks, order: list, seeds, optimized: bool) -> None:
     """Every version of every task is a call of its function
     (``task_functions``)."""
     rw.functions = True
@@ -237,7 +239,7 @@ def _versions_as_calls(graph: ops.Graph, rw: DataParallelRewrite, capture: Graph
     call_tasks(graph, rw, tasks, order, seeds,
                {t for call in capture.gradient_calls for g in call.grads
                 if g is not None for t in gradient_tensors(g)},
-               capture.calls_optimized and not graph.building_function)
+               optimized)
 
 
 def _updates_read_version_0(rw: DataParallelRewrite, raw: set) -> None:

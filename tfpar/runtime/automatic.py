@@ -26,6 +26,7 @@ from tfpar.analysis.model_view import model_view
 from tfpar.analysis.graph_index import GraphIndex
 from tfpar.runtime.context import Runtime
 from tfpar.runtime.gc_paused import gc_paused
+from tfpar.runtime.graph_state import state_of
 from tfpar.runtime.precision import applied
 from tfpar.runtime.progress import progress
 from tfpar.runtime.stated import estimate_of, say_how_it_was_found, say_stage_cut
@@ -87,12 +88,12 @@ def automatic_plan(index: GraphIndex, capture: GraphCapture, rt: Runtime) -> Opt
         raise PlanError("tfpar: auto.auto_parallel plans the whole model; remove the "
                         "wh.replicate / wh.split scopes and set_default_strategy, or the key")
     key = (len(capture.gradient_calls), len(capture.apply_calls))
-    cached = capture.automatic
-    if cached is not None and cached[0] == key:
-        return cached[1]
+    state = state_of(index.graph)
+    if state.automatic is not None and state.automatic[0] == key:
+        return state.automatic[1]
     with gc_paused():
         result = _plan(index, capture, rt, auto, count)
-    capture.automatic = (key, result)
+    state.automatic = (key, result)
     return result
 
 
@@ -370,10 +371,10 @@ def refuse_planning_only(automatic: Optional[Automatic], rt: Runtime) -> None:
                         "plan); set it false to train")
 
 
-def warn_unbuilt_sharding(capture: GraphCapture) -> None:
-    """The search's pick shards layers of a graph built unsharded: run the best
-    plan that does not (a fallback), or fail when none fits."""
-    automatic = capture.automatic[1] if capture.automatic is not None else None
+def warn_unbuilt_sharding(automatic: Optional[Automatic]) -> None:
+    """The search's pick (``automatic``) shards layers of a graph built
+    unsharded: run the best plan that does not (a fallback), or fail when
+    none fits."""
     if automatic is None or automatic.best is automatic.runnable:
         return
     best = automatic.best

@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional
 from tfpar import fallback
 from tfpar.compat.tf import ops
 from tfpar.errors import PlanError
-from tfpar.hooks.capture import GraphCapture, capture_for, existing_capture, recording_paused
+from tfpar.hooks.capture import GraphCapture, existing_capture, recording_paused
 from tfpar.ir.plan import Plan
 from tfpar.ir.schedule import build_schedule
 from tfpar.rewriters import graph_edit
@@ -25,6 +25,7 @@ from tfpar.runtime.automatic import (planned_techniques, refuse_planning_only, s
 from tfpar.runtime.built_before_init import warn_unseen_training
 from tfpar.runtime.context import Runtime, active
 from tfpar.runtime.gc_paused import gc_paused
+from tfpar.runtime.graph_state import GraphState, existing_state, state_of
 from tfpar.runtime.iterators import make_iterator
 from tfpar.runtime.online_tuning import after_run, keep_group_size, made_callable
 from tfpar.runtime.planning import group_costs, planned
@@ -38,17 +39,23 @@ from tfpar.runtime.tf2_functions import function_gradients, retraces_relaxed
 # The seams, as ``hooks.seams`` documents them.
 __all__ = ["after_run", "before_run", "function_gradients", "loss_scaled", "made_callable",
            "make_iterator", "ran_before_rewrite", "retraces_relaxed", "rewrite_function",
-           "rewrites_next", "run_failed", "run_options", "session_config", "session_target",
-           "setup_capture", "sync_batch_norm"]
+           "rewrites_next", "rewritten", "run_failed", "run_options", "session_config",
+           "session_target", "setup_capture", "sync_batch_norm"]
 
 log = logging.getLogger("tfpar")
 
 
 def rewrites_next(graph: ops.Graph) -> bool:
     """Whether the next run of ``graph`` rewrites it (``before_run``)."""
-    capture = existing_capture(graph)
+    capture, state = existing_capture(graph), existing_state(graph)
     return (active() is not None and capture is not None and bool(capture.gradient_calls)
-            and capture.rewrite is None)
+            and (state is None or state.rewrite is None))
+
+
+def rewritten(graph: ops.Graph) -> bool:
+    """Whether tfpar has rewritten ``graph``."""
+    state = existing_state(graph)
+    return state is not None and state.rewrite is not None
 
 
 def ran_before_rewrite(graph: ops.Graph, carried: int) -> bool:
@@ -59,7 +66,7 @@ def ran_before_rewrite(graph: ops.Graph, carried: int) -> bool:
     needs the session reopened on the rewritten graph, with its ``carried``
     variable values: returns whether it does. Refused when the graph is
     finalized (``MonitoredSession``), where tfpar cannot add the ops it needs."""
-    rewrite = capture_for(graph).rewrite
+    rewrite = state_of(graph).rewrite
     if rewrite is None or rewrite.rewrite.trivial:
         return False
     if graph.finalized:
@@ -112,42 +119,44 @@ def before_run(graph: ops.Graph) -> Optional[Callable[[Any], Any]]:
         warn_unseen_training(graph)
     if rt is None or capture is None or not capture.gradient_calls:
         return None
-    if capture.rewrite is None:
+    state = state_of(graph)
+    if state.rewrite is None:
         with gc_paused():
             _rewrite(graph, capture, rt)
-    elif len(capture.gradient_calls) > capture.rewritten_calls:
-        _built_after_rewrite(graph, capture)
-    return capture.rewrite
+    elif len(capture.gradient_calls) > state.rewritten_calls:
+        _built_after_rewrite(graph, capture, state)
+    return state.rewrite
 
 
-def _built_after_rewrite(graph: ops.Graph, capture: GraphCapture) -> None:
+def _built_after_rewrite(graph: ops.Graph, capture: GraphCapture, state: GraphState) -> None:
     """Gradients built after tfpar rewrote ``graph`` (a second model trained
     in Keras' one graph) run as built: say so, in the plan's notes too."""
-    later = capture.gradient_calls[capture.rewritten_calls:]
+    later = capture.gradient_calls[state.rewritten_calls:]
     losses = ", ".join(f"'{y.name}'" for call in later for y in call.ys if hasattr(y, "name"))
     fallback.fall_back(
         f"data parallelism for the gradients of {losses}, built after tfpar rewrote this graph "
         "for its first training step", "they, and the updates they feed, run as built, on one "
         "device", "Build every training step before the graph first runs, or build and train each "
         "model in a tf.Graph of its own", graph)
-    capture.plan = dataclasses.replace(capture.plan, notes=fallback.notes(graph))
+    state.plan = dataclasses.replace(state.plan, notes=fallback.notes(graph))
 
 
 def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
-    """Plan ``graph`` and rewrite it (``capture.plan``, ``capture.rewrite``)."""
+    """Plan ``graph`` and rewrite it (its ``GraphState``'s plan and rewrite)."""
+    state = state_of(graph)
     recompute_configured(graph, capture, rt)
     plan, index, stage_of, costs = planned(graph, capture, rt)
-    automatic = capture.automatic[1] if capture.automatic is not None else None
+    automatic = state.searched()
     refuse_planning_only(automatic, rt)
     techniques = planned_techniques(automatic, rt)
     if techniques.recompute != "none":
         recompute_planned(graph, capture, index, techniques.recompute)
         plan, index, stage_of, costs = planned(graph, capture, rt)  # copies' stages too
-    warn_unbuilt_sharding(capture)
+    warn_unbuilt_sharding(automatic)
     check_forced_units(capture, rt)
     if automatic is not None and automatic.best is not automatic.runnable:
         # What runs is unsharded; what current_plan() shows, to pin, is not.
-        capture.sharded_plan = sharded_plan(automatic, rt, index, capture)
+        state.sharded_plan = sharded_plan(automatic, rt, index, capture)
     cfg = rt.config
     placement = _placement(plan, index, stage_of)
     reducer_for = _reducers(graph, rt)
@@ -155,13 +164,14 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
     # One micro-batch needs no schedule; otherwise the plan's was validated.
     schedule = [] if plan.num_micro_batch == 1 else build_schedule(
         plan.schedule, placement.num_stages, plan.num_micro_batch, plan.group_size)
-    if capture.calls_optimized is None:  # no session yet (see sessions._calls_optimize)
-        capture.calls_optimized = plan.num_micro_batch > 1
+    if state.calls_optimized is None:  # no session yet (see sessions._calls_optimize)
+        state.calls_optimized = plan.num_micro_batch > 1
     with graph_edit.unfinalized(graph), recording_paused():
         rewrite = replicate(graph, capture, index, placement, plan.num_micro_batch,
                             reducer_for, schedule,
                             HorovodProcesses(cfg.get("io.shard_dataset")) if horovod else None,
                             functions=cfg.get("pipeline.task_functions"),
+                            calls_optimized=state.calls_optimized,
                             shares=plan.batch_shares,
                             offload=cfg.get("memory.offload_optimizer") or techniques.offload,
                             zero=cfg.get("memory.zero") or _planned_zero(
@@ -169,10 +179,10 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
                             precision=applied_option(cfg, rt.device_type))
         if cfg.get("check.finite_gradients"):
             _check_finite(graph, rewrite, rt)
-    capture.plan = dataclasses.replace(plan, notes=fallback.notes(graph))  # the rewrite's too
-    capture.rewritten_calls = len(capture.gradient_calls)
-    capture.rewrite = FetchTranslator(graph, rewrite, plan.group_size)
-    capture.retuner = _retuner(graph, capture, rt, plan, index, stage_of, costs)
+    state.plan = dataclasses.replace(plan, notes=fallback.notes(graph))  # the rewrite's too
+    state.rewritten_calls = len(capture.gradient_calls)
+    state.rewrite = FetchTranslator(graph, rewrite, plan.group_size)
+    state.retuner = _retuner(graph, capture, rt, plan, index, stage_of, costs)
     log.info("tfpar rewrote the graph:\n%s", plan.summary())
 
 

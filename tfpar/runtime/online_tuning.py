@@ -7,8 +7,8 @@ from typing import Optional
 from tfpar import fallback
 from tfpar.compat.tf import config_pb2, ops
 from tfpar.errors import PlanError
-from tfpar.hooks.capture import existing_capture
 from tfpar.ir.schedule import build_schedule
+from tfpar.runtime.graph_state import existing_state
 from tfpar.runtime.step_trace import step_timeline
 
 __all__ = ["after_run", "keep_group_size", "made_callable"]
@@ -19,12 +19,12 @@ log = logging.getLogger("tfpar")
 def made_callable(graph: ops.Graph) -> None:
     """A callable (Keras in graph mode) fixes its fetches: online tuning
     cannot move the k of the steps it runs, and is turned off, saying so."""
-    capture = existing_capture(graph)
-    if capture is not None and capture.retuner is not None and capture.rewrite.stepped:
-        keep_group_size(capture.retuner.group_size, "the training step runs through a Session "
+    state = existing_state(graph)
+    if state is not None and state.retuner is not None and state.rewrite.stepped:
+        keep_group_size(state.retuner.group_size, "the training step runs through a Session "
                         "callable (Keras), whose fetches are fixed; online tuning follows "
                         "Session.run steps", graph)
-        capture.retuner = None
+        state.retuner = None
 
 
 def keep_group_size(group_size: int, why: str, graph: ops.Graph) -> None:
@@ -37,8 +37,8 @@ def keep_group_size(group_size: int, why: str, graph: ops.Graph) -> None:
 def after_run(graph: ops.Graph, run_metadata: Optional[config_pb2.RunMetadata]) -> None:
     """A run of ``graph`` ended: a step profiled for Ada-Grouper's online
     tuning may move k (``runtime.retune``), building that k's pipeline once."""
-    capture = existing_capture(graph)
-    retuner = capture.retuner if capture is not None else None
+    state = existing_state(graph)
+    retuner = state.retuner if state is not None else None
     if retuner is None or not retuner.pending or run_metadata is None:
         return
     retuner.pending = False
@@ -52,8 +52,8 @@ def after_run(graph: ops.Graph, run_metadata: Optional[config_pb2.RunMetadata]) 
     if group_size is None:
         return
     schedule = build_schedule("kfkb", retuner.num_stages, retuner.num_micro_batch, group_size)
-    built = capture.rewrite.use_group_size(group_size, schedule)
+    built = state.rewrite.use_group_size(group_size, schedule)
     log.info("tfpar: Ada-Grouper moved k %d -> %d after step %d (%s)",
-             capture.plan.group_size, group_size, retuner.steps,
+             state.plan.group_size, group_size, retuner.steps,
              "its pipeline built now, once" if built else "its pipeline was built before")
-    capture.plan = dataclasses.replace(capture.plan, group_size=group_size)
+    state.plan = dataclasses.replace(state.plan, group_size=group_size)

@@ -19,6 +19,7 @@ from tfpar.runtime.automatic import (Automatic, automatic_plan, cluster_hardware
                                      sharded_plan, with_stage_search)
 from tfpar.runtime.balanced import batch_shares
 from tfpar.runtime.context import Runtime
+from tfpar.runtime.graph_state import state_of
 
 __all__ = ["group_costs", "plan_for", "planned", "task_graph_specs"]
 
@@ -42,7 +43,7 @@ def plan_for(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> Plan:
     rewrite; a plan that shards layers even when this graph was built before
     it was known, so that it can be pinned)."""
     plan, index, _, _ = planned(graph, capture, rt)
-    automatic = capture.automatic[1] if capture.automatic is not None else None
+    automatic = state_of(graph).searched()
     if automatic is not None and automatic.best is not automatic.runnable:
         return sharded_plan(automatic, rt, index, capture)
     return plan

@@ -5,6 +5,7 @@ from typing import Optional
 from tfpar.compat.tf import config_pb2, context, ops, rewriter_config_pb2
 from tfpar.errors import ClusterError
 from tfpar.hooks.capture import existing_capture
+from tfpar.runtime.graph_state import existing_state, state_of
 from tfpar.analysis.op_kinds import is_resource_variable, is_variable
 from tfpar.runtime.cluster import LOST
 from tfpar.runtime.context import Runtime, active
@@ -55,7 +56,7 @@ def session_config(config: Optional[config_pb2.ConfigProto],
 def _calls_optimize(graph: ops.Graph, rt: Runtime, allowed: bool) -> bool:
     """Whether a new session of ``graph`` leaves graph optimization to its
     task function calls: ``allowed`` (the script set no grappler option) and
-    ``capture.calls_optimized``, decided by the graph's first session if made
+    ``GraphState.calls_optimized``, decided by the graph's first session if made
     before the rewrite (the graph trains under tfpar with micro-batches and
     its tasks will be functions: no split scope or automatic plan, which may
     shard; resource variables only), else by the rewrite (with
@@ -65,13 +66,14 @@ def _calls_optimize(graph: ops.Graph, rt: Runtime, allowed: bool) -> bool:
     capture = existing_capture(graph)
     if capture is None:
         return False
-    if capture.calls_optimized is None:
-        capture.calls_optimized = allowed and bool(capture.gradient_calls) and not (
+    state = state_of(graph)
+    if state.calls_optimized is None:
+        state.calls_optimized = allowed and bool(capture.gradient_calls) and not (
             rt.config.get("pipeline.num_micro_batch") == 1
             or capture.split_contexts or rt.config.get("auto.auto_parallel")
             or any(is_variable(op) and not is_resource_variable(op)
                    for op in graph.get_operations()))
-    return allowed and capture.calls_optimized
+    return allowed and state.calls_optimized
 
 
 def session_target(target: str) -> str:
@@ -92,9 +94,9 @@ def run_options(options: Optional[config_pb2.RunOptions],
     if rt is None:
         return options
     deadline = rt.cluster is not None and not (options is not None and options.timeout_in_ms)
-    capture = existing_capture(graph) if graph is not None else None
-    profiled = (capture is not None and capture.retuner is not None
-                and capture.rewrite.stepped and capture.retuner.profile_due())
+    state = existing_state(graph) if graph is not None else None
+    profiled = (state is not None and state.retuner is not None
+                and state.rewrite.stepped and state.retuner.profile_due())
     if not (deadline or profiled):
         return options
     bounded = config_pb2.RunOptions()

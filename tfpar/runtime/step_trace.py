@@ -7,7 +7,7 @@ from typing import Dict, Optional, Set
 from tfpar.cluster.devices import short_name
 from tfpar.compat.tf import config_pb2, ops
 from tfpar.errors import PlanError
-from tfpar.hooks.capture import existing_capture
+from tfpar.runtime.graph_state import existing_state
 from tfpar.ir.schedule import Task
 from tfpar.ir.simulate import SimulationResult, TimedTask, measured
 from tfpar.ir.trace import chrome_trace, write_chrome_trace
@@ -39,13 +39,13 @@ def step_devices(run_metadata: config_pb2.RunMetadata,
     training step under ``"other"``; a graph tfpar did not rewrite has one
     entry, ``"not rewritten"``. ``graph``: the default graph if not given."""
     graph = graph if graph is not None else ops.get_default_graph()
-    capture = existing_capture(graph)
+    translator = getattr(existing_state(graph), "rewrite", None)
     owner: Dict[str, str] = {}
-    if capture is not None and capture.rewrite is not None:
-        owner = _task_graph_of_ops(capture.rewrite)
+    if translator is not None:
+        owner = _task_graph_of_ops(translator)
     counts: Dict[str, Dict[str, int]] = collections.defaultdict(collections.Counter)
     for name, devices in executed_ops(run_metadata).items():
-        if capture is None or capture.rewrite is None:
+        if translator is None:
             key = "not rewritten"
         else:
             key = owner.get(name) or ("tfpar" if name.startswith("tfpar") else "other")
@@ -82,18 +82,18 @@ def step_timeline(run_metadata: config_pb2.RunMetadata, path: Optional[str] = No
         tfpar, or ``run_metadata`` holds no trace of its tasks.
     """
     graph = graph if graph is not None else ops.get_default_graph()
-    capture = existing_capture(graph)
-    if capture is None or capture.rewrite is None:
+    translator = getattr(existing_state(graph), "rewrite", None)
+    if translator is None:
         raise PlanError("tfpar: step_timeline needs a graph tfpar has rewritten (run a "
                         "training step first)")
-    rewrite = capture.rewrite.rewrite
+    rewrite = translator.rewrite
     times = {}
     for device in run_metadata.step_stats.dev_stats:
         for node in device.node_stats:
             times[node.node_name] = (node.all_start_micros,
                                      node.all_start_micros + node.all_end_rel_micros)
     tasks = []
-    for (device, stage, kind, micro_batch), members in sorted(capture.rewrite.task_ops.items()):
+    for (device, stage, kind, micro_batch), members in sorted(translator.task_ops.items()):
         spans = [times[op.name] for op in members if op.name in times]
         if device == 0 and spans:
             tasks.append(TimedTask(stage, Task(kind, micro_batch), min(a for a, _ in spans),

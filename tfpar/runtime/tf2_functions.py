@@ -11,6 +11,7 @@ from tfpar.rewriters.function_outputs import rewire_outputs
 from tfpar.analysis.op_kinds import is_input
 from tfpar.runtime.captured_batches import captured_batch, unsplittable
 from tfpar.runtime.context import Runtime, active
+from tfpar.runtime.graph_state import state_of
 from tfpar.runtime.planning import plan_for
 
 __all__ = ["function_gradients", "retraces_relaxed", "rewrite_function"]
@@ -47,7 +48,7 @@ def rewrite_function(graph: ops.Graph, rewrite: Callable[[ops.Graph], Optional[A
         translate = rewrite(graph)
         if translate is not None:
             rewire_outputs(graph, translate)
-            rt.function_plan = capture.plan
+            rt.function_plan = state_of(graph).plan
 
 
 def _traced_again(rt: Runtime, graph: ops.Graph, capture: GraphCapture) -> bool:
