@@ -20,7 +20,7 @@ from tfpar.analysis.op_kinds import (INPUT_TYPES, VARIABLE_TYPES, gradient_tenso
                                      is_variable)
 from tfpar.analysis.variables import variable_bytes
 from tfpar.compat.tf import config, dtypes, ops, tensor_lib, tensor_util
-from tfpar.hooks.capture import GraphCapture
+from tfpar.ir.recorded import Recorded
 from tfpar.ir.taskgraph import Phase
 from tfpar.planner.model_view import ModelView
 from tfpar.planner.pruning import block_labels
@@ -49,14 +49,14 @@ _DTYPES = {dtypes.float64: "fp64", dtypes.float32: "fp32", dtypes.float16: "fp16
            dtypes.bfloat16: "bf16"}
 
 
-def model_view(index: GraphIndex, capture: GraphCapture) -> Tuple[List[ops.Operation], ModelView]:
+def model_view(index: GraphIndex, recorded: Recorded) -> Tuple[List[ops.Operation], ModelView]:
     """The forward ops (graph order, a topological one) and their view, with
     what the backward pass reads of them (``ModelView.kept_bytes``). Each op
     and tensor is read from TensorFlow once (the planner reads graphs of tens
     of thousands of ops: its time grows with what it reads)."""
-    losses = [y.op for call in capture.gradient_calls for y in call.ys if hasattr(y, "op")]
+    losses = [y.op for call in recorded.gradient_calls for y in call.ys if hasattr(y, "op")]
     needed = ancestors(losses, _is_boundary)
-    phases = capture.op_phase
+    phases = recorded.op_phase
     order = [op for op in index.ops
              if op in needed and phases.get(op.name, Phase.FORWARD) == Phase.FORWARD]
     graph = _Read(order)
@@ -73,9 +73,9 @@ def model_view(index: GraphIndex, capture: GraphCapture) -> Tuple[List[ops.Opera
         edges=edges, labels=block_labels(names, graph.types), names=names, types=graph.types,
         input_bytes=[sum(nbytes[id(t)] for t in ins if id(t) in graph.fed)
                      for ins in graph.inputs],
-        batch=_declared_batch(graph, capture), compute_dtype=_compute_dtype(graph, flops),
+        batch=_declared_batch(graph, recorded), compute_dtype=_compute_dtype(graph, flops),
         traffic_bytes=_traffic(graph, edges),
-        kept_bytes=_kept_bytes(index, graph, capture))
+        kept_bytes=_kept_bytes(index, graph, recorded))
 
 
 def _is_boundary(op: ops.Operation) -> bool:
@@ -154,7 +154,7 @@ class _Read:
         return after / before if before and after else 1.0
 
 
-def _kept_bytes(index: GraphIndex, graph: _Read, capture: GraphCapture) -> List[float]:
+def _kept_bytes(index: GraphIndex, graph: _Read, recorded: Recorded) -> List[float]:
     """Bytes per sample of each op's outputs that stay allocated from the
     forward pass until the backward pass reads them (directly or through
     views). TensorFlow runs an op as soon as its inputs exist, so a backward
@@ -164,8 +164,8 @@ def _kept_bytes(index: GraphIndex, graph: _Read, capture: GraphCapture) -> List[
     coming back). Only backward ops the gradients depend on by data count
     (Grappler prunes the rest: a constant's gradient, such as a division by
     sqrt(d)'s)."""
-    phases, producer = capture.op_phase, graph.producer
-    live = data_ancestors((t.op for call in capture.gradient_calls for g in call.grads
+    phases, producer = recorded.op_phase, graph.producer
+    live = data_ancestors((t.op for call in recorded.gradient_calls for g in call.grads
                            if g is not None for t in gradient_tensors(g)),
                           lambda op: phases.get(op.name) == Phase.BACKWARD)
     # Per backward op: the last forward op it waits for, and its output's
@@ -200,18 +200,18 @@ def _kept_bytes(index: GraphIndex, graph: _Read, capture: GraphCapture) -> List[
     return kept
 
 
-def _declared_batch(graph: _Read, capture: GraphCapture) -> Optional[int]:
+def _declared_batch(graph: _Read, recorded: Recorded) -> Optional[int]:
     """The batch the model's inputs declare: dimension 0 of their static
     shapes, as written (``hooks.batch_shapes`` relaxes it while tfpar is
-    active and records it in ``capture.declared_batch``, by placeholder or
+    active and records it in ``Recorded.declared_batch``, by placeholder or
     iterator). When they disagree, the size most of them declare (the
     largest of those); None when none declares one."""
     sizes = []
     inputs = {t.name: t for ins in graph.inputs for t in ins if id(t) in graph.fed}
     for t in inputs.values():
         sources = [t.op] + [s.op for s in t.op.inputs]  # an iterator read: its iterator
-        declared = [capture.declared_batch[s.name] for s in sources
-                    if s.name in capture.declared_batch]
+        declared = [recorded.declared_batch[s.name] for s in sources
+                    if s.name in recorded.declared_batch]
         if declared:
             sizes.append(declared[0])
         elif t.shape.rank and t.shape[0] is not None:

@@ -38,7 +38,7 @@ from tfpar.analysis.graph_index import GraphIndex
 from tfpar.analysis.op_kinds import gradient_tensors, is_variable
 from tfpar.compat.tf import device_lib, indexed_slices, ops
 from tfpar.errors import PlanError
-from tfpar.hooks.capture import GraphCapture
+from tfpar.ir.recorded import Recorded
 from tfpar.ir.taskgraph import Phase
 
 __all__ = ["Placement", "assign_stages", "backward_dependent", "canonical_device",
@@ -127,7 +127,7 @@ def host_device(device: str) -> str:
     return spec.replace(device_type="CPU", device_index=0).to_string()
 
 
-def assign_stages(index: GraphIndex, capture: GraphCapture, num_stages: int,
+def assign_stages(index: GraphIndex, recorded: Recorded, num_stages: int,
                   names: Sequence[str] = (), tags: Optional[Dict[str, int]] = None
                   ) -> Dict[ops.Operation, int]:
     """Stage of every op in ``index`` (see module docstring); ``tags`` (op name
@@ -139,17 +139,17 @@ def assign_stages(index: GraphIndex, capture: GraphCapture, num_stages: int,
     """
     if num_stages == 1:
         return {}
-    tagged = capture.op_task_graph if tags is None else tags
+    tagged = recorded.op_task_graph if tags is None else tags
     stage_of: Dict[ops.Operation, int] = {}
     by_name = {}
     unplaced = []
     for op in index.ops:
         by_name[op.name] = op
-        stage = _gradient_sum_stage(op, capture, stage_of)
+        stage = _gradient_sum_stage(op, recorded, stage_of)
         if stage is None:
             stage = tagged.get(op.name)
         if stage is None:  # a recomputed copy: its original's
-            stage = stage_of.get(by_name.get(capture.copied_from.get(op.name)))
+            stage = stage_of.get(by_name.get(recorded.copied_from.get(op.name)))
         if stage is None:
             stage = _inferred_stage(op, stage_of, by_name)
         if stage is None:
@@ -165,24 +165,24 @@ def assign_stages(index: GraphIndex, capture: GraphCapture, num_stages: int,
     for op in unplaced:  # the rest follow their inputs, as placed by now
         stage_of[op] = resolved.get(op, max(
             (stage_of[t.op] for t in op.inputs if t.op in stage_of), default=0))
-    _forward_valued_to_readers(index, capture, stage_of)
-    _follow_variables(index, capture, stage_of, by_name)
-    _check_order(index, capture, stage_of, names)
+    _forward_valued_to_readers(index, recorded, stage_of)
+    _follow_variables(index, recorded, stage_of, by_name)
+    _check_order(index, recorded, stage_of, names)
     return stage_of
 
 
-def _follow_variables(index: GraphIndex, capture: GraphCapture, stage_of, by_name) -> None:
+def _follow_variables(index: GraphIndex, recorded: Recorded, stage_of, by_name) -> None:
     """Optimizer state, updates and tied gradient sums join their variable's
     stage (module docstring)."""
     for op in index.ops:
-        if capture.op_phase.get(op.name) != Phase.APPLY:
+        if recorded.op_phase.get(op.name) != Phase.APPLY:
             continue
         owners = [by_name.get(name) for name in _colocation(op)]
         owners += [t.op for t in op.inputs if is_variable(t.op)]
         owner = next((x for x in owners if x in stage_of and x is not op), None)
         if owner is not None:
             stage_of[op] = stage_of[owner]
-    for call in capture.gradient_calls:
+    for call in recorded.gradient_calls:
         for x, g in zip(call.xs, call.grads):
             var = getattr(x, "op", None)
             found = (stage_terms(g, stage_of.get)
@@ -212,18 +212,18 @@ def stage_terms(g, stage: Callable[[ops.Operation], int]
     return terms, sums
 
 
-def _forward_valued_to_readers(index: GraphIndex, capture: GraphCapture, stage_of) -> None:
+def _forward_valued_to_readers(index: GraphIndex, recorded: Recorded, stage_of) -> None:
     """Backward ops computed from forward values only (not from a seed),
     made outside any gradient function ``tf.gradients`` records (a
     ``tf.GradientTape``'s gradient functions take the shape of a forward
     input: the tape says not which op they differentiate, and their first
     input tags them with the stage before), join the earliest stage among
     their readers."""
-    phase = capture.op_phase
-    seeds = {getattr(s, "op", None) for call in capture.gradient_calls for s in call.seeds}
+    phase = recorded.op_phase
+    seeds = {getattr(s, "op", None) for call in recorded.gradient_calls for s in call.seeds}
     forward_valued = set()
     for op in index.ops:
-        if (phase.get(op.name) == Phase.BACKWARD and op.name not in capture.differentiates
+        if (phase.get(op.name) == Phase.BACKWARD and op.name not in recorded.differentiates
                 and op not in seeds
                 and all(phase.get(t.op.name) != Phase.BACKWARD or t.op in forward_valued
                         for t in op.inputs)):
@@ -235,14 +235,14 @@ def _forward_valued_to_readers(index: GraphIndex, capture: GraphCapture, stage_o
             stage_of[op] = min(readers)
 
 
-def _gradient_sum_stage(op: ops.Operation, capture: GraphCapture, stage_of) -> Optional[int]:
+def _gradient_sum_stage(op: ops.Operation, recorded: Recorded, stage_of) -> Optional[int]:
     """The earliest stage among the inputs of a sum ``tf.gradients`` made of a
     tensor's gradient contributions (an ``AddN`` outside any gradient
     function), else None. Tagged by its first input, it could sit in a later
     stage than another input's, and the backward tasks of the two stages
     would wait on each other (a skip connection across stages)."""
-    if (op.type != "AddN" or capture.op_phase.get(op.name) != Phase.BACKWARD
-            or op.name in capture.differentiates):
+    if (op.type != "AddN" or recorded.op_phase.get(op.name) != Phase.BACKWARD
+            or op.name in recorded.differentiates):
         return None
     return min((stage_of[t.op] for t in op.inputs if t.op in stage_of), default=None)
 
@@ -271,22 +271,22 @@ def _colocation(op: ops.Operation) -> List[str]:
         return []
 
 
-def backward_dependent(step_ops: Sequence[ops.Operation], capture: GraphCapture,
+def backward_dependent(step_ops: Sequence[ops.Operation], recorded: Recorded,
                        index: GraphIndex) -> set:
     """Step ops that run in a micro-batch's backward task: backward ops and every
     step op depending on one (a forward-phase op reading a gradient)."""
     step = set(step_ops)
-    backward = {op for op in step_ops if capture.op_phase.get(op.name) == Phase.BACKWARD}
+    backward = {op for op in step_ops if recorded.op_phase.get(op.name) == Phase.BACKWARD}
     return backward | (index.descendants(backward) & step)
 
 
-def _check_order(index: GraphIndex, capture: GraphCapture, stage_of, names) -> None:
+def _check_order(index: GraphIndex, recorded: Recorded, stage_of, names) -> None:
     for op in index.ops:
-        if capture.op_phase.get(op.name, Phase.FORWARD) != Phase.FORWARD:
+        if recorded.op_phase.get(op.name, Phase.FORWARD) != Phase.FORWARD:
             continue
         for t in op.inputs:
             src = t.op
-            if (capture.op_phase.get(src.name, Phase.FORWARD) == Phase.FORWARD
+            if (recorded.op_phase.get(src.name, Phase.FORWARD) == Phase.FORWARD
                     and stage_of[src] > stage_of[op] and not is_variable(src)):
                 raise PlanError(
                     f"tfpar: op '{op.name}' in TaskGraph {_name(names, stage_of[op])} reads "

@@ -5,11 +5,11 @@ import collections
 from typing import Dict, List, NamedTuple, Set, Tuple
 
 from tfpar.compat import tf as internals
+from tfpar.ir.recorded import Recorded
 from tfpar.analysis.graph_index import data_ancestors
 from tfpar.analysis.op_kinds import (READ_ONLY_RESOURCE_TYPES, REF_READ_TYPES, is_resource_variable,
                                      is_variable)
 from tfpar.compat.tf import dtypes, handle_data_util, ops, tensor_lib, tensor_shape
-from tfpar.hooks.capture import GraphCapture
 
 __all__ = ["Averaged", "all_variables", "averaged_variables", "declared_aggregations",
            "variable_bytes", "variable_writers", "writers_of", "written_variables"]
@@ -148,13 +148,13 @@ def _reads(value: tensor_lib.Tensor, var: ops.Operation, step: Set[ops.Operation
         [value.op], lambda op: op in step or op.type in reads) for t in op.inputs)
 
 
-def declared_aggregations(graph: ops.Graph, capture: GraphCapture) -> Dict[ops.Operation, str]:
+def declared_aggregations(graph: ops.Graph, recorded: Recorded) -> Dict[ops.Operation, str]:
     """Variable op -> its declared ``tf.VariableAggregation`` name, where
     declared: recorded as the graph made it, or for a tf.function, read from
     the variables it captured (the op is the placeholder of their handle)."""
     if not graph.building_function:
         return {graph.get_operation_by_name(name): kind
-                for name, kind in capture.aggregations.items()}
+                for name, kind in recorded.aggregations.items()}
     inner = {id(outer): placeholder.op for outer, placeholder in graph.captures}
     return {inner[id(v.handle)]: v.aggregation.name for v in graph.variables
             if id(v.handle) in inner and v.aggregation.name != "NONE"}

@@ -6,33 +6,15 @@ replica / phase identity lives in side tables, not in op names).
 import contextlib
 import dataclasses
 import threading
+import types
 import weakref
 from typing import Any, Callable, Container, Dict, List, Optional, Set, Tuple
 
+from tfpar.ir.recorded import ApplyCall, GradientCall, Recorded
 from tfpar.ir.taskgraph import Phase, Strategy, TaskGraphSpec
 
-__all__ = ["ApplyCall", "GradientCall", "GraphCapture", "capture_for", "existing_capture",
+__all__ = ["GraphCapture", "capture_for", "existing_capture",
            "layer_of", "recording_paused", "reset_captures", "set_capture_setup"]
-
-
-@dataclasses.dataclass
-class GradientCall:
-    """One ``tf.gradients`` call: ys differentiated, xs, the returned grads, and
-    the seeds (``grad_ys``: TF's default ones or the user's) backprop started from."""
-
-    ys: List[Any]
-    xs: List[Any]
-    grads: List[Any]
-    seeds: List[Any] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class ApplyCall:
-    """One ``Optimizer.apply_gradients`` call and the op it returned."""
-
-    grads_and_vars: List[Any]
-    global_step: Any
-    train_op: Any
 
 
 def _new(factory):
@@ -117,6 +99,25 @@ class GraphCapture:
     _planned_split: Any = None
     _open_planned: Optional[int] = None
     _open_stage: int = 0
+
+    # -- what the analysis and the rewriters read ---------------------------------
+    def recorded(self) -> Recorded:
+        """The tables the graph is analysed and rewritten by, read-only."""
+        view = types.MappingProxyType
+        return Recorded(
+            op_task_graph=view(self.op_task_graph), op_phase=view(self.op_phase),
+            differentiates=view(self.differentiates), copied_from=view(self.copied_from),
+            gradient_calls=tuple(self.gradient_calls), apply_calls=tuple(self.apply_calls),
+            declared_batch=view(self.declared_batch), aggregations=view(self.aggregations),
+            replica_sums=frozenset(self.replica_sums), sparse_feeds=tuple(self.sparse_feeds),
+            worker_iterators=view(self.worker_iterators))
+
+    def record_copies(self, copied_from: Dict[str, str]) -> None:
+        """Record recomputed copies (op name -> the forward op it copies, whose
+        stage it runs in) as backward ops (``rewriters.recompute``)."""
+        for copy, original in copied_from.items():
+            self.op_phase[copy] = Phase.BACKWARD
+            self.copied_from[copy] = original
 
     # -- recording -----------------------------------------------------------------
     def record_op(self, op: Any, differentiated: Any = None) -> None:

@@ -13,6 +13,7 @@ from tfpar.hooks import seams
 from tfpar.hooks.patching import PatchSet
 from tfpar.hooks.recording import handle_in, loss_scale, recorded
 from tfpar.hooks.step_graphs import is_step_function
+from tfpar.ir.recorded import GradientCall
 from tfpar.ir.taskgraph import Phase
 
 __all__ = ["add_gradient_patches"]
@@ -62,7 +63,7 @@ def _wrap_gradients(original):
         finally:
             _seeds.value = outer
         xs_list = [handle_in(graph, x) for x in _as_list(xs)]
-        cap.gradient_calls.append(cap_lib.GradientCall(
+        cap.gradient_calls.append(GradientCall(
             ys=_as_list(ys), xs=xs_list, grads=list(grads), seeds=seeds))
         return grads
     return _GradientsHelper
@@ -105,7 +106,7 @@ def _wrap_tape_gradient(original):
                 output_gradients = nest.pack_sequence_as(target, seeds)
             grads = original(self, target, sources, output_gradients, unconnected_gradients)
         xs = [handle_in(graph, x) for x in nest.flatten(sources)]
-        cap.gradient_calls.append(cap_lib.GradientCall(
+        cap.gradient_calls.append(GradientCall(
             ys=targets, xs=xs, grads=nest.flatten(grads), seeds=seeds))
         return grads
     return gradient

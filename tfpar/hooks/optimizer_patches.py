@@ -9,6 +9,7 @@ from tfpar.compat.tf import context, ops, tf_optimizer
 from tfpar.hooks import capture as cap_lib
 from tfpar.hooks.patching import PatchSet
 from tfpar.hooks.recording import handle_in, loss_scale, recorded
+from tfpar.ir.recorded import ApplyCall
 from tfpar.ir.taskgraph import Phase
 
 __all__ = ["add_optimizer_patches"]
@@ -42,7 +43,7 @@ def _recorded_apply(grads_and_vars, global_step, apply):
     finally:
         cap.applying = nested
     if not nested:
-        cap.apply_calls.append(cap_lib.ApplyCall(
+        cap.apply_calls.append(ApplyCall(
             grads_and_vars=list(grads_and_vars),
             global_step=handle_in(graph, global_step() if callable(global_step) else global_step),
             train_op=result))

@@ -4,7 +4,7 @@ cluster, what each worker's own iterator reads instead."""
 from tfpar.compat import tf as internals
 from tfpar.compat.tf import dtypes, nest, ops
 from tfpar.errors import PlanError
-from tfpar.hooks.capture import GraphCapture
+from tfpar.ir.recorded import Recorded
 from tfpar.rewriters.select import Selection
 
 __all__ = ["refuse_unsplittable", "worker_sources"]
@@ -47,17 +47,17 @@ def refuse_unsplittable(sel: Selection) -> None:
                     "unknown (placeholder([None, ...]))"))
 
 
-def worker_sources(capture: GraphCapture, sel: Selection, num_pieces: int):
+def worker_sources(recorded: Recorded, sel: Selection, num_pieces: int):
     """With ``io.shard_dataset`` in a cluster: per worker, the batch inputs as
     read by that worker's own iterator (worker 0: the originals), or None."""
-    if not capture.worker_iterators:
+    if not recorded.worker_iterators:
         return None
     batch_inputs = sel.batch_inputs
     if sel.sparse_inputs:
         raise PlanError(f"tfpar: io.shard_dataset cannot split the SparseTensor input "
                         f"'{sel.sparse_inputs[0][0].name}' yet; turn io.shard_dataset off (every "
                         "worker then reads the global batch and takes its rows)")
-    workers = 1 + len(next(iter(capture.worker_iterators.values())))
+    workers = 1 + len(next(iter(recorded.worker_iterators.values())))
     if num_pieces % workers:
         raise PlanError(f"tfpar: io.shard_dataset splits the rows of {workers} workers into "
                         f"{num_pieces} replicas x micro-batches; use a multiple of {workers}")
@@ -65,12 +65,12 @@ def worker_sources(capture: GraphCapture, sel: Selection, num_pieces: int):
     read = {}
     for t in batch_inputs:
         resource = t.op.inputs[0].op if t.op.type.startswith("IteratorGetNext") else None
-        if resource not in capture.worker_iterators:
+        if resource not in recorded.worker_iterators:
             raise PlanError(f"tfpar: with io.shard_dataset in a cluster every batch input must "
                             f"come from a tf.data iterator; '{t.name}' does not")
         if t.op not in read:
             read[t.op] = []
-            for iterator in capture.worker_iterators[resource]:
+            for iterator in recorded.worker_iterators[resource]:
                 with ops.device(internals.iterator_resource(iterator).device):
                     read[t.op].append(nest.flatten(iterator.get_next()))
         for worker, outputs in enumerate(read[t.op], start=1):

@@ -42,7 +42,7 @@ from tfpar.analysis.op_kinds import gradient_tensors
 from tfpar.analysis.stages import Placement, host_device
 from tfpar.compat.tf import ops
 from tfpar.errors import PlanError
-from tfpar.hooks.capture import GraphCapture
+from tfpar.ir.recorded import Recorded
 from tfpar.rewriters import graph_edit
 from tfpar.rewriters.averaged_variables import (average_local_copies, make_local_copies,
                                                reroute_to_local_copies)
@@ -85,7 +85,7 @@ class BuiltEdges(NamedTuple):
     crossing_controls: list
 
 
-def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placement: Placement,
+def replicate(graph: ops.Graph, recorded: Recorded, index: GraphIndex, placement: Placement,
               num_micro_batch: int, reducer_for, schedule,
               processes=None, functions: bool = True, calls_optimized: bool = False, shares=(),
               offload: bool = False, zero: int = 0,
@@ -109,33 +109,33 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
       precision: the grappler option computing in 16 bits
         (``runtime.precision``), which task function calls turn on.
     """
-    sel = _selection(graph, capture, index)
+    sel = _selection(graph, recorded, index)
     rw = _new_rewrite(sel, placement, num_micro_batch, reducer_for, schedule, processes,
                       precision)
     _place(graph, rw, zero, offload)
     if rw.trivial:
-        rw.task_ops = task_ops(rw, capture, index)
+        rw.task_ops = task_ops(rw, recorded, index)
         return rw
     refuse_unsplittable(rw.selection)
     edges = _built_edges(rw, index)
     with graph.as_default(), ops.name_scope(None), ops.name_scope("tfpar"):
-        _split_batch(capture, rw, shares)
+        _split_batch(recorded, rw, shares)
         _reroute_batch_inputs(rw)
         if rw.mirrored:
             clone_variables(graph, rw)
         make_local_copies(graph, rw)
-        tasks = stage_tasks(rw, capture, index)
-        marks = marked_sums(rw, capture)
+        tasks = stage_tasks(rw, recorded, index)
+        marks = marked_sums(rw, recorded)
         order = _task_order_or_say(graph, rw, tasks, marks) if functions else None
-        seeds = scale_seeds(rw, capture, index)
+        seeds = scale_seeds(rw, recorded, index)
         if order is not None:
-            _versions_as_calls(graph, rw, capture, tasks, order, seeds,
+            _versions_as_calls(graph, rw, recorded, tasks, order, seeds,
                                calls_optimized and not graph.building_function)
-            lower_schedule(rw, capture, index, schedule)
+            lower_schedule(rw, recorded, index, schedule)
             _updates_read_version_0(rw, edges.raw)
         else:
             _versions_as_copies(graph, rw, edges, marks, reducer_for)
-            lower_schedule(rw, capture, index, schedule)
+            lower_schedule(rw, recorded, index, schedule)
             for seed in seeds:
                 scale_seed(rw, seed, range(len(rw.versions(seed.op))))
         _reduce_and_update(graph, rw, edges, reducer_for)
@@ -143,14 +143,14 @@ def replicate(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, placem
     return rw
 
 
-def _selection(graph: ops.Graph, capture: GraphCapture, index: GraphIndex) -> Selection:
+def _selection(graph: ops.Graph, recorded: Recorded, index: GraphIndex) -> Selection:
     """What a replica copies (``select_replication``), but the global step
     (updated once per step) and local / metric variables (shared)."""
     global_steps = {v.op for v in graph.get_collection(ops.GraphKeys.GLOBAL_STEP)}
-    global_steps |= {c.global_step.op for c in capture.apply_calls if c.global_step is not None}
+    global_steps |= {c.global_step.op for c in recorded.apply_calls if c.global_step is not None}
     shared = {v.op for key in (ops.GraphKeys.LOCAL_VARIABLES, ops.GraphKeys.METRIC_VARIABLES)
               for v in graph.get_collection(key)}
-    return select_replication(graph, capture, index, global_steps, shared)
+    return select_replication(graph, recorded, index, global_steps, shared)
 
 
 def _new_rewrite(sel: Selection, placement: Placement, num_micro_batch: int, reducer_for,
@@ -208,12 +208,12 @@ def _built_edges(rw: DataParallelRewrite, index: GraphIndex) -> BuiltEdges:
                            if p in step and stage_of(p) != stage_of(c)])
 
 
-def _split_batch(capture: GraphCapture, rw: DataParallelRewrite, shares) -> None:
+def _split_batch(recorded: Recorded, rw: DataParallelRewrite, shares) -> None:
     """Cut the batch inputs into the layout's pieces (each worker's own
     reads with ``io.shard_dataset``), find the batch axis of every step
     tensor and make the bridges that hand each version its rows."""
     sel, layout, processes = rw.selection, rw.layout, rw.processes
-    sources = worker_sources(capture, sel, layout.num_pieces)
+    sources = worker_sources(recorded, sel, layout.num_pieces)
     if sources is not None:
         split = split_sources(sources, layout.num_pieces)
     else:
@@ -223,13 +223,13 @@ def _split_batch(capture: GraphCapture, rw: DataParallelRewrite, shares) -> None
                             processes.global_rows() if processes is not None else None,
                             sel.sparse_inputs, [w for w in shares for _ in range(per_replica)])
     rw.batch_axes = BatchAxes(sel.batch_dependent, sel.batch_inputs, rw.built_inputs,
-                              lambda op: capture.differentiates.get(op.name),
+                              lambda op: recorded.differentiates.get(op.name),
                               not_rows={t for group in sel.sparse_inputs for t in group})
     rw.bridges = Bridges(layout, rw.placement, split, rw.version_tensor, sel.batch_dependent,
                          rw.batch_axes.axis)
 
 
-def _versions_as_calls(graph: ops.Graph, rw: DataParallelRewrite, capture: GraphCapture,
+def _versions_as_calls(graph: ops.Graph, rw: DataParallelRewrite, recorded: Recorded,
                        tasks, order: list, seeds, optimized: bool) -> None:
     """Every version of every task is a call of its function
     (``task_functions``)."""
@@ -237,7 +237,7 @@ def _versions_as_calls(graph: ops.Graph, rw: DataParallelRewrite, capture: Graph
     rw.version_values = [[{} for _ in range(rw.layout.num_versions(s))]
                          for s in range(rw.placement.num_stages)]
     call_tasks(graph, rw, tasks, order, seeds,
-               {t for call in capture.gradient_calls for g in call.grads
+               {t for call in recorded.gradient_calls for g in call.grads
                 if g is not None for t in gradient_tensors(g)},
                optimized)
 

@@ -10,7 +10,7 @@ from tfpar import fallback
 from tfpar.analysis.batch_reductions import loss_scaling
 from tfpar.compat.tf import array_ops, check_ops, indexed_slices, math_ops, ops, tensor_lib
 from tfpar.errors import PlanError
-from tfpar.hooks.capture import GraphCapture
+from tfpar.ir.recorded import Recorded
 from tfpar.rewriters import graph_edit
 from tfpar.analysis.graph_index import GraphIndex
 from tfpar.analysis.op_kinds import gradient_tensors
@@ -18,7 +18,7 @@ from tfpar.analysis.op_kinds import gradient_tensors
 __all__ = ["loss_weights", "reduce_gradients", "scale_seed", "scale_seeds"]
 
 
-def scale_seeds(rw, capture: GraphCapture, index: GraphIndex) -> List[tensor_lib.Tensor]:
+def scale_seeds(rw, recorded: Recorded, index: GraphIndex) -> List[tensor_lib.Tensor]:
     """Decide how each version's backprop is weighted by its batch share (n_u / N
     for a loss that is a mean over the rows; 1 for a sum: ``loss_weights``):
     returns the seeds to scale (``scale_seed``), whose backprop is linear in them.
@@ -33,24 +33,24 @@ def scale_seeds(rw, capture: GraphCapture, index: GraphIndex) -> List[tensor_lib
     Raises:
       PlanError: higher-order gradients across stages of different widths.
     """
-    summed = loss_weights(rw, capture)
-    seeds = {s for call in capture.gradient_calls for s in call.seeds}
+    summed = loss_weights(rw, recorded)
+    seeds = {s for call in recorded.gradient_calls for s in call.seeds}
     step = rw.selection.step_ops_set
     seed_ops = {s.op for s in seeds if isinstance(s, tensor_lib.Tensor) and s.op in step}
     downstream = {op for op in index.descendants(seed_ops) if op in step}
     if (not seeds or len(seed_ops) < len({getattr(s, "op", None) for s in seeds})
             or any(getattr(y, "op", None) in downstream | seed_ops
-                   for call in capture.gradient_calls for y in call.ys)):
+                   for call in recorded.gradient_calls for y in call.ys)):
         if len(set(rw.layout.widths)) > 1:
             raise PlanError("tfpar: higher-order gradients are not supported across bridged "
                             f"TaskGraphs of different widths {rw.layout.widths}")
-        rw.summed_grads = {t for call in capture.gradient_calls if id(call) in summed
+        rw.summed_grads = {t for call in recorded.gradient_calls if id(call) in summed
                            for g in call.grads if g is not None for t in gradient_tensors(g)}
         rw.summed_grads |= {t for t, whole in rw.gradient_terms.items()
                             if whole in rw.summed_grads}
         return []
     rw.seed_weighted = downstream
-    unweighted = {s for call in capture.gradient_calls if id(call) in summed for s in call.seeds}
+    unweighted = {s for call in recorded.gradient_calls if id(call) in summed for s in call.seeds}
     return sorted(seeds - unweighted, key=lambda t: t.name)
 
 
@@ -73,7 +73,7 @@ def scale_seed(rw, seed: tensor_lib.Tensor, versions) -> List[ops.Operation]:
     return made
 
 
-def loss_weights(rw, capture: GraphCapture) -> Set[int]:
+def loss_weights(rw, recorded: Recorded) -> Set[int]:
     """ids of the gradient calls whose losses are sums over the rows (each copy's
     gradient then weighs 1, not n_u / N; ``analysis.batch_reductions``).
 
@@ -83,7 +83,7 @@ def loss_weights(rw, capture: GraphCapture) -> Set[int]:
         mean, with a warning naming the op.
     """
     summed = set()
-    for call in capture.gradient_calls:
+    for call in recorded.gradient_calls:
         kinds = set()
         for y in call.ys:
             scaling = loss_scaling(y, rw.selection.batch_dependent, rw.batch_axes.holds_rows,

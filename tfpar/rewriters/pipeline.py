@@ -15,7 +15,7 @@ earlier one). With one micro-batch there is nothing to order.
 from typing import Dict, List, Sequence, Set, Tuple
 
 from tfpar.compat.tf import control_flow_ops, ops
-from tfpar.hooks.capture import GraphCapture
+from tfpar.ir.recorded import Recorded
 from tfpar.rewriters import graph_edit
 from tfpar.analysis.graph_index import GraphIndex
 from tfpar.analysis.stages import backward_dependent
@@ -25,7 +25,7 @@ __all__ = ["lower_schedule", "order_tasks", "stage_tasks", "task_ops"]
 TaskKey = Tuple[int, int, str, int]  # (stage device j, stage, "F", "B" or "W", micro-batch)
 
 
-def lower_schedule(rw, capture: GraphCapture, index: GraphIndex,
+def lower_schedule(rw, recorded: Recorded, index: GraphIndex,
                    schedule: Sequence[Sequence]) -> None:
     """Order every stage device's tasks as ``schedule`` says; fills
     ``rw.task_ops`` and ``rw.schedule_edges``.
@@ -34,7 +34,7 @@ def lower_schedule(rw, capture: GraphCapture, index: GraphIndex,
       rw: the ``DataParallelRewrite`` after its units were cloned.
       schedule: ``schedule[s]``: stage s's tasks (``kind``, ``micro_batch``).
     """
-    rw.task_ops = task_ops(rw, capture, index)
+    rw.task_ops = task_ops(rw, recorded, index)
     if rw.num_micro_batch > 1:
         rw.schedule_edges = order_tasks(rw.task_ops, schedule, rw.placement.stage_devices)
 
@@ -60,14 +60,14 @@ def order_tasks(tasks: Dict[TaskKey, List[ops.Operation]], schedule: Sequence[Se
     return edges
 
 
-def stage_tasks(rw, capture: GraphCapture, index: GraphIndex
+def stage_tasks(rw, recorded: Recorded, index: GraphIndex
                 ) -> Dict[Tuple[int, str], List[ops.Operation]]:
     """The original ops of every stage's forward ("F"), backward ("B") and,
     with ``rw.weight_tasks``, weight-gradient ("W") task, keyed (stage, kind),
     in graph order; computed once per rewrite (``rw.stage_tasks``)."""
     if rw.stage_tasks:
         return rw.stage_tasks
-    backward = backward_dependent(rw.selection.step_ops, capture, index)
+    backward = backward_dependent(rw.selection.step_ops, recorded, index)
     groups: Dict[Tuple[int, str], List[ops.Operation]] = {}
     for op in rw.selection.step_ops:
         groups.setdefault((rw.placement.stage(op), "B" if op in backward else "F"), []).append(op)
@@ -111,11 +111,11 @@ def _split_weight_gradients(rw, groups: Dict[Tuple[int, str], List[ops.Operation
                 groups[(s, kind)] = ops_of_kind
 
 
-def task_ops(rw, capture: GraphCapture, index: GraphIndex) -> Dict[TaskKey, List[ops.Operation]]:
+def task_ops(rw, recorded: Recorded, index: GraphIndex) -> Dict[TaskKey, List[ops.Operation]]:
     """The ops of every task, keyed (stage device j, stage, kind, micro-batch)
     (a version made by a function call: the call)."""
     result = {}
-    for (s, kind), originals in stage_tasks(rw, capture, index).items():
+    for (s, kind), originals in stage_tasks(rw, recorded, index).items():
         for v, version_map in enumerate(rw.version_maps[s]):
             j, m = rw.layout.slot(s, v)
             members = [version_map.get(op, op) for op in originals if op not in rw.outside_tasks]

@@ -21,7 +21,7 @@ from typing import AbstractSet, Dict, List, Sequence, Set
 from tfpar import fallback
 from tfpar.compat.tf import ops
 from tfpar.errors import PlanError
-from tfpar.hooks.capture import GraphCapture
+from tfpar.ir.recorded import Recorded
 from tfpar.ir.taskgraph import Phase
 from tfpar.rewriters import graph_edit
 from tfpar.analysis.graph_index import data_ancestors
@@ -37,53 +37,63 @@ _METADATA = frozenset({"Shape", "ShapeN", "Size", "Rank"})  # ops that read no v
 _GRADIENT_ROOT = re.compile(r"gradients(_\d+)?|gradient_tape")
 
 
-def recompute_scopes(graph: ops.Graph, capture: GraphCapture, scopes: Sequence[str]) -> None:
+def recompute_scopes(graph: ops.Graph, recorded: Recorded,
+                     scopes: Sequence[str]) -> Dict[str, str]:
     """Recompute each of ``scopes`` in the backward (the graph is read once
-    for all of them: a scope per layer stays linear in the graph's size)."""
+    for all of them: a scope per layer stays linear in the graph's size).
+    Returns the copies' op names -> the names of the forward ops they copy
+    (backward ops, for the capture to record)."""
     scopes = [scope.rstrip("/") for scope in scopes]
-    forward, own = _by_scope(graph, capture, scopes)
-    _recompute_all(graph, capture, {scope: (forward[scope], own[scope]) for scope in scopes},
-                   keep_outputs=True)
+    forward, own = _by_scope(graph, recorded, scopes)
+    return _recompute_all(graph, recorded, {scope: (forward[scope], own[scope])
+                                            for scope in scopes}, keep_outputs=True)
 
 
-def recompute_ops(graph: ops.Graph, capture: GraphCapture,
-                  groups: Dict[str, List[ops.Operation]]) -> None:
+def recompute_ops(graph: ops.Graph, recorded: Recorded,
+                  groups: Dict[str, List[ops.Operation]]) -> Dict[str, str]:
     """Recompute each named group of forward ops (an attention core:
     Korthikanti et al.'s selective recomputation) in the backward, its
     outputs too: the backward reads copies of everything it read of the
-    group, so the originals live only as long as the forward reads them."""
+    group, so the originals live only as long as the forward reads them.
+    Returns the copies as ``recompute_scopes`` does."""
     # tf.gradients builds op X's gradient ops in the name scope "X_grad".
     group_of = {f"{op.name}_grad": name for name, members in groups.items() for op in members}
     own: Dict[str, Set[ops.Operation]] = {name: set() for name in groups}
     for op in graph.get_operations():
         parts = op.name.split("/")
-        if capture.op_phase.get(op.name) == Phase.BACKWARD and _GRADIENT_ROOT.fullmatch(parts[0]):
+        if recorded.op_phase.get(op.name) == Phase.BACKWARD and _GRADIENT_ROOT.fullmatch(parts[0]):
             for scope in _prefixes(parts[1:], group_of.keys()):
                 own[group_of[scope]].add(op)
-    _recompute_all(graph, capture, {name: (members, own[name]) for name, members in groups.items()},
-                   keep_outputs=False)
+    return _recompute_all(graph, recorded, {name: (members, own[name])
+                                            for name, members in groups.items()},
+                          keep_outputs=False)
 
 
-def _recompute_all(graph: ops.Graph, capture: GraphCapture, units, keep_outputs: bool) -> None:
-    """``units``: name -> (forward ops in creation order, their gradient ops)."""
+def _recompute_all(graph: ops.Graph, recorded: Recorded, units,
+                   keep_outputs: bool) -> Dict[str, str]:
+    """``units``: name -> (forward ops in creation order, their gradient ops).
+    Returns each copy's name -> its original's."""
     backward = {op for op in graph.get_operations()
-                if capture.op_phase.get(op.name) == Phase.BACKWARD}
+                if recorded.op_phase.get(op.name) == Phase.BACKWARD}
     waiting: Dict[ops.Operation, List[ops.Operation]] = {}  # op -> ops with it as control input
     for op in backward:
         for dep in op.control_inputs:
             waiting.setdefault(dep, []).append(op)
-    late = _after_the_seeds(capture, backward)
+    late = _after_the_seeds(recorded, backward)
+    copied_from: Dict[str, str] = {}
     for name, (forward, own) in units.items():
-        _recompute(graph, capture, name, forward, own, backward, waiting, keep_outputs, late)
+        copied_from.update(_recompute(graph, recorded, name, forward, own, backward, waiting,
+                                      keep_outputs, late))
+    return copied_from
 
 
-def _after_the_seeds(capture: GraphCapture, backward: Set[ops.Operation]) -> Set[ops.Operation]:
+def _after_the_seeds(recorded: Recorded, backward: Set[ops.Operation]) -> Set[ops.Operation]:
     """The backward ops that depend by data on the seeds backprop starts from
     (so run once the forward has reached the loss); the others (shape
     arithmetic) run during the forward pass, and copies waiting for them
     would too."""
     late: Set[ops.Operation] = set()
-    stack = [s.op for call in capture.gradient_calls for s in call.seeds if hasattr(s, "op")]
+    stack = [s.op for call in recorded.gradient_calls for s in call.seeds if hasattr(s, "op")]
     while stack:
         op = stack.pop()
         for user in (u for t in op.outputs for u in t.consumers()):
@@ -93,7 +103,7 @@ def _after_the_seeds(capture: GraphCapture, backward: Set[ops.Operation]) -> Set
     return late
 
 
-def _by_scope(graph: ops.Graph, capture: GraphCapture, scopes: Sequence[str]):
+def _by_scope(graph: ops.Graph, recorded: Recorded, scopes: Sequence[str]):
     """Per scope: its forward ops with inputs and outputs, in creation
     (topological) order, and its gradient ops (named after it by tf.gradients
     or a GradientTape)."""
@@ -101,7 +111,7 @@ def _by_scope(graph: ops.Graph, capture: GraphCapture, scopes: Sequence[str]):
     forward: Dict[str, List[ops.Operation]] = {scope: [] for scope in scopes}
     own: Dict[str, Set[ops.Operation]] = {scope: set() for scope in scopes}
     for op in graph.get_operations():
-        parts, phase = op.name.split("/"), capture.op_phase.get(op.name)
+        parts, phase = op.name.split("/"), recorded.op_phase.get(op.name)
         if phase is None and op.inputs and op.outputs:
             for scope in _prefixes(parts, wanted):
                 forward[scope].append(op)
@@ -117,11 +127,11 @@ def _prefixes(parts: List[str], wanted: AbstractSet[str]) -> List[str]:
             if name in wanted]
 
 
-def _recompute(graph: ops.Graph, capture: GraphCapture, scope: str,
+def _recompute(graph: ops.Graph, recorded: Recorded, scope: str,
                forward: List[ops.Operation], own: Set[ops.Operation],
                backward: Set[ops.Operation],
                waiting: Dict[ops.Operation, List[ops.Operation]], keep_outputs: bool,
-               late: Set[ops.Operation]) -> None:
+               late: Set[ops.Operation]) -> Dict[str, str]:
     if not forward:
         raise PlanError(f"tfpar: memory.recompute names '{scope}', but no forward op with "
                         "inputs is in that name scope; give the scope layers are built in "
@@ -129,9 +139,11 @@ def _recompute(graph: ops.Graph, capture: GraphCapture, scope: str,
     members = set(forward)
     # With ``keep_outputs``, the scope's outputs feed the forward beyond it and
     # stay alive (Chen et al.'s checkpoints, the next scope's inputs), and what
-    # only it and the backward read is rebuilt; else all the backward reads.
+    # only it and the backward (copies made so far too) read is rebuilt; else
+    # all the backward reads.
     inside = {t for op in forward for t in op.outputs
-              if all(user in members or user.name in capture.op_phase for user in t.consumers())
+              if all(user in members or user.name in recorded.op_phase or user in backward
+                     for user in t.consumers())
               or not keep_outputs and any(user in backward for user in t.consumers())}
     # A shape read is not a use: it runs as soon as the original exists, and
     # a copy read for its shape would hold back the gradient the copies wait for.
@@ -161,13 +173,12 @@ def _recompute(graph: ops.Graph, capture: GraphCapture, scope: str,
             "saved)", "Recompute a scope the loss depends on, or drop it from memory.recompute",
             graph)
     for original, copy in copies.items():
-        capture.op_phase[copy.name] = Phase.BACKWARD
-        capture.copied_from[copy.name] = original.name
         backward.add(copy)
         if not any(t.op in copies for t in original.inputs):
             for trigger in triggers:
                 graph_edit.add_control_input(copy, trigger)
                 waiting.setdefault(trigger, []).append(copy)
+    return {copy.name: original.name for original, copy in copies.items()}
 
 
 def _entering_gradients(consumers: Set[ops.Operation], copies: Set[ops.Operation],

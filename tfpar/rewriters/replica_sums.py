@@ -13,13 +13,13 @@ from typing import List
 
 from tfpar.compat.tf import ops
 from tfpar.errors import PlanError
-from tfpar.hooks.capture import GraphCapture
+from tfpar.ir.recorded import Recorded
 from tfpar.rewriters import graph_edit
 
 __all__ = ["marked_sums", "sum_across_replicas"]
 
 
-def marked_sums(rw, capture: GraphCapture) -> List[ops.Operation]:
+def marked_sums(rw, recorded: Recorded) -> List[ops.Operation]:
     """The step's marked identities, in graph order.
 
     Raises:
@@ -27,7 +27,7 @@ def marked_sums(rw, capture: GraphCapture) -> List[ops.Operation]:
         cannot wait for the later ones', and one device's numbers are out of
         reach: batch statistics are a micro-batch's then).
     """
-    marks = [op for op in rw.selection.step_ops if op.name in capture.replica_sums]
+    marks = [op for op in rw.selection.step_ops if op.name in recorded.replica_sums]
     if marks and rw.num_micro_batch > 1:
         raise PlanError(
             f"tfpar: batch statistics synchronized over replicas ('{marks[0].name}': "

@@ -15,7 +15,7 @@ from tfpar.analysis.variables import (Averaged, all_variables, averaged_variable
                                       declared_aggregations, variable_writers, writers_of,
                                       written_variables)
 from tfpar.compat.tf import ops
-from tfpar.hooks.capture import GraphCapture
+from tfpar.ir.recorded import Recorded
 from tfpar.ir.taskgraph import Phase
 
 __all__ = ["Selection", "select_replication"]
@@ -86,7 +86,7 @@ class BatchSources(NamedTuple):
     dependent: Set[ops.Operation]
 
 
-def select_replication(graph: ops.Graph, capture: GraphCapture, index: GraphIndex,
+def select_replication(graph: ops.Graph, recorded: Recorded, index: GraphIndex,
                        global_step_ops: Set[ops.Operation],
                        unmirrored: Set[ops.Operation]) -> Selection:
     """Choose the ops, variables and inputs one data-parallel replica copies.
@@ -95,18 +95,18 @@ def select_replication(graph: ops.Graph, capture: GraphCapture, index: GraphInde
       global_step_ops: variable ops updated once per step (the global step).
       unmirrored: variable ops shared by every replica (metric accumulators).
     """
-    roots, raw_grads = training_roots(capture, global_step_ops)
+    roots, raw_grads = training_roots(recorded, global_step_ops)
     needed = ancestors(roots, is_frozen)
     sources = batch_sources(needed, index)
     raw_grad_ops = {t.op for g, _ in raw_grads for t in gradient_tensors(g)}
-    step = step_ops(capture, index, needed, sources, raw_grad_ops)
+    step = step_ops(recorded, index, needed, sources, raw_grad_ops)
     trained = {var for _, var in raw_grads}
     averaged = averaged_variables(step, global_step_ops | trained,
-                                  declared_aggregations(graph, capture))
+                                  declared_aggregations(graph, recorded))
     accumulators = {v for op in step for v in written_variables(op)} - global_step_ops - set(
         averaged)
     step -= late_accumulator_reads(index, step, needed, accumulators)
-    update = update_ops(graph, capture, index, step | raw_grad_ops, global_step_ops)
+    update = update_ops(graph, recorded, index, step | raw_grad_ops, global_step_ops)
     copied = step | update
     used_vars = {t.op for op in copied for t in op.inputs if is_variable(t.op)}
     variables = [op for op in index.ops if op in used_vars and op not in global_step_ops
@@ -116,24 +116,24 @@ def select_replication(graph: ops.Graph, capture: GraphCapture, index: GraphInde
     fed = set(batch_inputs)
     order = {op: i for i, op in enumerate(index.ops)}
     sparse_inputs = [tuple(op.outputs) for op in sorted(sources.sparse_readers, key=order.get)]
-    sparse_inputs += [group for group in capture.sparse_feeds
+    sparse_inputs += [group for group in recorded.sparse_feeds
                       if any(t in fed for t in group)]
     return Selection(
         step_ops=sorted(step, key=order.get), update_ops=sorted(update, key=order.get),
         variables=variables, batch_inputs=batch_inputs, raw_grads=raw_grads,
         sync_writers=sorted(sync_writers, key=order.get), batch_dependent=sources.dependent,
-        backward={op for op in step if capture.op_phase.get(op.name) == Phase.BACKWARD},
+        backward={op for op in step if recorded.op_phase.get(op.name) == Phase.BACKWARD},
         sparse_inputs=sparse_inputs, averaged=averaged)
 
 
-def training_roots(capture: GraphCapture, global_step_ops: Set[ops.Operation]
+def training_roots(recorded: Recorded, global_step_ops: Set[ops.Operation]
                    ) -> Tuple[List[ops.Operation], list]:
     """(the ops the losses and gradients of every ``tf.gradients`` call end
     in, the (gradient, variable op) pairs reduced across replicas: every
     variable's gradient but the global step's)."""
     roots: List[ops.Operation] = []
     raw_grads = []
-    for call in capture.gradient_calls:
+    for call in recorded.gradient_calls:
         roots.extend(y.op for y in call.ys if hasattr(y, "op"))
         for x, g in zip(call.xs, call.grads):
             if g is None:
@@ -157,13 +157,13 @@ def batch_sources(needed: Set[ops.Operation], index: GraphIndex) -> BatchSources
     return BatchSources(inputs, sparse_readers, index.descendants(inputs, control=True))
 
 
-def step_ops(capture: GraphCapture, index: GraphIndex, needed: Set[ops.Operation],
+def step_ops(recorded: Recorded, index: GraphIndex, needed: Set[ops.Operation],
              sources: BatchSources, raw_grad_ops: Set[ops.Operation]) -> Set[ops.Operation]:
     """The forward + backward ops a replica copies: what the losses and
     gradients need, and the side outputs of the batch (accuracy,
     predictions); but what consumes the raw gradients (clipping acts on the
     reduced ones), apply-phase ops and frozen ones."""
-    phase = capture.op_phase
+    phase = recorded.op_phase
     side = sources.dependent - index.descendants(raw_grad_ops, control=True)
     return {op for op in needed | side if phase.get(op.name, Phase.FORWARD) != Phase.APPLY
             and not is_frozen(op) and op not in sources.sparse_readers}
@@ -182,7 +182,7 @@ def late_accumulator_reads(index: GraphIndex, step: Set[ops.Operation],
     return late | index.descendants(late, control=True)
 
 
-def update_ops(graph: ops.Graph, capture: GraphCapture, index: GraphIndex,
+def update_ops(graph: ops.Graph, recorded: Recorded, index: GraphIndex,
                cut: Set[ops.Operation], global_step_ops: Set[ops.Operation]
                ) -> Set[ops.Operation]:
     """The ops updating the variables once per replica: the apply-phase ops
@@ -191,7 +191,7 @@ def update_ops(graph: ops.Graph, capture: GraphCapture, index: GraphIndex,
     initializers = {v.initializer for v in all_variables(graph)}
     writers = []
     for op in index.ops:
-        if capture.op_phase.get(op.name) != Phase.APPLY or op in initializers:
+        if recorded.op_phase.get(op.name) != Phase.APPLY or op in initializers:
             continue
         written = [t.op for t in op.inputs if is_variable(t.op)]
         if any(v not in global_step_ops for v in written) and op in writers_of(written):

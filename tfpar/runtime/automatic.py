@@ -102,7 +102,7 @@ def _plan(index: GraphIndex, capture: GraphCapture, rt: Runtime, auto: bool,
     """The model's view and the search's pick (``auto``), or ``count`` stages;
     what deserves it said of the graph (``runtime.stated``)."""
     cfg = rt.config
-    order, view = model_view(index, capture)
+    order, view = model_view(index, capture.recorded())
     time_limit = cfg.get("auto.search_time_limit_s")
     if not auto:
         cut = _stages_on_mixed_devices(rt, view, count, index.graph) or partition_stages(

@@ -6,8 +6,8 @@ from typing import List, Sequence, Tuple
 from tfpar import fallback
 from tfpar.cluster.hardware import Hardware, device_hardware, slowest
 from tfpar.errors import PlanError
-from tfpar.hooks.capture import GraphCapture
 from tfpar.ir.plan import Plan, pinned_plan
+from tfpar.ir.recorded import Recorded
 from tfpar.planner.stage_costs import stage_costs
 from tfpar.planner.balance import balance_load, integer_shares, well_formed_shares
 from tfpar.analysis.model_view import model_view
@@ -19,7 +19,7 @@ from tfpar.runtime.context import Runtime
 __all__ = ["batch_shares", "shard_shares"]
 
 
-def batch_shares(index: GraphIndex, capture: GraphCapture, rt: Runtime, plan: Plan
+def batch_shares(index: GraphIndex, recorded: Recorded, rt: Runtime, plan: Plan
                  ) -> Tuple[int, ...]:
     """Each replica of the model's weight in the global batch: its rows in
     proportion to its single-precision FLOP rate (a replica runs as fast as
@@ -48,7 +48,7 @@ def batch_shares(index: GraphIndex, capture: GraphCapture, rt: Runtime, plan: Pl
         return ()
     batch_bytes = fixed_bytes = 0.0
     if len(plan.task_graphs) == 1:
-        order, view = model_view(index, capture)
+        order, view = model_view(index, recorded)
         rows = planning_batch(rt, view) / plan.num_micro_batch
         costs = stage_costs(view, [0] * len(order), 1, rows, slowest(hardware))
         batch_bytes, fixed_bytes = costs.activation_bytes[0], costs.fixed_bytes[0]

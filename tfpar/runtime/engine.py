@@ -10,6 +10,7 @@ from tfpar.compat.tf import ops
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture, existing_capture, recording_paused
 from tfpar.ir.plan import Plan
+from tfpar.ir.recorded import Recorded
 from tfpar.ir.schedule import build_schedule
 from tfpar.rewriters import graph_edit
 from tfpar.rewriters.allreduce import CollectiveKeys, LocalReducer, make_reducer
@@ -166,8 +167,9 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
         plan.schedule, placement.num_stages, plan.num_micro_batch, plan.group_size)
     if state.calls_optimized is None:  # no session yet (see sessions._calls_optimize)
         state.calls_optimized = plan.num_micro_batch > 1
+    recorded = capture.recorded()
     with graph_edit.unfinalized(graph), recording_paused():
-        rewrite = replicate(graph, capture, index, placement, plan.num_micro_batch,
+        rewrite = replicate(graph, recorded, index, placement, plan.num_micro_batch,
                             reducer_for, schedule,
                             HorovodProcesses(cfg.get("io.shard_dataset")) if horovod else None,
                             functions=cfg.get("pipeline.task_functions"),
@@ -182,7 +184,7 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
     state.plan = dataclasses.replace(plan, notes=fallback.notes(graph))  # the rewrite's too
     state.rewritten_calls = len(capture.gradient_calls)
     state.rewrite = FetchTranslator(graph, rewrite, plan.group_size)
-    state.retuner = _retuner(graph, capture, rt, plan, index, stage_of, costs)
+    state.retuner = _retuner(graph, recorded, rt, plan, index, stage_of, costs)
     log.info("tfpar rewrote the graph:\n%s", plan.summary())
 
 
@@ -242,7 +244,7 @@ def _planned_zero(techniques, reducer_for, devices) -> int:
     return techniques.zero
 
 
-def _retuner(graph: ops.Graph, capture: GraphCapture, rt: Runtime, plan: Plan,
+def _retuner(graph: ops.Graph, recorded: Recorded, rt: Runtime, plan: Plan,
              index: GraphIndex, stage_of, costs) -> Optional[GroupRetuner]:
     """Ada-Grouper's online tuner (``runtime.retune``), for a kFkB pipeline
     whose k is 'auto' and ``pipeline.retune_steps`` is not 0; ``costs``:
@@ -261,7 +263,7 @@ def _retuner(graph: ops.Graph, capture: GraphCapture, rt: Runtime, plan: Plan,
     if why is not None:
         keep_group_size(plan.group_size, why, graph)
         return None
-    stage, memory_limit = costs or group_costs(index, capture, rt, plan, stage_of)
+    stage, memory_limit = costs or group_costs(index, recorded, rt, plan, stage_of)
     return GroupRetuner(plan.num_micro_batch, len(plan.task_graphs), plan.group_size,
                         stage.fixed_bytes, stage.activation_bytes, memory_limit, every,
                         cfg.get("pipeline.retune_tolerance"))

@@ -7,6 +7,7 @@ from tfpar import fallback
 from tfpar.compat.tf import ops
 from tfpar.hooks.capture import GraphCapture
 from tfpar.ir.plan import Plan
+from tfpar.ir.recorded import Recorded
 from tfpar.ir.taskgraph import Strategy, TaskGraphSpec
 from tfpar.planner.stage_costs import stage_costs
 from tfpar.planner.from_annotations import plan_from_annotations
@@ -56,7 +57,8 @@ def planned(graph: ops.Graph, capture: GraphCapture, rt: Runtime):
     index = GraphIndex(graph)
     automatic = automatic_plan(index, capture, rt)
     specs = task_graph_specs(capture, rt, automatic)
-    stage_of = assign_stages(index, capture, len(specs), [s.name for s in specs],
+    recorded = capture.recorded()
+    stage_of = assign_stages(index, recorded, len(specs), [s.name for s in specs],
                              automatic.tags if automatic is not None else None)
     plan = plan_from_annotations(specs, rt.devices, planned_config(rt, automatic),
                                  _stats(graph, capture, index, stage_of, len(specs)), graph)
@@ -68,21 +70,21 @@ def planned(graph: ops.Graph, capture: GraphCapture, rt: Runtime):
     plan = with_stage_search(plan, automatic)
     costs = None
     if plan.schedule == "kfkb" and plan.group_size == "auto":
-        costs = group_costs(index, capture, rt, plan, stage_of)
+        costs = group_costs(index, recorded, rt, plan, stage_of)
         stage, memory_limit = costs
         plan = dataclasses.replace(plan, group_size=tune_group_size(
             plan.num_micro_batch, stage.forward_s, stage.backward_s, stage.transfer_s,
             stage.fixed_bytes, stage.activation_bytes, memory_limit))
-    shares = batch_shares(index, capture, rt, plan)
+    shares = batch_shares(index, recorded, rt, plan)
     if shares:
         plan = dataclasses.replace(plan, batch_shares=shares)
     return dataclasses.replace(plan, notes=fallback.notes(graph)), index, stage_of, costs
 
 
-def group_costs(index: GraphIndex, capture: GraphCapture, rt: Runtime, plan: Plan, stage_of):
+def group_costs(index: GraphIndex, recorded: Recorded, rt: Runtime, plan: Plan, stage_of):
     """The pipeline's stage costs for choosing Ada-Grouper's k
     (``planner.grouper``), and the memory per device."""
-    order, view = model_view(index, capture)
+    order, view = model_view(index, recorded)
     rows = planning_batch(rt, view) / plan.data_parallel_degree / plan.num_micro_batch
     hardware = cluster_hardware(rt)
     costs = stage_costs(view, [stage_of.get(op, 0) for op in order], len(plan.task_graphs),

@@ -22,7 +22,7 @@ def recompute_configured(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -
         return
     _check_recompute(rt)
     with graph_edit.unfinalized(graph), recording_paused():
-        recompute_scopes(graph, capture, scopes)
+        capture.record_copies(recompute_scopes(graph, capture.recorded(), scopes))
 
 
 def _check_recompute(rt: Runtime) -> None:
@@ -42,13 +42,15 @@ def recompute_planned(graph: ops.Graph, capture: GraphCapture, index: GraphIndex
     ``full`` recomputes every repeated block (``ModelView.labels``, name
     scopes), as ``memory.recompute`` would; ``selective`` every attention
     core, outputs included."""
-    order, view = model_view(index, capture)
+    recorded = capture.recorded()
+    order, view = model_view(index, recorded)
     with graph_edit.unfinalized(graph), recording_paused():
         if mode == "full":
-            recompute_scopes(graph, capture, sorted({label for label in view.labels if label}))
+            capture.record_copies(recompute_scopes(
+                graph, recorded, sorted({label for label in view.labels if label})))
             return
         groups: Dict[str, List[ops.Operation]] = {}
         for op, unit in zip(order, recomputation(view).unit["selective"]):
             if unit >= 0:
                 groups.setdefault(f"attention_core_{unit}", []).append(op)
-        recompute_ops(graph, capture, groups)
+        capture.record_copies(recompute_ops(graph, recorded, groups))
