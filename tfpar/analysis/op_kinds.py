@@ -4,11 +4,10 @@ and summaries; and the tensors of a gradient. Nothing here mutates."""
 import weakref
 
 from tfpar.compat.tf import indexed_slices, ops
-from tfpar.hooks.capture import existing_capture
 
 __all__ = ["AUX_TYPES", "INPUT_TYPES", "READ_ONLY_RESOURCE_TYPES", "REF_READ_TYPES",
            "SPARSE_READER_TYPES", "TABLE_TYPES", "VARIABLE_TYPES", "gradient_tensors",
-           "is_input", "is_resource_variable", "is_variable"]
+           "is_input", "is_resource_variable", "is_variable", "reads_as_batch"]
 
 INPUT_TYPES = frozenset({"Placeholder", "PlaceholderWithDefault", "IteratorGetNext",
                          "IteratorGetNextSync", "OptionalGetValue", "QueueDequeueV2",
@@ -58,6 +57,17 @@ def is_input(op: ops.Operation) -> bool:
 
 
 _captures_seen: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# A tf.function's trace with its batch relaxed -> ids of the eager tensors it
+# reads as its batch (``reads_as_batch``).
+_batch_read: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def reads_as_batch(graph: ops.Graph, tensors) -> None:
+    """``graph``, a step traced with its batch relaxed, reads ``tensors``
+    (``GraphCapture.batch_captured``) as its batch: the placeholders capturing
+    them are inputs (the runtime says so before it reads the graph)."""
+    _batch_read[graph] = {id(t) for t in tensors}
+    _captures_seen.pop(graph, None)
 
 
 def _function_captures(graph: ops.Graph):
@@ -70,9 +80,7 @@ def _function_captures(graph: ops.Graph):
     known = _captures_seen.get(graph)
     if known is None or known[0] != len(pairs):
         handles = {id(v.handle) for v in graph.variables}
-        capture = existing_capture(graph)
-        batch = ({id(t) for t in capture.batch_captured} if capture is not None
-                 and capture.relaxed else set())  # the first trace's are not inputs yet
+        batch = _batch_read.get(graph, set())  # the first trace's are not inputs yet
         known = _captures_seen[graph] = (
             len(pairs), frozenset(inner.op for outer, inner in pairs if id(outer) in handles),
             frozenset(inner.op for _, inner in pairs),

@@ -1,10 +1,9 @@
 """Translate what the user fetches into what the parallel graph computes."""
 import collections
 import contextlib
-from typing import Any, Dict, Optional
+from typing import Any, Callable, ContextManager, Dict, Optional
 
 from tfpar.compat.tf import control_flow_ops, ops, tensor_lib
-from tfpar.hooks.capture import recording_paused
 from tfpar.rewriters import graph_edit
 from tfpar.rewriters.rewrite_record import DataParallelRewrite
 from tfpar.rewriters.replica_sync import sync_new_writers
@@ -29,14 +28,19 @@ class FetchTranslator:
     A pipeline may run another kFkB group size than the rewrite's
     (``use_group_size``): fetches then go to that version's copies.
 
+    ``unrecorded()`` keeps the ops it adds out of the hooks' records
+    (``hooks.capture.recording_paused``).
+
     Attributes:
       stepped: the last translated fetches run the training step.
     """
 
     def __init__(self, graph: ops.Graph, rewrite: DataParallelRewrite,
-                 group_size: Optional[int] = None) -> None:
+                 unrecorded: Callable[[], ContextManager], group_size: Optional[int] = None
+                 ) -> None:
         self._graph = graph
         self.rewrite = rewrite
+        self._unrecorded = unrecorded
         self._step = rewrite.selection.step_ops_set
         self._update = set(rewrite.selection.update_ops)
         self._groups: Dict[ops.Operation, ops.Operation] = {}
@@ -81,8 +85,11 @@ class FetchTranslator:
         return {copy: op for version in self.versions.values() if version is not None
                 for op, copy in version.copies.items()}
 
+    @contextlib.contextmanager
     def _editing(self):
-        return _editing(self._graph)
+        """Adding ops to the (maybe finalized) graph, unrecorded."""
+        with graph_edit.unfinalized(self._graph), self._graph.as_default(), self._unrecorded():
+            yield
 
     def _translate(self, fetch: Any) -> Any:
         if isinstance(fetch, (str, bytes)):
@@ -128,13 +135,6 @@ class FetchTranslator:
                     graph_edit.update_input(op, k, self.rewrite.reduced[t][0])
                 elif t.op in self._step:
                     graph_edit.update_input(op, k, self.rewrite.merged_tensor(t))
-
-
-@contextlib.contextmanager
-def _editing(graph: ops.Graph):
-    """Adding ops to the (maybe finalized) graph, unrecorded."""
-    with graph_edit.unfinalized(graph), graph.as_default(), recording_paused():
-        yield
 
 
 def _map_fetches(fn, fetches):

@@ -183,7 +183,7 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
             _check_finite(graph, rewrite, rt)
     state.plan = dataclasses.replace(plan, notes=fallback.notes(graph))  # the rewrite's too
     state.rewritten_calls = len(capture.gradient_calls)
-    state.rewrite = FetchTranslator(graph, rewrite, plan.group_size)
+    state.rewrite = FetchTranslator(graph, rewrite, recording_paused, plan.group_size)
     state.retuner = _retuner(graph, recorded, rt, plan, index, stage_of, costs)
     log.info("tfpar rewrote the graph:\n%s", plan.summary())
 

@@ -8,7 +8,7 @@ from tfpar import fallback
 from tfpar.compat.tf import context, ops
 from tfpar.hooks.capture import GraphCapture, existing_capture
 from tfpar.rewriters.function_outputs import rewire_outputs
-from tfpar.analysis.op_kinds import is_input
+from tfpar.analysis.op_kinds import is_input, reads_as_batch
 from tfpar.runtime.captured_batches import captured_batch, unsplittable
 from tfpar.runtime.context import Runtime, active
 from tfpar.runtime.graph_state import state_of
@@ -32,6 +32,8 @@ def rewrite_function(graph: ops.Graph, rewrite: Callable[[ops.Graph], Optional[A
     gradients update them once."""
     rt = active()
     capture = existing_capture(graph)
+    if capture is not None and capture.relaxed:
+        reads_as_batch(graph, capture.batch_captured)
     if rt is None or capture is None or not capture.gradient_calls:
         return
     if _plan_changes_nothing(rt):  # the step as traced is the plan: not retraced nor rewritten
