@@ -184,3 +184,14 @@ def test_the_layers_cover_the_package_folders():
     folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and not p.name.startswith("_")}
     assert folders - {"__pycache__"} <= set(MAY_IMPORT), folders
     assert os.path.isfile(PACKAGE / "compat" / "tf.py")
+
+
+def test_readme_draws_every_layer():
+    """README's layout picture names every folder and top-level module layer."""
+    readme = (PACKAGE.parent / "README.md").read_text()
+    picture = readme[readme.index("### The layout"):readme.index("**TF2 steps.**")]
+    folders = [layer for layer in MAY_IMPORT if (PACKAGE / layer).is_dir()]
+    missing = [f"{f}/" for f in folders if f"{f}/" not in picture]
+    missing += [f"{m}.py" for m in sorted(ENTRY | {"errors", "fallback"})
+                if f"{m}.py" not in picture]
+    assert not missing, missing
