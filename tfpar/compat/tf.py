@@ -179,3 +179,11 @@ def library_function(graph, name: str):
 def function_from_definition(definition):
     """A ``FunctionDef`` as a function that can be added to a graph's library."""
     return function._from_definition(definition)
+
+
+def read_or(variable, initial) -> tensor_lib.Tensor:
+    """The variable's value, or ``initial`` while it has none (a new session):
+    a branch (cond_v2, so it may run inside task functions) reads it only
+    once it was written."""
+    return cond_v2.cond_v2(variable.is_initialized(), variable.read_value,
+                           lambda: constant_op.constant(initial, variable.dtype))

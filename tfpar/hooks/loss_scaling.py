@@ -19,11 +19,12 @@ the first step writes it).
 """
 from typing import Any, Callable, List, Optional, Sequence
 
-from tfpar.compat.tf import (array_ops, array_ops_stack, cond_v2, constant_op, control_flow_ops,
-                             dtypes, gen_control_flow_ops, gen_math_ops, indexed_slices, math_ops,
-                             ops, resource_variable_ops, tensor_lib)
+from tfpar.compat import tf as internals
+from tfpar.compat.tf import (array_ops, array_ops_stack, constant_op, control_flow_ops, dtypes,
+                             gen_control_flow_ops, gen_math_ops, indexed_slices, math_ops, ops,
+                             resource_variable_ops, tensor_lib)
 
-__all__ = ["LossScale", "INITIAL_SCALE", "GROWTH_STEPS", "read_or"]
+__all__ = ["LossScale", "INITIAL_SCALE", "GROWTH_STEPS"]
 
 INITIAL_SCALE = 2.0 ** 15
 GROWTH_STEPS = 2000
@@ -39,8 +40,8 @@ class LossScale:
                 ops.name_scope("tfpar_loss_scale/"):
             self.scale = _variable(INITIAL_SCALE, dtypes.float32, "scale")
             self.good_steps = _variable(0, dtypes.int64, "good_steps")
-            self.value = read_or(self.scale, INITIAL_SCALE)
-            self.steps = read_or(self.good_steps, 0)
+            self.value = internals.read_or(self.scale, INITIAL_SCALE)
+            self.steps = internals.read_or(self.good_steps, 0)
 
     def scaled(self, seeds: Sequence[Any]) -> List[Any]:
         """``seeds`` times S (floating ones; others as they are)."""
@@ -97,14 +98,6 @@ class LossScale:
 def _variable(initial, dtype, name):
     return resource_variable_ops.ResourceVariable(
         constant_op.constant(initial, dtype), trainable=False, collections=[], name=name)
-
-
-def read_or(variable, initial) -> tensor_lib.Tensor:
-    """The variable's value, or ``initial`` while it has none (a new session):
-    a branch (cond_v2, so it may run inside task functions) reads it only
-    once it was written."""
-    return cond_v2.cond_v2(variable.is_initialized(), variable.read_value,
-                           lambda: constant_op.constant(initial, variable.dtype))
 
 
 def _floating(t) -> bool:

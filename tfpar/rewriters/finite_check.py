@@ -17,7 +17,6 @@ from typing import Dict
 from tfpar.compat import tf as internals
 from tfpar.compat.tf import (array_ops, constant_op, device_lib, dtypes, gen_math_ops, math_ops,
                              ops, resource_variable_ops, tensor_lib)
-from tfpar.hooks.loss_scaling import read_or
 from tfpar.rewriters import graph_edit
 from tfpar.analysis.op_kinds import gradient_tensors
 from tfpar.analysis.stages import host_device
@@ -97,6 +96,6 @@ def _step(host: str) -> tensor_lib.Tensor:
             constant_op.constant(0, dtypes.int64), trainable=False, collections=[],
             name="step_counter")
     with ops.device(host):
-        step = read_or(counter, 0) + 1
+        step = internals.read_or(counter, 0) + 1
         with ops.control_dependencies([counter.assign(step, read_value=False)]):
             return array_ops.identity(step)
