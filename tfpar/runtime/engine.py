@@ -143,7 +143,8 @@ def _built_after_rewrite(graph: ops.Graph, capture: GraphCapture, state: GraphSt
 
 
 def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
-    """Plan ``graph`` and rewrite it (its ``GraphState``'s plan and rewrite)."""
+    """Analyse and plan ``graph``, rewrite it, and keep what was decided in
+    its ``GraphState`` (the plan, the rewrite's fetch translator, the tuner)."""
     state = state_of(graph)
     recompute_configured(graph, capture, rt)
     plan, index, stage_of, costs = planned(graph, capture, rt)
@@ -158,22 +159,36 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
     if automatic is not None and automatic.best is not automatic.runnable:
         # What runs is unsharded; what current_plan() shows, to pin, is not.
         state.sharded_plan = sharded_plan(automatic, rt, index, capture)
-    cfg = rt.config
     placement = _placement(plan, index, stage_of)
+    if state.calls_optimized is None:  # no session yet (see sessions._calls_optimize)
+        state.calls_optimized = plan.num_micro_batch > 1
+    recorded = capture.recorded()
+    rewrite = _parallelised(graph, recorded, rt, plan, index, placement, techniques,
+                            state.calls_optimized)
+    state.plan = dataclasses.replace(plan, notes=fallback.notes(graph))  # the rewrite's too
+    state.rewritten_calls = len(capture.gradient_calls)
+    state.rewrite = FetchTranslator(graph, rewrite, recording_paused, plan.group_size)
+    state.retuner = _retuner(graph, recorded, rt, plan, index, stage_of, costs)
+    log.info("tfpar rewrote the graph:\n%s", plan.summary())
+
+
+def _parallelised(graph: ops.Graph, recorded: Recorded, rt: Runtime, plan: Plan,
+                  index: GraphIndex, placement: Placement, techniques,
+                  calls_optimized: bool):
+    """The rewrite of ``graph`` as ``plan`` places it (``rewriters.data_parallel``),
+    its gradients checked if ``check.finite_gradients``."""
+    cfg = rt.config
     reducer_for = _reducers(graph, rt)
     horovod = cfg.get("communication.backend") == "horovod"
     # One micro-batch needs no schedule; otherwise the plan's was validated.
     schedule = [] if plan.num_micro_batch == 1 else build_schedule(
         plan.schedule, placement.num_stages, plan.num_micro_batch, plan.group_size)
-    if state.calls_optimized is None:  # no session yet (see sessions._calls_optimize)
-        state.calls_optimized = plan.num_micro_batch > 1
-    recorded = capture.recorded()
     with graph_edit.unfinalized(graph), recording_paused():
         rewrite = replicate(graph, recorded, index, placement, plan.num_micro_batch,
                             reducer_for, schedule,
                             HorovodProcesses(cfg.get("io.shard_dataset")) if horovod else None,
                             functions=cfg.get("pipeline.task_functions"),
-                            calls_optimized=state.calls_optimized,
+                            calls_optimized=calls_optimized,
                             shares=plan.batch_shares,
                             offload=cfg.get("memory.offload_optimizer") or techniques.offload,
                             zero=cfg.get("memory.zero") or _planned_zero(
@@ -181,11 +196,7 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
                             precision=applied_option(cfg, rt.device_type))
         if cfg.get("check.finite_gradients"):
             _check_finite(graph, rewrite, rt)
-    state.plan = dataclasses.replace(plan, notes=fallback.notes(graph))  # the rewrite's too
-    state.rewritten_calls = len(capture.gradient_calls)
-    state.rewrite = FetchTranslator(graph, rewrite, recording_paused, plan.group_size)
-    state.retuner = _retuner(graph, recorded, rt, plan, index, stage_of, costs)
-    log.info("tfpar rewrote the graph:\n%s", plan.summary())
+    return rewrite
 
 
 def _placement(plan: Plan, index: GraphIndex, stage_of) -> Placement:
