@@ -20,6 +20,7 @@ from tfpar.analysis.op_kinds import (INPUT_TYPES, VARIABLE_TYPES, gradient_tenso
                                      is_variable)
 from tfpar.analysis.variables import variable_bytes
 from tfpar.compat.tf import config, dtypes, ops, tensor_lib, tensor_util
+from tfpar.ir.contractions import CONTRACTIONS, einsum_depth
 from tfpar.ir.recorded import Recorded
 from tfpar.ir.taskgraph import Phase
 from tfpar.planner.model_view import ModelView
@@ -27,7 +28,6 @@ from tfpar.planner.pruning import block_labels
 
 __all__ = ["model_view"]
 
-CONTRACTIONS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
 SAME_ELEMENTS = frozenset({"Reshape", "Squeeze", "ExpandDims", "Transpose", "Identity"})
 # Ops whose output is their input's buffer (TensorFlow forwards it): they
 # allocate nothing. A Transpose does when its permutation is the identity
@@ -279,7 +279,11 @@ def _integers(t: tensor_lib.Tensor) -> Optional[List[int]]:
 
 
 def _contraction_sizes(op: ops.Operation) -> Tuple[Optional[int], Optional[int]]:
-    """(contracted size, output columns) of a matmul from either operand."""
+    """(contracted size, output columns) of a matmul from either operand; of
+    an einsum, (its summed letters' sizes multiplied, None)."""
+    if op.type == "Einsum":
+        shapes = [t.shape.as_list() if t.shape.rank is not None else None for t in op.inputs]
+        return einsum_depth(op.get_attr("equation").decode(), shapes), None
     a, b = op.inputs[0].shape, op.inputs[1].shape
     if a.rank is None or b.rank is None:
         return None, None

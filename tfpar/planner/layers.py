@@ -25,10 +25,11 @@ from typing import Dict, List, Sequence, Tuple
 
 import networkx as nx
 
+from tfpar.ir.contractions import CONTRACTIONS
+
 __all__ = ["HEAD_OPS", "Layer", "LayerGraph", "attention_layers", "critical_positions",
            "layer_graph", "subgraph"]
 
-CONTRACTIONS = frozenset({"MatMul", "BatchMatMulV2", "BatchMatMul", "Einsum"})
 XENT = frozenset({"SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits"})
 LOOKUPS = frozenset({"GatherV2", "ResourceGather"})
 ELEMENTWISE = frozenset({"Relu", "Relu6", "Elu", "Selu", "Gelu", "Tanh", "Sigmoid", "Softplus",

@@ -34,6 +34,8 @@ import collections
 import dataclasses
 from typing import Dict, List, Sequence
 
+from tfpar.ir.contractions import CONTRACTIONS
+
 __all__ = ["HOST_LINK_BYTES_S", "HOST_MEMORY_BYTES_S", "RECOMPUTE", "Recomputation",
            "Techniques", "offload_seconds", "recomputation", "state_bytes"]
 
@@ -55,7 +57,6 @@ UPDATE_ARRAYS = 7  # float32 arrays an Adam update reads or writes per parameter
 _CORE_OPS = frozenset({"Mul", "AddV2", "Add", "Sub", "RealDiv", "Softmax", "Select", "SelectV2",
                        "Maximum", "Minimum", "Cast", "Identity", "Neg", "Exp", "Greater",
                        "GreaterEqual", "RandomUniform", "Floor"})
-_CONTRACTIONS = frozenset({"BatchMatMulV2", "BatchMatMul", "Einsum", "MatMul"})
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -163,7 +164,7 @@ def _attention_cores(view) -> List[List[int]]:
     types = view.types or [""] * len(view.flops)
 
     def weightless(i):
-        return types[i] in _CONTRACTIONS and not view.param_bytes[i]
+        return types[i] in CONTRACTIONS and not view.param_bytes[i]
     cores = []
     for start in (i for i in range(len(view.flops)) if weightless(i)):
         seen, frontier, closed = {start}, [start], False
