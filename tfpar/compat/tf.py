@@ -100,7 +100,7 @@ def restore_coordinator_class():
 
 def take_restore_identity(new, old) -> None:
     """``new`` counts as restored as far as ``old`` was."""
-    new._maybe_initialize_trackable()
+    initialize_trackable(new)
     new._self_update_uid = old._update_uid
 
 
