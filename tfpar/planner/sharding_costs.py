@@ -109,9 +109,13 @@ class Problem:
         self.limit_activations, self.split_heads = limit_activations, split_heads
         self.rows_device = mesh.batch / mesh.devices
         self.rows_group = mesh.batch / mesh.data
+        # Edges of no bytes per row (batch-free tensors: masks, position
+        # ranges) cost nothing whatever the layouts (``edge``): left out, so
+        # they tie no segment of the search to another (``critical_positions``).
         self.preds: List[List[Tuple[int, float]]] = [[] for _ in graph.layers]
         for i, j, size in graph.edges:
-            self.preds[j].append((i, size))
+            if size:
+                self.preds[j].append((i, size))
         # Costs depend on a layer's identity, not its position: a model's
         # repeated blocks are costed once (``layer_cost``, ``memory_of``).
         self.klass = graph.classes
