@@ -191,13 +191,10 @@ def subgraph(graph: LayerGraph, members: Sequence[int]) -> LayerGraph:
 def critical_positions(count: int, edges: Sequence[Tuple[int, int, float]]) -> List[int]:
     """Nodes of a DAG in topological order (edges i < j) that no edge jumps
     over, so every path from the first to the last passes them (Rhino's
-    critical nodes, §4.3.1); the first and last included. Edges of no bytes
-    per row do not count: a batch-free tensor that every layer reads (a
-    causal mask built once, a position range) costs nothing to cross, and
-    would otherwise leave no critical node between its first and last reader."""
+    critical nodes, §4.3.1); the first and last included."""
     jumped = [0] * (count + 1)
-    for i, j, size in edges:
-        if j > i + 1 and size:
+    for i, j, _ in edges:
+        if j > i + 1:
             jumped[i + 1] += 1
             jumped[j] -= 1
     critical, running = [], 0

@@ -129,8 +129,12 @@ def _follow_free_layers(problem: Problem, chosen: Sequence[str]) -> List[str]:
 
 
 def critical_layers(graph: LayerGraph) -> List[int]:
-    """Layers every path from the first to the last passes (Rhino §4.3.1)."""
-    return critical_positions(len(graph.layers), graph.edges)
+    """Layers every path from the first to the last passes (Rhino §4.3.1),
+    through edges of some bytes per row: a batch-free tensor that every
+    layer reads (a causal mask built once) costs nothing to reshard
+    (``Problem.preds`` leaves it out), and would otherwise leave no critical
+    layer between its first and last reader."""
+    return critical_positions(len(graph.layers), [e for e in graph.edges if e[2]])
 
 
 def _segments_dp(problem: Problem, allowed: Sequence[Tuple[str, ...]], cache: Dict,
