@@ -19,7 +19,7 @@ $(STAMP): requirements.txt setup.py
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/data_parallel_mlp.py
+	$(PY) examples/data_parallel_mlp.py --report plan_report.html
 
 # The full suite includes the Horovod backend's tests: Horovod is built first.
 test: $(STAMP) $(HOROVOD_STAMP)
