@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 HOROVOD_STAMP := $(VENV)/.horovod-stamp
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast bench horovod clean
+.PHONY: demo test test-fast bench horovod chromium clean
 
 $(STAMP): requirements.txt setup.py
 	@echo "tfpar: creating $(VENV)/ and installing TensorFlow 2.15 and the other requirements (1-3 minutes with pip's cache, longer without; pip runs quietly)"
@@ -19,14 +19,14 @@ $(STAMP): requirements.txt setup.py
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/data_parallel_mlp.py
+	$(PY) examples/data_parallel_mlp.py --report plan_report.html
 
 # The full suite includes the Horovod backend's tests: Horovod is built first.
-test: $(STAMP) $(HOROVOD_STAMP)
+test: $(STAMP) $(HOROVOD_STAMP) chromium
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 # Everything but the tests marked slow (multi-process ones; no Horovod needed).
-test-fast: $(STAMP)
+test-fast: $(STAMP) chromium
 	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
 
 bench: $(STAMP) $(HOROVOD_STAMP)
@@ -51,6 +51,14 @@ $(HOROVOD_STAMP): $(STAMP)
 	HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
 	$(PY) -m pip install -q --no-build-isolation horovod==0.28.1
 	touch $(HOROVOD_STAMP)
+
+# Headless Chromium for tests/test_report_browser.py: Debian's package, installed
+# when absent where this runs as root with apt-get; elsewhere that test is skipped
+# (pytest names the reason).
+chromium:
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+	  && { apt-get install -y -q chromium || { apt-get update -q && apt-get install -y -q chromium; }; } \
+	  || echo "tfpar: chromium is not installed (needs root and apt-get): the browser test will be skipped"; }
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -1,10 +1,13 @@
 """Data parallelism with tfpar: one added line makes a TF1-style script run on N devices.
 
     python examples/data_parallel_mlp.py [--devices 4] [--steps 8] [--micro-batches 1]
+                                         [--report plan_report.html]
 
 Trains a small MLP classifier twice on the same data, plainly on one device and
 with tfpar on N logical CPU devices (GPUs when present), and prints the plan
-and the per-step losses side by side: they agree to float32 rounding.
+and the per-step losses side by side: they agree to float32 rounding. With
+--report, tfpar writes the plan report (config key ``report``) after the first
+step, and the example ends by naming it.
 """
 import os
 import warnings
@@ -48,6 +51,7 @@ def run(data, tfpar_config=None):
 def main():
     parser = example_parser(__doc__, devices=4, batch=64, steps=8)
     parser.add_argument("--micro-batches", type=int, default=1)
+    parser.add_argument("--report", help="write the plan report (HTML) to this path")
     args = parser.parse_args()
     tf.compat.v1.disable_eager_execution()
     rng = np.random.RandomState(0)
@@ -59,10 +63,14 @@ def main():
 
     plain, _, _ = run(data)
     parallel, plan, devices = run(data, {"cluster.num_devices": args.devices,
-                                         "pipeline.num_micro_batch": args.micro_batches})
+                                         "pipeline.num_micro_batch": args.micro_batches,
+                                         "report": args.report})
     print(plan.summary())
     print_devices(devices)
-    return report(plain, parallel)
+    failed = report(plain, parallel)
+    if args.report:
+        print(f"plan report (open it in a browser): {os.path.abspath(args.report)}")
+    return failed
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """The ``tfpar`` command.
 
     tfpar config                       list every config key, its default and meaning
-    tfpar plan [--config CFG] [--json] [--out FILE] SCRIPT [ARGS...]
+    tfpar plan [--config CFG] [--json] [--out FILE] [--html FILE] SCRIPT [ARGS...]
                                        run SCRIPT until its first session run and print
-                                       the plan tfpar would execute (or write its JSON to
-                                       FILE), without training
+                                       the plan tfpar would execute (or write its JSON, or
+                                       its HTML report, to FILE), without training
     tfpar launch --workers N [--devices-per-worker K] [--network auto|private|host]
                  [--max-restarts R] SCRIPT [ARGS...]
                                        run SCRIPT as N local workers of a TF_CONFIG cluster,
@@ -53,10 +53,12 @@ def _plan(args) -> int:
         if active() is None or capture is None or not capture.gradient_calls:
             return None
         plan = planning.plan_for(graph, capture, active())
+        if args.html:
+            print(f"tfpar plan: report written to {plan.to_html(args.html)}")
         if args.out:
             with open(args.out, "w", encoding="utf-8") as f:
                 f.write(plan.to_json())
-        else:
+        elif not args.html:
             print(plan.to_json() if args.json else plan.summary())
         raise _PlanReady()
 
@@ -140,6 +142,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     plan.add_argument("--config", help="config (JSON file or text) used instead of the script's")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--out", help="write the plan's JSON to this file instead")
+    plan.add_argument("--html", metavar="FILE", help="write the plan report (one HTML file) "
+                                                     "to FILE instead")
     plan.add_argument("script_args", nargs=argparse.REMAINDER)
     launch = sub.add_parser("launch", help="run a script as N local workers (TF_CONFIG)")
     launch.add_argument("--workers", type=int, default=2, help="worker processes")

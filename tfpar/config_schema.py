@@ -149,6 +149,9 @@ SCHEMA = {
         "are summed: a NaN or Inf fails the step naming the variable, the step, the replica, "
         "TaskGraph / stage, micro-batch and device"),
     "plan": Option("dict|None", None, (), "plan JSON (dict or text) that pins the plan"),
+    "report": Option("str|None", None, (), "write the plan report (one HTML file: devices, "
+                     "layers, schedule with the traced step, memory, searched candidates, "
+                     "notes) to this path after the first training step"),
     "strict": Option("bool", False, (), "every fallback (tfpar running something other than "
                      "what was asked, a tfpar.FallbackWarning) raises PlanError instead"),
 }

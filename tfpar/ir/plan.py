@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from tfpar.errors import PlanError
 from tfpar.ir.compact import device_ranges, numbered
 from tfpar.ir.outcome import Outcome
+from tfpar.ir.report import write_report
 from tfpar.ir.schedule import build_schedule
 from tfpar.ir.simulate import simulate as simulate_schedule
 from tfpar.ir.trace import chrome_trace, write_chrome_trace
@@ -194,6 +195,13 @@ class Plan:
         names = [f"{tg.name} ({device_ranges(tg.replicas[0])})" for tg in self.task_graphs]
         write_chrome_trace(chrome_trace(result, names), path)
         return result
+
+    def to_html(self, path: str, traced=None) -> str:
+        """Write the plan report (one self-contained HTML file: devices, layers,
+        schedule, memory, searched candidates, notes) to ``path``; ``traced``:
+        ``tfpar.step_timeline`` of a traced step, drawn beside the simulated
+        one. Returns ``path``."""
+        return write_report(self, path, traced)
 
     def summary(self) -> str:
         """A human-readable table of the plan."""

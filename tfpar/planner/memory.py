@@ -32,12 +32,12 @@ Per op of a ``ModelView`` (so that a pipeline stage sums its ops' terms):
 """
 import collections
 import dataclasses
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 from tfpar.ir.contractions import CONTRACTIONS
 
 __all__ = ["HOST_LINK_BYTES_S", "HOST_MEMORY_BYTES_S", "RECOMPUTE", "Recomputation",
-           "Techniques", "offload_seconds", "recomputation", "state_bytes"]
+           "Techniques", "offload_seconds", "recomputation", "state_bytes", "state_parts"]
 
 RECOMPUTE = ("none", "selective", "full")
 SLOTS = 2  # optimizer slots per weight (Adam's m and v)
@@ -94,14 +94,22 @@ def state_bytes(param_bytes: float, data: int, zero: int, offload: bool = False)
     ZeRO-2 the gradients (4) too, and ``offload`` keeps the slots on the
     host. Mixed precision's split (2 + 2 + 4 + 8) is the same: its master
     weights shard with the slots."""
-    weights, grads, slots = param_bytes, param_bytes, SLOTS * param_bytes
-    if offload:
-        slots = 0.0
-    if zero >= 1:
-        slots /= data
-    if zero >= 2:
-        grads /= data
-    return weights + grads + slots
+    return param_bytes * sum(_state_shares(data, zero, offload))
+
+
+def state_parts(state: float, data: int, zero: int, offload: bool = False
+                ) -> Dict[str, float]:
+    """``state`` bytes per device (``state_bytes``) as its weights,
+    gradients and optimizer slots, in the proportions ``state_bytes`` counts."""
+    shares = _state_shares(data, zero, offload)
+    param_bytes = state / sum(shares)
+    return dict(zip(("weights", "gradients", "optimizer"), (param_bytes * s for s in shares)))
+
+
+def _state_shares(data: int, zero: int, offload: bool) -> Tuple[float, float, float]:
+    """Bytes of weights, gradients and slots per device per float32 weight byte."""
+    slots = 0.0 if offload else float(SLOTS)
+    return (1.0, 1.0 / data if zero >= 2 else 1.0, slots / data if zero >= 1 else slots)
 
 
 def offload_seconds(param_bytes: float) -> float:

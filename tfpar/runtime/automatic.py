@@ -51,7 +51,8 @@ class Automatic:
     ``count`` of the plan this graph runs; the search's pick ``best`` (may
     shard layers: then it needs a build with the plan pinned) and the best
     plan without sharding, ``runnable`` (None without ``auto.auto_parallel``);
-    how ``num_task_graph``'s stages were cut without it (``stage_search``)."""
+    how ``num_task_graph``'s stages were cut without it (``stage_search``);
+    every candidate the search costed (``candidates``)."""
 
     order: Tuple[ops.Operation, ...]
     param_bytes: Tuple[float, ...]
@@ -60,6 +61,7 @@ class Automatic:
     best: Any = None
     runnable: Any = None
     stage_search: Optional[Outcome] = None
+    candidates: Tuple[Any, ...] = ()
 
     @property
     def tags(self) -> Dict[str, int]:
@@ -119,7 +121,7 @@ def _plan(index: GraphIndex, capture: GraphCapture, rt: Runtime, auto: bool,
     say_how_it_was_found(index.graph, rt, best, runnable, candidates)
     stages, count = (runnable.stages, runnable.pipeline) if runnable else ((0,) * len(order), 1)
     return Automatic(tuple(order), tuple(view.param_bytes), tuple(stages), count, best,
-                     runnable)
+                     runnable, candidates=tuple(candidates))
 
 
 def _search(rt: Runtime, view, count: Optional[int], time_limit: float):
@@ -285,7 +287,7 @@ def sharded_plan(automatic: Automatic, rt: Runtime, index: GraphIndex,
     if best.split_stages:
         sharding["stages"] = {scope: stage for (scope, _), stage
                               in zip(best.split_scopes, best.split_stages)}
-    return dataclasses.replace(plan, task_graphs=task_graphs, estimate=estimate_of(best, rt),
+    return dataclasses.replace(plan, task_graphs=task_graphs, estimate=estimate_of(best, rt, automatic.candidates),
                                sharding=sharding, notes=fallback.notes(index.graph))
 
 

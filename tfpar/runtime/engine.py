@@ -28,10 +28,12 @@ from tfpar.runtime.context import Runtime, active
 from tfpar.runtime.gc_paused import gc_paused
 from tfpar.runtime.graph_state import GraphState, existing_state, state_of
 from tfpar.runtime.iterators import make_iterator
-from tfpar.runtime.online_tuning import after_run, keep_group_size, made_callable
+from tfpar.runtime import online_tuning
+from tfpar.runtime.online_tuning import keep_group_size, made_callable
 from tfpar.runtime.planning import group_costs, planned
 from tfpar.runtime.precision import applied, applied_option
 from tfpar.runtime.recomputation import recompute_configured, recompute_planned
+from tfpar.runtime.report_step import after_step
 from tfpar.runtime.retune import GroupRetuner
 from tfpar.runtime.sessions import run_failed, run_options, session_config, session_target
 from tfpar.runtime.split_contexts import check_forced_units, setup_capture
@@ -44,6 +46,13 @@ __all__ = ["after_run", "before_run", "function_gradients", "loss_scaled", "made
            "session_target", "setup_capture", "sync_batch_norm"]
 
 log = logging.getLogger("tfpar")
+
+
+def after_run(graph: ops.Graph, run_metadata) -> None:
+    """A run of ``graph`` ended: online tuning may move k; the first traced
+    training step writes the plan report (config key ``report``)."""
+    online_tuning.after_run(graph, run_metadata)
+    after_step(graph, run_metadata)
 
 
 def rewrites_next(graph: ops.Graph) -> bool:

@@ -25,6 +25,7 @@ class GraphState:
         instantiated, tfpar's sessions of the graph then running grappler off
         (``runtime.sessions``; None until a session or the rewrite decides).
       automatic: (training calls seen, automatic plan) cached by the planner.
+      reported: the config's ``report`` was written (``runtime.report_step``).
     """
 
     plan: Optional[Plan] = None
@@ -34,6 +35,7 @@ class GraphState:
     sharded_plan: Optional[Plan] = None
     calls_optimized: Optional[bool] = None
     automatic: Any = None
+    reported: bool = False
 
     def searched(self) -> Any:
         """The automatic plan cached by the planner (``runtime.automatic``), or None."""

@@ -64,9 +64,10 @@ def planned(graph: ops.Graph, capture: GraphCapture, rt: Runtime):
                                  _stats(graph, capture, index, stage_of, len(specs)), graph)
     if automatic is not None and automatic.runnable is not None:
         runnable = automatic.runnable
-        plan = dataclasses.replace(plan, estimate=estimate_of(runnable, rt), task_graphs=tuple(
-            dataclasses.replace(tg, estimate=part_estimate([part]))
-            for tg, part in zip(plan.task_graphs, runnable.parts)))
+        plan = dataclasses.replace(
+            plan, estimate=estimate_of(runnable, rt, automatic.candidates), task_graphs=tuple(
+                dataclasses.replace(tg, estimate=part_estimate([part]))
+                for tg, part in zip(plan.task_graphs, runnable.parts)))
     plan = with_stage_search(plan, automatic)
     costs = None
     if plan.schedule == "kfkb" and plan.group_size == "auto":

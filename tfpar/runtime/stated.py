@@ -14,23 +14,31 @@ from tfpar.planner.choice import faster_with_techniques
 from tfpar.planner.costing import SOLVE_SHARE, STAGE_ILP_SHARE
 from tfpar.planner.meshes import meshes_named
 from tfpar.planner.roofline import LOW_PRECISION
+from tfpar.planner.verdicts import candidate_rows, memory_parts
 
 __all__ = ["estimate_of", "say_how_it_was_found", "say_stage_cut"]
 
 _MORE = "Raise auto.search_time_limit_s"
 
 
-def estimate_of(candidate: Candidate, rt) -> Dict[str, Any]:
-    """A plan's ``estimate`` from a search candidate: its step, memory and
-    traffic, its memory techniques, and what it assumes and how it was found."""
+def estimate_of(candidate: Candidate, rt, candidates: Sequence[Candidate] = ()
+                ) -> Dict[str, Any]:
+    """A plan's ``estimate`` from a search candidate: its step, memory (and
+    what fills its fullest device: ``memory``) and traffic, its memory
+    techniques, what it assumes and how it was found; with the search's
+    ``candidates``, each with why it lost (``planner.verdicts``)."""
     techniques = candidate.techniques
+    rows = (candidate_rows(candidates, candidate, candidate.search.hardware)
+            if candidates and candidate.search is not None else [])
     return {"step_time_s": candidate.step_time_s,
             "memory_bytes_per_device": [candidate.memory_bytes] * len(rt.devices),
+            "memory": memory_parts(candidate),
             "comm_bytes": candidate.comm_bytes,
             "memory_techniques": techniques.names,
             **({"recompute": techniques.recompute} if techniques.recompute != "none" else {}),
             **({"zero": techniques.zero} if techniques.zero else {}),
-            **_assumed(candidate, rt), **_found(candidate)}
+            **_assumed(candidate, rt), **_found(candidate),
+            **({"candidates": rows} if rows else {})}
 
 
 def _assumed(candidate: Candidate, rt) -> Dict[str, Any]:
@@ -52,6 +60,7 @@ def _assumed(candidate: Candidate, rt) -> Dict[str, Any]:
         "devices_per_node": hardware.devices_per_node, "compute_dtype": dtype,
         "peak_dtype": hardware.peak_name(dtype), "peak_tflops": hardware.peak(dtype),
         "efficiency": hardware.efficiency, "memory_gbps": hardware.memory_gbps,
+        "memory_gb": hardware.memory_gb,
         "global_batch": record.global_batch, "batch_from": batch_from},
         "flops_per_step": model, "recomputed_flops_per_step": again,
         "model_tflops_per_device": model / device_seconds if device_seconds else 0.0,
