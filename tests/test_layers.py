@@ -1,5 +1,5 @@
 """The house's walls, read from disk: which folder of tfpar may import which
-(README "How it works: the layout"), where TensorFlow's internals may be
+(docs/how-it-works.md, "The layout"), where TensorFlow's internals may be
 reached, who may edit graphs, and how long a module or a function may grow.
 Every rule is checked on every module file, so new files are covered."""
 import ast
@@ -12,7 +12,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tfpar"
 # Modules at the package's top level, by the layer they belong to.
 BASE = {"errors", "fallback", "config", "config_schema", "config_rules"}
 ENTRY = {"api", "cli", "__init__"}
-# What each layer may import of tfpar, besides itself (README's picture, top down).
+# What each layer may import of tfpar, besides itself (docs/how-it-works.md's picture, top down).
 MAY_IMPORT = {
     "entry": {"runtime", "hooks", "rewriters", "analysis", "patterns", "planner", "ir", "cluster",
               "compat", "base"},
@@ -75,7 +75,7 @@ def _tfpar_imports(tree: ast.AST):
 
 def test_every_module_belongs_to_a_known_layer():
     unknown = {str(p.relative_to(PACKAGE)) for p in _modules() if _layer(p) not in MAY_IMPORT}
-    assert not unknown, f"add these to a layer (MAY_IMPORT and README's layout): {unknown}"
+    assert not unknown, f"add these to a layer (MAY_IMPORT and docs/how-it-works.md's layout): {unknown}"
 
 
 def test_each_layer_imports_only_the_layers_below_it():
@@ -186,10 +186,10 @@ def test_the_layers_cover_the_package_folders():
     assert os.path.isfile(PACKAGE / "compat" / "tf.py")
 
 
-def test_readme_draws_every_layer():
-    """README's layout picture names every folder and top-level module layer."""
-    readme = (PACKAGE.parent / "README.md").read_text()
-    picture = readme[readme.index("### The layout"):readme.index("**TF2 steps.**")]
+def test_the_layout_picture_draws_every_layer():
+    """docs/how-it-works.md's layout picture names every folder and top-level module layer."""
+    page = (PACKAGE.parent / "docs" / "how-it-works.md").read_text()
+    picture = page[page.index("## The layout"):page.index("**TF2 steps.**")]
     folders = [layer for layer in MAY_IMPORT if (PACKAGE / layer).is_dir()]
     missing = [f"{f}/" for f in folders if f"{f}/" not in picture]
     missing += [f"{m}.py" for m in sorted(ENTRY | {"errors", "fallback"})

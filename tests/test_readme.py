@@ -1,14 +1,16 @@
-"""README.md cannot drift: its snippets run, its commands exist with the flags
-it names, its sample outputs match what the commands print, its
-Troubleshooting section quotes the messages tfpar really raises, and its
-configuration table lists the keys ``tfpar config`` knows.
+"""The documentation (README.md and every page of docs/) cannot drift: its
+snippets run, its commands exist with the flags they name, its sample outputs
+match what the commands print, the Troubleshooting page quotes the messages
+tfpar really raises, the Configuration page's table lists the keys ``tfpar
+config`` knows, and every page is reachable from README.
 
-Every fenced block of README.md carries a marker comment on the line above it:
+The pages are found on disk, so a new docs/*.md is checked as soon as it
+exists. Every fenced block of a page carries a marker comment on the line above it:
 ``<!-- readme-test: run FIXTURE -->`` (a Python snippet completed by
 ``FIXTURES[FIXTURE]``), ``<!-- readme-test: commands -->`` (one command per
 line) or ``<!-- readme-test: output of `COMMAND` -->`` (what COMMAND prints,
 numbers and ``...`` standing for anything). The docstrings of examples/ and
-benchmarks/ give their usage lines, checked like README's commands.
+benchmarks/ give their usage lines, checked like the pages' commands.
 """
 import dataclasses
 import os
@@ -24,7 +26,8 @@ from tfpar import config_schema as tfpar_config
 from tfpar import errors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-README = os.path.join(ROOT, "README.md")
+DOCS = os.path.join(ROOT, "docs")
+README_MAX_LINES = 260
 BIN = os.path.dirname(sys.executable)
 ENV = dict(os.environ, PATH=BIN + os.pathsep + os.environ.get("PATH", ""),
            TF_CPP_MIN_LOG_LEVEL="2")
@@ -34,36 +37,84 @@ COMMAND_WORDS = ("python ", "tfpar ", "make ", "horovodrun ", "TEST_REWRITE_OFF=
 
 @dataclasses.dataclass
 class Block:
+    page: str       # path from the repository's root
     line: int       # 1-based line of the opening fence
     marker: str     # the marker comment's text ("" when missing)
     body: str
 
+    @property
+    def where(self) -> str:
+        return f"{self.page}:{self.line}"
 
-def readme_text() -> str:
-    with open(README, encoding="utf-8") as f:
+
+def pages() -> List[str]:
+    """README.md, then every docs/*.md, as paths from the repository's root."""
+    docs = sorted(f"docs/{n}" for n in os.listdir(DOCS) if n.endswith(".md")) if os.path.isdir(DOCS) else []
+    return ["README.md"] + docs
+
+
+def page_text(page: str) -> str:
+    with open(os.path.join(ROOT, page), encoding="utf-8") as f:
         return f.read()
 
 
-def fenced_blocks(text: str) -> List[Block]:
-    lines, blocks, i = text.split("\n"), [], 0
+def readme_text() -> str:
+    return page_text("README.md")
+
+
+def fenced_blocks(page: str) -> List[Block]:
+    lines, blocks, i = page_text(page).split("\n"), [], 0
     while i < len(lines):
         if lines[i].startswith("```"):
             end = lines.index("```", i + 1)
             marker = lines[i - 1] if i and lines[i - 1].startswith("<!--") else ""
-            blocks.append(Block(i + 1, marker, "\n".join(lines[i + 1:end])))
+            blocks.append(Block(page, i + 1, marker, "\n".join(lines[i + 1:end])))
             i = end
         i += 1
     return blocks
 
 
 def blocks_of(kind: str) -> List[Tuple[re.Match, Block]]:
-    found = [(MARKER.fullmatch(b.marker), b) for b in fenced_blocks(readme_text())]
+    found = [(MARKER.fullmatch(b.marker), b) for page in pages() for b in fenced_blocks(page)]
     return [(m, b) for m, b in found if m and m.group(0).startswith(f"<!-- readme-test: {kind}")]
 
 
 def test_every_block_has_a_marker():
-    bad = [b.line for b in fenced_blocks(readme_text()) if not MARKER.fullmatch(b.marker)]
-    assert not bad, f"README.md blocks at lines {bad} lack a readme-test marker (see this file)"
+    bad = [b.where for page in pages() for b in fenced_blocks(page) if not MARKER.fullmatch(b.marker)]
+    assert not bad, f"blocks at {bad} lack a readme-test marker (see this file)"
+
+
+def test_readme_is_short():
+    lines = readme_text().count("\n")
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines: move detail to a docs/ page"
+
+
+def linked_pages(page: str) -> List[str]:
+    """The pages of this repository a page links to (relative Markdown links)."""
+    targets = re.findall(r"\]\(([^)#\s]+\.md)(?:#[^)]*)?\)", page_text(page))
+    return [os.path.normpath(os.path.join(os.path.dirname(page), t)) for t in targets
+            if "://" not in t]
+
+
+def test_every_docs_page_is_reachable_from_readme():
+    seen, todo = set(), ["README.md"]
+    while todo:
+        page = todo.pop()
+        if page not in seen and os.path.isfile(os.path.join(ROOT, page)):
+            seen.add(page)
+            todo += linked_pages(page)
+    unreachable = [p for p in pages() if p not in seen]
+    assert not unreachable, f"no link from README.md (or a page it links) leads to {unreachable}"
+
+
+def test_relative_links_lead_to_files():
+    broken = []
+    for page in pages():
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page_text(page)):
+            path = os.path.join(ROOT, os.path.dirname(page), target)
+            if "://" not in target and not os.path.exists(path):
+                broken.append(f"{page} -> {target}")
+    assert not broken, broken
 
 
 def test_readme_starts_with_the_title_and_the_two_commands():
@@ -188,13 +239,16 @@ def completed(snippet: str, fixture: Dict[str, str]) -> str:
 
 
 def python_snippets():
-    return [pytest.param(m.group("fixture"), b.body, id=f"line{b.line}-{m.group('fixture')}")
-            for m, b in blocks_of("run")]
+    """Each snippet once: README repeats a few of the pages' snippets."""
+    first = {}
+    for m, b in blocks_of("run"):
+        first.setdefault((m.group("fixture"), b.body), b)
+    return [pytest.param(fixture, body, id=f"{b.where}-{fixture}") for (fixture, body), b in first.items()]
 
 
 @pytest.mark.parametrize("fixture,snippet", python_snippets())
 def test_python_snippet_runs_and_its_plan_ran(fixture, snippet, tmp_path):
-    assert fixture in FIXTURES, f"README names an unknown fixture {fixture!r}"
+    assert fixture in FIXTURES, f"a page names an unknown fixture {fixture!r}"
     script = tmp_path / "snippet.py"
     script.write_text(completed(snippet, FIXTURES[fixture]))
     done = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=ENV, capture_output=True,
@@ -223,9 +277,11 @@ def inline_commands(text: str) -> List[str]:
 
 
 def readme_commands() -> List[str]:
+    """The commands of every page: fenced command blocks and code spans."""
     fenced = [line.split("  #")[0].strip() for _, b in blocks_of("commands")
               for line in b.body.split("\n") if line.strip()]
-    return sorted(set(fenced + inline_commands(readme_text())))
+    spans = [c for page in pages() for c in inline_commands(page_text(page))]
+    return sorted(set(fenced + spans))
 
 
 def docstring_commands() -> List[str]:
@@ -267,7 +323,7 @@ def help_command(words: List[str]) -> List[str]:
 
 
 def all_commands():
-    """README's commands and the docstrings' usage lines, each once."""
+    """The pages' commands and the docstrings' usage lines, each once."""
     commands = sorted(set(readme_commands() + docstring_commands()))
     return [pytest.param(c, id=c[:60]) for c in commands if not c.startswith("make ")]
 
@@ -302,39 +358,44 @@ def test_make_targets_exist():
 # -- Sample outputs ---------------------------------------------------------------
 
 def line_pattern(line: str) -> str:
-    """A README output line as a regex: numbers match numbers, ``...`` anything."""
+    """A sample output line as a regex: numbers match numbers, ``...`` anything."""
     parts = re.split(r"(\.\.\.|\d+(?:\.\d+)?)", line.rstrip())
     return "".join(".*" if p == "..." else r"\d+(?:\.\d+)?" if p and p[0].isdigit()
                    else re.escape(p) for p in parts)
 
 
 def output_blocks():
-    return [pytest.param(m.group("of"), b.body, id=f"line{b.line}") for m, b in blocks_of("output")]
+    """Per command, every sample of it: each command runs once, however many pages show it."""
+    samples: Dict[str, List[Block]] = {}
+    for m, b in blocks_of("output"):
+        samples.setdefault(m.group("of"), []).append(b)
+    return [pytest.param(command, blocks, id=blocks[0].where) for command, blocks in samples.items()]
 
 
-@pytest.mark.parametrize("command,sample", output_blocks())
-def test_sample_output_matches_the_command(command, sample):
+@pytest.mark.parametrize("command,samples", output_blocks())
+def test_sample_output_matches_the_command(command, samples):
     words = concrete(command)
     done = subprocess.run([sys.executable, *words[1:]], cwd=ROOT, env=ENV, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     printed = (done.stdout + "\n" + done.stderr).split("\n")
-    for line in filter(str.strip, sample.split("\n")):
-        if line.startswith("$ "):
-            assert concrete(line[2:]) == words, f"the sample shows {line[2:]}, the marker {command}"
-            continue
-        pattern = re.compile(line_pattern(line))
-        assert any(pattern.fullmatch(p.rstrip()) for p in printed), \
-            f"README's line {line!r} is not in what `{command}` prints:\n" + "\n".join(printed[-60:])
+    for block in samples:
+        for line in filter(str.strip, block.body.split("\n")):
+            if line.startswith("$ "):
+                assert concrete(line[2:]) == words, f"{block.where} shows {line[2:]}, its marker {command}"
+                continue
+            pattern = re.compile(line_pattern(line))
+            assert any(pattern.fullmatch(p.rstrip()) for p in printed), \
+                f"{block.where}: {line!r} is not in what `{command}` prints:\n" + "\n".join(printed[-60:])
 
 
 # -- Troubleshooting and configuration ---------------------------------------------
 
 def section(title: str) -> str:
-    text = readme_text()
-    start = text.index(f"\n## {title}\n")
-    end = text.find("\n## ", start + 1)
-    return text[start:end if end > 0 else len(text)]
+    """The page whose title is ``# title``."""
+    found = [page_text(p) for p in pages() if page_text(p).startswith(f"# {title}\n")]
+    assert len(found) == 1, f"{len(found)} pages are titled {title!r}"
+    return found[0]
 
 
 def tfpar_sources() -> str:

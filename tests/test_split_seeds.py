@@ -1,5 +1,5 @@
 """Seeds in graph mode give a split model the initial weights they give one
-device (README: seeds set before or after ``wh.init()`` give the initial
+device (docs/user-guide.md: seeds set before or after ``wh.init()`` give the initial
 weights they give without tfpar). Whale Example 2 (a replicated backbone, a
 split classifier head on the same 4 devices), every initializer left to its
 default, seeded by ``tf.keras.utils.set_random_seed`` or
