@@ -101,3 +101,27 @@ def test_the_fullest_devices_memory_splits_as_the_memory_model_counts():
     assert parts["weights"] == parts["gradients"] == GB
     assert parts["optimizer"] == GB * 2 / 8
     assert abs(parts["activations"] - 3 * GB) < 1
+
+
+def test_the_report_key_writes_after_a_step_that_runs_the_train_op_alone(tmp_path):
+    """``wh.init({"report": path})``: the first training step is traced and
+    the report written after it, also when the script fetches only the
+    optimizer's train op (before, such a run was not seen as the step)."""
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    import tfpar as wh  # pylint: disable=import-outside-toplevel
+    v1 = tf.compat.v1
+    path = tmp_path / "report.html"
+    graph = tf.Graph()
+    with graph.as_default():
+        wh.init({"cluster.num_devices": 2, "report": str(path)})
+        x = v1.placeholder(tf.float32, [None, 4])
+        loss = tf.reduce_mean(v1.layers.dense(x, 1) ** 2)
+        train = v1.train.AdamOptimizer(0.1).minimize(loss)
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            assert not path.exists()
+            sess.run(train, {x: np.ones((8, 4), np.float32)})
+    wh.reset()
+    text = path.read_text(encoding="utf-8")
+    assert "traced step: " in text and "CPU:1" in text

@@ -1,7 +1,7 @@
 """Translate what the user fetches into what the parallel graph computes."""
 import collections
 import contextlib
-from typing import Any, Callable, ContextManager, Dict, Optional
+from typing import Any, Callable, ContextManager, Dict, FrozenSet, Optional
 
 from tfpar.compat.tf import control_flow_ops, ops, tensor_lib
 from tfpar.rewriters import graph_edit
@@ -29,20 +29,22 @@ class FetchTranslator:
     (``use_group_size``): fetches then go to that version's copies.
 
     ``unrecorded()`` keeps the ops it adds out of the hooks' records
-    (``hooks.capture.recording_paused``).
+    (``hooks.capture.recording_paused``). ``train_ops``: the ops the
+    optimizers returned (a run of one of them alone is a training step).
 
     Attributes:
       stepped: the last translated fetches run the training step.
     """
 
     def __init__(self, graph: ops.Graph, rewrite: DataParallelRewrite,
-                 unrecorded: Callable[[], ContextManager], group_size: Optional[int] = None
-                 ) -> None:
+                 unrecorded: Callable[[], ContextManager], group_size: Optional[int] = None,
+                 train_ops: FrozenSet[ops.Operation] = frozenset()) -> None:
         self._graph = graph
         self.rewrite = rewrite
         self._unrecorded = unrecorded
         self._step = rewrite.selection.step_ops_set
         self._update = set(rewrite.selection.update_ops)
+        self._train_ops = train_ops
         self._groups: Dict[ops.Operation, ops.Operation] = {}
         self._known_ops = len(graph.get_operations())
         self._version = graph.version
@@ -105,7 +107,7 @@ class FetchTranslator:
     def _translate_element(self, fetch: Any) -> Any:
         if isinstance(fetch, (ops.Operation, tensor_lib.Tensor)):
             op = fetch if isinstance(fetch, ops.Operation) else fetch.op
-            self.stepped |= op in self._step or op in self._update
+            self.stepped |= op in self._step or op in self._update or op in self._train_ops
         if isinstance(fetch, ops.Operation):
             return self._translate_op(fetch)
         if isinstance(fetch, tensor_lib.Tensor):

@@ -176,9 +176,16 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
                             state.calls_optimized)
     state.plan = dataclasses.replace(plan, notes=fallback.notes(graph))  # the rewrite's too
     state.rewritten_calls = len(capture.gradient_calls)
-    state.rewrite = FetchTranslator(graph, rewrite, recording_paused, plan.group_size)
+    state.rewrite = FetchTranslator(graph, rewrite, recording_paused, plan.group_size,
+                                    _train_ops(recorded))
     state.retuner = _retuner(graph, recorded, rt, plan, index, stage_of, costs)
     log.info("tfpar rewrote the graph:\n%s", plan.summary())
+
+
+def _train_ops(recorded: Recorded):
+    """The ops the optimizers returned (``apply_gradients``' train ops)."""
+    return frozenset(getattr(call.train_op, "op", call.train_op) for call in recorded.apply_calls
+                     if call.train_op is not None)
 
 
 def _parallelised(graph: ops.Graph, recorded: Recorded, rt: Runtime, plan: Plan,
