@@ -72,7 +72,7 @@ def _cluster(args):
         raise ConfigError(f"--cluster: unknown device {', '.join(map(repr, unknown))}; "
                           f"write 'N x DEVICE' with a DEVICE of {', '.join(CATALOG)}")
     if not devices:
-        raise ConfigError("--cluster: no device described; write 'N x DEVICE'")
+        raise ConfigError("--cluster: no device described; write 'N x DEVICE' with N >= 1")
     return len(devices), entries
 
 
