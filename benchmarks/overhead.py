@@ -41,6 +41,7 @@ import tensorflow as tf
 
 import tfpar as wh
 from tfpar.hooks import tf_patches
+from tfpar.models.blocks import layer_norm
 from tfpar.runtime import context as tfpar_context, engine as tfpar_engine
 
 from bench_args import meets, parse_sizes, verdict  # same directory
@@ -69,16 +70,6 @@ def _dense(x, units, name, seed=None, activation=None):
     if x.shape.rank > 2:
         y = tf.reshape(y, tf.concat([tf.shape(x)[:-1], [units]], 0))
     return activation(y) if activation is not None else y
-
-
-def layer_norm(x, name):
-    """Layer norm over the last axis, its ops and variables in scope ``name``."""
-    with v1.variable_scope(name):
-        d = int(x.shape[-1])
-        gamma = v1.get_variable("gamma", [d], initializer=v1.ones_initializer())
-        beta = v1.get_variable("beta", [d], initializer=v1.zeros_initializer())
-        mean, var = tf.nn.moments(x, axes=[-1], keepdims=True)
-        return (x - mean) * tf.math.rsqrt(var + 1e-6) * gamma + beta
 
 
 def transformer_train_op(layers, hidden, heads, seq):

@@ -4,11 +4,11 @@ runs, and Llama 3 405B on 8192 and 16384 H100s vs Meta's.
 Ten rows are Narayanan et al. (SC'21), Table 1 (weak scaling: parameters,
 layers, hidden size, heads, tensor x pipeline degrees, GPUs, global batch and
 measured model TFLOP/s per GPU): a GPT (sequence 2048, vocabulary 51200, the
-static global batch; ``planner.gpt_train_op``: TF1 layers, Adam
+static global batch; ``tfpar.models.gpt``: TF1 layers, Adam
 ``minimize``) on DGX A100 nodes of 8 80-GB A100s (the catalog's
 ``A100-80GB``: NVLink 300 GB/s within a node, 25 GB/s per GPU between
 nodes). Two are Dubey et al. 2024 ("The Llama 3 Herd of Models"), Table 4:
-Llama 3 405B (``llama.llama_train_op``: 126 layers, hidden 16384, MLP 53248,
+Llama 3 405B (``tfpar.models.llama``: 126 layers, hidden 16384, MLP 53248,
 128 heads sharing 8 key/value heads, sequence 8192, vocabulary 128256) with
 2048 sequences a step on 8192 and 16384 H100s (``H100-80GB``: 450 GB/s
 within a node, 50 GB/s between). Each is built in a fresh graph and planned
@@ -67,11 +67,11 @@ from tfpar.planner.choice import choose  # noqa: E402
 from tfpar.planner.memory import RECOMPUTE, Techniques  # noqa: E402
 from tfpar.analysis.model_view import model_view  # noqa: E402
 from tfpar.analysis.graph_index import GraphIndex  # noqa: E402
+from tfpar.models.gpt import gpt_train_op  # noqa: E402
+from tfpar.models.llama import llama_train_op  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_args import cell, parse_sizes, report  # noqa: E402  (same directory)
-from llama import llama_train_op  # noqa: E402
-from planner import gpt_train_op  # noqa: E402
 
 TECHNIQUES = ("recompute", "zero", "mixed_precision")
 SEARCH_LIMIT_S = 600

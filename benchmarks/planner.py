@@ -38,7 +38,6 @@ peak memory. ``--quick``: 7 s.)
 import argparse
 import gc
 import json
-import math
 import os
 import sys
 import time
@@ -55,14 +54,13 @@ from tfpar.planner.sharding import critical_layers, plan_sharding  # noqa: E402
 from tfpar.planner.sharding_costs import Mesh  # noqa: E402
 from tfpar.analysis.graph_index import GraphIndex  # noqa: E402
 from tfpar.analysis.model_view import model_view  # noqa: E402
+from tfpar.models.gpt import gpt_train_op  # noqa: E402
 from tfpar.runtime.automatic import automatic_plan  # noqa: E402
 from tfpar.runtime.context import active  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_args import cell, meets, parse_sizes, verdict  # noqa: E402  (same directory)
-from overhead import layer_norm  # noqa: E402
 
-v1 = tf.compat.v1
 
 DEVICES, HEADS, LIMIT_S = 8, 16, 60  # LIMIT_S: time limit of O2 and of auto.search
 HARDWARE = CATALOG["V100-32GB"]
@@ -82,36 +80,6 @@ COLUMNS = [("layers", "layers", "d"), ("graph ops", "graph_ops", "d"),
            ("O2/O3 cost", "o2_o3_cost", ".4f"), ("auto s", "auto_s", ".2f")]
 
 
-def gpt_train_op(layers, hidden, seq, vocab, heads=HEADS, batch=None):
-    """Pre-LN GPT on token ids, LM cross-entropy, Adam; returns the train op
-    (``batch``: the inputs' static batch, None: unknown)."""
-    ids = v1.placeholder(tf.int32, [batch, seq], name="ids")
-    labels = v1.placeholder(tf.int32, [batch, seq], name="labels")
-    dh = hidden // heads
-
-    def heads_first(t):  # [B, S, H] -> [B, heads, S, dh]
-        return tf.transpose(tf.reshape(t, [-1, seq, heads, dh]), [0, 2, 1, 3])
-    with v1.variable_scope("embedding"):
-        h = (tf.gather(v1.get_variable("tokens", [vocab, hidden]), ids)
-             + v1.get_variable("positions", [seq, hidden]))
-    for i in range(layers):
-        with v1.variable_scope(f"layer_{i}"):
-            a = layer_norm(h, "ln1")
-            with v1.variable_scope("attention"):
-                q, k, v = (heads_first(v1.layers.dense(a, hidden, name=n)) for n in "qkv")
-                att = tf.nn.softmax(tf.matmul(q, k, transpose_b=True) / math.sqrt(dh))
-                ctx = tf.reshape(tf.transpose(tf.matmul(att, v), [0, 2, 1, 3]), [-1, seq, hidden])
-                out = v1.layers.dense(ctx, hidden, name="out")
-            h = h + out
-            f = v1.layers.dense(layer_norm(h, "ln2"), 4 * hidden, tf.nn.gelu, name="fc1")
-            h = h + v1.layers.dense(f, hidden, name="fc2")
-    h = layer_norm(h, "ln_final")
-    with v1.variable_scope("lm_head"):
-        logits = tf.matmul(tf.reshape(h, [-1, hidden]), v1.get_variable("kernel", [hidden, vocab]))
-    loss = v1.losses.sparse_softmax_cross_entropy(tf.reshape(labels, [-1]), logits)
-    return v1.train.AdamOptimizer(1e-4).minimize(loss)
-
-
 def timed(fn, *args, **kwargs):
     """(fn's result, seconds it took)."""
     start = time.perf_counter()
@@ -127,7 +95,7 @@ def measure(layers, args):
             wh.init({"cluster.num_devices": DEVICES, "cluster.hardware": [HARDWARE.name],
                      "auto.auto_parallel": True, "auto.planning_pass": False,
                      "auto.global_batch": args.batch, "auto.search_time_limit_s": LIMIT_S})
-            _, build_s = timed(gpt_train_op, layers, args.hidden, args.seq, args.vocab)
+            _, build_s = timed(gpt_train_op, layers, args.hidden, args.seq, args.vocab, HEADS)
             # Planned first, as at the first Session.run: nothing of the graph read before.
             automatic, auto_s = timed(automatic_plan, GraphIndex(graph), capture_for(graph),
                                       active())

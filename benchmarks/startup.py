@@ -62,10 +62,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import tensorflow as tf  # noqa: E402
 
 import tfpar as wh  # noqa: E402
+from tfpar.models.blocks import layer_norm  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_args import cell, meets, parse_sizes, ratio, report, run_configuration, worker_option  # noqa: E402  (same directory)
-from overhead import _dense, layer_norm  # noqa: E402
+from overhead import _dense  # noqa: E402
 
 v1 = tf.compat.v1
 

@@ -10,6 +10,7 @@ from equivalence import mlp_classifier
 
 import tfpar as wh
 from tfpar import cli
+from tfpar.cluster.hardware import HOST_CPU
 from tfpar.config import Config
 from tfpar.config_schema import SCHEMA, describe
 from tfpar.ir.plan import Plan, TaskGraphPlan
@@ -48,11 +49,30 @@ def test_print_simulation_is_one_readable_line():
     assert str(_plan(None).simulate()).startswith("length 30, bubble 0.0%")
 
 
-def test_cli_simulate_prints_the_same_line(capsys):
+def test_cli_simulate_prints_the_same_line_with_its_unit(capsys):
+    """The length is in the unit of --forward and --backward, and says so:
+    times three as long, the length is three times as long."""
     assert cli.main(["simulate", "--stages", "2", "--micro-batches", "4"]) == 0
-    line = capsys.readouterr().out.splitlines()[0]
-    assert line == ("1f1b schedule, 2 stages x 4 micro-batches: "
-                    "length 15, bubble 20.0%, micro-batches in flight per stage [2, 1]")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("1f1b schedule, 2 stages x 4 micro-batches: length 15 (in the unit of "
+                        "--forward 1 and --backward 2), bubble 20.0%, micro-batches in flight "
+                        "per stage [2, 1]")
+    assert lines[1].startswith("  vs 1f1b: length 15 (same unit), bubble 20.0%")
+    assert cli.main(["simulate", "--stages", "2", "--micro-batches", "4", "--forward", "3",
+                     "--backward", "6"]) == 0
+    assert "length 45 (in the unit of --forward 3 and --backward 6)" in capsys.readouterr().out
+
+
+def test_tfpar_help_says_what_it_is_and_lists_its_commands(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert "tfpar: plan, inspect and launch TensorFlow training on several devices." in text
+    assert "The ``tfpar`` command" not in text
+    for command in ("tfpar config", "tfpar plan [--config", "tfpar plan --model",
+                    "tfpar launch --workers", "tfpar simulate --stages"):
+        assert command in text, command
 
 
 # --- step_time without an estimate --------------------------------------------
@@ -90,6 +110,24 @@ def test_config_listing_fits_100_columns(capsys):
         assert key in text and " ".join(option.help.split()) in words
 
 
+def test_config_says_what_an_unset_hardware_means():
+    """Not "detected": the planner assumes the generic host CPU, GPUs or not."""
+    from tfpar.runtime.automatic import cluster_hardware  # pylint: disable=import-outside-toplevel
+    from tfpar.runtime.context import active  # pylint: disable=import-outside-toplevel
+    text = " ".join(SCHEMA["cluster.hardware"].help.split())
+    assert "detected" not in text.replace("nothing is detected", "")
+    assert (f"generic host CPU ({HOST_CPU.tflops:g} TFLOPS, {HOST_CPU.memory_gb:g} GB"
+            in text)
+    with tf.Graph().as_default():
+        wh.init({"cluster.num_devices": 2})
+        try:
+            assumed = cluster_hardware(active())
+            assert (assumed.name, assumed.flops_per_s("fp32"), assumed.memory_gb) == (
+                HOST_CPU.name, HOST_CPU.tflops * 1e12, HOST_CPU.memory_gb)
+        finally:
+            wh.reset()
+
+
 def test_every_built_schedule_is_a_valid_config_value():
     for kind in ("gpipe", "1f1b", "kfkb", "zero_bubble"):
         config = Config({"pipeline.schedule": kind, "pipeline.num_micro_batch": 2}, env={})
@@ -109,7 +147,7 @@ def test_missing_script_is_named_without_traceback(command, tmp_path):
 
 # --- no TensorFlow for commands that do not need it -----------------------------
 
-@pytest.mark.parametrize("argv", [["--help"], ["config"],
+@pytest.mark.parametrize("argv", [["--help"], ["config"], ["plan", "--help"],
                                   ["simulate", "--stages", "2", "--micro-batches", "4"]])
 def test_commands_without_tensorflow_do_not_import_it(argv):
     code = ("import sys\n"

@@ -3,8 +3,6 @@ attention cores found from the graph's structure, split by heads between a
 column-split Q K V projection and a row-split output projection (Megatron's
 attention), and refused by a training run, which cannot build it yet."""
 import dataclasses
-import os
-import sys
 
 import pytest
 import tensorflow as tf
@@ -20,10 +18,7 @@ from tfpar.planner.auto import search_all
 from tfpar.planner.layers import layer_graph
 from tfpar.analysis.model_view import model_view
 from tfpar.analysis.graph_index import GraphIndex
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "benchmarks"))
-from llama import llama_train_op  # noqa: E402  (benchmarks/)
+from tfpar.models.llama import llama_train_op
 
 v1 = tf.compat.v1
 
@@ -112,7 +107,7 @@ def test_a_live_run_refuses_a_plan_that_splits_heads():
 
 
 def test_a_llama_core_with_grouped_heads_and_rotary_embeddings_splits_by_heads():
-    """benchmarks/llama.py's block (plan_scale's Llama 3 rows): 16 query
+    """tfpar/models/llama.py's block (plan_scale's Llama 3 rows): 16 query
     heads sharing 8 key/value heads, rotary embeddings (their half swaps are
     concats inside the core), a SwiGLU MLP. Tensor 8: q, k, v by columns,
     the core by heads, o by rows; gate and up by columns, down by rows."""

@@ -162,6 +162,7 @@ def test_cli_plan_writes_the_plan_file(tmp_path):
     out = _run("-m", "tfpar.cli", "plan", "--out", str(path), "examples/auto_parallel.py",
                "--classes", "8000", "--steps", "1")
     assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines()[-1] == f"tfpar plan: wrote the plan's JSON to {path}"
     plan = json.loads(path.read_text())
     assert plan["sharding"]["layers"]["head"] == "column"
     assert "planning pass" not in out.stderr  # `tfpar plan` is itself the planning pass

@@ -1,10 +1,16 @@
-"""The ``tfpar`` command.
+"""tfpar: plan, inspect and launch TensorFlow training on several devices.
 
     tfpar config                       list every config key, its default and meaning
     tfpar plan [--config CFG] [--json] [--out FILE] [--html FILE] SCRIPT [ARGS...]
                                        run SCRIPT until its first session run and print
                                        the plan tfpar would execute (or write its JSON, or
                                        its HTML report, to FILE), without training
+    tfpar plan --model gpt|llama|bert --layers L --hidden H --heads A --seq S
+               --vocab V --batch B --cluster "N x DEVICE" [--ffn F] [--kv-heads K]
+               [--fused-qkv] [--tied-embeddings] [--devices-per-node D]
+               [--config CFG] [--json] [--out FILE] [--html FILE]
+                                       plan that model on the cluster described, which
+                                       need not exist, without a script
     tfpar launch --workers N [--devices-per-worker K] [--network auto|private|host]
                  [--max-restarts R] SCRIPT [ARGS...]
                                        run SCRIPT as N local workers of a TF_CONFIG cluster,
@@ -15,9 +21,9 @@
     tfpar simulate --stages P --micro-batches M [--schedule S] [--group-size K]
                    [--forward F] [--backward B] [--transfer T] [--weight-share S]
                    [--trace OUT.json]
-                                       replay a pipeline schedule: length, bubble,
-                                       micro-batches in flight, vs 1F1B; optional Chrome
-                                       trace
+                                       replay a pipeline schedule: length (in the unit of
+                                       F and B), bubble, micro-batches in flight, vs 1F1B;
+                                       optional Chrome trace
 """
 import argparse
 import os
@@ -33,6 +39,12 @@ class _PlanReady(Exception):
 
 
 def _plan(args) -> int:
+    if (args.model is None) == (args.script is None):
+        print("tfpar plan: give a SCRIPT or --model, not " + ("both" if args.model else "neither"),
+              file=sys.stderr)
+        return 2
+    if args.model is not None:
+        return _plan_model(args)
     if _script_missing(args):
         return 2
     from tfpar import api  # pylint: disable=import-outside-toplevel
@@ -52,14 +64,7 @@ def _plan(args) -> int:
         capture = existing_capture(graph)
         if active() is None or capture is None or not capture.gradient_calls:
             return None
-        plan = planning.plan_for(graph, capture, active())
-        if args.html:
-            print(f"tfpar plan: report written to {plan.to_html(args.html)}")
-        if args.out:
-            with open(args.out, "w", encoding="utf-8") as f:
-                f.write(plan.to_json())
-        elif not args.html:
-            print(plan.to_json() if args.json else plan.summary())
+        _show(planning.plan_for(graph, capture, active()), args)
         raise _PlanReady()
 
     api.init = init
@@ -75,6 +80,32 @@ def _plan(args) -> int:
     print(f"tfpar plan: {args.script} finished without running a training step under "
           "tfpar (did it call wh.init() and run a session?)", file=sys.stderr)
     return 1
+
+
+def _plan_model(args) -> int:
+    """``tfpar plan --model``: plan a described model on a described cluster."""
+    from tfpar import plan_models  # pylint: disable=import-outside-toplevel
+    from tfpar.errors import ConfigError  # pylint: disable=import-outside-toplevel
+    try:
+        plan = plan_models.model_plan(args)
+    except ConfigError as error:
+        print(f"tfpar plan: {error}", file=sys.stderr)
+        return 2
+    _show(plan, args)
+    return 0
+
+
+def _show(plan, args) -> None:
+    """Print the plan (summary or JSON), or write its JSON to ``--out`` and
+    its report to ``--html``, and say so."""
+    if args.html:
+        print(f"tfpar plan: report written to {plan.to_html(args.html)}")
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(plan.to_json())
+        print(f"tfpar plan: wrote the plan's JSON to {args.out}")
+    elif not args.html:
+        print(plan.to_json() if args.json else plan.summary())
 
 
 def _script_missing(args) -> bool:
@@ -111,9 +142,10 @@ def _simulate(args) -> int:
     except ValueError as exc:
         print(f"tfpar simulate: {exc}", file=sys.stderr)
         return 2
+    unit = f" (in the unit of --forward {args.forward:g} and --backward {args.backward:g})"
     print(f"{args.schedule} schedule, {args.stages} stages x {args.micro_batches} micro-batches: "
-          f"{result}")
-    print(f"  vs 1f1b: length {baseline.length:g}, bubble {baseline.bubble_fraction:.1%} "
+          f"{result.describe(unit)}")
+    print(f"  vs 1f1b: length {baseline.length:g} (same unit), bubble {baseline.bubble_fraction:.1%} "
           f"(step {result.length / baseline.length:.3f}x 1f1b's)")
     for stage, stage_tasks in enumerate(tasks):
         print(f"  stage {stage}: " + " ".join(map(str, stage_tasks)))
@@ -134,17 +166,22 @@ def _count(text: str) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     from tfpar.ir.schedule import SCHEDULES  # pylint: disable=import-outside-toplevel
     from tfpar.runtime.launcher import NETWORKS  # pylint: disable=import-outside-toplevel
-    parser = argparse.ArgumentParser(prog="tfpar", description=__doc__.split("\n")[0])
+    from tfpar.plan_models import add_arguments  # pylint: disable=import-outside-toplevel
+    parser = argparse.ArgumentParser(prog="tfpar", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("config", help="list config keys")
-    plan = sub.add_parser("plan", help="print the plan of a training script")
-    plan.add_argument("script")
-    plan.add_argument("--config", help="config (JSON file or text) used instead of the script's")
+    plan = sub.add_parser("plan", help="print the plan of a training script, or of a "
+                                       "described model on a described cluster (--model)")
+    plan.add_argument("script", nargs="?", help="the training script (or give --model)")
+    plan.add_argument("--config", help="config (JSON file or text) used instead of the script's "
+                                       "(with --model: its keys over the command's)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--out", help="write the plan's JSON to this file instead")
     plan.add_argument("--html", metavar="FILE", help="write the plan report (one HTML file) "
                                                      "to FILE instead")
     plan.add_argument("script_args", nargs=argparse.REMAINDER)
+    add_arguments(plan)
     launch = sub.add_parser("launch", help="run a script as N local workers (TF_CONFIG)")
     launch.add_argument("--workers", type=int, default=2, help="worker processes")
     launch.add_argument("--devices-per-worker", type=int, help="cluster.num_devices per worker")
@@ -166,8 +203,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     simulate.add_argument("--micro-batches", type=int, required=True)
     simulate.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
     simulate.add_argument("--group-size", type=int, default=1, help="k of kfkb")
-    simulate.add_argument("--forward", type=float, default=1.0, help="forward time per stage")
-    simulate.add_argument("--backward", type=float, default=2.0, help="backward time per stage")
+    simulate.add_argument("--forward", type=float, default=1.0, help="forward time per stage (any unit: lengths "
+                          "are printed in it)")
+    simulate.add_argument("--backward", type=float, default=2.0, help="backward time per stage (same unit)")
     simulate.add_argument("--transfer", type=float, default=0.0, help="cross-stage delay")
     simulate.add_argument("--weight-share", type=float, default=0.5,
                           help="part of the backward its weight gradients take (zero_bubble)")

@@ -8,7 +8,7 @@ import textwrap
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from .cluster.hardware import OPTIONAL_KEYS
+from .cluster.hardware import HOST_CPU, OPTIONAL_KEYS
 
 ACCEPTS = {  # type name -> accepts(value)
     "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
@@ -61,11 +61,16 @@ SCHEMA = {
     "cluster.num_devices": Option("int|None", None, _at_least(1),
                                   "devices on this host; None: all GPUs, else 1"),
     "cluster.hardware": Option("list|str|None", None, _HARDWARE,
-                               "per-device specs; None: detected"),
+                               "per-device specs; None: not described, so the planner "
+                               "assumes every device is a generic host CPU "
+                               f"({HOST_CPU.tflops:g} TFLOPS, {HOST_CPU.memory_gb:g} GB; "
+                               "nothing is detected, GPUs included) and balances none"),
     "cluster.devices_per_node": Option("int|None", None, _at_least(1),
                                        "devices per node of cluster.hardware (collectives "
                                        "beyond a node use its inter-node bandwidth); None: "
-                                       "TF_CONFIG's devices per worker, else one node"),
+                                       "TF_CONFIG's devices per worker, else 8 for more than "
+                                       "8 V100-32GB, A100-80GB or H100-80GB (a fallback), "
+                                       "else one node"),
     "cluster.colocate_split_and_replicate": Option("bool", False, (),
                                                    "let TaskGraphs share devices"),
     "cluster.trusted_network": Option(

@@ -252,11 +252,7 @@ class Plan:
                 lines.append("  (only auto.auto_parallel plans are costed; "
                              "plans from scopes or config are not)")
             lines += _stated(est)
-        logical = sorted({d for tg in self.task_graphs for d in tg.devices
-                          if re.search(r"/device:CPU:[1-9]", d)})
-        if logical:  # one process has one CPU device; the others are TensorFlow's logical ones
-            lines.append(f"devices: logical CPU devices of one host, sharing its cores "
-                         f"(no GPU is visible), e.g. {device_ranges(logical)}")
+        lines += _logical_devices(self)
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -318,6 +314,20 @@ def _alike(task_graphs: Sequence[TaskGraphPlan], estimated: bool
         names = numbered([tg.name for tg in run])
         groups += [(names[0], run)] if len(names) == 1 else [(tg.name, [tg]) for tg in run]
     return groups
+
+
+def _logical_devices(plan: "Plan") -> List[str]:
+    """The line saying the plan's devices are logical CPU devices, and for a
+    described cluster (``cluster.hardware``) what they stand in for."""
+    logical = sorted({d for tg in plan.task_graphs for d in tg.devices
+                      if re.search(r"/device:CPU:[1-9]", d)},
+                     key=lambda d: (d.rsplit(":", 1)[0], int(d.rsplit(":", 1)[1])))
+    if not logical:  # one process has one CPU device; the others are TensorFlow's logical ones
+        return []
+    described = ((plan.estimate or {}).get("assumptions") or {}).get("device")
+    what = (f"standing in for the {described} devices described" if described not in
+            (None, "host-CPU") else "sharing its cores (no GPU is visible)")
+    return [f"devices: logical CPU devices of one host, {what}, e.g. {device_ranges(logical)}"]
 
 
 def _stated(est: Dict[str, Any]) -> List[str]:

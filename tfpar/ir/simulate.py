@@ -56,8 +56,12 @@ class SimulationResult:
     peak_in_flight: List[int]
 
     def __str__(self) -> str:
-        """One line: length, bubble and micro-batches in flight per stage."""
-        return (f"length {self.length:g}, bubble {self.bubble_fraction:.1%}, "
+        return self.describe()
+
+    def describe(self, unit: str = "") -> str:
+        """One line: length (then ``unit``, the unit of the times simulated),
+        bubble and micro-batches in flight per stage."""
+        return (f"length {self.length:g}{unit}, bubble {self.bubble_fraction:.1%}, "
                 f"micro-batches in flight per stage {self.peak_in_flight}")
 
 
