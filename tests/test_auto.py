@@ -93,18 +93,19 @@ def test_memory_forces_a_pipeline():
     base = {"auto.auto_parallel": True, "cluster.num_devices": 4,
             "pipeline.num_micro_batch": 2, "pipeline.schedule": "1f1b"}  # hand_memory's
     # Data parallel, 32 / 4 = 8 rows a device in 2 micro-batches (gradients
-    # accumulated): 4 x (224 + 5 x 288 + 108) weight bytes + 4 x (6 x 32 +
-    # 12) bytes kept per row of one micro-batch (the tanh outputs and the
-    # cross-entropy's backprop).
-    need = 4 * 1772 + 4 * 204
-    assert hand_memory(deep_mlp_layers(6), 32, 4, micro=2) == [need]
+    # accumulated): 2 x (224 + 5 x 288 + 108) bytes of weights and gradients
+    # (SGD keeps no slots) + 4 x (6 x 32 + 12) bytes kept per row of one
+    # micro-batch (the tanh outputs and the cross-entropy's backprop).
+    need = 2 * 1772 + 4 * 204
+    assert hand_memory(deep_mlp_layers(6), 32, 4, micro=2, state=2) == [need]
     data_parallel = plan_of(deep_mlp, {**base, "auto.num_task_graph": 1})
     assert max(data_parallel.estimate["memory_bytes_per_device"]) == need
     tiny = {"name": "tiny", "tflops": 1, "memory_gb": 0.9 * need / 2 ** 30}  # DP does not fit
     config = {**base, "cluster.hardware": [tiny]}
     plan, stages = planned_stages(deep_mlp, config)
     assert len(plan.task_graphs) > 1 and not plan.sharding  # stages, not sharded layers
-    by_hand = hand_memory(deep_mlp_layers(6), 32, 4, stages, len(plan.task_graphs), micro=2)
+    by_hand = hand_memory(deep_mlp_layers(6), 32, 4, stages, len(plan.task_graphs), micro=2,
+                          state=2)
     assert max(by_hand) <= 0.9 * need  # the chosen stages fit the device
     assert max(plan.estimate["memory_bytes_per_device"]) == max(by_hand)
     assert_equivalent(train(deep_mlp, DATA), train(deep_mlp, DATA, config))
@@ -535,6 +536,7 @@ def test_the_estimate_states_its_assumptions():
     assert est["assumptions"] == {
         "device": "A100-80GB", "devices": 4, "devices_per_node": None, "compute_dtype": "tf32",
         "peak_dtype": "tf32", "peak_tflops": 156.0, "efficiency": 0.7, "memory_gbps": 2039,
+        "memory_gb": 80, "optimizer_slots": 0.0,  # deep_mlp trains with SGD
         "global_batch": 64, "batch_from": "auto.global_batch"}
     assert est["flops_per_step"] == 3 * sum(view.flops) * 64
     assert est["recomputed_flops_per_step"] == 0.0

@@ -109,15 +109,16 @@ def test_memory_forces_megatron_column_then_row():
     rows (no gather between them), the rest stays replicated. Memory by hand
     (``test_cost_model.hand_memory``), 32 rows on 2 devices."""
     config, need = memory_bound_config()
-    # data parallel: 4 x 9164 weight bytes + 16 rows x 396 kept bytes per row
-    assert need == hand_memory(TRANSFORMER_MLP_LAYERS, 32, 2)[0] == 4 * 9164 + 16 * 396
+    # data parallel: 2 x 9164 bytes of weights and gradients (SGD: no slots)
+    # + 16 rows x 396 kept bytes per row
+    assert need == hand_memory(TRANSFORMER_MLP_LAYERS, 32, 2, state=2)[0] == 2 * 9164 + 16 * 396
     plan = plan_of(transformer_mlp, config)
     assert plan.sharding == {"tensor_degree": 2, "layers": {"fc1": "column", "fc2": "row"}}
     assert [tg.strategy for tg in plan.task_graphs] == ["replicate", "split", "replicate"]
     # fc1 and fc2 hold half their weights; fc1 keeps 16 rows of its half of
     # the features, fc2 the 32 whole rows of its partial sums
     by_hand = hand_memory(TRANSFORMER_MLP_LAYERS, 32, 2, tensor=2,
-                          candidates=plan.sharding["layers"])
+                          candidates=plan.sharding["layers"], state=2)
     assert by_hand[0] <= 0.7 * need  # the split plan fits the device
     assert max(plan.estimate["memory_bytes_per_device"]) == by_hand[0]
     pinned = {**config, "plan": plan.to_dict()}
@@ -184,14 +185,15 @@ def test_memory_forces_tensor_and_pipeline_together(devices):
               "pipeline.schedule": "1f1b", "cluster.hardware": [device]}
     pipeline, stages = planned_stages(model, config)
     assert not pipeline.sharding and pipeline.data_parallel_degree == devices // 2
-    need = max(hand_memory(deep_mlp_layers(6), 32, devices, stages, 2, micro=2))  # by hand
+    need = max(hand_memory(deep_mlp_layers(6), 32, devices, stages, 2, micro=2,
+                           state=2))  # by hand (SGD: weights and gradients)
     assert max(pipeline.estimate["memory_bytes_per_device"]) == need
     config["cluster.hardware"] = [{**device, "memory_gb": 0.85 * need / 2 ** 30}]
     plan = plan_of(model, config)
     tensor = plan.sharding["tensor_degree"]
     assert tensor > 1 and set(plan.sharding["stages"].values()) == {0, 1}
     by_hand = hand_memory(deep_mlp_layers(6), 32, devices, plan.sharding["stages"], 2, micro=2,
-                          tensor=tensor, candidates=plan.sharding["layers"])
+                          tensor=tensor, candidates=plan.sharding["layers"], state=2)
     assert max(by_hand) <= 0.85 * need  # the split stages fit the device
     assert max(plan.estimate["memory_bytes_per_device"]) == max(by_hand)
     assert plan.data_parallel_degree * tensor * 2 == devices

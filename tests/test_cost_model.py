@@ -112,10 +112,10 @@ SPLIT_WEIGHTS = ("column", "row", "vocab")
 
 
 def hand_memory(table, global_batch, devices, stages=None, num_stages=1, micro=1, tensor=1,
-                candidates=None):
-    """Bytes per device of each stage, by the planner's stated model: 4 x the
-    weights a device holds (weights, gradients, two optimizer slots, whatever
-    the optimizer; a split layer holds 1 / ``tensor`` of them) + kept bytes
+                candidates=None, state=4):
+    """Bytes per device of each stage, by the planner's stated model: ``state``
+    x the weights a device holds (weights, gradients and the optimizer's
+    slots: 4 with Adam, 2 with SGD; a split layer holds 1 / ``tensor`` of them) + kept bytes
     per row x the rows a device keeps x micro-batches in flight (1F1B: stage s
     of p holds min(p - s, M)). ``stages``: the stage of each layer, by scope or
     by the op named in the table. Rows: the micro-batch's rows / the data
@@ -130,7 +130,7 @@ def hand_memory(table, global_batch, devices, stages=None, num_stages=1, micro=1
         rows = rows_group if candidate in ("row", "whole", "vocab") else rows_group / tensor
         s = 0 if stages is None else stages[scope] if scope in stages else stages[op]
         held = weights / tensor if candidate in SPLIT_WEIGHTS else weights
-        memory[s] += 4 * held + per_row * rows * min(num_stages - s, micro)
+        memory[s] += state * held + per_row * rows * min(num_stages - s, micro)
     return memory
 
 
@@ -199,11 +199,13 @@ def test_split_layers_communication_by_hand():
 # Layer FLOPs from real TF graphs (the model view of rewriters/model_view.py).
 
 def graph_view(make_loss):
-    """(forward ops, model view) of ``make_loss()``'s graph."""
+    """(forward ops, model view) of ``make_loss()``'s graph, trained with
+    Adam (the published runs' optimizer, whose two slots per weight the
+    memory model counts)."""
     graph = tf.Graph()
     with graph.as_default():
         wh.init({"cluster.num_devices": 1})
-        v1.train.GradientDescentOptimizer(0.1).minimize(make_loss())
+        v1.train.AdamOptimizer(1e-4).minimize(make_loss())
         order, view = model_view(GraphIndex(graph), existing_capture(graph))
     wh.reset()
     return order, view

@@ -177,12 +177,12 @@ def mean_xent(labels, logits):
 
 def test_the_planner_recomputes_every_block_when_memory_forces_it():
     """Four blocks planned for one device of 60000 bytes, 2 micro-batches of
-    256 rows (auto.global_batch 512). Without recomputation: 4 x 2348 bytes
-    of weights and state + 256 x (8 tanh outputs x 32 + 12 of the cross-
-    entropy's backprop) = 78000. Full recomputation: each block keeps its
-    input (32 bytes a row; block0's is the fed batch, which the feed holds)
-    and holds one block's 64 while rebuilding it: 9392 + 256 x (3 x 32 + 12
-    + 64) = 53424, and the search chooses it. The plan trains, searched and
+    256 rows (auto.global_batch 512). Without recomputation: 2 x 2348 bytes
+    of weights and gradients (SGD keeps no slots) + 256 x (8 tanh outputs x
+    32 + 12 of the cross-entropy's backprop) = 73304. Full recomputation:
+    each block keeps its input (32 bytes a row; block0's is the fed batch,
+    which the feed holds) and holds one block's 64 while rebuilding it:
+    4696 + 256 x (3 x 32 + 12 + 64) = 48728, and the search chooses it. The plan trains, searched and
     pinned: the numbers of plain TF, and every block's copies ran."""
     build = blocks(4, loss=mean_xent)
     config = {"auto.auto_parallel": True, "cluster.num_devices": 1, "auto.global_batch": 512,
@@ -191,10 +191,10 @@ def test_the_planner_recomputes_every_block_when_memory_forces_it():
     plan = plan_of(build, config)
     assert (plan.estimate["memory_techniques"], plan.estimate["recompute"]) == (["recompute"],
                                                                               "full")
-    assert plan.estimate["memory_bytes_per_device"] == [9392 + 256 * (3 * 32 + 12 + 64)]
+    assert plan.estimate["memory_bytes_per_device"] == [4696 + 256 * (3 * 32 + 12 + 64)]
     assert max(plan_of(build, {**config, "auto.memory_techniques": [], "cluster.hardware": [
         {"name": "roomy", "tflops": 1, "memory_gb": 1}]}).estimate[
-            "memory_bytes_per_device"]) == 9392 + 256 * (8 * 32 + 12)
+            "memory_bytes_per_device"]) == 4696 + 256 * (8 * 32 + 12)
     for run in (config, {**config, "plan": plan.to_dict()}):
         assert_equivalent(train(build, DATA), train(build, DATA, run), rtol=1e-6)
         copies = {re.search(r"(block\d)_recompute/", name).group(1)
@@ -230,21 +230,21 @@ def small_gpt(x, y):
 
 
 def test_the_planner_recomputes_attention_cores_when_memory_forces_it():
-    """The GPT on one device of 1.59 MB, 8 sequences of 16 tokens: 1600000
-    bytes without recomputation; selective recomputation drops each
-    layer's softmax (a s^2 = 4 x 16^2 floats a sequence: 4096 bytes) for 8
-    sequences and 2 layers and holds one while rebuilding it: 1600000 -
-    65536 + 32768 = 1567232, which fits (full does too, but recomputes
+    """The GPT on one device of 1.36 MB, 8 sequences of 16 tokens: 1379328
+    bytes without recomputation (SGD: weights and gradients, no slots);
+    selective recomputation drops each layer's softmax (a s^2 = 4 x 16^2
+    floats a sequence: 4096 bytes) for 8 sequences and 2 layers and holds
+    one while rebuilding it: 1379328 - 65536 + 32768 = 1346560, which fits (full does too, but recomputes
     more). The plan trains, searched and pinned: the numbers of plain TF,
     and both cores' softmax copies ran after the forward reached the loss,
     the backward reading them (the forward's softmax then lives only until the
     attention over V has read it)."""
     config = {"auto.auto_parallel": True, "cluster.num_devices": 1, "auto.global_batch": 8,
               "auto.memory_techniques": ["recompute"],
-              "cluster.hardware": [{"name": "small", "tflops": 1, "memory_gb": 1.59e6 / 2 ** 30}]}
+              "cluster.hardware": [{"name": "small", "tflops": 1, "memory_gb": 1.36e6 / 2 ** 30}]}
     plan = plan_of(small_gpt, config, dtype=tf.int32, shape=(8, 16))
     assert plan.estimate["recompute"] == "selective"
-    assert plan.estimate["memory_bytes_per_device"] == [1600000 - 65536 + 32768]
+    assert plan.estimate["memory_bytes_per_device"] == [1379328 - 65536 + 32768]
     rng = np.random.RandomState(0)
     data = (rng.randint(0, 50, size=(3, 8, 16)).astype(np.int32), np.zeros((3, 8), np.int64))
     for run in (config, {**config, "plan": plan.to_dict()}):

@@ -69,7 +69,7 @@ def test_a_pinned_layer_pattern_is_keyed_by_its_whole_scope():
     config = {"auto.auto_parallel": True, "cluster.num_devices": 2, "auto.num_task_graph": 1,
               "cluster.hardware": [device]}
     need = max(plan_of(two_blocks, config).estimate["memory_bytes_per_device"])
-    config["cluster.hardware"] = [{**device, "memory_gb": 0.6 * need / 2 ** 30}]
+    config["cluster.hardware"] = [{**device, "memory_gb": 0.7 * need / 2 ** 30}]
     plan = plan_of(two_blocks, config).to_dict()
     assert plan["sharding"]["layers"]["block1/fc2"] == "column"
     plan["sharding"]["layers"]["block0/fc2"] = "row"

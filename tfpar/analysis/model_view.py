@@ -23,10 +23,11 @@ from tfpar.compat.tf import config, dtypes, ops, tensor_lib, tensor_util
 from tfpar.ir.contractions import CONTRACTIONS, einsum_depth
 from tfpar.ir.recorded import Recorded
 from tfpar.ir.taskgraph import Phase
+from tfpar.planner.memory import SLOTS
 from tfpar.planner.model_view import ModelView
 from tfpar.planner.pruning import block_labels
 
-__all__ = ["model_view"]
+__all__ = ["model_view", "optimizer_slots"]
 
 SAME_ELEMENTS = frozenset({"Reshape", "Squeeze", "ExpandDims", "Transpose", "Identity"})
 # Ops whose output is their input's buffer (TensorFlow forwards it): they
@@ -75,7 +76,19 @@ def model_view(index: GraphIndex, recorded: Recorded) -> Tuple[List[ops.Operatio
                      for ins in graph.inputs],
         batch=_declared_batch(graph, recorded), compute_dtype=_compute_dtype(graph, flops),
         traffic_bytes=_traffic(graph, edges),
-        kept_bytes=_kept_bytes(index, graph, recorded))
+        kept_bytes=_kept_bytes(index, graph, recorded),
+        optimizer_slots=optimizer_slots(recorded))
+
+
+def optimizer_slots(recorded: Recorded) -> float:
+    """The optimizers' state per weight as the script's optimizers made it
+    (``ApplyCall.slots``), weighted by the weights each updates; Adam's
+    (``memory.SLOTS``) when no optimizer said."""
+    known = [(call.slots, sum(v.shape.num_elements() for _, v in call.grads_and_vars
+                              if v is not None and v.shape.is_fully_defined()))
+             for call in recorded.apply_calls if call.slots is not None]
+    total = sum(size for _, size in known)
+    return sum(s * size for s, size in known) / total if total else SLOTS
 
 
 def _is_boundary(op: ops.Operation) -> bool:

@@ -3,6 +3,7 @@ subclasses' overrides) and keras' (``tf.keras.optimizers.legacy``, used by
 ``model.fit`` in graph mode) build APPLY ops, recorded (keras' ``iterations``
 counts as the global step), loss-scaled with fp16 (``loss_scaling``)."""
 import functools
+from typing import Optional
 
 from tfpar.compat.keras import keras_optimizer, keras_optimizer_v2
 from tfpar.compat.tf import context, ops, tf_optimizer
@@ -23,11 +24,12 @@ def add_optimizer_patches(patches: PatchSet) -> None:
     patches.add(keras_optimizer.Optimizer, "apply_gradients", _wrap_keras_apply)
 
 
-def _recorded_apply(grads_and_vars, global_step, apply):
+def _recorded_apply(grads_and_vars, global_step, apply, optimizer=None):
     """Run ``apply(grads_and_vars)`` in the APPLY phase; record the outermost call.
     ``global_step``: the variable, or a function giving it after ``apply`` ran
     (keras creates its ``iterations`` inside its own name scope there, and
-    counts a step whose loss-scaled update was skipped)."""
+    counts a step whose loss-scaled update was skipped); ``optimizer``: the
+    one applying, whose state per parameter is recorded (``optimizer_slots``)."""
     graph = ops.get_default_graph()
     if not recorded(graph):
         return apply(grads_and_vars)
@@ -46,14 +48,38 @@ def _recorded_apply(grads_and_vars, global_step, apply):
         cap.apply_calls.append(ApplyCall(
             grads_and_vars=list(grads_and_vars),
             global_step=handle_in(graph, global_step() if callable(global_step) else global_step),
-            train_op=result))
+            train_op=result, slots=optimizer_slots(optimizer, grads_and_vars)))
     return result
+
+
+def optimizer_slots(optimizer, grads_and_vars) -> Optional[float]:
+    """Elements of ``optimizer``'s state per element of the variables it
+    updates, read from what it made (``get_slot`` of TF1 and Keras legacy
+    optimizers; a Keras optimizer's ``variables`` but its scalars, such as
+    ``iterations``); None when unknown."""
+    variables = [v for _, v in grads_and_vars if v is not None]
+    size = sum(_elements(v) for v in variables)
+    if optimizer is None or not size:
+        return None
+    if hasattr(optimizer, "get_slot_names"):
+        state = sum(_elements(optimizer.get_slot(v, name)) for v in variables
+                    for name in optimizer.get_slot_names())
+    else:
+        state = sum(_elements(v) for v in optimizer.variables if v.shape.rank)
+    return state / size
+
+
+def _elements(variable) -> int:
+    """Elements of ``variable`` (0 when None or of unknown shape)."""
+    if variable is None or not variable.shape.is_fully_defined():
+        return 0
+    return variable.shape.num_elements()
 
 
 def _wrap_apply(original):
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):
         return _recorded_apply(grads_and_vars, global_step, lambda gv: original(
-            self, gv, global_step=global_step, name=name))
+            self, gv, global_step=global_step, name=name), self)
     return apply_gradients
 
 
@@ -62,7 +88,7 @@ def _wrap_keras_apply(original):
         if context.executing_eagerly():
             return original(self, grads_and_vars, *args, **kwargs)
         return _recorded_apply(grads_and_vars, lambda: self.iterations, lambda gv: original(
-            self, gv, *args, **kwargs))
+            self, gv, *args, **kwargs), self)
     return apply_gradients
 
 

@@ -2,7 +2,7 @@
 analysis and the rewriters read it (``hooks.capture.GraphCapture.recorded``):
 plain data holding TensorFlow objects, never assigned to downstream."""
 import dataclasses
-from typing import Any, FrozenSet, List, Mapping, Tuple
+from typing import Any, FrozenSet, List, Mapping, Optional, Tuple
 
 from tfpar.ir.taskgraph import Phase
 
@@ -22,11 +22,14 @@ class GradientCall:
 
 @dataclasses.dataclass
 class ApplyCall:
-    """One ``Optimizer.apply_gradients`` call and the op it returned."""
+    """One ``Optimizer.apply_gradients`` call and the op it returned;
+    ``slots``: the optimizer's state per parameter, as it made it (Adam 2,
+    Momentum 1, SGD 0; None: not known)."""
 
     grads_and_vars: List[Any]
     global_step: Any
     train_op: Any
+    slots: Optional[float] = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -98,7 +98,8 @@ def search_all(model: ModelView, num_devices: int, hardware: Hardware, global_ba
     candidates, unsearched, pruned = _plan_meshes(costing, meshes, progress)
     record = SearchRecord(tuple(meshes), unsearched, pruned, time_limit_s,
                           time.monotonic() - start, hardware, num_devices, model.compute_dtype,
-                          global_batch, batch_known, costing.allowed_names())
+                          global_batch, batch_known, costing.allowed_names(),
+                          model.optimizer_slots)
     return [dataclasses.replace(c, search=record) for c in candidates]
 
 

@@ -5,7 +5,7 @@ from typing import Optional, Tuple
 
 from tfpar.cluster.hardware import Hardware
 from tfpar.ir.outcome import Outcome
-from tfpar.planner.memory import Techniques
+from tfpar.planner.memory import SLOTS, Techniques
 from tfpar.planner.step_model import Setting
 
 __all__ = ["ALL_TECHNIQUES", "Candidate", "Part", "SearchRecord"]
@@ -34,7 +34,8 @@ class SearchRecord:
     before) - and the ``seconds`` it took; the device type it costed
     (``hardware``, the slowest of the cluster) and how many, the model's
     compute dtype, and the global batch (``batch_known``: the graph or
-    config states it); the memory techniques it was allowed (names)."""
+    config states it); the memory techniques it was allowed (names); the
+    optimizer's slots per weight (``ModelView.optimizer_slots``)."""
 
     meshes: Tuple[Tuple[int, int], ...]
     unsearched: Tuple[Tuple[int, int], ...]
@@ -47,6 +48,7 @@ class SearchRecord:
     global_batch: int
     batch_known: bool
     techniques: Tuple[str, ...] = ()
+    optimizer_slots: float = SLOTS
 
 
 @dataclasses.dataclass(frozen=True)

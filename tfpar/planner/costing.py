@@ -13,7 +13,7 @@ from tfpar.planner.model_view import ModelView, timed
 from tfpar.planner.partition import StageCut, partition_stages
 from tfpar.planner.roofline import low_precision_speed_up
 from tfpar.planner.sharding import plan_sharding
-from tfpar.planner.sharding_costs import STATE_BYTES as BYTES_PER_PARAM_STATE, Mesh, Problem
+from tfpar.planner.sharding_costs import Mesh, Problem
 from tfpar.planner.stage_costs import stage_costs
 from tfpar.planner.step_model import (KERNELS_PER_OP, LAUNCH_S, Setting, Space, StageModel,
                                       best_setting, micro_batch_counts, technique_space)
@@ -123,14 +123,16 @@ class MeshCosting:
                          faster_with=faster, **found)
 
     def _terms(self, ops: Sequence[int], act_scale: float) -> Dict[str, tuple]:
-        """``StageModel``'s recomputation fields for ``ops``, activations x ``act_scale``."""
+        """``StageModel``'s recomputation fields for ``ops``, activations x
+        ``act_scale``, and the model's optimizer slots."""
         terms = self.recompute
         flops = _total(self.model.flops, ops) or 1.0
         return {"kept": tuple(act_scale * _total(terms.kept[mode], ops) for mode in RECOMPUTE),
                 "transient": tuple(act_scale * terms.transient_bytes(mode, ops)
                                    for mode in RECOMPUTE),
                 "recomputed": tuple(_total(terms.flops[mode], ops) / flops
-                                    for mode in RECOMPUTE)}
+                                    for mode in RECOMPUTE),
+                "optimizer_slots": self.model.optimizer_slots}
 
     def _launches(self, ops: Sequence[int]) -> float:
         """Seconds of kernel launches of one micro-batch through ``ops``."""
@@ -273,7 +275,7 @@ class MeshCosting:
         two = self._plan(shape, graph, candidates, t, p, d, 2.0)
         compute = self._problem(graph, t, p, d, 1.0).compute_seconds(candidates)
         per_row = two.step_time_s - one.step_time_s
-        params = one.weight_memory / BYTES_PER_PARAM_STATE
+        params = one.weight_memory / graph.state_per_weight
         if p == 1:
             with_grads = self._plan(shape, graph, candidates, t, p, d, 1.0, gradients=True)
             grads = Cost(with_grads.step_time_s - one.step_time_s,

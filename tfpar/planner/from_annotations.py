@@ -12,6 +12,7 @@ from tfpar.ir.compact import device_ranges
 from tfpar.ir.plan import Plan, TaskGraphPlan, pinned_plan
 from tfpar.ir.taskgraph import Strategy, TaskGraphSpec
 from tfpar.planner.balance import well_formed_shares
+from tfpar.planner.memory import SLOTS, state_per_weight
 from tfpar.ir.schedule import SCHEDULES
 
 __all__ = ["plan_from_annotations"]
@@ -31,7 +32,8 @@ def plan_from_annotations(specs: Sequence[TaskGraphSpec], devices: Sequence[str]
       config: tfpar config (pipeline settings, sharing, a pinned plan).
       stats: per TaskGraph, ``num_ops`` and ``param_bytes`` (trainable, one copy);
         ``split`` maps a split TaskGraph's index to (the devices its shards were
-        built on, its chosen patterns, its shard shares).
+        built on, its chosen patterns, its shard shares); ``optimizer_slots``:
+        the optimizer's state per weight (Adam's when left out).
       graph: the graph planned: devices the scopes' TaskGraphs share without
         asking, or leave idle, are said of it (``fallback``).
 
@@ -61,21 +63,26 @@ def plan_from_annotations(specs: Sequence[TaskGraphSpec], devices: Sequence[str]
     if shares and not well_formed_shares(shares, r):
         raise PlanError(f"tfpar: the plan's batch_shares {list(shares)} must be one int >= 1 per "
                         f"replica of the model ({r})")
-    # Per device: its stage's weights + gradients (a split TaskGraph's shard).
-    memory = {d: 2 * tg.param_bytes * share // total for tg in tgs
-              for group in tg.replicas for d, share, total in _parts(tg, group)}
-    estimate = {
-        "step_time_s": None,  # no cost model for annotated plans yet
-        "memory_bytes_per_device": [memory[d] for d in sorted(memory)],
-        "comm_bytes": sum(int(2 * (n - 1) / n * tg.param_bytes)
-                          for tg, n in ((tg, len(tg.replicas)) for tg in tgs)),
-    }
+    estimate = _annotated_estimate(tgs, stats.get("optimizer_slots", SLOTS))
     if pinned is not None and pinned.estimate.get("step_time_s") is not None:
         estimate = dict(pinned.estimate)  # the search's estimate of the pinned plan
     return Plan(task_graphs=tuple(tgs), data_parallel_degree=r, num_micro_batch=num_micro_batch,
                 schedule=schedule, group_size=group_size, estimate=estimate,
                 sharding=dict(pinned.sharding) if pinned is not None else {},
                 batch_shares=shares)
+
+
+def _annotated_estimate(tgs: Sequence[TaskGraphPlan], slots: float) -> Dict[str, Any]:
+    """Memory per device (its stage's weights, gradients and ``slots``
+    optimizer slots per weight: a split TaskGraph's shard), as searched plans
+    count them, and the bytes data parallelism all-reduces; no step time."""
+    state = state_per_weight(slots)
+    memory = {d: int(state * tg.param_bytes * share // total) for tg in tgs
+              for group in tg.replicas for d, share, total in _parts(tg, group)}
+    return {"step_time_s": None,  # no cost model for annotated plans yet
+            "memory_bytes_per_device": [memory[d] for d in sorted(memory)],
+            "comm_bytes": sum(int(2 * (n - 1) / n * tg.param_bytes)
+                              for tg, n in ((tg, len(tg.replicas)) for tg in tgs))}
 
 
 def _parts(tg: TaskGraphPlan, group: Sequence[str]):

@@ -26,6 +26,7 @@ from typing import Dict, List, Sequence, Tuple
 import networkx as nx
 
 from tfpar.ir.contractions import CONTRACTIONS
+from tfpar.planner.memory import state_per_weight
 
 __all__ = ["HEAD_OPS", "Layer", "LayerGraph", "attention_layers", "critical_positions",
            "layer_graph", "subgraph"]
@@ -87,10 +88,13 @@ class Layer:
 
 @dataclasses.dataclass(frozen=True)
 class LayerGraph:
-    """Layers in topological order and (i, j, bytes per row) edges, i < j."""
+    """Layers in topological order and (i, j, bytes per row) edges, i < j;
+    ``state_per_weight``: bytes of weights, gradients and optimizer slots per
+    byte of weights (``memory.state_per_weight``)."""
 
     layers: Tuple[Layer, ...]
     edges: Tuple[Tuple[int, int, float], ...]
+    state_per_weight: float = 4.0
 
     @functools.cached_property
     def classes(self) -> Tuple[int, ...]:
@@ -134,7 +138,7 @@ def layer_graph(view) -> LayerGraph:
     layers = tuple(dataclasses.replace(layer, kind="attention")
                    if k in core and layer.kind == "other" else layer
                    for k, layer in enumerate(layers))
-    return LayerGraph(layers, edges)
+    return LayerGraph(layers, edges, state_per_weight(view.optimizer_slots))
 
 
 def attention_layers(layers: Sequence[Layer], edges: Sequence[Tuple[int, int, float]],
@@ -185,7 +189,7 @@ def subgraph(graph: LayerGraph, members: Sequence[int]) -> LayerGraph:
             outside[index[j]] += size
     layers = [dataclasses.replace(layer, input_bytes=layer.input_bytes + outside[k])
               if outside[k] else layer for k, layer in enumerate(layers)]
-    return LayerGraph(tuple(layers), tuple(edges))
+    return LayerGraph(tuple(layers), tuple(edges), graph.state_per_weight)
 
 
 def critical_positions(count: int, edges: Sequence[Tuple[int, int, float]]) -> List[int]:

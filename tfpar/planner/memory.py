@@ -37,10 +37,11 @@ from typing import Dict, List, Sequence, Tuple
 from tfpar.ir.contractions import CONTRACTIONS
 
 __all__ = ["HOST_LINK_BYTES_S", "HOST_MEMORY_BYTES_S", "RECOMPUTE", "Recomputation",
-           "Techniques", "offload_seconds", "recomputation", "state_bytes", "state_parts"]
+           "Techniques", "offload_seconds", "recomputation", "state_bytes", "state_parts",
+           "state_per_weight"]
 
 RECOMPUTE = ("none", "selective", "full")
-SLOTS = 2  # optimizer slots per weight (Adam's m and v)
+SLOTS = 2  # optimizer slots per weight when the script's optimizer is unknown (Adam's m and v)
 # Bytes of activations (kept, transient, sent) under mixed precision per
 # float32 byte: grappler's rewrite computes in 16 bits what its allow and
 # infer lists hold (contractions, element-wise ops between them), and keeps
@@ -87,29 +88,38 @@ class Techniques:
             ["offload"] if self.offload else [])
 
 
-def state_bytes(param_bytes: float, data: int, zero: int, offload: bool = False) -> float:
+def state_bytes(param_bytes: float, data: int, zero: int, offload: bool = False,
+                slots: float = SLOTS) -> float:
     """Bytes per device of weights, gradients and optimizer slots for weights
-    of ``param_bytes`` (float32) on ``d`` = ``data`` replicas: 16 bytes per
-    parameter (4 x ``param_bytes``), of which ZeRO-1 shards the slots (8) and
-    ZeRO-2 the gradients (4) too, and ``offload`` keeps the slots on the
-    host. Mixed precision's split (2 + 2 + 4 + 8) is the same: its master
-    weights shard with the slots."""
-    return param_bytes * sum(_state_shares(data, zero, offload))
+    of ``param_bytes`` (float32) on ``d`` = ``data`` replicas, with ``slots``
+    optimizer slots per weight (``ModelView.optimizer_slots``: Adam 2, 16
+    bytes per parameter; SGD 0, 8): ZeRO-1 shards the slots and ZeRO-2 the
+    gradients too, and ``offload`` keeps the slots on the host. Mixed
+    precision's split (Adam: 2 + 2 + 4 + 8) is the same: its master weights
+    shard with the slots."""
+    return param_bytes * sum(_state_shares(data, zero, offload, slots))
 
 
-def state_parts(state: float, data: int, zero: int, offload: bool = False
-                ) -> Dict[str, float]:
+def state_parts(state: float, data: int, zero: int, offload: bool = False,
+                slots: float = SLOTS) -> Dict[str, float]:
     """``state`` bytes per device (``state_bytes``) as its weights,
     gradients and optimizer slots, in the proportions ``state_bytes`` counts."""
-    shares = _state_shares(data, zero, offload)
+    shares = _state_shares(data, zero, offload, slots)
     param_bytes = state / sum(shares)
     return dict(zip(("weights", "gradients", "optimizer"), (param_bytes * s for s in shares)))
 
 
-def _state_shares(data: int, zero: int, offload: bool) -> Tuple[float, float, float]:
+def _state_shares(data: int, zero: int, offload: bool,
+                  slots: float) -> Tuple[float, float, float]:
     """Bytes of weights, gradients and slots per device per float32 weight byte."""
-    slots = 0.0 if offload else float(SLOTS)
+    slots = 0.0 if offload else float(slots)
     return (1.0, 1.0 / data if zero >= 2 else 1.0, slots / data if zero >= 1 else slots)
+
+
+def state_per_weight(slots: float) -> float:
+    """Bytes of weights, gradients and optimizer slots per byte of weights
+    (float32, no ZeRO): the one factor every memory estimate uses."""
+    return 2.0 + slots
 
 
 def offload_seconds(param_bytes: float) -> float:

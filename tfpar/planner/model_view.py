@@ -4,6 +4,7 @@ import dataclasses
 from typing import Optional, Sequence, Tuple
 
 from tfpar.cluster.hardware import Hardware
+from tfpar.planner.memory import SLOTS
 from tfpar.planner.roofline import timed_flops
 
 __all__ = ["ModelView", "stage_units", "timed"]
@@ -32,6 +33,8 @@ class ModelView:
         (kept from the forward pass until then; None: unknown, and ``kept``
         is every output, about twice as much on a GPT:
         ``benchmarks/memory.py``).
+      optimizer_slots: the optimizer's state per weight, as the script's
+        optimizer made it (SGD 0, Momentum 1, Adam 2); Adam's when unknown.
     """
 
     flops: Sequence[float]
@@ -46,6 +49,7 @@ class ModelView:
     compute_dtype: str = "fp32"
     traffic_bytes: Optional[Sequence[float]] = None
     kept_bytes: Optional[Sequence[float]] = None
+    optimizer_slots: float = SLOTS
 
     @property
     def kept(self) -> Sequence[float]:

@@ -38,7 +38,7 @@ from tfpar.ir.outcome import Outcome
 from tfpar.planner.comm import Cost, allgather, allreduce, allreduce_latency
 from tfpar.planner.layers import LayerGraph
 
-__all__ = ["CANDIDATES", "LAYOUTS", "Mesh", "Problem", "SHARDED", "STATE_BYTES",
+__all__ = ["CANDIDATES", "LAYOUTS", "Mesh", "Problem", "SHARDED",
            "ShardingPlan"]
 
 LAYOUTS = {"dp": ("B", "B"), "column": ("W", "F"), "row": ("F", "W"), "whole": ("W", "W"),
@@ -47,7 +47,6 @@ CANDIDATES = {"matmul": ("dp", "column", "row"), "xent": ("dp", "whole", "xent")
               "elementwise": ("dp", "whole", "shards"), "other": ("dp", "whole"),
               "embedding": ("dp", "whole", "vocab"), "attention": ("dp", "whole", "heads")}
 SHARDED = frozenset({"column", "row", "vocab"})  # weights split over the tensor group
-STATE_BYTES = 4  # weights, gradients and two optimizer slots per parameter byte
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,8 +196,9 @@ class Problem:
         layer, t = self.graph.layers[i], self.mesh.tensor
         weights = layer.param_bytes / (t if candidate in SHARDED else 1)
         if not activations:
-            return STATE_BYTES * weights
-        return STATE_BYTES * weights + layer.activation_bytes * self.rows(candidate, kept=True)
+            return self.graph.state_per_weight * weights
+        return (self.graph.state_per_weight * weights
+                + layer.activation_bytes * self.rows(candidate, kept=True))
 
     def memory(self, chosen: Sequence[str]) -> float:
         """Bytes per device the memory limit applies to."""

@@ -6,7 +6,7 @@ from typing import Sequence, Tuple
 from tfpar.cluster.hardware import Hardware
 from tfpar.planner.comm import LATENCY_S
 from tfpar.planner.model_view import ModelView, timed
-from tfpar.planner.sharding_costs import STATE_BYTES as BYTES_PER_PARAM_STATE
+from tfpar.planner.memory import state_per_weight
 
 __all__ = ["StageCosts", "stage_costs"]
 
@@ -15,13 +15,15 @@ __all__ = ["StageCosts", "stage_costs"]
 class StageCosts:
     """Per stage: forward time of one micro-batch (backward is twice it), the
     bytes of its weights, the activations one micro-batch keeps alive; the delay
-    of one cross-stage transfer; bytes crossing stages per micro-batch."""
+    of one cross-stage transfer; bytes crossing stages per micro-batch; the
+    optimizer's slots per weight."""
 
     forward_s: Tuple[float, ...]
     param_bytes: Tuple[float, ...]
     activation_bytes: Tuple[float, ...]
     transfer_s: float
     cut_bytes: float
+    optimizer_slots: float
 
     @property
     def backward_s(self) -> Tuple[float, ...]:
@@ -29,7 +31,7 @@ class StageCosts:
 
     @property
     def fixed_bytes(self) -> Tuple[float, ...]:
-        return tuple(BYTES_PER_PARAM_STATE * b for b in self.param_bytes)
+        return tuple(state_per_weight(self.optimizer_slots) * b for b in self.param_bytes)
 
 
 
@@ -48,4 +50,5 @@ def stage_costs(model: ModelView, stages: Sequence[int], num_stages: int, rows: 
         activations[stage] += model.kept[i] * rows
     cut = sum(size for i, j, size in model.edges if stages[i] != stages[j]) * rows
     transfer = LATENCY_S + cut / max(num_stages - 1, 1) / bandwidth if num_stages > 1 else 0.0
-    return StageCosts(tuple(forward), tuple(params), tuple(activations), transfer, cut)
+    return StageCosts(tuple(forward), tuple(params), tuple(activations), transfer, cut,
+                      model.optimizer_slots)

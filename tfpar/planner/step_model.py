@@ -47,8 +47,8 @@ import math
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 from tfpar.planner.comm import LATENCY_S, Cost
-from tfpar.planner.memory import (MIXED_ACTIVATIONS, RECOMPUTE, Techniques, offload_seconds,
-                                  state_bytes)
+from tfpar.planner.memory import (MIXED_ACTIVATIONS, RECOMPUTE, SLOTS, Techniques,
+                                  offload_seconds, state_bytes)
 
 __all__ = ["KERNELS_PER_OP", "LAUNCH_S", "SCHEDULE_TOLERANCE", "SEARCHED_SCHEDULES", "Setting",
            "Space", "StageModel", "best_setting", "in_flight", "micro_batch_counts",
@@ -71,7 +71,8 @@ class StageModel:
     replica): compute and collective seconds, collective bytes; per
     micro-batch latency; bytes of weights per device; gradients all-reduced
     once per step; per ``RECOMPUTE`` mode the activation bytes kept and held
-    transiently, and the recomputed share of the forward FLOPs."""
+    transiently, and the recomputed share of the forward FLOPs; the
+    optimizer's slots per weight."""
 
     compute_s: float
     collective_s: float
@@ -82,6 +83,7 @@ class StageModel:
     kept: Tuple[float, ...]
     transient: Tuple[float, ...]
     recomputed: Tuple[float, ...]
+    optimizer_slots: float = SLOTS
 
     def seconds(self, rows: float, mode: int, speed_up: float, act_scale: float) -> float:
         """Busy seconds of one micro-batch of ``rows`` (forward and backward)."""
@@ -245,8 +247,8 @@ def _settings(stages: Sequence[StageModel], data: int, rows_per_replica: float, 
     p = len(stages)
     transfer = LATENCY_S + cut_bytes * rows * scale / (p - 1) / bandwidth if p > 1 else 0.0
     grads = [stage.grads for stage in stages]  # float32: the variables' dtype
-    state = tuple(state_bytes(stage.param_bytes, data, tech.zero, tech.offload)
-                  for stage in stages)
+    state = tuple(state_bytes(stage.param_bytes, data, tech.zero, tech.offload,
+                              stage.optimizer_slots) for stage in stages)
     sent = sum(stage.collective_bytes * rows * scale * micro + g.bytes
                for stage, g in zip(stages, grads)) + 2 * cut_bytes * rows * scale * micro
     host = [offload_seconds(stage.param_bytes) if tech.offload else 0.0 for stage in stages]

@@ -5,7 +5,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from tfpar.cluster.hardware import Hardware
 from tfpar.planner.candidate import Candidate
 from tfpar.planner.choice import TENSOR_TOLERANCE, TOLERANCE
-from tfpar.planner.memory import state_parts
+from tfpar.planner.memory import SLOTS, state_parts
 
 __all__ = ["candidate_rows", "memory_parts"]
 
@@ -17,7 +17,8 @@ def memory_parts(candidate: Candidate) -> Dict[str, float]:
     optimizer slots (its ``state_bytes`` split as the memory model counts
     them) and the activations and buffers that make up the rest."""
     tech = candidate.techniques
-    parts = state_parts(candidate.state_bytes, candidate.data, tech.zero, tech.offload)
+    slots = candidate.search.optimizer_slots if candidate.search is not None else SLOTS
+    parts = state_parts(candidate.state_bytes, candidate.data, tech.zero, tech.offload, slots)
     parts["activations"] = max(candidate.memory_bytes - candidate.state_bytes, 0.0)
     return parts
 

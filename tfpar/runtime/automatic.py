@@ -18,9 +18,8 @@ from tfpar.planner.balance import balance_stages
 from tfpar.planner.choice import choose
 from tfpar.planner.costing import STAGE_ILP_SHARE
 from tfpar.planner.from_annotations import plan_from_annotations
-from tfpar.planner.memory import Techniques
+from tfpar.planner.memory import Techniques, state_per_weight
 from tfpar.planner.partition import StageCut, partition_stages
-from tfpar.planner.sharding_costs import STATE_BYTES
 from tfpar.planner.step_model import in_flight
 from tfpar.analysis.model_view import model_view
 from tfpar.analysis.graph_index import GraphIndex
@@ -163,7 +162,7 @@ def _stages_on_mixed_devices(rt: Runtime, view, count: int, graph) -> Optional[S
     group = cfg.get("pipeline.group_size")
     rows = planning_batch(rt, view) / replicas / micro
     stages, fits = balance_stages(
-        view.flops, [STATE_BYTES * b for b in view.param_bytes],
+        view.flops, [state_per_weight(view.optimizer_slots) * b for b in view.param_bytes],
         [b * rows for b in view.kept],
         [in_flight(schedule, 1 if group == "auto" else group, count, s, micro)
          for s in range(count)],

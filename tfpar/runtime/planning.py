@@ -12,7 +12,7 @@ from tfpar.ir.taskgraph import Strategy, TaskGraphSpec
 from tfpar.planner.stage_costs import stage_costs
 from tfpar.planner.from_annotations import plan_from_annotations
 from tfpar.planner.grouper import tune_group_size
-from tfpar.analysis.model_view import model_view
+from tfpar.analysis.model_view import model_view, optimizer_slots
 from tfpar.analysis.graph_index import GraphIndex
 from tfpar.analysis.stages import assign_stages
 from tfpar.runtime.automatic import (Automatic, automatic_plan, cluster_hardware, estimate_of,
@@ -106,7 +106,8 @@ def _stats(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, stage_of,
             param_bytes[stage_of.get(op, 0)] += v.shape.num_elements() * v.dtype.size
     split = {i: (ctx.devices, ctx.decisions, ctx.shares)
              for i, ctx in capture.split_contexts.items()}
-    return {"num_ops": num_ops, "param_bytes": param_bytes, "split": split}
+    return {"num_ops": num_ops, "param_bytes": param_bytes, "split": split,
+            "optimizer_slots": optimizer_slots(capture.recorded())}
 
 
 def _trainable_variables(graph: ops.Graph) -> list:

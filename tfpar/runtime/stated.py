@@ -42,7 +42,8 @@ def estimate_of(candidate: Candidate, rt, candidates: Sequence[Candidate] = ()
 
 
 def _assumed(candidate: Candidate, rt) -> Dict[str, Any]:
-    """The device, dtype, peak, efficiency and batch the estimate assumes,
+    """The device, dtype, peak, efficiency, memory, optimizer slots per
+    weight (``ModelView.optimizer_slots``) and batch the estimate assumes,
     and the FLOPs it counts: the model's (3 x forward) and those its
     recomputation runs again (hardware FLOPs are both)."""
     record = candidate.search
@@ -60,7 +61,7 @@ def _assumed(candidate: Candidate, rt) -> Dict[str, Any]:
         "devices_per_node": hardware.devices_per_node, "compute_dtype": dtype,
         "peak_dtype": hardware.peak_name(dtype), "peak_tflops": hardware.peak(dtype),
         "efficiency": hardware.efficiency, "memory_gbps": hardware.memory_gbps,
-        "memory_gb": hardware.memory_gb,
+        "memory_gb": hardware.memory_gb, "optimizer_slots": record.optimizer_slots,
         "global_batch": record.global_batch, "batch_from": batch_from},
         "flops_per_step": model, "recomputed_flops_per_step": again,
         "model_tflops_per_device": model / device_seconds if device_seconds else 0.0,
