@@ -127,3 +127,51 @@ def test_a_llama_core_with_grouped_heads_and_rotary_embeddings_splits_by_heads()
             "row"]
         assert [layers[f"layer_{i}/mlp/{name}"] for name in ("gate", "up", "down")] == [
             "column", "column", "row"]
+
+
+def _fused_attention(style):
+    """loss() of two attention blocks whose one ``qkv`` projection (3 x hidden)
+    is cut into q, k and v as scripts write it: by ``split`` of its last axis,
+    by index after a reshape (GPT-2's ``qkv[:, :, i]``), by ``unstack``, or
+    Megatron's heads-interleaved ``[B, S, heads, 3 x dh]`` split."""
+    seq, hidden, heads = 16, 64, 4
+    dh = hidden // heads
+
+    def to_heads(t):  # [B, S, heads, dh] -> [B, heads, S, dh]
+        return tf.transpose(t, [0, 2, 1, 3])
+
+    def qkv(fused):
+        if style == "split":
+            return [to_heads(tf.reshape(t, [-1, seq, heads, dh]))
+                    for t in tf.split(fused, 3, axis=-1)]
+        if style == "index":
+            t = tf.reshape(fused, [-1, seq, 3, heads, dh])
+            return [to_heads(t[:, :, i]) for i in range(3)]
+        if style == "unstack":
+            return tf.unstack(tf.transpose(tf.reshape(fused, [-1, seq, 3, heads, dh]),
+                                           [2, 0, 3, 1, 4]))
+        return [to_heads(t) for t in tf.split(tf.reshape(fused, [-1, seq, heads, 3 * dh]), 3,
+                                               axis=-1)]
+
+    def loss():
+        h = v1.placeholder(tf.float32, [8, seq, hidden])
+        for i in range(2):
+            with v1.variable_scope(f"block{i}"):
+                q, k, v = qkv(v1.layers.dense(h, 3 * hidden, name="qkv"))
+                att = tf.nn.softmax(tf.matmul(q, k, transpose_b=True) / dh ** 0.5)
+                ctx = tf.reshape(to_heads(tf.matmul(att, v)), [-1, seq, hidden])
+                h = h + v1.layers.dense(ctx, hidden, name="out")
+        return tf.reduce_mean(h ** 2)
+    return loss
+
+
+@pytest.mark.parametrize("style", ["split", "index", "unstack", "megatron"])
+def test_a_fused_qkv_projection_feeds_an_attention_core_however_it_is_cut(style):
+    """Before, q, k and v taken from a fused projection by index or unstack
+    (GPT-2's and many ports' way) left the core unfound, so its heads were
+    never split and the plan fell back to data and pipeline parallelism."""
+    graph = layer_graph(graph_view(_fused_attention(style))[1])
+    cores = {layer.scope.split("/")[0] for layer in graph.layers if layer.kind == "attention"}
+    assert cores == {"block0", "block1"}
+    kinds = {layer.scope: layer.kind for layer in graph.layers}
+    assert (kinds["block0/qkv"], kinds["block0/out"]) == ("matmul", "matmul")

@@ -38,10 +38,13 @@ ELEMENTWISE = frozenset({"Relu", "Relu6", "Elu", "Selu", "Gelu", "Tanh", "Sigmoi
                          "Mul", "AddV2", "Add", "Sub", "RealDiv", "BiasAdd", "Const"})
 READS = frozenset({"ReadVariableOp", "Identity"})
 # What an attention core is made of, between its Q K V projection and its output
-# projection (dropout, masks and rotary embeddings' half swaps included).
+# projection (dropout, masks and rotary embeddings' half swaps included; a
+# fused projection's q, k and v taken by split, by index (GPT-2's
+# ``qkv[:, :, 0]``) or by unstack).
 HEAD_OPS = CONTRACTIONS | ELEMENTWISE | READS | frozenset({
     "Split", "SplitV", "ConcatV2", "Reshape", "Transpose", "Softmax", "Select", "SelectV2",
-    "Maximum", "Minimum", "Greater", "GreaterEqual", "RandomUniform", "Floor"})
+    "Maximum", "Minimum", "Greater", "GreaterEqual", "RandomUniform", "Floor", "StridedSlice",
+    "Slice", "Unpack", "Squeeze", "ExpandDims"})
 
 
 @dataclasses.dataclass(frozen=True)
