@@ -21,9 +21,12 @@ Measured per model:
     graph, then ``auto.search_all`` over every data x tensor x pipeline mesh
     of 8 V100-32GB, then ``choose``; Python's garbage collector paused, as
     tfpar pauses it);
+  * auto mask s: the same for the GPT with one causal mask that every block
+    reads (built once, as most scripts build it);
 
 Targets (``TARGETS``; ``--check`` prints PASS/FAIL per target and exits 1 when
 one is missed): plan O2 and auto each <= 25% of build time for the largest
+model; auto with a shared causal mask / without <= 2 for the largest
 model; plan O2 and auto of the largest model / of 24 layers <= 2 (TAP's
 sub-linear planning; only when 24 and a larger depth are measured); O2 within
 5% of O3 wherever O3 proved its plan optimal. The view-time ratio of the
@@ -68,7 +71,7 @@ LAYERS = {False: "12,24,48,96", True: "2,4"}  # --layers default, full / --quick
 # Targets (at most): plan O2 / build of the largest model, plan O2 of the largest
 # model / of 24 layers, O2 / O3 step time where O3 is optimal.
 TARGETS = {"plan_build": 0.25, "plan_growth": 2.0, "o2_o3": 1.05, "auto_build": 0.25,
-           "auto_growth": 2.0}
+           "auto_growth": 2.0, "mask_auto": 2.0}
 SIZES = {"hidden": (1024, 64, "hidden size"), "seq": (128, 16, "sequence length"),
          "vocab": (32000, 1000, "vocabulary size"), "batch": (8, 8, "global batch of the plans"),
          "o3_limit": (60, 10, "O3 (CP-SAT) time limit in seconds")}
@@ -77,7 +80,8 @@ COLUMNS = [("layers", "layers", "d"), ("graph ops", "graph_ops", "d"),
            ("blocks", "blocks", "d"), ("build s", "build_s", ".2f"), ("view s", "view_s", ".2f"),
            ("plan O2 s", "plan_s", ".3f"), ("plan/build", "plan_build", ".3f"),
            ("O3 s", "o3_s", ".2f"), ("O3 optimal", "o3_optimal", ""),
-           ("O2/O3 cost", "o2_o3_cost", ".4f"), ("auto s", "auto_s", ".2f")]
+           ("O2/O3 cost", "o2_o3_cost", ".4f"), ("auto s", "auto_s", ".2f"),
+           ("auto mask s", "auto_mask_s", ".2f")]
 
 
 def timed(fn, *args, **kwargs):
@@ -92,9 +96,7 @@ def measure(layers, args):
     graph = tf.Graph()
     try:
         with graph.as_default():
-            wh.init({"cluster.num_devices": DEVICES, "cluster.hardware": [HARDWARE.name],
-                     "auto.auto_parallel": True, "auto.planning_pass": False,
-                     "auto.global_batch": args.batch, "auto.search_time_limit_s": LIMIT_S})
+            wh.init(auto_config(args))
             _, build_s = timed(gpt_train_op, layers, args.hidden, args.seq, args.vocab, HEADS)
             # Planned first, as at the first Session.run: nothing of the graph read before.
             automatic, auto_s = timed(automatic_plan, GraphIndex(graph), capture_for(graph),
@@ -117,8 +119,31 @@ def measure(layers, args):
                 "o2_step_s": o2 and o2.step_time_s, "o3_step_s": o3 and o3.step_time_s,
                 "o2_o3_cost": o2.step_time_s / o3.step_time_s if o2 and o3 else None,
                 "auto_s": auto_s, "auto_build": auto_s / build_s,
+                "auto_mask_s": masked_auto_s(layers, args),
                 "search_mesh": f"data {best.data} x tensor {best.tensor} "
                                                      f"x pipeline {best.pipeline}"}
+    finally:
+        wh.reset()
+        del graph
+        gc.collect()
+
+
+def auto_config(args):
+    """``auto.auto_parallel`` on the benchmark's mesh, planned in this process."""
+    return {"cluster.num_devices": DEVICES, "cluster.hardware": [HARDWARE.name],
+            "auto.auto_parallel": True, "auto.planning_pass": False,
+            "auto.global_batch": args.batch, "auto.search_time_limit_s": LIMIT_S}
+
+
+def masked_auto_s(layers, args):
+    """Seconds of auto's planning of the same GPT with one causal mask that
+    every block reads, built once as most scripts build it."""
+    graph = tf.Graph()
+    try:
+        with graph.as_default():
+            wh.init(auto_config(args))
+            gpt_train_op(layers, args.hidden, args.seq, args.vocab, HEADS, mask="shared")
+            return timed(automatic_plan, GraphIndex(graph), capture_for(graph), active())[1]
     finally:
         wh.reset()
         del graph
@@ -137,7 +162,9 @@ def targets(rows):
     found = [target(f"plan O2 / build, {largest['layers']} layers", largest["plan_build"],
                     TARGETS["plan_build"]),
              target(f"auto / build, {largest['layers']} layers", largest["auto_build"],
-                    TARGETS["auto_build"])]
+                    TARGETS["auto_build"]),
+             target(f"auto shared mask / none, {largest['layers']} layers",
+                    largest["auto_mask_s"] / largest["auto_s"], TARGETS["mask_auto"])]
     if 24 in by_layers and largest["layers"] > 24:
         ratio = f"{largest['layers']} / 24 layers"
         found += [target(f"plan O2 {ratio}", largest["plan_s"] / by_layers[24]["plan_s"],

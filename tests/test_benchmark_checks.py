@@ -70,10 +70,11 @@ def test_split_check_fails_when_a_ratio_misses_its_target(key):
     assert split.TARGETS == {"sp1_sp2_bytes": 1.0, "hybrid_dp_step": 1.0}
 
 
-def planner_rows(plan_96=1.0, o2_o3=1.0, auto_96=1.0):
+def planner_rows(plan_96=1.0, o2_o3=1.0, auto_96=1.0, mask_96=1.0):
     return [{"layers": n, "plan_build": plan / 10, "plan_s": plan, "view_s": 1.0,
-             "auto_s": auto, "auto_build": auto / 10, "o2_o3_cost": o2_o3, "o3_optimal": True}
-            for n, plan, auto in ((24, 1.0, 1.0), (96, plan_96, auto_96))]
+             "auto_s": auto, "auto_build": auto / 10, "o2_o3_cost": o2_o3, "o3_optimal": True,
+             "auto_mask_s": auto * mask}
+            for n, plan, auto, mask in ((24, 1.0, 1.0, 1.0), (96, plan_96, auto_96, mask_96))]
 
 
 @pytest.mark.parametrize("rows, code", [
@@ -81,6 +82,7 @@ def planner_rows(plan_96=1.0, o2_o3=1.0, auto_96=1.0):
     (planner_rows(plan_96=3.0), 1),  # plan(96) / plan(24) = 3 > 2, plan / build 0.3 > 0.25
     (planner_rows(o2_o3=1.06), 1),  # O2 more than 5% behind an optimal O3
     (planner_rows(auto_96=2.2), 1),  # the whole planning: 96 / 24 layers 2.2 > 2
+    (planner_rows(mask_96=2.5), 1),  # a shared causal mask makes planning 2.5x slower
 ])
 def test_planner_check_fails_when_a_target_is_missed(rows, code, capsys):
     assert planner.finish(rows, args()) == code

@@ -7,6 +7,13 @@ import random
 import time
 
 import pytest
+import tensorflow as tf
+
+import tfpar as wh
+from tfpar.analysis.graph_index import GraphIndex
+from tfpar.analysis.model_view import model_view
+from tfpar.hooks.capture import existing_capture
+from tfpar.models.gpt import gpt_train_op
 
 from tfpar.cluster.hardware import Hardware
 from tfpar.planner import sharding
@@ -241,3 +248,46 @@ def test_batch_free_edges_tie_no_segments_together():
         assert plan.optimal
         assert Problem(graph, mesh).objective(plan.candidates).seconds == pytest.approx(
             brute_force(graph, mesh), rel=1e-9)
+
+
+def _gpt_layers(layers, mask):
+    """The layer graph of ``tfpar.models``' GPT (hidden 64, 4 heads, 16 tokens)
+    with its causal ``mask`` built once ("shared") or per block."""
+    graph = tf.Graph()
+    with graph.as_default():
+        wh.init({"cluster.num_devices": 1})
+        gpt_train_op(layers, 64, 16, 96, 4, batch=8, mask=mask)
+        _, view = model_view(GraphIndex(graph), existing_capture(graph))
+    wh.reset()
+    return layer_graph(view)
+
+
+def test_a_causal_mask_every_layer_reads_costs_the_search_nothing(monkeypatch):
+    """A GPT written the usual way builds its causal mask once: before, the
+    mask's edges left no critical layer, and a tensor-8 mesh of 16 blocks
+    was one ILP (58 s, 1 s with a mask per block). Now the search solves as
+    many segments for 4 blocks as for 12, shared mask or not, and plans the
+    shared-mask model as the per-block one."""
+    solved = []
+    original = sharding._solve_segment
+    monkeypatch.setattr(sharding, "_solve_segment",
+                        lambda *args: solved.append(args[2:]) or original(*args))
+    mesh = Mesh(devices=8, tensor=8, batch=8, hardware=Hardware("gpu", 100.0, 80.0, 300, 25))
+    counts, plans = {}, {}
+    for mask in ("shared", "per_layer"):
+        for layers in (4, 12):
+            solved.clear()
+            graph = _gpt_layers(layers, mask)
+            assert len(critical_layers(graph)) > 2 * layers  # segments within every block
+            plans[mask, layers] = plan_sharding(graph, mesh, 1e12, "O2")
+            counts[mask, layers] = len(solved)
+            assert plans[mask, layers].optimal
+    assert counts["shared", 4] == counts["shared", 12] == counts["per_layer", 12]
+    for layers in (4, 12):
+        shared = {layer.scope: c for layer, c in zip(_gpt_layers(layers, "shared").layers,
+                                                     plans["shared", layers].candidates)}
+        per_layer = {layer.scope: c for layer, c in zip(_gpt_layers(layers, "per_layer").layers,
+                                                        plans["per_layer", layers].candidates)}
+        common = set(shared) & set(per_layer)
+        assert len(common) > 20 * layers
+        assert {s: shared[s] for s in common} == {s: per_layer[s] for s in common}

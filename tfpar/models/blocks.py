@@ -5,7 +5,7 @@ import math
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["ROPE_BASE", "layer_norm", "lm_logits", "mha", "rms_norm", "rotary"]
+__all__ = ["ROPE_BASE", "causal_mask", "layer_norm", "lm_logits", "mha", "rms_norm", "rotary"]
 
 v1 = tf.compat.v1
 ROPE_BASE = 500000.0  # Llama 3's rotary base
@@ -38,9 +38,16 @@ def rotary(x, seq, dim):
     return x * cos + tf.concat([-second, first], -1) * sin
 
 
-def mha(a, seq, heads, fused_qkv):
+def causal_mask(seq):
+    """[seq, seq]: 0 where a position may attend (itself and earlier ones),
+    -1e9 elsewhere, added to the attention scores."""
+    return (1.0 - tf.linalg.band_part(tf.ones([seq, seq]), -1, 0)) * -1e9
+
+
+def mha(a, seq, heads, fused_qkv, mask=None):
     """Multi-head self-attention of ``a`` [B, seq, hidden] with v1 dense layers
-    (biases) ``q``, ``k``, ``v`` (or one ``qkv`` when ``fused_qkv``) and ``out``."""
+    (biases) ``q``, ``k``, ``v`` (or one ``qkv`` when ``fused_qkv``) and ``out``;
+    ``mask`` [seq, seq] added to the scores (None: none)."""
     hidden = int(a.shape[-1])
     dh = hidden // heads
 
@@ -53,7 +60,8 @@ def mha(a, seq, heads, fused_qkv):
         q, k, v = map(heads_first, tf.split(dense(a, 3 * hidden, "qkv"), 3, axis=-1))
     else:
         q, k, v = (heads_first(dense(a, hidden, name)) for name in "qkv")
-    att = tf.nn.softmax(tf.matmul(q, k, transpose_b=True) / math.sqrt(dh))
+    scores = tf.matmul(q, k, transpose_b=True) / math.sqrt(dh)
+    att = tf.nn.softmax(scores if mask is None else scores + mask)
     ctx = tf.reshape(tf.transpose(tf.matmul(att, v), [0, 2, 1, 3]), [-1, seq, hidden])
     return dense(ctx, hidden, "out")
 
