@@ -88,6 +88,7 @@ class Candidate:
     flops: Tuple[float, float] = (0.0, 0.0)
     faster_with: Optional[Setting] = None
     search: Optional[SearchRecord] = None
+    stage_memory: Tuple[float, ...] = ()
 
     def describe(self) -> str:
         """'data 4 x tensor 2 x pipeline 2, 8 micro-batches, zero_bubble,

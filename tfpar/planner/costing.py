@@ -120,7 +120,7 @@ class MeshCosting:
                          techniques=best.techniques, state_bytes=max(best.state_bytes),
                          schedule=best.schedule, group_size=best.group_size,
                          stage_search=self.cuts[p].outcome if p > 1 else None, flops=flops,
-                         faster_with=faster, **found)
+                         faster_with=faster, stage_memory=best.memory_bytes, **found)
 
     def _terms(self, ops: Sequence[int], act_scale: float) -> Dict[str, tuple]:
         """``StageModel``'s recomputation fields for ``ops``, activations x

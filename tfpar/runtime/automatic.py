@@ -286,7 +286,8 @@ def sharded_plan(automatic: Automatic, rt: Runtime, index: GraphIndex,
     if best.split_stages:
         sharding["stages"] = {scope: stage for (scope, _), stage
                               in zip(best.split_scopes, best.split_stages)}
-    return dataclasses.replace(plan, task_graphs=task_graphs, estimate=estimate_of(best, rt, automatic.candidates),
+    return dataclasses.replace(plan, task_graphs=task_graphs,
+                               estimate=estimate_of(best, rt, automatic.candidates, task_graphs),
                                sharding=sharding, notes=fallback.notes(index.graph))
 
 

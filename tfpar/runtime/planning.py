@@ -65,7 +65,8 @@ def planned(graph: ops.Graph, capture: GraphCapture, rt: Runtime):
     if automatic is not None and automatic.runnable is not None:
         runnable = automatic.runnable
         plan = dataclasses.replace(
-            plan, estimate=estimate_of(runnable, rt, automatic.candidates), task_graphs=tuple(
+            plan, estimate=estimate_of(runnable, rt, automatic.candidates, plan.task_graphs),
+            task_graphs=tuple(
                 dataclasses.replace(tg, estimate=part_estimate([part]))
                 for tg, part in zip(plan.task_graphs, runnable.parts)))
     plan = with_stage_search(plan, automatic)

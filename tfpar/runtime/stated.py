@@ -5,10 +5,11 @@ did less than it was asked - stopped early, or let a time limit decide a
 stage cut or a sharding - or advice where a memory technique the config
 left out would make it much faster (``say_how_it_was_found``).
 """
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from tfpar import fallback
 from tfpar.ir.outcome import Outcome
+from tfpar.ir.plan import TaskGraphPlan
 from tfpar.planner.candidate import Candidate
 from tfpar.planner.choice import faster_with_techniques
 from tfpar.planner.costing import SOLVE_SHARE, STAGE_ILP_SHARE
@@ -16,22 +17,23 @@ from tfpar.planner.meshes import meshes_named
 from tfpar.planner.roofline import LOW_PRECISION
 from tfpar.planner.verdicts import candidate_rows, memory_parts
 
-__all__ = ["estimate_of", "say_how_it_was_found", "say_stage_cut"]
+__all__ = ["estimate_of", "memory_per_device", "say_how_it_was_found", "say_stage_cut"]
 
 _MORE = "Raise auto.search_time_limit_s"
 
 
-def estimate_of(candidate: Candidate, rt, candidates: Sequence[Candidate] = ()
-                ) -> Dict[str, Any]:
-    """A plan's ``estimate`` from a search candidate: its step, memory (and
-    what fills its fullest device: ``memory``) and traffic, its memory
-    techniques, what it assumes and how it was found; with the search's
-    ``candidates``, each with why it lost (``planner.verdicts``)."""
+def estimate_of(candidate: Candidate, rt, candidates: Sequence[Candidate] = (),
+                task_graphs: Sequence[TaskGraphPlan] = ()) -> Dict[str, Any]:
+    """A plan's ``estimate`` from a search candidate: its step, memory per
+    device (``memory_per_device``; what fills its fullest device:
+    ``memory``) and traffic, its memory techniques, what it assumes and how
+    it was found; with the search's ``candidates``, each with why it lost
+    (``planner.verdicts``)."""
     techniques = candidate.techniques
     rows = (candidate_rows(candidates, candidate, candidate.search.hardware)
             if candidates and candidate.search is not None else [])
     return {"step_time_s": candidate.step_time_s,
-            "memory_bytes_per_device": [candidate.memory_bytes] * len(rt.devices),
+            "memory_bytes_per_device": memory_per_device(candidate, rt.devices, task_graphs),
             "memory": memory_parts(candidate),
             "comm_bytes": candidate.comm_bytes,
             "memory_techniques": techniques.names,
@@ -39,6 +41,18 @@ def estimate_of(candidate: Candidate, rt, candidates: Sequence[Candidate] = ()
             **({"zero": techniques.zero} if techniques.zero else {}),
             **_assumed(candidate, rt), **_found(candidate),
             **({"candidates": rows} if rows else {})}
+
+
+def memory_per_device(candidate: Candidate, devices: Sequence[str],
+                      task_graphs: Sequence[TaskGraphPlan] = ()) -> List[float]:
+    """Bytes per device of ``devices`` (in name order, as annotated plans
+    list them): its stage's estimate when ``task_graphs`` are the
+    candidate's stages, else the fullest device's everywhere."""
+    if not task_graphs or len(task_graphs) != len(candidate.stage_memory):
+        return [candidate.memory_bytes] * len(devices)
+    of_device = {d: memory for tg, memory in zip(task_graphs, candidate.stage_memory)
+                 for d in tg.devices}
+    return [of_device.get(d, 0.0) for d in sorted(devices)]
 
 
 def _assumed(candidate: Candidate, rt) -> Dict[str, Any]:
