@@ -251,8 +251,9 @@ def test_python_snippet_runs_and_its_plan_ran(fixture, snippet, tmp_path):
     assert fixture in FIXTURES, f"a page names an unknown fixture {fixture!r}"
     script = tmp_path / "snippet.py"
     script.write_text(completed(snippet, FIXTURES[fixture]))
-    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=300)
+    # Run where the files a snippet writes (a plan report) stay out of the tree.
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=ENV,
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, script.read_text() + "\n" + done.stderr[-3000:]
     assert "ran:" in done.stdout
 
