@@ -145,6 +145,10 @@ def _modes(values):
              ("pipeline.retune_tolerance", tuned, "pipeline.group_size 'auto'"),
              ("pipeline.schedule", auto or values["pipeline.num_micro_batch"] > 1,
               "pipeline.num_micro_batch above 1, or auto.auto_parallel true"),
+             ("pipeline.virtual_stages", values["pipeline.num_micro_batch"] > 1
+              and values["pipeline.schedule"] in ("1f1b", "auto") and not auto,
+              "pipeline.num_micro_batch above 1 with the 1f1b schedule (interleaved), "
+              "auto.auto_parallel false"),
              ("auto.global_batch", auto or tuned, f"{planned}, or pipeline.group_size 'auto'"),
              ("auto.search_time_limit_s", auto or values["auto.num_task_graph"] is not None,
               f"{planned}, or auto.num_task_graph"),

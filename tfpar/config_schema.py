@@ -87,6 +87,10 @@ SCHEMA = {
         "bool", True, (), "run each micro-batch's stage tasks as calls of one graph function "
         "per task (off: a copy of the stage per micro-batch)"),
     "pipeline.group_size": Option("int|str", 1, _GROUP_SIZE, "k of kFkB, or 'auto' (Ada-Grouper)"),
+    "pipeline.virtual_stages": Option(
+        "int", 1, _at_least(1), "stages per device group (Narayanan et al. SC'21 §2.2): the "
+        "TaskGraphs are dealt round-robin, group g running stages g, g + G, ..., in the "
+        "interleaved 1F1B order"),
     "pipeline.retune_steps": Option(
         "int", 100, ("0 or >= 2", lambda v: v == 0 or v >= 2), "with group_size 'auto', "
         "every this many Session.run training steps one is profiled and k moves to the best "

@@ -12,7 +12,7 @@ from tfpar.errors import PlanError
 from tfpar.ir.compact import device_ranges, numbered
 from tfpar.ir.outcome import Outcome
 from tfpar.ir.report import write_report
-from tfpar.ir.schedule import build_schedule
+from tfpar.ir.schedule import build_schedule, interleaved_schedule
 from tfpar.ir.simulate import simulate as simulate_schedule
 from tfpar.ir.trace import chrome_trace, write_chrome_trace
 
@@ -94,6 +94,7 @@ class Plan:
     sharding: Dict[str, Any] = dataclasses.field(default_factory=dict)
     batch_shares: Tuple[int, ...] = ()
     notes: Tuple[str, ...] = ()
+    virtual_stages: int = 1
 
     def to_dict(self) -> Dict[str, Any]:
         """The plan as the JSON-ready dict of DESIGN.md."""
@@ -104,6 +105,7 @@ class Plan:
                 "schedule": self.schedule,
                 "group_size": self.group_size,
                 "num_stages": len(self.task_graphs),
+                **({"virtual_stages": self.virtual_stages} if self.virtual_stages > 1 else {}),
             },
             "task_graphs": [
                 {
@@ -167,6 +169,7 @@ class Plan:
                    num_micro_batch=steps.get("num_micro_batch", int, 1),
                    schedule=steps.get("schedule", str, "1f1b"),
                    group_size=steps.get("group_size", (int, str), 1),
+                   virtual_stages=steps.get("virtual_stages", int, 1),
                    estimate=dict(read.get("estimate", dict, {})),
                    sharding=dict(read.get("sharding", dict, {})),
                    batch_shares=tuple(read.get("batch_shares", list, ())),
@@ -179,13 +182,23 @@ class Plan:
         third, backward two thirds): relative units until the cost model
         estimates seconds. Returns an ``ir.simulate.SimulationResult``."""
         ops_per_stage = [max(tg.num_ops, 1) for tg in self.task_graphs]
-        schedule = build_schedule(self.schedule, len(self.task_graphs), self.num_micro_batch,
-                                  self.group_size if isinstance(self.group_size, int) else 1)
+        schedule, groups = self.task_schedule()
         if forward_time is None:
             forward_time = [n / 3 for n in ops_per_stage]
         if backward_time is None:
             backward_time = [2 * n / 3 for n in ops_per_stage]
-        return simulate_schedule(schedule, forward_time, backward_time, transfer_time)
+        return simulate_schedule(schedule, forward_time, backward_time, transfer_time,
+                                 device_groups=groups)
+
+    def task_schedule(self):
+        """(per stage, its ordered tasks; the device groups that run them:
+        with interleaved ``virtual_stages``, ``ir.schedule.interleaved_schedule``'s
+        G, else None, a group per stage)."""
+        if self.virtual_stages > 1:
+            groups = len(self.task_graphs) // self.virtual_stages
+            return interleaved_schedule(groups, self.virtual_stages, self.num_micro_batch), groups
+        return build_schedule(self.schedule, len(self.task_graphs), self.num_micro_batch,
+                              self.group_size if isinstance(self.group_size, int) else 1), None
 
     def timeline(self, path: str, **times) -> Any:
         """Write the planned schedule as a Chrome trace (one row per device of
@@ -207,7 +220,9 @@ class Plan:
         """A human-readable table of the plan."""
         lines = [
             f"tfpar plan: data_parallel_degree={self.data_parallel_degree} "
-            f"num_micro_batch={self.num_micro_batch} schedule={self.schedule}",
+            f"num_micro_batch={self.num_micro_batch} schedule={self.schedule}"
+            + (f" virtual_stages={self.virtual_stages} (interleaved)"
+               if self.virtual_stages > 1 else ""),
         ]
         estimated = any(tg.estimate for tg in self.task_graphs)
         header = ("TaskGraph", "strategy", "devices", "ops", "params", "placement") + (

@@ -11,7 +11,7 @@ import collections
 import dataclasses
 from typing import List, Sequence
 
-__all__ = ["Task", "SCHEDULES", "build_schedule", "validate_schedule"]
+__all__ = ["Task", "SCHEDULES", "build_schedule", "interleaved_schedule", "validate_schedule"]
 
 SCHEDULES = ("gpipe", "1f1b", "kfkb", "zero_bubble")
 
@@ -20,9 +20,12 @@ SCHEDULES = ("gpipe", "1f1b", "kfkb", "zero_bubble")
 class Task:
     """One task of a micro-batch on a stage: forward ("F"), backward ("B"; with
     the zero-bubble schedule only its input gradients) or weight gradients
-    ("W", zero-bubble only)."""
+    ("W", zero-bubble only); ``slot``: its place among the tasks of every
+    stage its device group runs (interleaved stages; -1: its stage's list
+    order is the device's)."""
     kind: str
     micro_batch: int
+    slot: int = dataclasses.field(default=-1, compare=False)
 
     def __str__(self):
         return f"{self.kind}{self.micro_batch}"
@@ -60,6 +63,46 @@ def build_schedule(kind: str, num_stages: int, num_micro_batch: int,
         group_size = 1
     groups = _groups(num_micro_batch, group_size)
     return [_grouped_one_f_one_b(groups, num_stages - stage - 1) for stage in range(num_stages)]
+
+
+def interleaved_schedule(num_groups: int, virtual_stages: int,
+                         num_micro_batch: int) -> List[List[Task]]:
+    """Interleaved 1F1B (Narayanan et al. SC'21 §2.2): ``num_groups`` device
+    groups each run ``virtual_stages`` stages, group g stages g, g + G, ...
+    (G = ``num_groups``). A group's micro-batch units go through its stages
+    in rounds of G micro-batches: forward unit k is micro-batch
+    ``k // (G V) * G + k % G`` on its stage ``k // G mod V``, backward unit k
+    the same micro-batch on stage ``V - 1 - k // G mod V``; group g first runs
+    ``2 (G - g - 1) + (V - 1) G`` forward units (all of them when the
+    micro-batches are exactly G), then one forward and one backward unit
+    alternately, then the backward units left. Returns the tasks per stage
+    (stage v G + g), each with its ``slot`` in its group's order.
+
+    Raises:
+      ValueError: an argument is not an int >= 1, or the micro-batches are
+        not a multiple of the groups (each round has G).
+    """
+    for name, value in (("num_groups", num_groups), ("virtual_stages", virtual_stages),
+                        ("num_micro_batch", num_micro_batch)):
+        _check_positive_int(name, value)
+    if num_micro_batch % num_groups:
+        raise ValueError(f"interleaved stages need micro-batches in rounds of the {num_groups} "
+                         f"device groups: {num_micro_batch} is not a multiple of {num_groups}")
+    units = num_micro_batch * virtual_stages
+    schedule: List[List[Task]] = [[] for _ in range(num_groups * virtual_stages)]
+    for g in range(num_groups):
+        warmup = units if num_micro_batch == num_groups else min(
+            units, 2 * (num_groups - g - 1) + (virtual_stages - 1) * num_groups)
+        order = [("F", k) for k in range(warmup)]
+        for k in range(units - warmup):
+            order += [("F", warmup + k), ("B", k)]
+        order += [("B", k) for k in range(units - warmup, units)]
+        for slot, (kind, k) in enumerate(order):
+            chunk = k // num_groups % virtual_stages
+            stage = (chunk if kind == "F" else virtual_stages - 1 - chunk) * num_groups + g
+            micro_batch = k // (num_groups * virtual_stages) * num_groups + k % num_groups
+            schedule[stage].append(Task(kind, micro_batch, slot))
+    return schedule
 
 
 def validate_schedule(schedule: List[List[Task]], num_micro_batch: int) -> None:

@@ -3,11 +3,13 @@
 ``F(s, m)`` waits for ``F(s-1, m)`` plus a transfer; ``B(s, m)`` waits for ``F(s, m)``
 and for ``B(s+1, m)`` plus a transfer; ``W(s, m)`` (zero-bubble) waits for
 ``B(s, m)``. Each stage runs its tasks in list order, one at a time, each
-starting as soon as its stage and its inputs are ready.
+starting as soon as its stage and its inputs are ready; with interleaved
+stages (``device_groups``), each device group runs the tasks of all its
+stages one at a time, in their ``slot`` order.
 """
 import dataclasses
 import numbers
-from typing import Dict, List, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from tfpar.ir.schedule import Task, validate_schedule
 
@@ -66,7 +68,8 @@ class SimulationResult:
 
 
 def simulate(schedule: List[List[Task]], forward_time: Times, backward_time: Times,
-             transfer_time: float = 0.0, weight_share: float = 0.5) -> SimulationResult:
+             transfer_time: float = 0.0, weight_share: float = 0.5,
+             device_groups: Optional[int] = None) -> SimulationResult:
     """Simulate one step of ``schedule``.
 
     Args:
@@ -76,6 +79,8 @@ def simulate(schedule: List[List[Task]], forward_time: Times, backward_time: Tim
       transfer_time: delay of every cross-stage transfer.
       weight_share: the part of a split backward its ``W`` takes (a dense
         layer's weight and input gradients cost one matmul each: 0.5).
+      device_groups: interleaved stages (``interleaved_schedule``): stage s
+        runs on group ``s % device_groups``; None: a group per stage.
 
     Raises:
       ValueError: malformed schedule or times, or a deadlocked schedule.
@@ -93,14 +98,27 @@ def simulate(schedule: List[List[Task]], forward_time: Times, backward_time: Tim
         durations["W"] = [share * b for b in backward]
     delay = _non_negative("transfer_time", transfer_time)
 
+    lanes = _lanes(schedule, device_groups)
     ends: Dict[_Key, float] = {}
-    placed: List[List[TimedTask]] = [[] for _ in range(num_stages)]
-    while any(len(placed[s]) < len(schedule[s]) for s in range(num_stages)):
-        if not _place_ready_tasks(schedule, placed, ends, durations, delay):
-            raise ValueError(_deadlock_message(schedule, placed, ends))
+    placed: List[List[TimedTask]] = [[] for _ in lanes]
+    while any(len(placed[lane]) < len(tasks) for lane, tasks in enumerate(lanes)):
+        if not _place_ready_tasks(lanes, num_stages, placed, ends, durations, delay):
+            raise ValueError(_deadlock_message(lanes, num_stages, placed, ends))
 
-    tasks = [timed for stage_tasks in placed for timed in stage_tasks]
-    return _result(tasks, _transfers(tasks, num_stages, delay), schedule)
+    tasks = sorted((timed for lane in placed for timed in lane), key=lambda t: t.stage)
+    return _result(tasks, _transfers(tasks, num_stages, delay), schedule, len(lanes))
+
+
+def _lanes(schedule: List[List[Task]], device_groups: Optional[int]):
+    """(stage, task) in the order each device group runs them."""
+    if device_groups is None:
+        return [[(s, task) for task in tasks] for s, tasks in enumerate(schedule)]
+    if len(schedule) % device_groups:
+        raise ValueError(f"{len(schedule)} stages do not deal evenly to {device_groups} "
+                         "device groups")
+    return [sorted(((s, task) for s in range(g, len(schedule), device_groups)
+                    for task in schedule[s]), key=lambda pair: pair[1].slot)
+            for g in range(device_groups)]
 
 
 def measured(tasks: Sequence[TimedTask], num_stages: int) -> SimulationResult:
@@ -115,10 +133,10 @@ def measured(tasks: Sequence[TimedTask], num_stages: int) -> SimulationResult:
 
 
 def _result(tasks: List[TimedTask], transfers: List[Transfer],
-            order: Sequence[Sequence[Task]]) -> SimulationResult:
+            order: Sequence[Sequence[Task]], lanes: Optional[int] = None) -> SimulationResult:
     length = max(t.end for t in tasks)
     busy = sum(t.end - t.start for t in tasks)
-    bubble = 1.0 - busy / (len(order) * length) if length > 0 else 0.0
+    bubble = 1.0 - busy / ((lanes or len(order)) * length) if length > 0 else 0.0
     return SimulationResult(tasks=tasks, transfers=transfers, length=length,
                             bubble_fraction=bubble,
                             peak_in_flight=[_peak_in_flight(stage) for stage in order])
@@ -152,33 +170,33 @@ def task_dependencies(stage: int, task: Task, num_stages: int) -> List[Tuple[_Ke
     return deps
 
 
-def _place_ready_tasks(schedule, placed, ends, durations, delay) -> bool:
+def _place_ready_tasks(lanes, num_stages, placed, ends, durations, delay) -> bool:
     """Place every next task whose inputs have ended; True if any was placed."""
     progressed = False
-    for stage, stage_tasks in enumerate(schedule):
-        while len(placed[stage]) < len(stage_tasks):
-            task = stage_tasks[len(placed[stage])]
-            deps = task_dependencies(stage, task, len(schedule))
+    for lane, lane_tasks in enumerate(lanes):
+        while len(placed[lane]) < len(lane_tasks):
+            stage, task = lane_tasks[len(placed[lane])]
+            deps = task_dependencies(stage, task, num_stages)
             if any(key not in ends for key, _ in deps):
                 break
             ready = max([ends[key] + (delay if cross else 0.0) for key, cross in deps], default=0.0)
-            previous_end = placed[stage][-1].end if placed[stage] else 0.0
+            previous_end = placed[lane][-1].end if placed[lane] else 0.0
             start = max(previous_end, ready)
             end = start + durations[task.kind][stage]
-            placed[stage].append(TimedTask(stage, task, start, end))
+            placed[lane].append(TimedTask(stage, task, start, end))
             ends[(stage, task.kind, task.micro_batch)] = end
             progressed = True
     return progressed
 
 
-def _deadlock_message(schedule, placed, ends) -> str:
+def _deadlock_message(lanes, num_stages, placed, ends) -> str:
     stuck = []
-    for stage, stage_tasks in enumerate(schedule):
-        if len(placed[stage]) == len(stage_tasks):
+    for lane, lane_tasks in enumerate(lanes):
+        if len(placed[lane]) == len(lane_tasks):
             continue
-        task = stage_tasks[len(placed[stage])]
+        stage, task = lane_tasks[len(placed[lane])]
         missing = [f"{kind}{m} on stage {s}"
-                   for (s, kind, m), _ in task_dependencies(stage, task, len(schedule))
+                   for (s, kind, m), _ in task_dependencies(stage, task, num_stages)
                    if (s, kind, m) not in ends]
         stuck.append(f"stage {stage} at {task} (waits for {', '.join(missing)})")
     return "infeasible pipeline schedule (deadlock): " + "; ".join(stuck)

@@ -44,16 +44,18 @@ def plan_from_annotations(specs: Sequence[TaskGraphSpec], devices: Sequence[str]
     pinned = pinned_plan(config)
     if pinned is not None:
         tgs = _pinned_task_graphs(pinned, specs, devices, stats.get("split", {}))
-        num_micro_batch, schedule, group_size = (pinned.num_micro_batch, pinned.schedule,
-                                                 pinned.group_size)
+        num_micro_batch, schedule, group_size, virtual = (
+            pinned.num_micro_batch, pinned.schedule, pinned.group_size, pinned.virtual_stages)
     else:
         tgs = _annotated_task_graphs(specs, devices, config, stats.get("split", {}))
-        if graph is not None:
-            _say_devices(tgs, devices, config.get("cluster.colocate_split_and_replicate"), graph)
+        virtual = config.get("pipeline.virtual_stages")
+        if graph is not None:  # interleaved stages share devices as asked
+            _say_devices(tgs, devices, config.get("cluster.colocate_split_and_replicate")
+                         or virtual > 1, graph)
         num_micro_batch = config.get("pipeline.num_micro_batch")
         schedule, group_size = config.get("pipeline.schedule"), config.get("pipeline.group_size")
         schedule = "1f1b" if schedule == "auto" else schedule
-    _check_pipeline(tgs, num_micro_batch, schedule, group_size)
+    _check_pipeline(tgs, num_micro_batch, schedule, virtual)
     tgs = [dataclasses.replace(tg, num_ops=stats["num_ops"][i], param_bytes=stats["param_bytes"][i])
            for i, tg in enumerate(tgs)]
     # Copies of the whole model; a TaskGraph with more replicas than that splits
@@ -69,7 +71,7 @@ def plan_from_annotations(specs: Sequence[TaskGraphSpec], devices: Sequence[str]
     return Plan(task_graphs=tuple(tgs), data_parallel_degree=r, num_micro_batch=num_micro_batch,
                 schedule=schedule, group_size=group_size, estimate=estimate,
                 sharding=dict(pinned.sharding) if pinned is not None else {},
-                batch_shares=shares)
+                batch_shares=shares, virtual_stages=virtual)
 
 
 def _annotated_estimate(tgs: Sequence[TaskGraphPlan], slots: float) -> Dict[str, Any]:
@@ -99,14 +101,15 @@ def _annotated_task_graphs(specs, devices, config, split) -> List[TaskGraphPlan]
     each VirtualDevice of a split TaskGraph runs one sharded replica."""
     requests = [(s.name, s.device_count) for s in specs]
     share = config.get("cluster.colocate_split_and_replicate")
-    assignment = assign_devices(requests, devices, share)
+    virtual = config.get("pipeline.virtual_stages")
+    assignment = assign_devices(requests, devices, share, virtual)
     hardware = device_hardware(config.get("cluster.hardware"), len(devices))
     # A split TaskGraph's devices are fixed as it is built (its variables are
     # made sharded there), before the scopes after it are known: kept.
     if (hardware is not None and len(specs) > 1 and config.get("balance.hardware_aware")
             and not split):
         devices = _by_memory_for_stages(devices, hardware, assignment)
-        assignment = assign_devices(requests, devices, share)
+        assignment = assign_devices(requests, devices, share, virtual)
     tgs = []
     for spec, vds in zip(specs, assignment.virtual_devices):
         if spec.strategy == Strategy.SPLIT:
@@ -174,12 +177,19 @@ def _by_memory_for_stages(devices: Sequence[str], hardware, assignment) -> List[
 
 
 def _check_pipeline(tgs: Sequence[TaskGraphPlan], num_micro_batch: int, schedule: str,
-                    group_size) -> None:
+                    virtual: int) -> None:
     if len(tgs) == 1 and num_micro_batch == 1:
         return
     if schedule not in SCHEDULES:
         raise PlanError(f"tfpar: pipeline.schedule '{schedule}' is not implemented in this "
                         f"build; choose one of {', '.join(SCHEDULES)}")
+    groups = len(tgs) // virtual
+    if virtual > 1 and (schedule != "1f1b" or num_micro_batch % groups):
+        raise PlanError(
+            f"tfpar: pipeline.virtual_stages {virtual} interleaves 1F1B (Narayanan et al. "
+            f"SC'21 §2.2) in rounds of one micro-batch per device group: it needs schedule "
+            f"'1f1b' (got '{schedule}') and pipeline.num_micro_batch a multiple of the "
+            f"{groups} groups (got {num_micro_batch})")
 
 
 def _pinned_task_graphs(plan: Plan, specs: Sequence[TaskGraphSpec], devices: Sequence[str],

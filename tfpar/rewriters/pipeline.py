@@ -43,21 +43,36 @@ def order_tasks(tasks: Dict[TaskKey, List[ops.Operation]], schedule: Sequence[Se
                 stage_devices: Sequence[Sequence[str]], scope: str = "pipeline"
                 ) -> Set[Tuple[ops.Operation, ops.Operation]]:
     """Chain the ``tasks`` of every stage device in ``schedule`` order
-    (barriers named ``scope/before_...``); returns the control edges added,
-    (op, the op it now waits for)."""
+    (barriers named ``scope/before_...``); with interleaved stages (tasks
+    with a ``slot``), the tasks of every stage a device runs, in slot order.
+    Returns the control edges added, (op, the op it now waits for)."""
     edges: Set[Tuple[ops.Operation, ops.Operation]] = set()
+    for device, keys in _device_orders(schedule, stage_devices):
+        previous = None
+        for (j, s, kind, m) in keys:
+            members = tasks.get((j, s, kind, m))
+            if not members:
+                continue
+            if previous is not None:
+                edges |= _chain(previous, members, device, f"{scope}/before_s{s}_d{j}_{kind}{m}")
+            previous = members
+    return edges
+
+
+def _device_orders(schedule: Sequence[Sequence], stage_devices: Sequence[Sequence[str]]
+                   ) -> List[Tuple[str, List[TaskKey]]]:
+    """(device, the task keys it runs in order) per stage device: its stage's
+    list; with interleaved stages (tasks with a ``slot``), per device, the
+    tasks of every stage it runs, by slot."""
+    lanes: Dict[Tuple, Tuple[str, List[Tuple[int, TaskKey]]]] = {}
+    interleaved = any(task.slot >= 0 for stage in schedule for task in stage)
     for s, stage_schedule in enumerate(schedule):
         for j, device in enumerate(stage_devices[s]):
-            previous = None
-            for task in stage_schedule:
-                members = tasks.get((j, s, task.kind, task.micro_batch))
-                if not members:
-                    continue
-                if previous is not None:
-                    edges |= _chain(previous, members, device,
-                                    f"{scope}/before_s{s}_d{j}_{task.kind}{task.micro_batch}")
-                previous = members
-    return edges
+            _, keyed = lanes.setdefault(device if interleaved else (s, j), (device, []))
+            keyed += [(task.slot, (j, s, task.kind, task.micro_batch)) for task in stage_schedule]
+    return [(device, [key for _, key in (sorted(keyed, key=lambda pair: pair[0])
+                                         if interleaved else keyed)])
+            for device, keyed in lanes.values()]
 
 
 def stage_tasks(rw, recorded: Recorded, index: GraphIndex

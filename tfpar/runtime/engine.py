@@ -11,7 +11,6 @@ from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture, existing_capture, recording_paused
 from tfpar.ir.plan import Plan
 from tfpar.ir.recorded import Recorded
-from tfpar.ir.schedule import build_schedule
 from tfpar.rewriters import graph_edit
 from tfpar.rewriters.allreduce import CollectiveKeys, LocalReducer, make_reducer
 from tfpar.rewriters.data_parallel import replicate
@@ -197,8 +196,7 @@ def _parallelised(graph: ops.Graph, recorded: Recorded, rt: Runtime, plan: Plan,
     reducer_for = _reducers(graph, rt)
     horovod = cfg.get("communication.backend") == "horovod"
     # One micro-batch needs no schedule; otherwise the plan's was validated.
-    schedule = [] if plan.num_micro_batch == 1 else build_schedule(
-        plan.schedule, placement.num_stages, plan.num_micro_batch, plan.group_size)
+    schedule = [] if plan.num_micro_batch == 1 else plan.task_schedule()[0]
     with graph_edit.unfinalized(graph), recording_paused():
         rewrite = replicate(graph, recorded, index, placement, plan.num_micro_batch,
                             reducer_for, schedule,

@@ -27,8 +27,10 @@ def planned_step(plan, stages: Sequence[Stage]) -> Tuple[SimulationResult, str]:
         unit, busy = "ops", [float(max(sum(tg.num_ops for tg in s.task_graphs), 1))
                              for s in stages]
     group = plan.group_size if isinstance(plan.group_size, int) else 1
-    schedule = build_schedule(plan.schedule, len(stages), micro, group)
-    return simulate(schedule, [b / 3 for b in busy], [2 * b / 3 for b in busy]), unit
+    schedule, groups = (plan.task_schedule() if len(stages) == len(plan.task_graphs)
+                        else (build_schedule(plan.schedule, len(stages), micro, group), None))
+    return simulate(schedule, [b / 3 for b in busy], [2 * b / 3 for b in busy],
+                    device_groups=groups), unit
 
 
 def _chart(result: SimulationResult, unit: str, label: str) -> str:
