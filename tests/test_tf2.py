@@ -43,7 +43,8 @@ def run_script(scenario: str, devices: int, late_init: bool = False, directory=N
 def plain(scenario: str):
     """The scenario without tfpar (a pipeline's or an automatic plan's: the same
     loop without scopes or config)."""
-    return run_script("tape_adam" if scenario in ("pipeline", "auto") else scenario, 0)[0]
+    return run_script("tape_adam" if scenario in ("pipeline", "pipeline_interleaved", "auto")
+                      else scenario, 0)[0]
 
 
 def assert_same_training(expected, got):
@@ -59,7 +60,7 @@ def assert_same_training(expected, got):
     ("fit", 2), ("fit", 4), ("next_in_step", 2), ("split", 2), ("split", 4),
     ("split_gradients", 2), ("split_fit", 2), ("split_fit", 4),
     ("functional_pipeline_fit", 2), ("functional_pipeline_fit", 4), ("functional_split_fit", 2),
-    ("split_mixed_fit", 2), ("made_in_stages", 4)])
+    ("split_mixed_fit", 2), ("made_in_stages", 4), ("pipeline_interleaved", 2)])
 def test_a_tf2_step_trains_in_parallel_with_the_single_device_numbers(scenario, devices):
     """Before: wh.init() switched TensorFlow to graph mode, every step(x, y)
     returned a symbolic tensor and nothing trained, without a word. A split
@@ -71,7 +72,9 @@ def test_a_tf2_step_trains_in_parallel_with_the_single_device_numbers(scenario, 
     assert set(planned) <= set(got["devices"]), (
         f"the step was never parallelised: work ran only on {got['devices']}")
     assert set(got["planned"]) == set(planned), "wh.current_plan() is not the plan that ran"
-    if "pipeline" in scenario or scenario == "made_in_stages":  # two stages, each data parallel
+    if scenario == "pipeline_interleaved":  # both stages on one group, copied on each device
+        assert got["strategies"] == [["replicate", devices]] * 2, got["strategies"]
+    elif "pipeline" in scenario or scenario == "made_in_stages":  # two stages, each data parallel
         assert got["strategies"] == [["replicate", devices // 2]] * 2, got["strategies"]
     if "split" in scenario:
         assert ["split", devices] in got["strategies"], got["strategies"]

@@ -17,7 +17,8 @@ Scenarios: ``tape_adam`` / ``tape_legacy_adam`` / ``gradients_adam`` (a
 ``tf.function`` step with tf.GradientTape or tf.gradients and a Keras
 optimizer, over a dataset iterated in Python, two steps per batch, the last
 batch smaller), ``pipeline`` (``tape_adam`` with its two layers in two
-``wh.replicate(1)`` scopes and 4 micro-batches), ``fit`` (compile, fit with
+``wh.replicate(1)`` scopes and 4 micro-batches; ``pipeline_interleaved``: the
+two stages as virtual stages of one device group), ``fit`` (compile, fit with
 validation data and the ModelCheckpoint, EarlyStopping and TensorBoard
 callbacks, evaluate, predict); ``split`` / ``split_gradients`` (a custom loop
 with tf.GradientTape / tf.gradients whose 8-class head and cross-entropy are
@@ -197,6 +198,8 @@ SCENARIOS = {
     "tape_legacy_adam": lambda d: custom_loop(True, tf.keras.optimizers.legacy.Adam, d),
     "gradients_adam": lambda d: custom_loop(False, tf.keras.optimizers.Adam, d),
     "pipeline": lambda d: custom_loop(True, tf.keras.optimizers.Adam, d, stages=True),
+    "pipeline_interleaved": lambda d: custom_loop(True, tf.keras.optimizers.Adam, d,
+                                                  stages=True),
     "fit": keras_fit,
     "split": lambda d: custom_loop(True, tf.keras.optimizers.Adam, d, split=True),
     "split_gradients": lambda d: custom_loop(False, tf.keras.optimizers.Adam, d, split=True),
@@ -212,6 +215,7 @@ SCENARIOS = {
 }
 # tfpar settings besides the device count.
 CONFIGS = {"pipeline": {"pipeline.num_micro_batch": 4},
+           "pipeline_interleaved": {"pipeline.num_micro_batch": 4, "pipeline.virtual_stages": 2},
            "pipeline_fit": {"pipeline.num_micro_batch": 4},
            "functional_pipeline_fit": {"pipeline.num_micro_batch": 4},
            "made_in_stages": {"pipeline.num_micro_batch": 4}, "auto": {"auto.auto_parallel": True},
