@@ -20,7 +20,7 @@
                                        print each host's command and TF_CONFIG
     tfpar simulate --stages P --micro-batches M [--schedule S] [--group-size K]
                    [--forward F] [--backward B] [--transfer T] [--weight-share S]
-                   [--trace OUT.json]
+                   [--virtual-stages V] [--trace OUT.json]
                                        replay a pipeline schedule: length (in the unit of
                                        F and B), bubble, micro-batches in flight, vs 1F1B;
                                        optional Chrome trace
@@ -132,10 +132,7 @@ def _launch(args) -> int:
 def _simulate(args) -> int:
     from tfpar.ir import schedule, simulate, trace  # pylint: disable=import-outside-toplevel
     try:
-        tasks = schedule.build_schedule(args.schedule, args.stages, args.micro_batches,
-                                        args.group_size)
-        result = simulate.simulate(tasks, args.forward, args.backward, args.transfer,
-                                   args.weight_share)
+        tasks, result, name = _simulated(args, schedule, simulate)
         baseline = simulate.simulate(schedule.build_schedule("1f1b", args.stages,
                                                              args.micro_batches),
                                      args.forward, args.backward, args.transfer)
@@ -143,7 +140,7 @@ def _simulate(args) -> int:
         print(f"tfpar simulate: {exc}", file=sys.stderr)
         return 2
     unit = f" (in the unit of --forward {args.forward:g} and --backward {args.backward:g})"
-    print(f"{args.schedule} schedule, {args.stages} stages x {args.micro_batches} micro-batches: "
+    print(f"{name} x {args.micro_batches} micro-batches: "
           f"{result.describe(unit)}")
     print(f"  vs 1f1b: length {baseline.length:g} (same unit), bubble {baseline.bubble_fraction:.1%} "
           f"(step {result.length / baseline.length:.3f}x 1f1b's)")
@@ -153,6 +150,25 @@ def _simulate(args) -> int:
         trace.write_chrome_trace(trace.chrome_trace(result), args.trace)
         print(f"Chrome trace: {args.trace}")
     return 0
+
+
+def _simulated(args, schedule, simulate):
+    """(tasks per stage, the simulation, the schedule's name) of ``tfpar
+    simulate``'s arguments: with ``--virtual-stages V``, each of the stages
+    (devices) runs V stages of 1/V of its times, interleaved."""
+    if args.virtual_stages == 1:
+        tasks = schedule.build_schedule(args.schedule, args.stages, args.micro_batches,
+                                        args.group_size)
+        return tasks, simulate.simulate(tasks, args.forward, args.backward, args.transfer,
+                                        args.weight_share), \
+            f"{args.schedule} schedule, {args.stages} stages"
+    if args.schedule != "1f1b":
+        raise ValueError("--virtual-stages interleaves the 1f1b schedule")
+    v = args.virtual_stages
+    tasks = schedule.interleaved_schedule(args.stages, v, args.micro_batches)
+    return tasks, simulate.simulate(tasks, args.forward / v, args.backward / v, args.transfer,
+                                    device_groups=args.stages), \
+        f"interleaved 1f1b schedule, {args.stages} devices x {v} virtual stages"
 
 
 def _count(text: str) -> int:
@@ -209,6 +225,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     simulate.add_argument("--transfer", type=float, default=0.0, help="cross-stage delay")
     simulate.add_argument("--weight-share", type=float, default=0.5,
                           help="part of the backward its weight gradients take (zero_bubble)")
+    simulate.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+                          help="stages per device, interleaved (1f1b only; --forward and "
+                               "--backward stay a device's whole share)")
     simulate.add_argument("--trace", help="write a Chrome trace of the schedule here")
     args = parser.parse_args(argv)
     if args.command == "simulate":
