@@ -1,0 +1,181 @@
+"""Predicted against measured on every run (config key ``measure.after_steps``):
+the cost model's compute time and peak memory of each TaskGraph, costed when
+the graph is rewritten, set beside what a traced training step measured
+(per device: the ops' busy time, and the variables it holds plus the most
+bytes the step's allocations kept alive). The table is printed, kept in the
+plan (``Plan.measured``), warned about when off by more than
+``measure.tolerance``, and with ``measure.calibrate`` fitted into a device
+entry the next plan can use (``cluster.hardware``)."""
+import collections
+import dataclasses
+import json
+import logging
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+
+from tfpar.analysis.graph_index import GraphIndex
+from tfpar.analysis.model_view import model_view
+from tfpar.analysis.op_kinds import is_variable
+from tfpar.analysis.variables import variable_bytes
+from tfpar.cluster.devices import short_name
+from tfpar.cluster.hardware import Hardware
+from tfpar.cluster.host_speed import host_cpu
+from tfpar.compat.tf import ops
+from tfpar.ir import measured as compare
+from tfpar.ir.plan import Plan
+from tfpar.ir.recorded import Recorded
+from tfpar.planner.stage_costs import StageCosts, stage_costs
+from tfpar.planner.step_model import in_flight
+from tfpar.runtime.automatic import cluster_hardware, planning_batch
+from tfpar.runtime.context import Runtime, active
+from tfpar.runtime.graph_state import existing_state
+from tfpar.runtime.step_trace import step_allocations, step_spans
+
+__all__ = ["Predicted", "after_step", "measure_due", "predict"]
+
+log = logging.getLogger("tfpar")
+
+
+@dataclasses.dataclass(frozen=True)
+class Predicted:
+    """The cost model of a rewritten graph's TaskGraphs for one batch row
+    (``costs``), on ``hardware``, and the batch it assumes when none is fed."""
+
+    costs: StageCosts
+    hardware: Hardware
+    batch: int
+
+
+def prediction_hardware(rt: Runtime) -> Hardware:
+    """The device the prediction assumes: ``cluster.hardware``'s, else on
+    CPUs the host's measured matmul throughput (``cluster.host_speed``)."""
+    if rt.config.get("cluster.hardware") is None and rt.device_type == "CPU":
+        return host_cpu()
+    return cluster_hardware(rt)
+
+
+def predict(graph: ops.Graph, index: GraphIndex, recorded: Recorded, rt: Runtime, plan: Plan,
+            stage_of) -> Optional[Predicted]:
+    """The cost model of ``plan``'s TaskGraphs, as ``stage_of`` places the
+    model's ops; None when nothing will be measured (``measure.after_steps``
+    0, or a tf.function step: its runs are not traced)."""
+    if not rt.config.get("measure.after_steps") or graph.building_function:
+        return None
+    order, view = model_view(index, recorded)
+    hardware = prediction_hardware(rt)
+    costs = stage_costs(view, [stage_of.get(op, 0) for op in order], len(plan.task_graphs),
+                        1.0, hardware)
+    return Predicted(costs, hardware, planning_batch(rt, view))
+
+
+def measure_due(graph: Optional[ops.Graph]) -> bool:
+    """Whether the next run of ``graph`` is the training step to measure."""
+    rt = active()
+    state = existing_state(graph) if graph is not None else None
+    return (rt is not None and state is not None and state.predicted is not None
+            and state.rewrite is not None and state.rewrite.stepped
+            and state.training_steps + 1 == rt.config.get("measure.after_steps"))
+
+
+def after_step(graph: ops.Graph, run_metadata, feed_dict=None) -> Optional[Dict[str, Any]]:
+    """After a run of ``graph``: count its training steps; after the one
+    ``measure_due`` traced, compare, say, keep and calibrate. Returns the
+    comparison when it was made."""
+    state = existing_state(graph)
+    due = measure_due(graph)
+    if state is None or state.rewrite is None or not state.rewrite.stepped:
+        return None
+    state.training_steps += 1
+    if not due or run_metadata is None or not run_metadata.step_stats.dev_stats:
+        return None
+    cfg = active().config
+    batch, batch_from = _batch(feed_dict, state.predicted.batch)
+    measured = {"step": state.training_steps, "batch": batch, "batch_from": batch_from,
+                "hardware": state.predicted.hardware.name, "tolerance": cfg.get("measure.tolerance"),
+                "task_graphs": _rows(graph, state.plan, state.predicted, run_metadata, batch,
+                                     cfg.get("measure.tolerance"))}
+    if cfg.get("measure.calibrate"):
+        measured["calibrated"] = _calibrate(cfg.get("measure.calibrate"), state.predicted, measured)
+    state.plan = dataclasses.replace(state.plan, measured=measured)
+    _say(measured)
+    return measured
+
+
+def _rows(graph: ops.Graph, plan: Plan, predicted: Predicted, run_metadata, batch: int,
+          tolerance: float) -> list:
+    """Per TaskGraph: predicted and measured (time, bytes) of its busiest device."""
+    spans = step_spans(run_metadata, graph)
+    peaks = {short_name(d): compare.peak_bytes(r)
+             for d, r in step_allocations(run_metadata).items()}
+    held = _variables_held(graph, plan)
+    costs, stages = predicted.costs, len(plan.task_graphs)
+    rows = []
+    for s, tg in enumerate(plan.task_graphs):
+        degree = tg.device_count if tg.strategy == "split" else 1
+        rows_per_micro = batch / len(tg.replicas) / plan.num_micro_batch
+        group = plan.group_size if isinstance(plan.group_size, int) else 1
+        alive = in_flight(plan.schedule, group, stages, s, plan.num_micro_batch)
+        time_s = (costs.forward_s[s] + costs.backward_s[s]) * rows_per_micro \
+            * plan.num_micro_batch / degree
+        memory = (costs.fixed_bytes[s] + costs.activation_bytes[s] * rows_per_micro * alive) / degree
+        devices = [short_name(d) for d in tg.devices]
+        busy = max(compare.busy_seconds(spans.get((tg.name, d), ())) for d in devices)
+        peak = max(peaks.get(d, 0) + held.get(d, 0) for d in devices)
+        rows.append(compare.row(tg.name, devices, (time_s, memory), (busy, peak), tolerance))
+    return rows
+
+
+def _variables_held(graph: ops.Graph, plan: Plan) -> Dict[str, int]:
+    """Bytes of the variables (weights, optimizer slots) on each device
+    (short name; unplaced: the plan's first device)."""
+    first = short_name(plan.task_graphs[0].devices[0])
+    held: Dict[str, int] = collections.Counter()
+    for op in graph.get_operations():
+        if is_variable(op):
+            held[short_name(op.device) if op.device else first] += variable_bytes(op.outputs[0])
+    return held
+
+
+def _batch(feed_dict, assumed: int) -> Tuple[int, str]:
+    """The global batch of the measured step: the leading dimension most of
+    the fed arrays share, else what the plan assumed (static or 32)."""
+    dims = collections.Counter(np.shape(v)[0] for v in (feed_dict or {}).values()
+                               if np.ndim(v) >= 1)
+    if dims:
+        return dims.most_common(1)[0][0], "fed"
+    return assumed, "assumed"
+
+
+def _calibrate(path: str, predicted: Predicted, measured: Dict[str, Any]) -> Dict[str, Any]:
+    """Fit the device entry's efficiency to the measurement, write it to
+    ``path`` and say what was fitted from what."""
+    hw = predicted.hardware
+    entry = {"name": hw.name, "tflops": hw.tflops, "memory_gb": hw.memory_gb,
+             "intra_node_gbps": hw.intra_node_gbps, "inter_node_gbps": hw.inter_node_gbps,
+             "efficiency": hw.efficiency}
+    fitted = compare.calibrated_entry(entry, measured)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(fitted, f, indent=2)
+    return {"path": path, "entry": fitted,
+            "from": f"efficiency {hw.efficiency:g} x predicted / measured compute time of "
+                    f"training step {measured['step']}, summed over its TaskGraphs; memory "
+                    "is not fitted"}
+
+
+def _say(measured: Dict[str, Any]) -> None:
+    """Print and log the table; warn (once: one step is measured) when off."""
+    text = compare.table(measured)
+    if "calibrated" in measured:
+        said = measured["calibrated"]
+        text += (f"\ntfpar: calibrated device entry written to {said['path']} "
+                 f"(tflops {said['entry']['tflops']:g}, efficiency "
+                 f"{said['entry']['efficiency']:g}: {said['from']}); plan with it: "
+                 f"cluster.hardware \"{said['path']}\"")
+    log.info("%s", text)
+    print(text)
+    off = compare.off_rows(measured)
+    if off:
+        log.warning("tfpar: the cost model is off by more than measure.tolerance (%.0f%%) for "
+                    "%s; measure.calibrate fits the device entry to this machine",
+                    measured["tolerance"] * 100, "; ".join(off))
