@@ -14,6 +14,7 @@ import tensorflow as tf
 import tfpar as wh
 from tfpar import ConfigError
 from tfpar.ir import measured as compare
+from tfpar.runtime.measured import traced_steps
 
 v1 = tf.compat.v1
 # A device whose speed makes the cost model easy to check by hand: 1 GFLOP/s.
@@ -153,3 +154,7 @@ def test_calibration_fits_the_efficiency_and_raises_the_peak_only_above_one():
     rows["task_graphs"][0]["measured_time_s"] = 0.25
     fitted = compare.calibrated_entry(entry, rows)
     assert (fitted["tflops"], fitted["efficiency"]) == (4.0, 1.0)
+
+
+def test_the_steps_measured_skip_the_first_unless_it_is_the_only_one():
+    assert [list(traced_steps(n)) for n in (1, 2, 3, 10)] == [[1], [2], [2, 3], [6, 7, 8, 9, 10]]

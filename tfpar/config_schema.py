@@ -158,9 +158,9 @@ SCHEMA = {
         "are summed: a NaN or Inf fails the step naming the variable, the step, the replica, "
         "TaskGraph / stage, micro-batch and device"),
     "measure.after_steps": Option(
-        "int", 3, _at_least(0), "the training step (counted from 1) that is traced and set "
-        "against the cost model: per TaskGraph, predicted and measured compute time and peak "
-        "memory, printed, kept in the plan (plan.measured) and warned about when off by more "
+        "int", 3, _at_least(0), "after this training step (counted from 1) the cost model is "
+        "set against the steps traced (the last 5 up to it, not the first unless it is 1): per "
+        "TaskGraph, predicted and measured (the shortest) compute time and peak memory, printed, kept in the plan (plan.measured) and warned about when off by more "
         "than measure.tolerance; 0: never"),
     "measure.tolerance": Option(
         "float", 0.5, _POSITIVE, "measured / predicted between 1 / (1 + this) and 1 + this "

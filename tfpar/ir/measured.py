@@ -66,7 +66,9 @@ def off_rows(measured: Dict[str, Any]) -> List[str]:
 
 def table(measured: Dict[str, Any]) -> str:
     """``Plan.measured`` as the table tfpar prints."""
-    lines = [f"tfpar: predicted vs measured, training step {measured['step']} (batch "
+    steps = measured.get("steps") or [measured["step"]] * 2
+    which = f"step {steps[0]}" if steps[0] == steps[1] else f"steps {steps[0]}-{steps[1]}, the shortest"
+    lines = [f"tfpar: predicted vs measured, training {which} (batch "
              f"{measured['batch']}, {measured['batch_from']}; predicted on "
              f"{measured['hardware']}; tolerance {measured['tolerance']:.0%})"]
     rows = [("TaskGraph", "devices", "time pred.", "measured", "ratio", "memory pred.",

@@ -28,6 +28,7 @@ class GraphState:
       reported: the config's ``report`` was written (``runtime.report_step``).
       predicted: the cost model of its TaskGraphs (``runtime.measured``), or None.
       training_steps: training steps run since the rewrite.
+      samples: per traced step measured, per TaskGraph (seconds, bytes).
     """
 
     plan: Optional[Plan] = None
@@ -40,6 +41,7 @@ class GraphState:
     reported: bool = False
     predicted: Any = None
     training_steps: int = 0
+    samples: list = dataclasses.field(default_factory=list)
 
     def searched(self) -> Any:
         """The automatic plan cached by the planner (``runtime.automatic``), or None."""

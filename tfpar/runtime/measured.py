@@ -2,7 +2,8 @@
 the cost model's compute time and peak memory of each TaskGraph, costed when
 the graph is rewritten, set beside what a traced training step measured
 (per device: the ops' busy time, and the variables it holds plus the most
-bytes the step's allocations kept alive). The table is printed, kept in the
+bytes the step's allocations kept alive; of the last ``BEST_OF`` steps up to
+the N-th, the shortest time and the largest memory). The table is printed, kept in the
 plan (``Plan.measured``), warned about when off by more than
 ``measure.tolerance``, and with ``measure.calibrate`` fitted into a device
 entry the next plan can use (``cluster.hardware``)."""
@@ -10,7 +11,7 @@ import collections
 import dataclasses
 import json
 import logging
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -32,9 +33,10 @@ from tfpar.runtime.context import Runtime, active
 from tfpar.runtime.graph_state import existing_state
 from tfpar.runtime.step_trace import step_allocations, step_spans
 
-__all__ = ["Predicted", "after_step", "measure_due", "predict"]
+__all__ = ["BEST_OF", "Predicted", "after_step", "measure_due", "predict", "traced_steps"]
 
 log = logging.getLogger("tfpar")
+BEST_OF = 5  # steps traced; each TaskGraph's time is the shortest (least disturbed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,19 +71,26 @@ def predict(graph: ops.Graph, index: GraphIndex, recorded: Recorded, rt: Runtime
     return Predicted(costs, hardware, planning_batch(rt, view))
 
 
+def traced_steps(after_steps: int) -> range:
+    """The training steps measured for ``measure.after_steps`` N: up to the
+    last ``BEST_OF`` to N, not the first (it builds kernels and allocates)
+    unless N is 1."""
+    return range(max(min(2, after_steps), after_steps - BEST_OF + 1), after_steps + 1)
+
+
 def measure_due(graph: Optional[ops.Graph]) -> bool:
-    """Whether the next run of ``graph`` is the training step to measure."""
+    """Whether the next run of ``graph`` is a training step to measure."""
     rt = active()
     state = existing_state(graph) if graph is not None else None
     return (rt is not None and state is not None and state.predicted is not None
             and state.rewrite is not None and state.rewrite.stepped
-            and state.training_steps + 1 == rt.config.get("measure.after_steps"))
+            and state.training_steps + 1 in traced_steps(rt.config.get("measure.after_steps")))
 
 
 def after_step(graph: ops.Graph, run_metadata, feed_dict=None) -> Optional[Dict[str, Any]]:
-    """After a run of ``graph``: count its training steps; after the one
-    ``measure_due`` traced, compare, say, keep and calibrate. Returns the
-    comparison when it was made."""
+    """After a run of ``graph``: count its training steps, measure those
+    ``measure_due`` traced, and after the last compare, say, keep and
+    calibrate. Returns the comparison when it was made."""
     state = existing_state(graph)
     due = measure_due(graph)
     if state is None or state.rewrite is None or not state.rewrite.stepped:
@@ -89,12 +98,11 @@ def after_step(graph: ops.Graph, run_metadata, feed_dict=None) -> Optional[Dict[
     state.training_steps += 1
     if not due or run_metadata is None or not run_metadata.step_stats.dev_stats:
         return None
+    state.samples.append(_measured(graph, state.plan, run_metadata))
     cfg = active().config
-    batch, batch_from = _batch(feed_dict, state.predicted.batch)
-    measured = {"step": state.training_steps, "batch": batch, "batch_from": batch_from,
-                "hardware": state.predicted.hardware.name, "tolerance": cfg.get("measure.tolerance"),
-                "task_graphs": _rows(graph, state.plan, state.predicted, run_metadata, batch,
-                                     cfg.get("measure.tolerance"))}
+    if state.training_steps != cfg.get("measure.after_steps"):
+        return None
+    measured = _compared(state, feed_dict, cfg.get("measure.tolerance"))
     if cfg.get("measure.calibrate"):
         measured["calibrated"] = _calibrate(cfg.get("measure.calibrate"), state.predicted, measured)
     state.plan = dataclasses.replace(state.plan, measured=measured)
@@ -102,28 +110,52 @@ def after_step(graph: ops.Graph, run_metadata, feed_dict=None) -> Optional[Dict[
     return measured
 
 
-def _rows(graph: ops.Graph, plan: Plan, predicted: Predicted, run_metadata, batch: int,
-          tolerance: float) -> list:
-    """Per TaskGraph: predicted and measured (time, bytes) of its busiest device."""
+def _compared(state, feed_dict, tolerance: float) -> Dict[str, Any]:
+    """``Plan.measured``: each TaskGraph's prediction for the fed batch beside
+    the shortest time and largest memory of the steps measured."""
+    batch, batch_from = _batch(feed_dict, state.predicted.batch)
+    steps = traced_steps(state.training_steps)
+    rows = []
+    for i, (tg, predicted) in enumerate(zip(state.plan.task_graphs,
+                                            _predicted(state.plan, state.predicted, batch))):
+        measured = (min(s[i][0] for s in state.samples), max(s[i][1] for s in state.samples))
+        rows.append(compare.row(tg.name, [short_name(d) for d in tg.devices], predicted,
+                                measured, tolerance))
+    return {"step": state.training_steps, "steps": [steps[0], steps[-1]], "batch": batch,
+            "batch_from": batch_from, "hardware": state.predicted.hardware.name,
+            "tolerance": tolerance, "task_graphs": rows}
+
+
+def _predicted(plan: Plan, predicted: Predicted, batch: int) -> List[Tuple[float, float]]:
+    """Per TaskGraph: the cost model's compute seconds of a step of ``batch``
+    rows and peak bytes, per device (even shards and replicas)."""
+    costs, stages = predicted.costs, len(plan.task_graphs)
+    group = plan.group_size if isinstance(plan.group_size, int) else 1
+    said = []
+    for s, tg in enumerate(plan.task_graphs):
+        degree = tg.device_count if tg.strategy == "split" else 1
+        rows = batch / len(tg.replicas)
+        alive = in_flight(plan.schedule, group, stages, s, plan.num_micro_batch)
+        time_s = (costs.forward_s[s] + costs.backward_s[s]) * rows / degree
+        kept = costs.activation_bytes[s] * rows / plan.num_micro_batch * alive
+        said.append((time_s, (costs.fixed_bytes[s] + kept) / degree))
+    return said
+
+
+def _measured(graph: ops.Graph, plan: Plan, run_metadata) -> List[Tuple[float, int]]:
+    """Per TaskGraph, on its busiest device in a traced step: the seconds its
+    ops ran (overlaps once) and the bytes of the variables there plus the
+    most the step's allocations kept alive."""
     spans = step_spans(run_metadata, graph)
     peaks = {short_name(d): compare.peak_bytes(r)
              for d, r in step_allocations(run_metadata).items()}
     held = _variables_held(graph, plan)
-    costs, stages = predicted.costs, len(plan.task_graphs)
-    rows = []
-    for s, tg in enumerate(plan.task_graphs):
-        degree = tg.device_count if tg.strategy == "split" else 1
-        rows_per_micro = batch / len(tg.replicas) / plan.num_micro_batch
-        group = plan.group_size if isinstance(plan.group_size, int) else 1
-        alive = in_flight(plan.schedule, group, stages, s, plan.num_micro_batch)
-        time_s = (costs.forward_s[s] + costs.backward_s[s]) * rows_per_micro \
-            * plan.num_micro_batch / degree
-        memory = (costs.fixed_bytes[s] + costs.activation_bytes[s] * rows_per_micro * alive) / degree
+    said = []
+    for tg in plan.task_graphs:
         devices = [short_name(d) for d in tg.devices]
-        busy = max(compare.busy_seconds(spans.get((tg.name, d), ())) for d in devices)
-        peak = max(peaks.get(d, 0) + held.get(d, 0) for d in devices)
-        rows.append(compare.row(tg.name, devices, (time_s, memory), (busy, peak), tolerance))
-    return rows
+        said.append((max(compare.busy_seconds(spans.get((tg.name, d), ())) for d in devices),
+                     max(peaks.get(d, 0) + held.get(d, 0) for d in devices)))
+    return said
 
 
 def _variables_held(graph: ops.Graph, plan: Plan) -> Dict[str, int]:
