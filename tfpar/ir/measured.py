@@ -79,7 +79,7 @@ def table(measured: Dict[str, Any]) -> str:
                      _ms(r["measured_time_s"]), _times(r["time_ratio"]),
                      human_bytes(r["predicted_memory_bytes"]), human_bytes(r["measured_memory_bytes"]),
                      _times(r["memory_ratio"]), "within" if ok else "OFF"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    widths = [max([least] + [len(r[i]) for r in rows]) for i, least in enumerate(_WIDTHS)]
     for i, cells in enumerate(rows):
         lines.append("  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip())
         if i == 0:
@@ -99,6 +99,10 @@ def calibrated_entry(entry: Dict[str, Any], measured: Dict[str, Any]) -> Dict[st
     tflops = entry["tflops"] * max(fitted, 1.0)
     return {**entry, "name": entry["name"].split(" (")[0] + " (calibrated)",
             "tflops": float(f"{tflops:.6g}"), "efficiency": float(f"{min(fitted, 1.0):.6g}")}
+
+
+# Columns at least this wide: tables of usual values line up alike run after run.
+_WIDTHS = (0, 0, 10, 10, 8, 12, 10, 8, 6)
 
 
 def _devices(devices: Sequence[str]) -> str:

@@ -182,7 +182,7 @@ def _batch(feed_dict, assumed: int) -> Tuple[int, str]:
 def _calibrate(path: str, predicted: Predicted, measured: Dict[str, Any]) -> Dict[str, Any]:
     """Fit the device entry's efficiency to the measurement, write it to
     ``path`` and say what was fitted from what."""
-    hw = predicted.hardware
+    hw, (first, last) = predicted.hardware, measured["steps"]
     entry = {"name": hw.name, "tflops": hw.tflops, "memory_gb": hw.memory_gb,
              "intra_node_gbps": hw.intra_node_gbps, "inter_node_gbps": hw.inter_node_gbps,
              "efficiency": hw.efficiency}
@@ -191,8 +191,8 @@ def _calibrate(path: str, predicted: Predicted, measured: Dict[str, Any]) -> Dic
         json.dump(fitted, f, indent=2)
     return {"path": path, "entry": fitted,
             "from": f"efficiency {hw.efficiency:g} x predicted / measured compute time of "
-                    f"training step {measured['step']}, summed over its TaskGraphs; memory "
-                    "is not fitted"}
+                    f"training steps {first}-{last} (the shortest), summed over the "
+                    "TaskGraphs; memory is not fitted"}
 
 
 def _say(measured: Dict[str, Any]) -> None:
