@@ -107,21 +107,27 @@ def test_off_by_more_than_the_tolerance_warns_and_calibration_brings_it_within(t
     """A device entry 1000x too fast: the prediction is far off and said so;
     the calibrated entry it writes puts the next run within tolerance, and
     nothing is said. A wider model, so that the step's few milliseconds
-    are mostly its products; tolerance 1 (0.5x-2x): this host is shared."""
+    are mostly its products; the shortest of steps 4-8; tolerance 1
+    (0.5x-2x) and up to three calibrated runs: this host is shared."""
     path = str(tmp_path / "calibrated.json")
     fast = {"name": "too fast", "tflops": 100.0, "memory_gb": 16, "efficiency": 1.0}
-    config = {"measure.tolerance": 1.0}
+    config = {"measure.tolerance": 1.0, "measure.after_steps": 8}
     before = train({**config, "cluster.hardware": [fast], "measure.calibrate": path},
-                   batch=512, width=1024).measured
+                   steps=8, batch=512, width=1024).measured
     assert "off by more than measure.tolerance (100%) for replicate_all: time" in \
         tfpar_log.getvalue()
     assert before["task_graphs"][0]["time_ratio"] > 10
     entry = json.load(open(path))
     assert entry["name"] == "too fast (calibrated)" and 0 < entry["efficiency"] < 0.1
     assert before["calibrated"]["entry"] == entry
-    tfpar_log.truncate(0)
-    after = train({**config, "cluster.hardware": path}, batch=512, width=1024).measured
-    (row,) = after["task_graphs"]
+    for _ in range(3):  # a run another job disturbed in all its steps is run again
+        tfpar_log.truncate(0)
+        tfpar_log.seek(0)
+        after = train({**config, "cluster.hardware": path}, steps=8, batch=512,
+                      width=1024).measured
+        (row,) = after["task_graphs"]
+        if row["time_within"]:
+            break
     assert after["hardware"] == "too fast (calibrated)"
     assert row["time_within"] and row["memory_within"], compare.table(after)
     assert "off by more" not in tfpar_log.getvalue()
