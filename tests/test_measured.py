@@ -108,26 +108,28 @@ def test_off_by_more_than_the_tolerance_warns_and_calibration_brings_it_within(t
     the calibrated entry it writes puts the next run within tolerance, and
     nothing is said. A wider model, so that the step's few milliseconds
     are mostly its products; the shortest of steps 4-8; tolerance 1
-    (0.5x-2x) and up to three calibrated runs: this host is shared."""
+    (0.5x-2x) and up to three pairs of runs: this host is shared."""
     path = str(tmp_path / "calibrated.json")
     fast = {"name": "too fast", "tflops": 100.0, "memory_gb": 16, "efficiency": 1.0}
     config = {"measure.tolerance": 1.0, "measure.after_steps": 8}
-    before = train({**config, "cluster.hardware": [fast], "measure.calibrate": path},
-                   steps=8, batch=512, width=1024).measured
-    assert "off by more than measure.tolerance (100%) for replicate_all: time" in \
-        tfpar_log.getvalue()
-    assert before["task_graphs"][0]["time_ratio"] > 10
-    entry = json.load(open(path))
-    assert entry["name"] == "too fast (calibrated)" and 0 < entry["efficiency"] < 0.1
-    assert before["calibrated"]["entry"] == entry
-    for _ in range(3):  # a run another job disturbed in all its steps is run again
+    for _ in range(3):  # a pair of runs another job disturbed is run again
+        tfpar_log.truncate(0)
+        tfpar_log.seek(0)
+        before = train({**config, "cluster.hardware": [fast], "measure.calibrate": path},
+                       steps=8, batch=512, width=1024).measured
+        warned = tfpar_log.getvalue()
         tfpar_log.truncate(0)
         tfpar_log.seek(0)
         after = train({**config, "cluster.hardware": path}, steps=8, batch=512,
                       width=1024).measured
-        (row,) = after["task_graphs"]
-        if row["time_within"]:
+        if after["task_graphs"][0]["time_within"]:
             break
+    assert "off by more than measure.tolerance (100%) for replicate_all: time" in warned
+    assert before["task_graphs"][0]["time_ratio"] > 10
+    entry = json.load(open(path))
+    assert entry["name"] == "too fast (calibrated)" and 0 < entry["efficiency"] < 0.1
+    assert before["calibrated"]["entry"] == entry
+    (row,) = after["task_graphs"]
     assert after["hardware"] == "too fast (calibrated)"
     assert row["time_within"] and row["memory_within"], compare.table(after)
     assert "off by more" not in tfpar_log.getvalue()

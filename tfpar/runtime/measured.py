@@ -115,11 +115,16 @@ def _compared(state, feed_dict, tolerance: float) -> Dict[str, Any]:
     the shortest time and largest memory of the steps measured."""
     batch, batch_from = _batch(feed_dict, state.predicted.batch)
     steps = traced_steps(state.training_steps)
+    predicted = _predicted(state.plan, state.predicted, batch)
+    on_device: Dict[str, float] = collections.Counter()  # TaskGraphs sharing a device add up
+    for tg, (_, memory) in zip(state.plan.task_graphs, predicted):
+        for device in set(tg.devices):
+            on_device[device] += memory
     rows = []
-    for i, (tg, predicted) in enumerate(zip(state.plan.task_graphs,
-                                            _predicted(state.plan, state.predicted, batch))):
+    for i, (tg, (time_s, _)) in enumerate(zip(state.plan.task_graphs, predicted)):
         measured = (min(s[i][0] for s in state.samples), max(s[i][1] for s in state.samples))
-        rows.append(compare.row(tg.name, [short_name(d) for d in tg.devices], predicted,
+        memory = max(on_device[d] for d in tg.devices)
+        rows.append(compare.row(tg.name, [short_name(d) for d in tg.devices], (time_s, memory),
                                 measured, tolerance))
     return {"step": state.training_steps, "steps": [steps[0], steps[-1]], "batch": batch,
             "batch_from": batch_from, "hardware": state.predicted.hardware.name,
