@@ -166,3 +166,9 @@ def test_calibration_fits_the_efficiency_and_raises_the_peak_only_above_one():
 
 def test_the_steps_measured_skip_the_first_unless_it_is_the_only_one():
     assert [list(traced_steps(n)) for n in (1, 2, 3, 10)] == [[1], [2], [2, 3], [6, 7, 8, 9, 10]]
+
+
+def test_the_plan_s_summary_ends_with_the_table():
+    plan = train({"measure.after_steps": 2}, steps=2)
+    assert compare.table(plan.measured) in plan.summary()
+    assert "predicted vs measured" not in train({"measure.after_steps": 0}, steps=2).summary()

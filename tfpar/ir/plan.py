@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from tfpar.errors import PlanError
 from tfpar.ir.compact import device_ranges, numbered
-from tfpar.ir.measured import human_bytes as _human_bytes
+from tfpar.ir.measured import human_bytes as _human_bytes, table as _measured_table
 from tfpar.ir.outcome import Outcome
 from tfpar.ir.report import write_report
 from tfpar.ir.schedule import build_schedule, interleaved_schedule
@@ -275,6 +275,7 @@ class Plan:
                              "plans from scopes or config are not)")
             lines += _stated(est)
         lines += _logical_devices(self)
+        lines += [_measured_table(self.measured)] if self.measured else []
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
 
