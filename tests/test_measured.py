@@ -3,6 +3,7 @@ training steps tfpar sets each TaskGraph's predicted compute time and peak
 memory beside the traced step's, prints the table, keeps it in the plan,
 warns when off by more than ``measure.tolerance``, and ``measure.calibrate``
 fits a device entry that brings the next run's prediction within it."""
+import contextlib
 import json
 import logging
 import time
@@ -31,9 +32,9 @@ def train(config, steps=3, batch=64, width=256, sleep_s=0.0, stages=1, micro=1):
         wh.init({"cluster.num_devices": 2, "pipeline.num_micro_batch": micro, **config})
         x = v1.placeholder(tf.float32, [None, 32])
         y = v1.placeholder(tf.int64, [None])
-        with wh.replicate(1) if stages == 2 else _nothing():
+        with wh.replicate(1) if stages == 2 else contextlib.nullcontext():
             h = v1.layers.dense(x, width, tf.nn.relu)
-        with wh.replicate(1) if stages == 2 else _nothing():
+        with wh.replicate(1) if stages == 2 else contextlib.nullcontext():
             if sleep_s:
                 h = tf.numpy_function(lambda a: (time.sleep(sleep_s), a)[1], [h], tf.float32,
                                       stateful=False)
@@ -48,14 +49,6 @@ def train(config, steps=3, batch=64, width=256, sleep_s=0.0, stages=1, micro=1):
         plan = wh.current_plan()
     wh.reset()
     return plan
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def forward_flops_per_row(width):
