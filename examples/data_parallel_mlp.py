@@ -1,13 +1,17 @@
 """Data parallelism with tfpar: one added line makes a TF1-style script run on N devices.
 
     python examples/data_parallel_mlp.py [--devices 4] [--steps 8] [--micro-batches 1]
-                                         [--report plan_report.html]
+                                         [--report plan_report.html] [--calibrate FILE]
 
 Trains a small MLP classifier twice on the same data, plainly on one device and
 with tfpar on N logical CPU devices (GPUs when present), and prints the plan
 and the per-step losses side by side: they agree to float32 rounding. With
 --report, tfpar writes the plan report (config key ``report``) after the first
-step, and the example ends by naming it.
+step, and the example ends by naming it. After the last step tfpar prints its
+cost model's predicted compute time and memory beside those measured in the
+last steps (config key ``measure.after_steps``); with --calibrate, tfpar also fits a
+device entry to that step and writes it to FILE, and the example trains once
+more with that entry as ``cluster.hardware``, printing the table again.
 """
 import os
 import warnings
@@ -52,6 +56,9 @@ def main():
     parser = example_parser(__doc__, devices=4, batch=64, steps=8)
     parser.add_argument("--micro-batches", type=int, default=1)
     parser.add_argument("--report", help="write the plan report (HTML) to this path")
+    parser.add_argument("--calibrate", metavar="FILE",
+                        help="write the device entry fitted to the measured step to FILE, "
+                             "then train again with it")
     args = parser.parse_args()
     tf.compat.v1.disable_eager_execution()
     rng = np.random.RandomState(0)
@@ -62,12 +69,17 @@ def main():
         data.append(((centers[labels] + rng.randn(args.batch, 32)).astype(np.float32), labels))
 
     plain, _, _ = run(data)
-    parallel, plan, devices = run(data, {"cluster.num_devices": args.devices,
-                                         "pipeline.num_micro_batch": args.micro_batches,
-                                         "report": args.report})
+    config = {"cluster.num_devices": args.devices, "pipeline.num_micro_batch": args.micro_batches,
+              "measure.after_steps": args.steps}  # the last steps: the least disturbed
+    parallel, plan, devices = run(data, {**config, "report": args.report,
+                                         "measure.calibrate": args.calibrate})
     print(plan.summary())
     print_devices(devices)
     failed = report(plain, parallel)
+    if args.calibrate:
+        print(f"training again, planned with the calibrated entry: cluster.hardware "
+              f"{args.calibrate!r}")
+        run(data, {**config, "cluster.hardware": args.calibrate})
     if args.report:
         print(f"plan report (open it in a browser): {os.path.abspath(args.report)}")
     return failed

@@ -69,7 +69,8 @@ def test_defaults():
         "cluster": {"num_devices": None, "hardware": None, "devices_per_node": None,
                     "colocate_split_and_replicate": False, "trusted_network": False},
         "pipeline": {"num_micro_batch": 1, "schedule": "auto", "task_functions": True,
-                     "group_size": 1, "retune_steps": 100, "retune_tolerance": 0.05},
+                     "group_size": 1, "virtual_stages": 1, "retune_steps": 100,
+                     "retune_tolerance": 0.05},
         "split": {"patterns": None},
         "auto": {"auto_parallel": False, "num_task_graph": None, "opt_level": "O2",
                  "global_batch": None, "search_time_limit_s": 60.0, "memory_techniques": [],
@@ -81,7 +82,9 @@ def test_defaults():
         "communication": {"backend": "auto", "fusion_mb": 64.0, "timeout_s": 60.0},
         "io": {"shard_dataset": False},
         "check": {"finite_gradients": False},
+        "measure": {"after_steps": 3, "tolerance": 0.5, "calibrate": None},
         "plan": None,
+        "report": None,
         "strict": False,
     }
 

@@ -155,6 +155,8 @@ def _modes(values):
              ("batch_norm.sync", values["pipeline.num_micro_batch"] == 1,
               "pipeline.num_micro_batch 1 (a micro-batch cannot wait for later ones' "
               "statistics)")]
+    rules += [(key, values["measure.after_steps"] > 0, "measure.after_steps above 0")
+              for key in ("measure.tolerance", "measure.calibrate")]
     rules += [(key, auto, planned) for key in ("auto.opt_level", "auto.memory_techniques",
                                                "auto.split_heads", "auto.planning_pass")]
     return rules

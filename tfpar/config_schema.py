@@ -52,7 +52,7 @@ _POSITIVE = ("> 0", lambda v: v > 0)
 _HARDWARE = ("a catalog name, or a non-empty list of catalog names ('N x name' for N alike) "
              "or {name, tflops, memory_gb[, intra_node_gbps, inter_node_gbps, tflops_fp64, "
              "tflops_fp32, tflops_tf32, tflops_fp16, tflops_bf16, memory_gbps, efficiency <= 1]} "
-             "dicts",
+             "dicts, or the path of a JSON file holding one such dict (measure.calibrate writes one)",
              lambda v: _is_device(v) if isinstance(v, str)
              else bool(v) and all(_is_device(d) for d in v))
 _GROUP_SIZE = (">= 1 or 'auto'", lambda v: v == "auto" or isinstance(v, int) and v >= 1)
@@ -157,6 +157,18 @@ SCHEMA = {
         "bool", False, (), "every replica's and micro-batch's gradients are checked before they "
         "are summed: a NaN or Inf fails the step naming the variable, the step, the replica, "
         "TaskGraph / stage, micro-batch and device"),
+    "measure.after_steps": Option(
+        "int", 3, _at_least(0), "after this training step (counted from 1) the cost model is "
+        "set against the steps traced (the last 5 up to it, not the first unless it is 1): per "
+        "TaskGraph, predicted and measured (the shortest) compute time and peak memory, printed, kept in the plan (plan.measured) and warned about when off by more "
+        "than measure.tolerance; 0: never"),
+    "measure.tolerance": Option(
+        "float", 0.5, _POSITIVE, "measured / predicted between 1 / (1 + this) and 1 + this "
+        "is within tolerance"),
+    "measure.calibrate": Option(
+        "str|None", None, (), "write to this JSON file the device entry (cluster.hardware) "
+        "whose efficiency makes the prediction of the measured step equal its measurement; "
+        "give the file as cluster.hardware to plan with it"),
     "plan": Option("dict|None", None, (), "plan JSON (dict or text) that pins the plan"),
     "report": Option("str|None", None, (), "write the plan report (one HTML file: devices, "
                      "layers, schedule with the traced step, memory, searched candidates, "

@@ -32,6 +32,7 @@ the devices of such a node (DGX / HGX: 8 SXM GPUs), which a described
 cluster of more devices is assumed to be made of when it does not say.
 """
 import dataclasses
+import json
 import re
 from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -159,10 +160,25 @@ def _resolve(spec: Any) -> Hardware:
         return Hardware(spec["name"], float(spec["tflops"]), float(spec["memory_gb"]), **links,
                         peaks=peaks, efficiency=float(spec.get("efficiency", EFFICIENCY)),
                         memory_gbps=bandwidth)
+    if isinstance(spec, str) and spec.endswith(".json"):
+        return _resolve(_entry_file(spec))
     if spec not in CATALOG:
         raise ConfigError(f"cluster.hardware: unknown device '{spec}'; catalog names are "
                           f"{', '.join(CATALOG)}, or give {{name, tflops, memory_gb}}")
     return CATALOG[spec]
+
+
+def _entry_file(path: str) -> Mapping:
+    """The device entry (a dict) a JSON file holds (``measure.calibrate`` writes one)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            entry = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cluster.hardware: cannot read the device entry {path!r}: {e}") from None
+    if not isinstance(entry, Mapping) or not {"name", "tflops", "memory_gb"} <= set(entry):
+        raise ConfigError(f"cluster.hardware: {path!r} must hold a JSON object with name, "
+                          "tflops and memory_gb")
+    return entry
 
 
 _COUNTED = re.compile(r"\s*(\d+)\s*[xX*]\s*(\S.*?)\s*$")

@@ -9,7 +9,8 @@ It provides:
     before a keras callable is made and before a graph is finalized.
   run_options: (RunOptions-or-None, graph) -> RunOptions for each run (a
     deadline, a trace to profile the step);
-  after_run: (graph, RunMetadata-or-None) -> None, after each run that succeeded;
+  after_run: (graph, RunMetadata-or-None, feed_dict) -> None, after each run that
+    succeeded;
   made_callable: graph -> None, after a callable's fetches were translated;
   run_failed: called with the TensorFlow error a run raised (may raise a
     clearer one).

@@ -129,6 +129,6 @@ def _wrap_session_run(original):
                     raise
             raise
         if seams.runtime is not None:
-            seams.runtime.after_run(self.graph, run_metadata)
+            seams.runtime.after_run(self.graph, run_metadata, feed_dict)
         return result
     return run

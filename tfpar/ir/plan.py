@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from tfpar.errors import PlanError
 from tfpar.ir.compact import device_ranges, numbered
+from tfpar.ir.measured import human_bytes as _human_bytes, table as _measured_table
 from tfpar.ir.outcome import Outcome
 from tfpar.ir.report import write_report
 from tfpar.ir.schedule import build_schedule, interleaved_schedule
@@ -83,6 +84,9 @@ class Plan:
         devices: Whale §3.3.1); empty: even rows.
       notes: what tfpar runs other than what the script or config asked
         (``tfpar.fallback``), each as it was warned.
+      measured: predicted against measured after a traced training step
+        (``measure.after_steps``; ``ir.measured``): per TaskGraph, compute time
+        and peak memory of its busiest device; empty until then.
     """
 
     task_graphs: Tuple[TaskGraphPlan, ...]
@@ -95,6 +99,7 @@ class Plan:
     batch_shares: Tuple[int, ...] = ()
     notes: Tuple[str, ...] = ()
     virtual_stages: int = 1
+    measured: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, Any]:
         """The plan as the JSON-ready dict of DESIGN.md."""
@@ -126,6 +131,7 @@ class Plan:
             "sharding": dict(self.sharding),
             "batch_shares": list(self.batch_shares),
             "notes": list(self.notes),
+            "measured": dict(self.measured),
         }
 
     def to_json(self, indent: Optional[int] = 2) -> str:
@@ -173,7 +179,8 @@ class Plan:
                    estimate=dict(read.get("estimate", dict, {})),
                    sharding=dict(read.get("sharding", dict, {})),
                    batch_shares=tuple(read.get("batch_shares", list, ())),
-                   notes=tuple(read.get("notes", list, ())))
+                   notes=tuple(read.get("notes", list, ())),
+                   measured=dict(read.get("measured", dict, {})))
 
     def simulate(self, forward_time=None, backward_time=None, transfer_time: float = 0.0):
         """Simulate one step of the plan's pipeline schedule (one replica).
@@ -268,6 +275,7 @@ class Plan:
                              "plans from scopes or config are not)")
             lines += _stated(est)
         lines += _logical_devices(self)
+        lines += [_measured_table(self.measured)] if self.measured else []
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -379,14 +387,6 @@ def _stated(est: Dict[str, Any]) -> List[str]:
 
 def _percentages(shares: Sequence[int]) -> str:
     return " ".join(f"{share / sum(shares):.1%}" for share in shares)
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024.0
-    return f"{n:.1f} GiB"
 
 
 def pinned_plan(config) -> Optional[Plan]:

@@ -32,7 +32,8 @@ from tfpar.runtime.online_tuning import keep_group_size, made_callable
 from tfpar.runtime.planning import group_costs, planned
 from tfpar.runtime.precision import applied, applied_option
 from tfpar.runtime.recomputation import recompute_configured, recompute_planned
-from tfpar.runtime.report_step import after_step
+from tfpar.runtime import measured
+from tfpar.runtime.report_step import after_step, rewrite_report
 from tfpar.runtime.retune import GroupRetuner
 from tfpar.runtime.sessions import run_failed, run_options, session_config, session_target
 from tfpar.runtime.split_contexts import check_forced_units, setup_capture
@@ -47,11 +48,15 @@ __all__ = ["after_run", "before_run", "function_gradients", "loss_scaled", "made
 log = logging.getLogger("tfpar")
 
 
-def after_run(graph: ops.Graph, run_metadata) -> None:
-    """A run of ``graph`` ended: online tuning may move k; the first traced
-    training step writes the plan report (config key ``report``)."""
+def after_run(graph: ops.Graph, run_metadata, feed_dict=None) -> None:
+    """A run of ``graph`` (fed ``feed_dict``) ended: online tuning may move k;
+    the first traced training step writes the plan report (config key
+    ``report``); the ``measure.after_steps``-th is set against the cost model,
+    and the report, if any, written again with it."""
     online_tuning.after_run(graph, run_metadata)
     after_step(graph, run_metadata)
+    if measured.after_step(graph, run_metadata, feed_dict) is not None:
+        rewrite_report(graph, run_metadata)
 
 
 def rewrites_next(graph: ops.Graph) -> bool:
@@ -168,6 +173,7 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
         # What runs is unsharded; what current_plan() shows, to pin, is not.
         state.sharded_plan = sharded_plan(automatic, rt, index, capture)
     placement = _placement(plan, index, stage_of)
+    predicted = measured.predict(graph, index, capture.recorded(), rt, plan, stage_of)
     if state.calls_optimized is None:  # no session yet (see sessions._calls_optimize)
         state.calls_optimized = plan.num_micro_batch > 1
     recorded = capture.recorded()
@@ -178,6 +184,7 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
     state.rewrite = FetchTranslator(graph, rewrite, recording_paused, plan.group_size,
                                     _train_ops(recorded))
     state.retuner = _retuner(graph, recorded, rt, plan, index, stage_of, costs)
+    state.predicted = predicted
     log.info("tfpar rewrote the graph:\n%s", plan.summary())
 
 

@@ -26,6 +26,9 @@ class GraphState:
         (``runtime.sessions``; None until a session or the rewrite decides).
       automatic: (training calls seen, automatic plan) cached by the planner.
       reported: the config's ``report`` was written (``runtime.report_step``).
+      predicted: the cost model of its TaskGraphs (``runtime.measured``), or None.
+      training_steps: training steps run since the rewrite.
+      samples: per traced step measured, per TaskGraph (seconds, bytes).
     """
 
     plan: Optional[Plan] = None
@@ -36,6 +39,9 @@ class GraphState:
     calls_optimized: Optional[bool] = None
     automatic: Any = None
     reported: bool = False
+    predicted: Any = None
+    training_steps: int = 0
+    samples: list = dataclasses.field(default_factory=list)
 
     def searched(self) -> Any:
         """The automatic plan cached by the planner (``runtime.automatic``), or None."""

@@ -10,7 +10,7 @@ from tfpar.runtime.context import active
 from tfpar.runtime.graph_state import existing_state
 from tfpar.runtime.step_trace import step_timeline
 
-__all__ = ["after_step", "report_due"]
+__all__ = ["after_step", "report_due", "rewrite_report"]
 
 log = logging.getLogger("tfpar")
 
@@ -28,12 +28,20 @@ def after_step(graph: ops.Graph, run_metadata: Optional[config_pb2.RunMetadata])
     """After the traced training step: write the report, once per graph."""
     if run_metadata is None or not report_due(graph):
         return
-    state = existing_state(graph)
-    state.reported = True
+    existing_state(graph).reported = True
+    rewrite_report(graph, run_metadata)
+
+
+def rewrite_report(graph: ops.Graph, run_metadata: config_pb2.RunMetadata) -> None:
+    """Write the report of ``graph``'s plan, with the step ``run_metadata``
+    traced, if the config's ``report`` asks for one."""
+    path = active().config.get("report")
+    if not path:
+        return
     try:
         traced = step_timeline(run_metadata, graph=graph)
     except PlanError:  # the trace holds no task of the step
         traced = None
-    path = state.plan.to_html(active().config.get("report"), traced)
+    existing_state(graph).plan.to_html(path, traced)
     log.info("tfpar: plan report written to %s", path)
     print(f"tfpar: plan report written to {path}")

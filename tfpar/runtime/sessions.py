@@ -10,6 +10,7 @@ from tfpar.analysis.op_kinds import is_resource_variable, is_variable
 from tfpar.runtime.cluster import LOST
 from tfpar.runtime.context import Runtime, active
 from tfpar.runtime.precision import applied_option
+from tfpar.runtime.measured import measure_due
 from tfpar.runtime.report_step import report_due
 
 __all__ = ["run_failed", "run_options", "session_config", "session_target"]
@@ -90,15 +91,16 @@ def run_options(options: Optional[config_pb2.RunOptions],
     """The options of a run of ``graph``, whose fetches were just translated:
     in a cluster every step gets a deadline of ``communication.timeout_s``
     (unless the caller set one), so a lost worker fails the step, never hangs
-    it; a training step Ada-Grouper's online tuning profiles, or the plan report
-    (config key ``report``) waits for, is traced."""
+    it; a training step Ada-Grouper's online tuning profiles, the plan report
+    (config key ``report``) waits for, or ``measure.after_steps`` names, is traced."""
     rt = active()
     if rt is None:
         return options
     deadline = rt.cluster is not None and not (options is not None and options.timeout_in_ms)
     state = existing_state(graph) if graph is not None else None
     profiled = (state is not None and state.retuner is not None
-                and state.rewrite.stepped and state.retuner.profile_due()) or report_due(graph)
+                and state.rewrite.stepped and state.retuner.profile_due()) or report_due(graph) \
+        or measure_due(graph)
     if not (deadline or profiled):
         return options
     bounded = config_pb2.RunOptions()

@@ -2,7 +2,7 @@
 pipeline task ran."""
 import collections
 import re
-from typing import Dict, Optional, Set
+from typing import Dict, List, Optional, Set, Tuple
 
 from tfpar.cluster.devices import short_name
 from tfpar.compat.tf import config_pb2, ops
@@ -12,7 +12,7 @@ from tfpar.ir.schedule import Task
 from tfpar.ir.simulate import SimulationResult, TimedTask, measured
 from tfpar.ir.trace import chrome_trace, write_chrome_trace
 
-__all__ = ["step_devices", "step_timeline"]
+__all__ = ["step_allocations", "step_devices", "step_spans", "step_timeline"]
 
 
 # Grappler renames the nodes it rewrites ``scope/ArithmeticOptimizer/AddOpsRewrite_name``.
@@ -52,6 +52,34 @@ def step_devices(run_metadata: config_pb2.RunMetadata,
         for device in devices:
             counts[key][short_name(device)] += 1
     return {key: dict(sorted(per.items())) for key, per in sorted(counts.items())}
+
+
+def step_spans(run_metadata: config_pb2.RunMetadata, graph: ops.Graph
+               ) -> Dict[Tuple[str, str], List[Tuple[int, int]]]:
+    """(TaskGraph, device short name) -> (start, end) microseconds of each op
+    of that TaskGraph that ran there in a traced step of ``graph``, which tfpar
+    rewrote (ops tfpar added under ``"tfpar"``, others under ``"other"``)."""
+    owner = _task_graph_of_ops(existing_state(graph).rewrite)
+    spans: Dict[Tuple[str, str], List[Tuple[int, int]]] = collections.defaultdict(list)
+    for device in run_metadata.step_stats.dev_stats:
+        where = short_name(device.device.split("/stream:")[0])
+        for node in device.node_stats:
+            name = _GRAPPLER_RENAME.sub(r"\1", node.node_name)
+            key = owner.get(name) or ("tfpar" if name.startswith("tfpar") else "other")
+            spans[key, where].append((node.all_start_micros,
+                                      node.all_start_micros + node.all_end_rel_micros))
+    return dict(spans)
+
+
+def step_allocations(run_metadata: config_pb2.RunMetadata) -> Dict[str, List[Tuple[int, int]]]:
+    """Device -> the allocator's records of a traced step on it: (microsecond,
+    bytes), a release negative."""
+    records: Dict[str, List[Tuple[int, int]]] = collections.defaultdict(list)
+    for device in run_metadata.step_stats.dev_stats:
+        where = device.device.split("/stream:")[0]
+        records[where] += [(r.alloc_micros, r.alloc_bytes) for node in device.node_stats
+                           for memory in node.memory for r in memory.allocation_records]
+    return dict(records)
 
 
 def _task_graph_of_ops(translator) -> Dict[str, str]:

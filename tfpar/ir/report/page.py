@@ -5,7 +5,8 @@ from tfpar.ir.compact import device_ranges
 from tfpar.ir.report.gantt import schedule_section
 from tfpar.ir.report.grid import device_grid, stages_of
 from tfpar.ir.report.svg import esc
-from tfpar.ir.report.tables import candidates_table, layers_table, memory_section, notes_list
+from tfpar.ir.report.tables import (candidates_table, layers_table, measured_section,
+                                   memory_section, notes_list)
 from tfpar.ir.simulate import SimulationResult
 
 __all__ = ["render_report", "write_report"]
@@ -45,6 +46,7 @@ def render_report(plan, traced: Optional[SimulationResult] = None) -> str:
                 ("Pipeline schedule", schedule_section(plan, stages, traced)),
                 ("Memory per device", memory_section(plan, stages)),
                 ("Searched candidates", candidates_table(plan)),
+                ("Predicted vs measured", measured_section(plan)),
                 ("Notes", notes_list(plan)))
     body = "".join(f'<section><h2>{title}</h2>{html}</section>' for title, html in sections)
     return ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"

@@ -3,10 +3,11 @@ written for reading (repeated blocks folded into one row)."""
 from typing import Any, Dict, List, Sequence
 
 from tfpar.ir.compact import device_ranges, numbered
+from tfpar.ir.measured import table as measured_table
 from tfpar.ir.report.grid import Stage
 from tfpar.ir.report.svg import colour, esc, rect, svg, text
 
-__all__ = ["candidates_table", "layers_table", "memory_section", "notes_list"]
+__all__ = ["candidates_table", "layers_table", "measured_section", "memory_section", "notes_list"]
 
 _GB = 2 ** 30
 _PARTS = (("weights", "hsl(210,60%,50%)"), ("gradients", "hsl(30,75%,55%)"),
@@ -128,3 +129,15 @@ def notes_list(plan) -> str:
     if not plan.notes:
         return "<p>None: tfpar runs what the script and config asked.</p>"
     return "<ul>" + "".join(f"<li>{esc(note)}</li>" for note in plan.notes) + "</ul>"
+
+
+def measured_section(plan) -> str:
+    """The cost model against a traced step (``Plan.measured``), once measured."""
+    if not plan.measured:
+        return ("<p>Not measured yet: after training step <code>measure.after_steps</code> "
+                "(3 by default) tfpar sets each TaskGraph's predicted compute time and peak "
+                "memory beside the traced step's.</p>")
+    said = plan.measured.get("calibrated")
+    fitted = (f"<p>Calibrated device entry written to <code>{esc(said['path'])}</code>: "
+              f"{esc(said['from'])}.</p>" if said else "")
+    return f"<pre>{esc(measured_table(plan.measured))}</pre>{fitted}"

@@ -1,0 +1,127 @@
+"""Predicted against measured, per TaskGraph (no TensorFlow): the busy time
+and peak memory a traced step measured, set beside the cost model's, as the
+rows ``Plan.measured`` keeps, the table tfpar prints, and the device entry a
+calibration fits."""
+import itertools
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+__all__ = ["busy_seconds", "calibrated_entry", "human_bytes", "off_rows", "peak_bytes", "ratio", "row",
+           "table", "within"]
+
+
+def busy_seconds(spans: Iterable[Tuple[int, int]]) -> float:
+    """Seconds covered by ``spans`` (start, end) in microseconds, overlaps
+    counted once: how long a device was running any of them."""
+    busy, reach = 0, None
+    for start, end in sorted(spans):
+        if reach is None or start > reach:
+            busy += end - start
+            reach = end
+        elif end > reach:
+            busy += end - reach
+            reach = end
+    return busy / 1e6
+
+
+def peak_bytes(records: Iterable[Tuple[int, int]]) -> int:
+    """The most bytes alive at once from allocation records (microsecond,
+    bytes; a release is negative), releases first at equal times."""
+    live = itertools.accumulate(size for _, size in sorted(records))
+    return max(live, default=0)
+
+
+def ratio(measured: float, predicted: float) -> Optional[float]:
+    """measured / predicted (None when nothing was predicted)."""
+    return measured / predicted if predicted > 0 else None
+
+
+def within(value: Optional[float], tolerance: float) -> bool:
+    """Whether a measured / predicted ratio is within ``tolerance``: between
+    1 / (1 + tolerance) and 1 + tolerance (0.5: from 0.67x to 1.5x)."""
+    return value is not None and 1 / (1 + tolerance) <= value <= 1 + tolerance
+
+
+def row(name: str, devices: Sequence[str], predicted: Tuple[float, float],
+        measured: Tuple[float, float], tolerance: float) -> Dict[str, Any]:
+    """One TaskGraph's row: ``predicted`` and ``measured`` are (seconds of
+    compute a step, peak bytes) on its busiest device."""
+    time_ratio, memory_ratio = ratio(measured[0], predicted[0]), ratio(measured[1], predicted[1])
+    return {"name": name, "devices": list(devices),
+            "predicted_time_s": predicted[0], "measured_time_s": measured[0],
+            "time_ratio": time_ratio, "time_within": within(time_ratio, tolerance),
+            "predicted_memory_bytes": int(predicted[1]), "measured_memory_bytes": int(measured[1]),
+            "memory_ratio": memory_ratio, "memory_within": within(memory_ratio, tolerance)}
+
+
+def off_rows(measured: Dict[str, Any]) -> List[str]:
+    """'name: time 3.1x' per TaskGraph off by more than the tolerance."""
+    said = []
+    for r in measured.get("task_graphs", []):
+        parts = [f"{what} {_times(r[f'{what}_ratio'])}" for what in ("time", "memory")
+                 if not r[f"{what}_within"]]
+        if parts:
+            said.append(f"{r['name']}: " + ", ".join(parts))
+    return said
+
+
+def table(measured: Dict[str, Any]) -> str:
+    """``Plan.measured`` as the table tfpar prints."""
+    steps = measured.get("steps") or [measured["step"]] * 2
+    which = f"step {steps[0]}" if steps[0] == steps[1] else f"steps {steps[0]}-{steps[1]}, the shortest"
+    lines = [f"tfpar: predicted vs measured, training {which} (batch "
+             f"{measured['batch']}, {measured['batch_from']}; predicted on "
+             f"{measured['hardware']}; tolerance {measured['tolerance']:.0%})"]
+    rows = [("TaskGraph", "devices", "time pred.", "measured", "ratio", "memory pred.",
+             "measured", "ratio", "")]
+    for r in measured["task_graphs"]:
+        ok = r["time_within"] and r["memory_within"]
+        rows.append((r["name"], _devices(r["devices"]), _ms(r["predicted_time_s"]),
+                     _ms(r["measured_time_s"]), _times(r["time_ratio"]),
+                     human_bytes(r["predicted_memory_bytes"]), human_bytes(r["measured_memory_bytes"]),
+                     _times(r["memory_ratio"]), "within" if ok else "OFF"))
+    widths = [max([least] + [len(r[i]) for r in rows]) for i, least in enumerate(_WIDTHS)]
+    for i, cells in enumerate(rows):
+        lines.append("  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths).rstrip())
+    return "\n".join(lines)
+
+
+def calibrated_entry(entry: Dict[str, Any], measured: Dict[str, Any]) -> Dict[str, Any]:
+    """``entry`` (a ``cluster.hardware`` dict) with the efficiency that makes
+    the predicted compute time of the step equal what was measured (summed
+    over TaskGraphs); above 1, the peak rises instead (efficiency stays 1)."""
+    predicted = sum(r["predicted_time_s"] for r in measured["task_graphs"])
+    spent = sum(r["measured_time_s"] for r in measured["task_graphs"])
+    if predicted <= 0 or spent <= 0:
+        raise ValueError("nothing was both predicted and measured to fit")
+    fitted = entry.get("efficiency", 1.0) * predicted / spent
+    tflops = entry["tflops"] * max(fitted, 1.0)
+    return {**entry, "name": entry["name"].split(" (")[0] + " (calibrated)",
+            "tflops": float(f"{tflops:.6g}"), "efficiency": float(f"{min(fitted, 1.0):.6g}")}
+
+
+# Columns at least this wide: tables of usual values line up alike run after run.
+_WIDTHS = (0, 0, 10, 10, 8, 12, 10, 8, 6)
+
+
+def _devices(devices: Sequence[str]) -> str:
+    short = [d.split("device:")[-1] for d in devices]
+    return ",".join(short) if len(short) <= 3 else f"{short[0]}..{short[-1]} ({len(short)})"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms"
+
+
+def _times(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def human_bytes(n: float) -> str:
+    """``n`` bytes as '512 B', '1.5 KiB', ... up to GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024.0
+    return f"{n:.1f} GiB"

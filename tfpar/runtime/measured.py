@@ -1,0 +1,218 @@
+"""Predicted against measured on every run (config key ``measure.after_steps``):
+the cost model's compute time and peak memory of each TaskGraph, costed when
+the graph is rewritten, set beside what a traced training step measured
+(per device: the ops' busy time, and the variables it holds plus the most
+bytes the step's allocations kept alive; of the last ``BEST_OF`` steps up to
+the N-th, the shortest time and the largest memory). The table is printed, kept in the
+plan (``Plan.measured``), warned about when off by more than
+``measure.tolerance``, and with ``measure.calibrate`` fitted into a device
+entry the next plan can use (``cluster.hardware``)."""
+import collections
+import dataclasses
+import json
+import logging
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from tfpar.analysis.graph_index import GraphIndex
+from tfpar.analysis.model_view import model_view
+from tfpar.analysis.op_kinds import is_variable
+from tfpar.analysis.variables import variable_bytes
+from tfpar.cluster.devices import short_name
+from tfpar.cluster.hardware import Hardware
+from tfpar.cluster.host_speed import host_cpu
+from tfpar.compat.tf import ops
+from tfpar.ir import measured as compare
+from tfpar.ir.plan import Plan
+from tfpar.ir.recorded import Recorded
+from tfpar.planner.stage_costs import StageCosts, stage_costs
+from tfpar.planner.step_model import in_flight
+from tfpar.runtime.automatic import cluster_hardware, planning_batch
+from tfpar.runtime.context import Runtime, active
+from tfpar.runtime.graph_state import existing_state
+from tfpar.runtime.step_trace import step_allocations, step_spans
+
+__all__ = ["BEST_OF", "Predicted", "after_step", "measure_due", "predict", "traced_steps"]
+
+log = logging.getLogger("tfpar")
+BEST_OF = 5  # steps traced; each TaskGraph's time is the shortest (least disturbed)
+
+
+@dataclasses.dataclass(frozen=True)
+class Predicted:
+    """The cost model of a rewritten graph's TaskGraphs for one batch row
+    (``costs``), on ``hardware``, and the batch it assumes when none is fed."""
+
+    costs: StageCosts
+    hardware: Hardware
+    batch: int
+
+
+def prediction_hardware(rt: Runtime) -> Hardware:
+    """The device the prediction assumes: ``cluster.hardware``'s, else on
+    CPUs the host's measured matmul throughput (``cluster.host_speed``)."""
+    if rt.config.get("cluster.hardware") is None and rt.device_type == "CPU":
+        return host_cpu()
+    return cluster_hardware(rt)
+
+
+def predict(graph: ops.Graph, index: GraphIndex, recorded: Recorded, rt: Runtime, plan: Plan,
+            stage_of) -> Optional[Predicted]:
+    """The cost model of ``plan``'s TaskGraphs, as ``stage_of`` places the
+    model's ops; None when nothing will be measured (``measure.after_steps``
+    0, or a tf.function step: its runs are not traced)."""
+    if not rt.config.get("measure.after_steps") or graph.building_function:
+        return None
+    order, view = model_view(index, recorded)
+    hardware = prediction_hardware(rt)
+    costs = stage_costs(view, [stage_of.get(op, 0) for op in order], len(plan.task_graphs),
+                        1.0, hardware)
+    return Predicted(costs, hardware, planning_batch(rt, view))
+
+
+def traced_steps(after_steps: int) -> range:
+    """The training steps measured for ``measure.after_steps`` N: up to the
+    last ``BEST_OF`` to N, not the first (it builds kernels and allocates)
+    unless N is 1."""
+    return range(max(min(2, after_steps), after_steps - BEST_OF + 1), after_steps + 1)
+
+
+def measure_due(graph: Optional[ops.Graph]) -> bool:
+    """Whether the next run of ``graph`` is a training step to measure."""
+    rt = active()
+    state = existing_state(graph) if graph is not None else None
+    return (rt is not None and state is not None and state.predicted is not None
+            and state.rewrite is not None and state.rewrite.stepped
+            and state.training_steps + 1 in traced_steps(rt.config.get("measure.after_steps")))
+
+
+def after_step(graph: ops.Graph, run_metadata, feed_dict=None) -> Optional[Dict[str, Any]]:
+    """After a run of ``graph``: count its training steps, measure those
+    ``measure_due`` traced, and after the last compare, say, keep and
+    calibrate. Returns the comparison when it was made."""
+    state = existing_state(graph)
+    due = measure_due(graph)
+    if state is None or state.rewrite is None or not state.rewrite.stepped:
+        return None
+    state.training_steps += 1
+    if not due or run_metadata is None or not run_metadata.step_stats.dev_stats:
+        return None
+    state.samples.append(_measured(graph, state.plan, run_metadata))
+    cfg = active().config
+    if state.training_steps != cfg.get("measure.after_steps"):
+        return None
+    measured = _compared(state, feed_dict, cfg.get("measure.tolerance"))
+    if cfg.get("measure.calibrate"):
+        measured["calibrated"] = _calibrate(cfg.get("measure.calibrate"), state.predicted, measured)
+    state.plan = dataclasses.replace(state.plan, measured=measured)
+    _say(measured)
+    return measured
+
+
+def _compared(state, feed_dict, tolerance: float) -> Dict[str, Any]:
+    """``Plan.measured``: each TaskGraph's prediction for the fed batch beside
+    the shortest time and largest memory of the steps measured."""
+    batch, batch_from = _batch(feed_dict, state.predicted.batch)
+    steps = traced_steps(state.training_steps)
+    predicted = _predicted(state.plan, state.predicted, batch)
+    on_device: Dict[str, float] = collections.Counter()  # TaskGraphs sharing a device add up
+    for tg, (_, memory) in zip(state.plan.task_graphs, predicted):
+        for device in set(tg.devices):
+            on_device[device] += memory
+    rows = []
+    for i, (tg, (time_s, _)) in enumerate(zip(state.plan.task_graphs, predicted)):
+        measured = (min(s[i][0] for s in state.samples), max(s[i][1] for s in state.samples))
+        memory = max(on_device[d] for d in tg.devices)
+        rows.append(compare.row(tg.name, [short_name(d) for d in tg.devices], (time_s, memory),
+                                measured, tolerance))
+    return {"step": state.training_steps, "steps": [steps[0], steps[-1]], "batch": batch,
+            "batch_from": batch_from, "hardware": state.predicted.hardware.name,
+            "tolerance": tolerance, "task_graphs": rows}
+
+
+def _predicted(plan: Plan, predicted: Predicted, batch: int) -> List[Tuple[float, float]]:
+    """Per TaskGraph: the cost model's compute seconds of a step of ``batch``
+    rows and peak bytes, per device (even shards and replicas)."""
+    costs, stages = predicted.costs, len(plan.task_graphs)
+    group = plan.group_size if isinstance(plan.group_size, int) else 1
+    said = []
+    for s, tg in enumerate(plan.task_graphs):
+        degree = tg.device_count if tg.strategy == "split" else 1
+        rows = batch / len(tg.replicas)
+        alive = in_flight(plan.schedule, group, stages, s, plan.num_micro_batch)
+        time_s = (costs.forward_s[s] + costs.backward_s[s]) * rows / degree
+        kept = costs.activation_bytes[s] * rows / plan.num_micro_batch * alive
+        said.append((time_s, (costs.fixed_bytes[s] + kept) / degree))
+    return said
+
+
+def _measured(graph: ops.Graph, plan: Plan, run_metadata) -> List[Tuple[float, int]]:
+    """Per TaskGraph, on its busiest device in a traced step: the seconds its
+    ops ran (overlaps once) and the bytes of the variables there plus the
+    most the step's allocations kept alive."""
+    spans = step_spans(run_metadata, graph)
+    peaks = {short_name(d): compare.peak_bytes(r)
+             for d, r in step_allocations(run_metadata).items()}
+    held = _variables_held(graph, plan)
+    said = []
+    for tg in plan.task_graphs:
+        devices = [short_name(d) for d in tg.devices]
+        said.append((max(compare.busy_seconds(spans.get((tg.name, d), ())) for d in devices),
+                     max(peaks.get(d, 0) + held.get(d, 0) for d in devices)))
+    return said
+
+
+def _variables_held(graph: ops.Graph, plan: Plan) -> Dict[str, int]:
+    """Bytes of the variables (weights, optimizer slots) on each device
+    (short name; unplaced: the plan's first device)."""
+    first = short_name(plan.task_graphs[0].devices[0])
+    held: Dict[str, int] = collections.Counter()
+    for op in graph.get_operations():
+        if is_variable(op):
+            held[short_name(op.device) if op.device else first] += variable_bytes(op.outputs[0])
+    return held
+
+
+def _batch(feed_dict, assumed: int) -> Tuple[int, str]:
+    """The global batch of the measured step: the leading dimension most of
+    the fed arrays share, else what the plan assumed (static or 32)."""
+    dims = collections.Counter(np.shape(v)[0] for v in (feed_dict or {}).values()
+                               if np.ndim(v) >= 1)
+    if dims:
+        return dims.most_common(1)[0][0], "fed"
+    return assumed, "assumed"
+
+
+def _calibrate(path: str, predicted: Predicted, measured: Dict[str, Any]) -> Dict[str, Any]:
+    """Fit the device entry's efficiency to the measurement, write it to
+    ``path`` and say what was fitted from what."""
+    hw, (first, last) = predicted.hardware, measured["steps"]
+    entry = {"name": hw.name, "tflops": hw.tflops, "memory_gb": hw.memory_gb,
+             "intra_node_gbps": hw.intra_node_gbps, "inter_node_gbps": hw.inter_node_gbps,
+             "efficiency": hw.efficiency}
+    fitted = compare.calibrated_entry(entry, measured)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(fitted, f, indent=2)
+    return {"path": path, "entry": fitted,
+            "from": f"efficiency {hw.efficiency:g} x predicted / measured compute time of "
+                    f"training steps {first}-{last} (the shortest), summed over the "
+                    "TaskGraphs; memory is not fitted"}
+
+
+def _say(measured: Dict[str, Any]) -> None:
+    """Print and log the table; warn (once: one step is measured) when off."""
+    text = compare.table(measured)
+    if "calibrated" in measured:
+        said = measured["calibrated"]
+        text += (f"\ntfpar: calibrated device entry written to {said['path']} "
+                 f"(tflops {said['entry']['tflops']:g}, efficiency "
+                 f"{said['entry']['efficiency']:g}: {said['from']}); plan with it: "
+                 f"cluster.hardware \"{said['path']}\"")
+    log.info("%s", text)
+    print(text)
+    off = compare.off_rows(measured)
+    if off:
+        log.warning("tfpar: the cost model is off by more than measure.tolerance (%.0f%%) for "
+                    "%s; measure.calibrate fits the device entry to this machine",
+                    measured["tolerance"] * 100, "; ".join(off))
