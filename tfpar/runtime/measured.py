@@ -27,7 +27,7 @@ from tfpar.ir import measured as compare
 from tfpar.ir.plan import Plan
 from tfpar.ir.recorded import Recorded
 from tfpar.planner.stage_costs import StageCosts, stage_costs
-from tfpar.planner.step_model import in_flight
+from tfpar.planner.step_model import KERNELS_PER_OP, LAUNCH_S, in_flight
 from tfpar.runtime.automatic import cluster_hardware, planning_batch
 from tfpar.runtime.context import Runtime, active
 from tfpar.runtime.graph_state import existing_state
@@ -42,11 +42,15 @@ BEST_OF = 5  # steps traced; each TaskGraph's time is the shortest (least distur
 @dataclasses.dataclass(frozen=True)
 class Predicted:
     """The cost model of a rewritten graph's TaskGraphs for one batch row
-    (``costs``), on ``hardware``, and the batch it assumes when none is fed."""
+    (``costs``), on ``hardware``, and the batch it assumes when none is fed;
+    per TaskGraph, the seconds of its kernel launches per micro-batch (the
+    planner's ``step_model.LAUNCH_S`` per kernel, ``KERNELS_PER_OP`` per op
+    that computes or allocates)."""
 
     costs: StageCosts
     hardware: Hardware
     batch: int
+    launch_s: Tuple[float, ...] = ()
 
 
 def prediction_hardware(rt: Runtime) -> Hardware:
@@ -66,9 +70,13 @@ def predict(graph: ops.Graph, index: GraphIndex, recorded: Recorded, rt: Runtime
         return None
     order, view = model_view(index, recorded)
     hardware = prediction_hardware(rt)
-    costs = stage_costs(view, [stage_of.get(op, 0) for op in order], len(plan.task_graphs),
-                        1.0, hardware)
-    return Predicted(costs, hardware, planning_batch(rt, view))
+    stages = [stage_of.get(op, 0) for op in order]
+    costs = stage_costs(view, stages, len(plan.task_graphs), 1.0, hardware)
+    kernels = [0] * len(plan.task_graphs)
+    for stage, flops, allocated in zip(stages, view.flops, view.activation_bytes):
+        kernels[stage] += bool(flops or allocated)
+    return Predicted(costs, hardware, planning_batch(rt, view),
+                     tuple(KERNELS_PER_OP * LAUNCH_S * k for k in kernels))
 
 
 def traced_steps(after_steps: int) -> range:
@@ -124,11 +132,13 @@ def _compared(state, feed_dict, tolerance: float) -> Dict[str, Any]:
     for i, (tg, (time_s, _)) in enumerate(zip(state.plan.task_graphs, predicted)):
         measured = (min(s[i][0] for s in state.samples), max(s[i][1] for s in state.samples))
         memory = max(on_device[d] for d in tg.devices)
-        rows.append(compare.row(tg.name, [short_name(d) for d in tg.devices], (time_s, memory),
-                                measured, tolerance))
+        rows.append(dict(compare.row(tg.name, [short_name(d) for d in tg.devices],
+                                     (time_s, memory), measured, tolerance),
+                         predicted_launch_s=state.predicted.launch_s[i] * state.plan.num_micro_batch))
+    launches = sum(row["predicted_launch_s"] for row in rows)
     return {"step": state.training_steps, "steps": [steps[0], steps[-1]], "batch": batch,
             "batch_from": batch_from, "hardware": state.predicted.hardware.name,
-            "tolerance": tolerance, "task_graphs": rows}
+            "tolerance": tolerance, "task_graphs": rows, "launch_s": launches}
 
 
 def _predicted(plan: Plan, predicted: Predicted, batch: int) -> List[Tuple[float, float]]:
@@ -141,7 +151,8 @@ def _predicted(plan: Plan, predicted: Predicted, batch: int) -> List[Tuple[float
         degree = tg.device_count if tg.strategy == "split" else 1
         rows = batch / len(tg.replicas)
         alive = in_flight(plan.schedule, group, stages, s, plan.num_micro_batch)
-        time_s = (costs.forward_s[s] + costs.backward_s[s]) * rows / degree
+        time_s = ((costs.forward_s[s] + costs.backward_s[s]) * rows / degree
+                  + predicted.launch_s[s] * plan.num_micro_batch)
         kept = costs.activation_bytes[s] * rows / plan.num_micro_batch * alive
         said.append((time_s, (costs.fixed_bytes[s] + kept) / degree))
     return said
@@ -197,7 +208,7 @@ def _calibrate(path: str, predicted: Predicted, measured: Dict[str, Any]) -> Dic
     return {"path": path, "entry": fitted,
             "from": f"efficiency {hw.efficiency:g} x predicted / measured compute time of "
                     f"training steps {first}-{last} (the shortest), summed over the "
-                    "TaskGraphs; memory is not fitted"}
+                    "TaskGraphs, kernel launches apart; memory is not fitted"}
 
 
 def _say(measured: Dict[str, Any]) -> None:
