@@ -25,9 +25,9 @@ demo: $(STAMP)
 test: $(STAMP) $(HOROVOD_STAMP) chromium
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
-# Everything but the tests marked slow (multi-process ones; no Horovod needed).
+# Everything but the tests marked slow (multi-process ones) or horovod (no Horovod needed).
 test-fast: $(STAMP) chromium
-	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest tests -m "not slow and not horovod" $(PYTEST_ARGS)
 
 bench: $(STAMP) $(HOROVOD_STAMP)
 	$(PY) benchmarks/overhead.py --check

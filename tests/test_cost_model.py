@@ -329,7 +329,10 @@ def test_pipeline_estimate_by_hand():
     assert [tg.param_bytes for tg in plan.task_graphs] == [448, 1088 + 204]
     assert [tg.estimate["memory_bytes"] for tg in plan.task_graphs] == [
         4 * 448 + 64 * 8 * 2, 4 * 1292 + 76 * 8]
-    assert plan.estimate["memory_bytes_per_device"] == [5776] * 4
+    # Each device its stage's: stage 0 on CPU:0 and CPU:2, stage 1 on CPU:1 and CPU:3.
+    assert [tg.devices for tg in plan.task_graphs] == [
+        [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in ids] for ids in ((0, 2), (1, 3))]
+    assert plan.estimate["memory_bytes_per_device"] == [2816, 5776] * 2
     assert plan.estimate["comm_bytes"] == pytest.approx(64 * 8 * 2 * 2 + 1740)
 
 

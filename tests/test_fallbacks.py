@@ -194,7 +194,9 @@ FALLBACKS = {
 }
 
 
-@pytest.mark.parametrize("case", FALLBACKS)
+@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.horovod)
+                                  if "horovod" in str(FALLBACKS[case][1]) else case
+                                  for case in FALLBACKS])
 def test_each_fallback_is_warned_noted_and_refused_under_strict(case):
     build, config, said = FALLBACKS[case]
     with pytest.warns(wh.FallbackWarning, match=f".*{said}"):

@@ -59,7 +59,7 @@ def forward_flops_per_row(width):
 
 def test_the_table_comes_after_n_steps_of_a_data_parallel_graph(capsys, tmp_path):
     plan = train({"measure.after_steps": 2, "cluster.hardware": [SLOW]}, steps=3)
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert out.count("tfpar: predicted vs measured, training step 2 (batch 64, fed") == 1
     measured = plan.measured
     assert measured["step"] == 2 and measured["batch"] == 64 and measured["hardware"] == "slow"
@@ -137,12 +137,12 @@ def test_off_by_more_than_the_tolerance_warns_and_calibration_brings_it_within(t
 def test_on_cpus_the_host_s_measured_throughput_is_the_device(capsys):
     plan = train({"measure.after_steps": 1}, steps=1)
     assert plan.measured["hardware"].startswith("host-CPU (measured ")
-    assert "GFLOP/s" in capsys.readouterr().out
+    assert "GFLOP/s" in capsys.readouterr().err
 
 
 def test_zero_steps_measure_nothing_and_its_keys_need_it(capsys):
     plan = train({"measure.after_steps": 0}, steps=4)
-    assert plan.measured == {} and "predicted vs measured" not in capsys.readouterr().out
+    assert plan.measured == {} and "predicted vs measured" not in capsys.readouterr().err
     with pytest.raises(ConfigError, match="measure.tolerance"):
         wh.Config({"measure.after_steps": 0, "measure.tolerance": 0.2})
 
@@ -171,3 +171,19 @@ def test_the_plan_s_summary_ends_with_the_table():
     plan = train({"measure.after_steps": 2}, steps=2)
     assert compare.table(plan.measured) in plan.summary()
     assert "predicted vs measured" not in train({"measure.after_steps": 0}, steps=2).summary()
+
+
+def test_a_step_measured_within_its_kernel_launches_keeps_the_entry_and_trains(tmp_path):
+    """Measured shorter than the planner's kernel launches, there is no
+    arithmetic to fit: the entry is written unchanged and says why (before,
+    the calibration raised and the training run failed)."""
+    measured = {"steps": [2, 3], "launch_s": 1.0,
+                "task_graphs": [{"predicted_time_s": 1.1, "measured_time_s": 0.9}]}
+    with pytest.raises(ValueError, match="kernel launches"):
+        compare.calibrated_entry({"name": "x", "tflops": 1.0, "efficiency": 0.5}, measured)
+    from tfpar.cluster.hardware import CATALOG  # pylint: disable=import-outside-toplevel
+    from tfpar.runtime.measured import Predicted, _calibrate  # pylint: disable=import-outside-toplevel
+    said = _calibrate(str(tmp_path / "entry.json"), Predicted(None, CATALOG["V100-32GB"], 32),
+                      measured)
+    assert said["from"].startswith("nothing fitted, the entry kept")
+    assert json.load(open(tmp_path / "entry.json"))["efficiency"] == CATALOG["V100-32GB"].efficiency

@@ -329,7 +329,8 @@ def help_command(words: List[str]) -> List[str]:
 def all_commands():
     """The pages' commands and the docstrings' usage lines, each once."""
     commands = sorted(set(readme_commands() + docstring_commands()))
-    return [pytest.param(c, id=c[:60]) for c in commands if not c.startswith("make ")]
+    return [pytest.param(c, id=c[:60], marks=[pytest.mark.horovod] if "horovod" in c else [])
+            for c in commands if not c.startswith("make ")]
 
 
 @pytest.mark.parametrize("command", all_commands())

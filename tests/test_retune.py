@@ -235,6 +235,7 @@ def test_keras_fit_keeps_the_planned_k_and_says_so(retuners):
     assert all(not t.history for t in retuners if t is not None)
 
 
+@pytest.mark.horovod
 def test_horovod_keeps_the_planned_k_and_says_so(retuners):
     """Each Horovod process runs its own session: they would each choose a k."""
     with pytest.warns(wh.FallbackWarning, match="k stays .* as planned: each Horovod process"):

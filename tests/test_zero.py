@@ -217,8 +217,8 @@ def test_zero_checkpoints_keep_single_device_names(tmp_path):
 
 @pytest.mark.parametrize("config,why", [
     ({"cluster.num_devices": 2}, "share one copy of each variable"),
-    ({"cluster.num_devices": 1, "communication.backend": "horovod"},
-     "a Horovod job runs a graph per process")],
+    pytest.param({"cluster.num_devices": 1, "communication.backend": "horovod"},
+                 "a Horovod job runs a graph per process", marks=pytest.mark.horovod)],
     ids=["shared", "horovod"])
 def test_zero_without_mirrored_variables_is_refused(config, why):
     """Replicas on the CPUs of one process share one copy of each variable,

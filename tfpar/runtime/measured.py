@@ -11,6 +11,7 @@ import collections
 import dataclasses
 import json
 import logging
+import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -187,9 +188,11 @@ def _variables_held(graph: ops.Graph, plan: Plan) -> Dict[str, int]:
 
 def _batch(feed_dict, assumed: int) -> Tuple[int, str]:
     """The global batch of the measured step: the leading dimension most of
-    the fed arrays share, else what the plan assumed (static or 32)."""
+    the fed arrays share (sparse values and other non-arrays left out), else
+    what the plan assumed (static or 32)."""
     dims = collections.Counter(np.shape(v)[0] for v in (feed_dict or {}).values()
-                               if np.ndim(v) >= 1)
+                               if (isinstance(v, np.ndarray) or type(v) in (list, tuple))
+                               and np.ndim(v) >= 1)
     if dims:
         return dims.most_common(1)[0][0], "fed"
     return assumed, "assumed"
@@ -197,22 +200,29 @@ def _batch(feed_dict, assumed: int) -> Tuple[int, str]:
 
 def _calibrate(path: str, predicted: Predicted, measured: Dict[str, Any]) -> Dict[str, Any]:
     """Fit the device entry's efficiency to the measurement, write it to
-    ``path`` and say what was fitted from what."""
+    ``path`` and say what was fitted from what (the entry unchanged, and
+    why, when the steps measured no longer than their kernel launches: a
+    training run never fails for its calibration)."""
     hw, (first, last) = predicted.hardware, measured["steps"]
     entry = {"name": hw.name, "tflops": hw.tflops, "memory_gb": hw.memory_gb,
              "intra_node_gbps": hw.intra_node_gbps, "inter_node_gbps": hw.inter_node_gbps,
              "efficiency": hw.efficiency}
-    fitted = compare.calibrated_entry(entry, measured)
+    how = (f"efficiency {hw.efficiency:g} x predicted / measured compute time of training "
+           f"steps {first}-{last} (the shortest), summed over the TaskGraphs, kernel launches "
+           "apart; memory is not fitted")
+    try:
+        fitted = compare.calibrated_entry(entry, measured)
+    except ValueError as unfit:
+        fitted = {**entry, "name": hw.name.split(" (")[0] + " (calibrated)"}
+        how = f"nothing fitted, the entry kept: {unfit}"
     with open(path, "w", encoding="utf-8") as f:
         json.dump(fitted, f, indent=2)
-    return {"path": path, "entry": fitted,
-            "from": f"efficiency {hw.efficiency:g} x predicted / measured compute time of "
-                    f"training steps {first}-{last} (the shortest), summed over the "
-                    "TaskGraphs, kernel launches apart; memory is not fitted"}
+    return {"path": path, "entry": fitted, "from": how}
 
 
 def _say(measured: Dict[str, Any]) -> None:
-    """Print and log the table; warn (once: one step is measured) when off."""
+    """Print (on stderr) and log the table; warn (once: one step is measured)
+    when off."""
     text = compare.table(measured)
     if "calibrated" in measured:
         said = measured["calibrated"]
@@ -221,7 +231,7 @@ def _say(measured: Dict[str, Any]) -> None:
                  f"{said['entry']['efficiency']:g}: {said['from']}); plan with it: "
                  f"cluster.hardware \"{said['path']}\"")
     log.info("%s", text)
-    print(text)
+    print(text, file=sys.stderr)  # stdout stays the script's (a --json output, say)
     off = compare.off_rows(measured)
     if off:
         log.warning("tfpar: the cost model is off by more than measure.tolerance (%.0f%%) for "
