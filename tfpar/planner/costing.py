@@ -16,7 +16,8 @@ from tfpar.planner.sharding import plan_sharding
 from tfpar.planner.sharding_costs import Mesh, Problem
 from tfpar.planner.stage_costs import stage_costs
 from tfpar.planner.step_model import (KERNELS_PER_OP, LAUNCH_S, Setting, Space, StageModel,
-                                      best_setting, micro_batch_counts, technique_space)
+                                      best_setting, kernel_counts, micro_batch_counts,
+                                      technique_space)
 
 __all__ = ["MeshCosting", "SOLVE_SHARE", "STAGE_ILP_SHARE"]
 
@@ -53,7 +54,7 @@ class MeshCosting:
         # it recomputes, counted as the graph counts them).
         self.recomputed = {mode: sum((f for f, again in zip(raw, self.recompute.flops[mode])
                                       if again), 0.0) for mode in RECOMPUTE}
-        self.kernels = [int(bool(f or a)) for f, a in zip(model.flops, model.activation_bytes)]
+        self.kernels = kernel_counts(model.flops, model.activation_bytes)
         self.capacity = hardware.memory_gb * 2 ** 30
         self.cuts: Dict[int, StageCut] = {}
         self.solved: Dict = {}  # sharding segments, across stages and meshes

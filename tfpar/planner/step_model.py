@@ -51,7 +51,7 @@ from tfpar.planner.memory import (MIXED_ACTIVATIONS, RECOMPUTE, SLOTS, Technique
                                   offload_seconds, state_bytes)
 
 __all__ = ["KERNELS_PER_OP", "LAUNCH_S", "SCHEDULE_TOLERANCE", "SEARCHED_SCHEDULES", "Setting",
-           "Space", "StageModel", "best_setting", "in_flight", "micro_batch_counts",
+           "Space", "StageModel", "best_setting", "in_flight", "kernel_counts", "micro_batch_counts",
            "pipeline_length", "technique_space"]
 
 # Seconds per kernel: TensorFlow's executor dispatches an op in a few
@@ -147,6 +147,12 @@ def technique_space(allowed: Sequence[str], data: int, mixed_precision_helps: bo
     offloads = (False, True) if "offload" in allowed and data == 1 else (False,)
     return [Techniques(*combination) for combination in
             itertools.product(modes, zeros, precisions, offloads)]
+
+
+def kernel_counts(flops: Sequence[float], activation_bytes: Sequence[float]) -> List[int]:
+    """Per op, whether it launches kernels (it computes or allocates): each
+    that does costs ``KERNELS_PER_OP`` launches of ``LAUNCH_S`` a micro-batch."""
+    return [int(bool(f or a)) for f, a in zip(flops, activation_bytes)]
 
 
 def pipeline_length(times: Sequence[float], micro: int, transfer: float, schedule: str,

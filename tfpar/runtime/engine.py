@@ -173,10 +173,10 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
         # What runs is unsharded; what current_plan() shows, to pin, is not.
         state.sharded_plan = sharded_plan(automatic, rt, index, capture)
     placement = _placement(plan, index, stage_of)
-    predicted = measured.predict(graph, index, capture.recorded(), rt, plan, stage_of)
+    recorded = capture.recorded()
+    predicted = measured.predict(graph, index, recorded, rt, plan, stage_of)
     if state.calls_optimized is None:  # no session yet (see sessions._calls_optimize)
         state.calls_optimized = plan.num_micro_batch > 1
-    recorded = capture.recorded()
     rewrite = _parallelised(graph, recorded, rt, plan, index, placement, techniques,
                             state.calls_optimized)
     state.plan = dataclasses.replace(plan, notes=fallback.notes(graph))  # the rewrite's too

@@ -28,7 +28,7 @@ from tfpar.ir import measured as compare
 from tfpar.ir.plan import Plan
 from tfpar.ir.recorded import Recorded
 from tfpar.planner.stage_costs import StageCosts, stage_costs
-from tfpar.planner.step_model import KERNELS_PER_OP, LAUNCH_S, in_flight
+from tfpar.planner.step_model import KERNELS_PER_OP, LAUNCH_S, in_flight, kernel_counts
 from tfpar.runtime.automatic import cluster_hardware, planning_batch
 from tfpar.runtime.context import Runtime, active
 from tfpar.runtime.graph_state import existing_state
@@ -74,8 +74,8 @@ def predict(graph: ops.Graph, index: GraphIndex, recorded: Recorded, rt: Runtime
     stages = [stage_of.get(op, 0) for op in order]
     costs = stage_costs(view, stages, len(plan.task_graphs), 1.0, hardware)
     kernels = [0] * len(plan.task_graphs)
-    for stage, flops, allocated in zip(stages, view.flops, view.activation_bytes):
-        kernels[stage] += bool(flops or allocated)
+    for stage, count in zip(stages, kernel_counts(view.flops, view.activation_bytes)):
+        kernels[stage] += count
     return Predicted(costs, hardware, planning_batch(rt, view),
                      tuple(KERNELS_PER_OP * LAUNCH_S * k for k in kernels))
 

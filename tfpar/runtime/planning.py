@@ -61,7 +61,8 @@ def planned(graph: ops.Graph, capture: GraphCapture, rt: Runtime):
     stage_of = assign_stages(index, recorded, len(specs), [s.name for s in specs],
                              automatic.tags if automatic is not None else None)
     plan = plan_from_annotations(specs, rt.devices, planned_config(rt, automatic),
-                                 _stats(graph, capture, index, stage_of, len(specs)), graph)
+                                 _stats(graph, capture, recorded, index, stage_of, len(specs)),
+                                 graph)
     if automatic is not None and automatic.runnable is not None:
         runnable = automatic.runnable
         plan = dataclasses.replace(
@@ -94,10 +95,10 @@ def group_costs(index: GraphIndex, recorded: Recorded, rt: Runtime, plan: Plan, 
     return costs, hardware.memory_gb * 2 ** 30
 
 
-def _stats(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, stage_of,
-           num_task_graphs: int):
+def _stats(graph: ops.Graph, capture: GraphCapture, recorded: Recorded, index: GraphIndex,
+           stage_of, num_task_graphs: int):
     """Per TaskGraph: ops (as placed: backward and updates with their forward
-    TaskGraph) and trainable bytes."""
+    TaskGraph) and trainable bytes; the optimizer's slots per weight."""
     num_ops = [0] * num_task_graphs
     for op in index.ops:
         num_ops[stage_of.get(op, 0)] += 1
@@ -108,7 +109,7 @@ def _stats(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, stage_of,
     split = {i: (ctx.devices, ctx.decisions, ctx.shares)
              for i, ctx in capture.split_contexts.items()}
     return {"num_ops": num_ops, "param_bytes": param_bytes, "split": split,
-            "optimizer_slots": optimizer_slots(capture.recorded())}
+            "optimizer_slots": optimizer_slots(recorded)}
 
 
 def _trainable_variables(graph: ops.Graph) -> list:
