@@ -51,8 +51,8 @@ from tfpar.planner.memory import (MIXED_ACTIVATIONS, RECOMPUTE, SLOTS, Technique
                                   offload_seconds, state_bytes)
 
 __all__ = ["KERNELS_PER_OP", "LAUNCH_S", "SCHEDULE_TOLERANCE", "SEARCHED_SCHEDULES", "Setting",
-           "Space", "StageModel", "best_setting", "in_flight", "kernel_counts", "micro_batch_counts",
-           "pipeline_length", "technique_space"]
+           "Space", "StageModel", "best_setting", "in_flight", "kernel_counts",
+           "micro_batch_counts", "pipeline_length", "technique_space"]
 
 # Seconds per kernel: TensorFlow's executor dispatches an op in a few
 # microseconds and a CUDA kernel launch takes about 5.
