@@ -55,6 +55,7 @@ from tfpar.planner.layers import layer_graph  # noqa: E402
 from tfpar.planner.pruning import shared_blocks  # noqa: E402
 from tfpar.planner.sharding import critical_layers, plan_sharding  # noqa: E402
 from tfpar.planner.sharding_costs import Mesh  # noqa: E402
+from tfpar.analysis.analysed import Analysed  # noqa: E402
 from tfpar.analysis.graph_index import GraphIndex  # noqa: E402
 from tfpar.analysis.model_view import model_view  # noqa: E402
 from tfpar.models.gpt import gpt_train_op  # noqa: E402
@@ -99,7 +100,7 @@ def measure(layers, args):
             wh.init(auto_config(args))
             _, build_s = timed(gpt_train_op, layers, args.hidden, args.seq, args.vocab, HEADS)
             # Planned first, as at the first Session.run: nothing of the graph read before.
-            automatic, auto_s = timed(automatic_plan, GraphIndex(graph), capture_for(graph),
+            automatic, auto_s = timed(automatic_plan, analysed(graph), capture_for(graph),
                                       active())
             (_, view), view_s = timed(model_view, GraphIndex(graph), capture_for(graph))
         best = automatic.best
@@ -128,6 +129,11 @@ def measure(layers, args):
         gc.collect()
 
 
+def analysed(graph):
+    """``graph`` as tfpar analyses it at its first ``Session.run``."""
+    return Analysed(GraphIndex(graph), capture_for(graph).recorded())
+
+
 def auto_config(args):
     """``auto.auto_parallel`` on the benchmark's mesh, planned in this process."""
     return {"cluster.num_devices": DEVICES, "cluster.hardware": [HARDWARE.name],
@@ -143,7 +149,7 @@ def masked_auto_s(layers, args):
         with graph.as_default():
             wh.init(auto_config(args))
             gpt_train_op(layers, args.hidden, args.seq, args.vocab, HEADS, mask="shared")
-            return timed(automatic_plan, GraphIndex(graph), capture_for(graph), active())[1]
+            return timed(automatic_plan, analysed(graph), capture_for(graph), active())[1]
     finally:
         wh.reset()
         del graph

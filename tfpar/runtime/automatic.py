@@ -21,7 +21,7 @@ from tfpar.planner.from_annotations import plan_from_annotations
 from tfpar.planner.memory import Techniques, state_per_weight
 from tfpar.planner.partition import StageCut, partition_stages
 from tfpar.planner.step_model import in_flight
-from tfpar.analysis.model_view import model_view
+from tfpar.analysis.analysed import Analysed
 from tfpar.analysis.graph_index import GraphIndex
 from tfpar.runtime.context import Runtime
 from tfpar.runtime.gc_paused import gc_paused
@@ -67,7 +67,8 @@ class Automatic:
         return {op.name: s for op, s in zip(self.order, self.stages)}
 
 
-def automatic_plan(index: GraphIndex, capture: GraphCapture, rt: Runtime) -> Optional[Automatic]:
+def automatic_plan(analysed: Analysed, capture: GraphCapture, rt: Runtime
+                   ) -> Optional[Automatic]:
     """The automatic plan of an unannotated model (cached until the model
     trains something new: ops added later cannot change what the losses
     depend on):
@@ -89,26 +90,26 @@ def automatic_plan(index: GraphIndex, capture: GraphCapture, rt: Runtime) -> Opt
         raise PlanError("tfpar: auto.auto_parallel plans the whole model; remove the "
                         "wh.replicate / wh.split scopes and set_default_strategy, or the key")
     key = (len(capture.gradient_calls), len(capture.apply_calls))
-    state = state_of(index.graph)
+    state = state_of(analysed.graph)
     if state.automatic is not None and state.automatic[0] == key:
         return state.automatic[1]
     with gc_paused():
-        result = _plan(index, capture, rt, auto, count)
+        result = _plan(analysed, rt, auto, count)
     state.automatic = (key, result)
     return result
 
 
-def _plan(index: GraphIndex, capture: GraphCapture, rt: Runtime, auto: bool,
-          count: Optional[int]) -> Automatic:
+def _plan(analysed: Analysed, rt: Runtime, auto: bool, count: Optional[int]) -> Automatic:
     """The model's view and the search's pick (``auto``), or ``count`` stages;
     what deserves it said of the graph (``runtime.stated``)."""
     cfg = rt.config
-    order, view = model_view(index, capture.recorded())
+    order, view = analysed.view
+    graph = analysed.graph
     time_limit = cfg.get("auto.search_time_limit_s")
     if not auto:
-        cut = _stages_on_mixed_devices(rt, view, count, index.graph) or partition_stages(
+        cut = _stages_on_mixed_devices(rt, view, count, graph) or partition_stages(
             view.flops, view.edges, count, time_limit * STAGE_ILP_SHARE, view.labels)
-        say_stage_cut(index.graph, cut.outcome, f"auto.num_task_graph {count}", time_limit)
+        say_stage_cut(graph, cut.outcome, f"auto.num_task_graph {count}", time_limit)
         return Automatic(tuple(order), tuple(view.param_bytes), tuple(cut.stages), count,
                          stage_search=cut.outcome)
     # A TF2 step's traces (static batch, relaxed, each new batch shape) are
@@ -117,7 +118,7 @@ def _plan(index: GraphIndex, capture: GraphCapture, rt: Runtime, auto: bool,
     if same_model not in rt.searches:
         rt.searches[same_model] = _search(rt, view, count, time_limit)
     best, runnable, candidates = rt.searches[same_model]
-    say_how_it_was_found(index.graph, rt, best, runnable, candidates)
+    say_how_it_was_found(graph, rt, best, runnable, candidates)
     stages, count = (runnable.stages, runnable.pipeline) if runnable else ((0,) * len(order), 1)
     return Automatic(tuple(order), tuple(view.param_bytes), tuple(stages), count, best,
                      runnable, candidates=tuple(candidates))

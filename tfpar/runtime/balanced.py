@@ -7,11 +7,9 @@ from tfpar import fallback
 from tfpar.cluster.hardware import Hardware, device_hardware, slowest
 from tfpar.errors import PlanError
 from tfpar.ir.plan import Plan, pinned_plan
-from tfpar.ir.recorded import Recorded
 from tfpar.planner.stage_costs import stage_costs
 from tfpar.planner.balance import balance_load, integer_shares, well_formed_shares
-from tfpar.analysis.model_view import model_view
-from tfpar.analysis.graph_index import GraphIndex
+from tfpar.analysis.analysed import Analysed
 from tfpar.analysis.stages import canonical_device
 from tfpar.runtime.automatic import planning_batch
 from tfpar.runtime.context import Runtime
@@ -19,8 +17,7 @@ from tfpar.runtime.context import Runtime
 __all__ = ["batch_shares", "shard_shares"]
 
 
-def batch_shares(index: GraphIndex, recorded: Recorded, rt: Runtime, plan: Plan
-                 ) -> Tuple[int, ...]:
+def batch_shares(analysed: Analysed, rt: Runtime, plan: Plan) -> Tuple[int, ...]:
     """Each replica of the model's weight in the global batch: its rows in
     proportion to its single-precision FLOP rate (a replica runs as fast as
     its slowest stage; a stage of w devices per replica, as w of its slowest),
@@ -44,11 +41,11 @@ def batch_shares(index: GraphIndex, recorded: Recorded, rt: Runtime, plan: Plan
             "balance.hardware_aware on mixed cluster.hardware", "the replicas take even rows: "
             "in a job of several processes each process cuts its own batch", "Run the mixed "
             "devices in one process for rows by speed, or set balance.hardware_aware false to "
-            "silence this", index.graph)
+            "silence this", analysed.graph)
         return ()
     batch_bytes = fixed_bytes = 0.0
     if len(plan.task_graphs) == 1:
-        order, view = model_view(index, recorded)
+        order, view = analysed.view
         rows = planning_batch(rt, view) / plan.num_micro_batch
         costs = stage_costs(view, [0] * len(order), 1, rows, slowest(hardware))
         batch_bytes, fixed_bytes = costs.activation_bytes[0], costs.fixed_bytes[0]

@@ -17,6 +17,7 @@ from tfpar.rewriters.data_parallel import replicate
 from tfpar.rewriters.fetch_translation import FetchTranslator
 from tfpar.rewriters.finite_check import check_gradients
 from tfpar.rewriters.horovod_backend import HorovodProcesses, HorovodReducer
+from tfpar.analysis.analysed import Analysed
 from tfpar.analysis.graph_index import GraphIndex
 from tfpar.analysis.stages import Placement, canonical_device, split_op_devices
 from tfpar.runtime import tf2_functions
@@ -29,7 +30,7 @@ from tfpar.runtime.graph_state import GraphState, existing_state, state_of
 from tfpar.runtime.iterators import make_iterator
 from tfpar.runtime import online_tuning
 from tfpar.runtime.online_tuning import keep_group_size, made_callable
-from tfpar.runtime.planning import group_costs, planned
+from tfpar.runtime.planning import Planned, group_costs, planned
 from tfpar.runtime.precision import applied, applied_option
 from tfpar.runtime.recomputation import recompute_configured, recompute_planned
 from tfpar.runtime import measured
@@ -160,30 +161,29 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
     its ``GraphState`` (the plan, the rewrite's fetch translator, the tuner)."""
     state = state_of(graph)
     recompute_configured(graph, capture, rt)
-    plan, index, stage_of, costs = planned(graph, capture, rt)
+    made = planned(graph, capture, rt)
     automatic = state.searched()
     refuse_planning_only(automatic, rt)
     techniques = planned_techniques(automatic, rt)
     if techniques.recompute != "none":
-        recompute_planned(graph, capture, index, techniques.recompute)
-        plan, index, stage_of, costs = planned(graph, capture, rt)  # copies' stages too
+        recompute_planned(capture, made.analysed, techniques.recompute)
+        made = planned(graph, capture, rt)  # copies' stages too
+    plan, analysed = made.plan, made.analysed
     warn_unbuilt_sharding(automatic)
     check_forced_units(capture, rt)
     if automatic is not None and automatic.best is not automatic.runnable:
         # What runs is unsharded; what current_plan() shows, to pin, is not.
-        state.sharded_plan = sharded_plan(automatic, rt, index, capture)
-    placement = _placement(plan, index, stage_of)
-    recorded = capture.recorded()
-    predicted = measured.predict(graph, index, recorded, rt, plan, stage_of)
+        state.sharded_plan = sharded_plan(automatic, rt, analysed.index, capture)
+    placement = _placement(plan, analysed.index, made.stage_of)
+    predicted = measured.predict(analysed, rt, plan, made.stage_of)
     if state.calls_optimized is None:  # no session yet (see sessions._calls_optimize)
         state.calls_optimized = plan.num_micro_batch > 1
-    rewrite = _parallelised(graph, recorded, rt, plan, index, placement, techniques,
-                            state.calls_optimized)
+    rewrite = _parallelised(analysed, rt, plan, placement, techniques, state.calls_optimized)
     state.plan = dataclasses.replace(plan, notes=fallback.notes(graph))  # the rewrite's too
     state.rewritten_calls = len(capture.gradient_calls)
     state.rewrite = FetchTranslator(graph, rewrite, recording_paused, plan.group_size,
-                                    _train_ops(recorded))
-    state.retuner = _retuner(graph, recorded, rt, plan, index, stage_of, costs)
+                                    _train_ops(analysed.recorded))
+    state.retuner = _retuner(made, rt)
     state.predicted = predicted
     log.info("tfpar rewrote the graph:\n%s", plan.summary())
 
@@ -194,12 +194,12 @@ def _train_ops(recorded: Recorded):
                      if call.train_op is not None)
 
 
-def _parallelised(graph: ops.Graph, recorded: Recorded, rt: Runtime, plan: Plan,
-                  index: GraphIndex, placement: Placement, techniques,
-                  calls_optimized: bool):
-    """The rewrite of ``graph`` as ``plan`` places it (``rewriters.data_parallel``),
+def _parallelised(analysed: Analysed, rt: Runtime, plan: Plan, placement: Placement,
+                  techniques, calls_optimized: bool):
+    """The rewrite of the graph as ``plan`` places it (``rewriters.data_parallel``),
     its gradients checked if ``check.finite_gradients``."""
     cfg = rt.config
+    graph, recorded, index = analysed.graph, analysed.recorded, analysed.index
     reducer_for = _reducers(graph, rt)
     horovod = cfg.get("communication.backend") == "horovod"
     # One micro-batch needs no schedule; otherwise the plan's was validated.
@@ -276,12 +276,11 @@ def _planned_zero(techniques, reducer_for, devices) -> int:
     return techniques.zero
 
 
-def _retuner(graph: ops.Graph, recorded: Recorded, rt: Runtime, plan: Plan,
-             index: GraphIndex, stage_of, costs) -> Optional[GroupRetuner]:
+def _retuner(made: Planned, rt: Runtime) -> Optional[GroupRetuner]:
     """Ada-Grouper's online tuner (``runtime.retune``), for a kFkB pipeline
-    whose k is 'auto' and ``pipeline.retune_steps`` is not 0; ``costs``:
-    what ``planning.planned`` tuned k by (None: a pinned plan's k, costed here)."""
-    cfg = rt.config
+    whose k is 'auto' and ``pipeline.retune_steps`` is not 0, starting from
+    the costs ``planning.planned`` tuned k by (a pinned plan's k: costed here)."""
+    cfg, plan, graph = rt.config, made.plan, made.analysed.graph
     every = cfg.get("pipeline.retune_steps")
     if not (every and plan.schedule == "kfkb" and cfg.get("pipeline.group_size") == "auto"
             and plan.num_micro_batch > 1 and len(plan.task_graphs) > 1):
@@ -295,7 +294,7 @@ def _retuner(graph: ops.Graph, recorded: Recorded, rt: Runtime, plan: Plan,
     if why is not None:
         keep_group_size(plan.group_size, why, graph)
         return None
-    stage, memory_limit = costs or group_costs(index, recorded, rt, plan, stage_of)
+    stage, memory_limit = made.costs or group_costs(made.analysed, rt, plan, made.stage_of)
     return GroupRetuner(plan.num_micro_batch, len(plan.task_graphs), plan.group_size,
                         stage.fixed_bytes, stage.activation_bytes, memory_limit, every,
                         cfg.get("pipeline.retune_tolerance"))

@@ -16,8 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from tfpar.analysis.graph_index import GraphIndex
-from tfpar.analysis.model_view import model_view
+from tfpar.analysis.analysed import Analysed
 from tfpar.analysis.op_kinds import is_variable
 from tfpar.analysis.variables import variable_bytes
 from tfpar.cluster.devices import short_name
@@ -26,7 +25,6 @@ from tfpar.cluster.host_speed import host_cpu
 from tfpar.compat.tf import ops
 from tfpar.ir import measured as compare
 from tfpar.ir.plan import Plan
-from tfpar.ir.recorded import Recorded
 from tfpar.planner.stage_costs import StageCosts, stage_costs
 from tfpar.planner.step_model import KERNELS_PER_OP, LAUNCH_S, in_flight, kernel_counts
 from tfpar.runtime.automatic import cluster_hardware, planning_batch
@@ -62,14 +60,13 @@ def prediction_hardware(rt: Runtime) -> Hardware:
     return cluster_hardware(rt)
 
 
-def predict(graph: ops.Graph, index: GraphIndex, recorded: Recorded, rt: Runtime, plan: Plan,
-            stage_of) -> Optional[Predicted]:
+def predict(analysed: Analysed, rt: Runtime, plan: Plan, stage_of) -> Optional[Predicted]:
     """The cost model of ``plan``'s TaskGraphs, as ``stage_of`` places the
     model's ops; None when nothing will be measured (``measure.after_steps``
     0, or a tf.function step: its runs are not traced)."""
-    if not rt.config.get("measure.after_steps") or graph.building_function:
+    if not rt.config.get("measure.after_steps") or analysed.graph.building_function:
         return None
-    order, view = model_view(index, recorded)
+    order, view = analysed.view
     hardware = prediction_hardware(rt)
     stages = [stage_of.get(op, 0) for op in order]
     costs = stage_costs(view, stages, len(plan.task_graphs), 1.0, hardware)

@@ -1,7 +1,7 @@
 """The plan of a captured graph: its TaskGraphs, as annotated or as the
 planner chose, with Ada-Grouper's k and the batch shares of mixed devices."""
 import dataclasses
-from typing import Optional
+from typing import Dict, Optional
 
 from tfpar import fallback
 from tfpar.compat.tf import ops
@@ -12,7 +12,8 @@ from tfpar.ir.taskgraph import Strategy, TaskGraphSpec
 from tfpar.planner.stage_costs import stage_costs
 from tfpar.planner.from_annotations import plan_from_annotations
 from tfpar.planner.grouper import tune_group_size
-from tfpar.analysis.model_view import model_view, optimizer_slots
+from tfpar.analysis.analysed import Analysed
+from tfpar.analysis.model_view import optimizer_slots
 from tfpar.analysis.graph_index import GraphIndex
 from tfpar.analysis.stages import assign_stages
 from tfpar.runtime.automatic import (Automatic, automatic_plan, cluster_hardware, estimate_of,
@@ -22,7 +23,19 @@ from tfpar.runtime.balanced import batch_shares
 from tfpar.runtime.context import Runtime
 from tfpar.runtime.graph_state import state_of
 
-__all__ = ["group_costs", "plan_for", "planned", "task_graph_specs"]
+__all__ = ["Planned", "group_costs", "plan_for", "planned", "task_graph_specs"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Planned:
+    """What planning decided for one rewrite pass: the plan, the analysis it
+    rests on (the rewrite reads the same one), each op's TaskGraph, and,
+    when Ada-Grouper chose k, the costs it chose by (``group_costs``)."""
+
+    plan: Plan
+    analysed: Analysed
+    stage_of: Dict[ops.Operation, int]
+    costs: Optional[tuple] = None
 
 
 def task_graph_specs(capture: GraphCapture, rt: Runtime, automatic: Optional[Automatic]):
@@ -43,21 +56,19 @@ def plan_for(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> Plan:
     """The plan for ``graph``: as annotated, or as the planner chose (no
     rewrite; a plan that shards layers even when this graph was built before
     it was known, so that it can be pinned)."""
-    plan, index, _, _ = planned(graph, capture, rt)
+    made = planned(graph, capture, rt)
     automatic = state_of(graph).searched()
     if automatic is not None and automatic.best is not automatic.runnable:
-        return sharded_plan(automatic, rt, index, capture)
-    return plan
+        return sharded_plan(automatic, rt, made.analysed.index, capture)
+    return made.plan
 
 
-def planned(graph: ops.Graph, capture: GraphCapture, rt: Runtime):
-    """The plan, with the graph index and the stage of every op it rests on
-    (the rewrite uses the same ones), and, when Ada-Grouper chose k, the
-    costs it chose by (``group_costs``; else None)."""
-    index = GraphIndex(graph)
-    automatic = automatic_plan(index, capture, rt)
+def planned(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> Planned:
+    """The plan of ``graph`` as captured now, analysed once."""
+    analysed = Analysed(GraphIndex(graph), capture.recorded())
+    index, recorded = analysed.index, analysed.recorded
+    automatic = automatic_plan(analysed, capture, rt)
     specs = task_graph_specs(capture, rt, automatic)
-    recorded = capture.recorded()
     stage_of = assign_stages(index, recorded, len(specs), [s.name for s in specs],
                              automatic.tags if automatic is not None else None)
     plan = plan_from_annotations(specs, rt.devices, planned_config(rt, automatic),
@@ -73,21 +84,22 @@ def planned(graph: ops.Graph, capture: GraphCapture, rt: Runtime):
     plan = with_stage_search(plan, automatic)
     costs = None
     if plan.schedule == "kfkb" and plan.group_size == "auto":
-        costs = group_costs(index, recorded, rt, plan, stage_of)
+        costs = group_costs(analysed, rt, plan, stage_of)
         stage, memory_limit = costs
         plan = dataclasses.replace(plan, group_size=tune_group_size(
             plan.num_micro_batch, stage.forward_s, stage.backward_s, stage.transfer_s,
             stage.fixed_bytes, stage.activation_bytes, memory_limit))
-    shares = batch_shares(index, recorded, rt, plan)
+    shares = batch_shares(analysed, rt, plan)
     if shares:
         plan = dataclasses.replace(plan, batch_shares=shares)
-    return dataclasses.replace(plan, notes=fallback.notes(graph)), index, stage_of, costs
+    return Planned(dataclasses.replace(plan, notes=fallback.notes(graph)), analysed, stage_of,
+                   costs)
 
 
-def group_costs(index: GraphIndex, recorded: Recorded, rt: Runtime, plan: Plan, stage_of):
+def group_costs(analysed: Analysed, rt: Runtime, plan: Plan, stage_of):
     """The pipeline's stage costs for choosing Ada-Grouper's k
     (``planner.grouper``), and the memory per device."""
-    order, view = model_view(index, recorded)
+    order, view = analysed.view
     rows = planning_batch(rt, view) / plan.data_parallel_degree / plan.num_micro_batch
     hardware = cluster_hardware(rt)
     costs = stage_costs(view, [stage_of.get(op, 0) for op in order], len(plan.task_graphs),

@@ -7,9 +7,8 @@ from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture, recording_paused
 from tfpar.planner.memory import recomputation
 from tfpar.rewriters import graph_edit
-from tfpar.analysis.model_view import model_view
+from tfpar.analysis.analysed import Analysed
 from tfpar.rewriters.recompute import recompute_ops, recompute_scopes
-from tfpar.analysis.graph_index import GraphIndex
 from tfpar.runtime.context import Runtime
 
 __all__ = ["recompute_configured", "recompute_planned"]
@@ -36,14 +35,13 @@ def _check_recompute(rt: Runtime) -> None:
                         "memory needs, and counts it), or remove the key")
 
 
-def recompute_planned(graph: ops.Graph, capture: GraphCapture, index: GraphIndex,
-                      mode: str) -> None:
+def recompute_planned(capture: GraphCapture, analysed: Analysed, mode: str) -> None:
     """The plan's recomputation (Korthikanti et al., ``planner.memory``):
     ``full`` recomputes every repeated block (``ModelView.labels``, name
     scopes), as ``memory.recompute`` would; ``selective`` every attention
     core, outputs included."""
-    recorded = capture.recorded()
-    order, view = model_view(index, recorded)
+    graph, recorded = analysed.graph, analysed.recorded
+    order, view = analysed.view
     with graph_edit.unfinalized(graph), recording_paused():
         if mode == "full":
             capture.record_copies(recompute_scopes(
