@@ -11,6 +11,9 @@ step), is trained in each configuration:
     attention and feed-forward blocks split evenly, 3 layers each by default;
     the loss in the last; the optimizer outside every scope) on 4 devices,
     default schedule (1F1B), ``pipeline.num_micro_batch`` 4, 8, 32;
+  * ``pipe4v2_m8``: the same 4 stages on 2 devices, each holding two
+    non-adjacent stages (``pipeline.virtual_stages`` 2: interleaved 1F1B), 8
+    micro-batches;
   * ``ga_m32``: gradient accumulation, no scopes, 1 device, 32 micro-batches;
   * ``gpt_plain``, ``gpt4_m8``, ``gpt4_m32``: a GPT with tied embeddings (issue 48
     item 6): token ids in, ``--vocab`` x ``--hidden`` token and position
@@ -38,7 +41,8 @@ targets. Each process measures, with 4 logical CPU devices where it uses 4:
 
 The ratios come from one run (every configuration once, in the order above),
 each against the plain TF run of its model. Targets (``TARGETS``, at most):
-pipe4_m8 start-up / plain 3; pipe4_m32 / pipe4_m8 start-up 1.5; pipe4_m8 step /
+pipe4_m8 start-up / plain 3; pipe4v2_m8 start-up / plain 3; pipe4_m32 /
+pipe4_m8 start-up 1.5; pipe4_m8 step /
 plain 1.3; pipe4_m32 / pipe4_m8 ops 1.10; gpt4_m8 start-up / gpt_plain 3;
 gpt4_m32 / gpt4_m8 ops 1.10; gpt5_m8 start-up / gpt_plain 3. ``--check`` prints PASS/FAIL per target and exits
 1 when one is missed or a configuration's losses differ from its plain run's.
@@ -77,13 +81,16 @@ CONFIGS = {
     "dp4": ({"cluster.num_devices": 4}, 4, 0, "transformer"),
     **{f"pipe4_m{m}": ({"cluster.num_devices": 4, "pipeline.num_micro_batch": m}, 4, STAGES,
                        "transformer") for m in (4, 8, 32)},
+    "pipe4v2_m8": ({"cluster.num_devices": 2, "pipeline.num_micro_batch": 8,
+                    "pipeline.virtual_stages": 2}, 2, STAGES, "transformer"),
     "ga_m32": ({"cluster.num_devices": 1, "pipeline.num_micro_batch": 32}, 1, 0, "transformer"),
     "gpt_plain": (None, 1, 0, "gpt"),
     **{f"gpt4_m{m}": ({"cluster.num_devices": 4, "pipeline.num_micro_batch": m}, 4, STAGES,
                       "gpt") for m in (8, 32)},
     "gpt5_m8": ({"cluster.num_devices": 4, "pipeline.num_micro_batch": 8}, 4, STAGES, "gpt5"),
 }
-TARGETS = {"startup_m8_plain": 3.0, "startup_m32_m8": 1.5, "step_m8_plain": 1.3,
+TARGETS = {"startup_m8_plain": 3.0, "startup_v2_m8_plain": 3.0, "startup_m32_m8": 1.5,
+           "step_m8_plain": 1.3,
            "ops_m32_m8": 1.10, "gpt_startup_m8_plain": 3.0, "gpt_ops_m32_m8": 1.10,
            "gpt5_startup_m8_plain": 3.0}
 SIZES = {"layers": (12, 2, f"transformer layers (>= {STAGES // 2})"),
@@ -250,9 +257,12 @@ def rows_of(results):
 def targets(results):
     """(name, measured value, limit) per target of ``TARGETS``."""
     m8, m32, plain = results["pipe4_m8"], results["pipe4_m32"], results["plain"]
+    v2 = results["pipe4v2_m8"]
     g8, g32 = results["gpt4_m8"], results["gpt4_m32"]
     return [("pipe4_m8 start-up / plain", ratio(m8["startup_s"], plain["startup_s"]),
              TARGETS["startup_m8_plain"]),
+            ("pipe4v2_m8 start-up / plain", ratio(v2["startup_s"], plain["startup_s"]),
+             TARGETS["startup_v2_m8_plain"]),
             ("pipe4_m32 / pipe4_m8 start-up", ratio(m32["startup_s"], m8["startup_s"]),
              TARGETS["startup_m32_m8"]),
             ("pipe4_m8 step / plain", ratio(m8["step_s"], plain["step_s"]),
