@@ -261,9 +261,13 @@ def test_split_shards_follow_device_speed_and_compute_the_same_numbers():
     plan = plan_of(megatron_mlp(True), MIXED)
     assert plan.task_graphs[0].shard_shares == (1000, 592)
     # Weights, gradients and Momentum's slot per device: 338 float32 weights,
-    # shared by speed.
-    assert plan.estimate["memory_bytes_per_device"] == [3 * 1352 * 1000 // 1592,
-                                                        3 * 1352 * 592 // 1592]
+    # shared by speed; the activations too.
+    fast, slow = plan.estimate["memory_bytes_per_device"]
+    assert fast / slow == pytest.approx(1000 / 592)
+    state = plan.estimate["memory"]
+    assert state["weights"] + state["gradients"] + state["optimizer"] == pytest.approx(
+        3 * 1352 * 1000 / 1592)
+    assert fast == pytest.approx(3 * 1352 * 1000 / 1592 + state["activations"])
     assert "split_0 shards per device (hardware-aware, Whale §3.3.1): 62.8% 37.2%" in str(plan)
     with fed_graph(MIXED) as (graph, x, y):
         _, train_op = megatron_mlp(True)(x, SPLIT_DATA[1][0])

@@ -271,8 +271,7 @@ class Plan:
                 + ("  needs: " + ", ".join(est["memory_techniques"])
                    if est.get("memory_techniques") else ""))
             if step is None:
-                lines.append("  (only auto.auto_parallel plans are costed; "
-                             "plans from scopes or config are not)")
+                lines.append("  (not costed: tfpar costs the plans it makes for a graph)")
             lines += _stated(est)
         lines += _logical_devices(self)
         lines += [_measured_table(self.measured)] if self.measured else []

@@ -12,7 +12,6 @@ from tfpar.ir.compact import device_ranges
 from tfpar.ir.plan import Plan, TaskGraphPlan, pinned_plan
 from tfpar.ir.taskgraph import Strategy, TaskGraphSpec
 from tfpar.planner.balance import well_formed_shares
-from tfpar.planner.memory import SLOTS, state_per_weight
 from tfpar.ir.schedule import SCHEDULES
 
 __all__ = ["plan_from_annotations"]
@@ -32,8 +31,7 @@ def plan_from_annotations(specs: Sequence[TaskGraphSpec], devices: Sequence[str]
       config: tfpar config (pipeline settings, sharing, a pinned plan).
       stats: per TaskGraph, ``num_ops`` and ``param_bytes`` (trainable, one copy);
         ``split`` maps a split TaskGraph's index to (the devices its shards were
-        built on, its chosen patterns, its shard shares); ``optimizer_slots``:
-        the optimizer's state per weight (Adam's when left out).
+        built on, its chosen patterns, its shard shares).
       graph: the graph planned: devices the scopes' TaskGraphs share without
         asking, or leave idle, are said of it (``fallback``).
 
@@ -65,35 +63,13 @@ def plan_from_annotations(specs: Sequence[TaskGraphSpec], devices: Sequence[str]
     if shares and not well_formed_shares(shares, r):
         raise PlanError(f"tfpar: the plan's batch_shares {list(shares)} must be one int >= 1 per "
                         f"replica of the model ({r})")
-    estimate = _annotated_estimate(tgs, stats.get("optimizer_slots", SLOTS))
-    if pinned is not None and pinned.estimate.get("step_time_s") is not None:
-        estimate = dict(pinned.estimate)  # the search's estimate of the pinned plan
+    # The search's estimate of a pinned plan; others are costed by the runtime
+    # (``runtime.prediction``), which reads the graph.
+    estimate = dict(pinned.estimate) if pinned is not None else {}
     return Plan(task_graphs=tuple(tgs), data_parallel_degree=r, num_micro_batch=num_micro_batch,
                 schedule=schedule, group_size=group_size, estimate=estimate,
                 sharding=dict(pinned.sharding) if pinned is not None else {},
                 batch_shares=shares, virtual_stages=virtual)
-
-
-def _annotated_estimate(tgs: Sequence[TaskGraphPlan], slots: float) -> Dict[str, Any]:
-    """Memory per device (its stage's weights, gradients and ``slots``
-    optimizer slots per weight: a split TaskGraph's shard), as searched plans
-    count them, and the bytes data parallelism all-reduces; no step time."""
-    state = state_per_weight(slots)
-    memory = {d: int(state * tg.param_bytes * share // total) for tg in tgs
-              for group in tg.replicas for d, share, total in _parts(tg, group)}
-    return {"step_time_s": None,  # no cost model for annotated plans yet
-            "memory_bytes_per_device": [memory[d] for d in sorted(memory)],
-            "comm_bytes": sum(int(2 * (n - 1) / n * tg.param_bytes)
-                              for tg, n in ((tg, len(tg.replicas)) for tg in tgs))}
-
-
-def _parts(tg: TaskGraphPlan, group: Sequence[str]):
-    """(device, its part, parts) of one copy of ``tg`` on ``group``: a split
-    TaskGraph's shard shares (even ones when it has none), a replica's whole."""
-    if tg.strategy != "split":
-        return [(d, 1, 1) for d in group]
-    shares = tg.shard_shares or (1,) * len(group)
-    return [(d, share, sum(shares)) for d, share in zip(group, shares)]
 
 
 def _annotated_task_graphs(specs, devices, config, split) -> List[TaskGraphPlan]:

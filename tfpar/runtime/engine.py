@@ -175,7 +175,6 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
         # What runs is unsharded; what current_plan() shows, to pin, is not.
         state.sharded_plan = sharded_plan(automatic, rt, analysed.index, capture)
     placement = _placement(plan, analysed.index, made.stage_of)
-    predicted = measured.predict(analysed, rt, plan, made.stage_of)
     if state.calls_optimized is None:  # no session yet (see sessions._calls_optimize)
         state.calls_optimized = plan.num_micro_batch > 1
     rewrite = _parallelised(analysed, rt, plan, placement, techniques, state.calls_optimized)
@@ -184,7 +183,7 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
     state.rewrite = FetchTranslator(graph, rewrite, recording_paused, plan.group_size,
                                     _train_ops(analysed.recorded))
     state.retuner = _retuner(made, rt)
-    state.predicted = predicted
+    state.predicted = made.predicted if measured.measures(rt, graph) else None
     log.info("tfpar rewrote the graph:\n%s", plan.summary())
 
 

@@ -16,65 +16,29 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from tfpar.analysis.analysed import Analysed
 from tfpar.analysis.op_kinds import is_variable
 from tfpar.analysis.variables import variable_bytes
 from tfpar.cluster.devices import short_name
-from tfpar.cluster.hardware import Hardware
-from tfpar.cluster.host_speed import host_cpu
 from tfpar.compat.tf import ops
 from tfpar.ir import measured as compare
 from tfpar.ir.plan import Plan
-from tfpar.planner.stage_costs import StageCosts, stage_costs
-from tfpar.planner.step_model import KERNELS_PER_OP, LAUNCH_S, in_flight, kernel_counts
-from tfpar.runtime.automatic import cluster_hardware, planning_batch
+from tfpar.planner.plan_costs import per_task_graph
 from tfpar.runtime.context import Runtime, active
 from tfpar.runtime.graph_state import existing_state
+from tfpar.runtime.prediction import Predicted
 from tfpar.runtime.step_trace import step_allocations, step_spans
 
-__all__ = ["BEST_OF", "Predicted", "after_step", "measure_due", "predict", "traced_steps"]
+__all__ = ["BEST_OF", "after_step", "measure_due", "measures", "traced_steps"]
 
 log = logging.getLogger("tfpar")
 BEST_OF = 5  # steps traced; each TaskGraph's time is the shortest (least disturbed)
 
 
-@dataclasses.dataclass(frozen=True)
-class Predicted:
-    """The cost model of a rewritten graph's TaskGraphs for one batch row
-    (``costs``), on ``hardware``, and the batch it assumes when none is fed;
-    per TaskGraph, the seconds of its kernel launches per micro-batch (the
-    planner's ``step_model.LAUNCH_S`` per kernel, ``KERNELS_PER_OP`` per op
-    that computes or allocates)."""
-
-    costs: StageCosts
-    hardware: Hardware
-    batch: int
-    launch_s: Tuple[float, ...] = ()
-
-
-def prediction_hardware(rt: Runtime) -> Hardware:
-    """The device the prediction assumes: ``cluster.hardware``'s, else on
-    CPUs the host's measured matmul throughput (``cluster.host_speed``)."""
-    if rt.config.get("cluster.hardware") is None and rt.device_type == "CPU":
-        return host_cpu()
-    return cluster_hardware(rt)
-
-
-def predict(analysed: Analysed, rt: Runtime, plan: Plan, stage_of) -> Optional[Predicted]:
-    """The cost model of ``plan``'s TaskGraphs, as ``stage_of`` places the
-    model's ops; None when nothing will be measured (``measure.after_steps``
-    0, or a tf.function step: its runs are not traced)."""
-    if not rt.config.get("measure.after_steps") or analysed.graph.building_function:
-        return None
-    order, view = analysed.view
-    hardware = prediction_hardware(rt)
-    stages = [stage_of.get(op, 0) for op in order]
-    costs = stage_costs(view, stages, len(plan.task_graphs), 1.0, hardware)
-    kernels = [0] * len(plan.task_graphs)
-    for stage, count in zip(stages, kernel_counts(view.flops, view.activation_bytes)):
-        kernels[stage] += count
-    return Predicted(costs, hardware, planning_batch(rt, view),
-                     tuple(KERNELS_PER_OP * LAUNCH_S * k for k in kernels))
+def measures(rt: Runtime, graph: ops.Graph) -> bool:
+    """Whether ``graph``'s training steps are measured: ``measure.after_steps``
+    is not 0, and they are run by ``Session.run`` (a tf.function step's runs
+    are not traced)."""
+    return bool(rt.config.get("measure.after_steps")) and not graph.building_function
 
 
 def traced_steps(after_steps: int) -> range:
@@ -121,7 +85,8 @@ def _compared(state, feed_dict, tolerance: float) -> Dict[str, Any]:
     the shortest time and largest memory of the steps measured."""
     batch, batch_from = _batch(feed_dict, state.predicted.batch)
     steps = traced_steps(state.training_steps)
-    predicted = _predicted(state.plan, state.predicted, batch)
+    predicted = per_task_graph(state.plan, state.predicted.costs, state.predicted.launch_s,
+                               batch)
     on_device: Dict[str, float] = collections.Counter()  # TaskGraphs sharing a device add up
     for tg, (_, memory) in zip(state.plan.task_graphs, predicted):
         for device in set(tg.devices):
@@ -137,23 +102,6 @@ def _compared(state, feed_dict, tolerance: float) -> Dict[str, Any]:
     return {"step": state.training_steps, "steps": [steps[0], steps[-1]], "batch": batch,
             "batch_from": batch_from, "hardware": state.predicted.hardware.name,
             "tolerance": tolerance, "task_graphs": rows, "launch_s": launches}
-
-
-def _predicted(plan: Plan, predicted: Predicted, batch: int) -> List[Tuple[float, float]]:
-    """Per TaskGraph: the cost model's compute seconds of a step of ``batch``
-    rows and peak bytes, per device (even shards and replicas)."""
-    costs, stages = predicted.costs, len(plan.task_graphs)
-    group = plan.group_size if isinstance(plan.group_size, int) else 1
-    said = []
-    for s, tg in enumerate(plan.task_graphs):
-        degree = tg.device_count if tg.strategy == "split" else 1
-        rows = batch / len(tg.replicas)
-        alive = in_flight(plan.schedule, group, stages, s, plan.num_micro_batch)
-        time_s = ((costs.forward_s[s] + costs.backward_s[s]) * rows / degree
-                  + predicted.launch_s[s] * plan.num_micro_batch)
-        kept = costs.activation_bytes[s] * rows / plan.num_micro_batch * alive
-        said.append((time_s, (costs.fixed_bytes[s] + kept) / degree))
-    return said
 
 
 def _measured(graph: ops.Graph, plan: Plan, run_metadata) -> List[Tuple[float, int]]:

@@ -7,13 +7,11 @@ from tfpar import fallback
 from tfpar.compat.tf import ops
 from tfpar.hooks.capture import GraphCapture
 from tfpar.ir.plan import Plan
-from tfpar.ir.recorded import Recorded
 from tfpar.ir.taskgraph import Strategy, TaskGraphSpec
 from tfpar.planner.stage_costs import stage_costs
 from tfpar.planner.from_annotations import plan_from_annotations
 from tfpar.planner.grouper import tune_group_size
 from tfpar.analysis.analysed import Analysed
-from tfpar.analysis.model_view import optimizer_slots
 from tfpar.analysis.graph_index import GraphIndex
 from tfpar.analysis.stages import assign_stages
 from tfpar.runtime.automatic import (Automatic, automatic_plan, cluster_hardware, estimate_of,
@@ -22,6 +20,7 @@ from tfpar.runtime.automatic import (Automatic, automatic_plan, cluster_hardware
 from tfpar.runtime.balanced import batch_shares
 from tfpar.runtime.context import Runtime
 from tfpar.runtime.graph_state import state_of
+from tfpar.runtime.prediction import Predicted, costed, predict
 
 __all__ = ["Planned", "group_costs", "plan_for", "planned", "task_graph_specs"]
 
@@ -29,12 +28,14 @@ __all__ = ["Planned", "group_costs", "plan_for", "planned", "task_graph_specs"]
 @dataclasses.dataclass(frozen=True)
 class Planned:
     """What planning decided for one rewrite pass: the plan, the analysis it
-    rests on (the rewrite reads the same one), each op's TaskGraph, and,
-    when Ada-Grouper chose k, the costs it chose by (``group_costs``)."""
+    rests on (the rewrite reads the same one), each op's TaskGraph, the cost
+    model of its TaskGraphs (``runtime.prediction``), and, when Ada-Grouper
+    chose k, the costs it chose by (``group_costs``)."""
 
     plan: Plan
     analysed: Analysed
     stage_of: Dict[ops.Operation, int]
+    predicted: Predicted
     costs: Optional[tuple] = None
 
 
@@ -72,7 +73,7 @@ def planned(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> Planned:
     stage_of = assign_stages(index, recorded, len(specs), [s.name for s in specs],
                              automatic.tags if automatic is not None else None)
     plan = plan_from_annotations(specs, rt.devices, planned_config(rt, automatic),
-                                 _stats(graph, capture, recorded, index, stage_of, len(specs)),
+                                 _stats(graph, capture, index, stage_of, len(specs)),
                                  graph)
     if automatic is not None and automatic.runnable is not None:
         runnable = automatic.runnable
@@ -92,8 +93,11 @@ def planned(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> Planned:
     shares = batch_shares(analysed, rt, plan)
     if shares:
         plan = dataclasses.replace(plan, batch_shares=shares)
+    predicted = predict(analysed, rt, plan, stage_of)
+    if plan.estimate.get("step_time_s") is None:  # not the search's: the same model costs it
+        plan = costed(plan, predicted)
     return Planned(dataclasses.replace(plan, notes=fallback.notes(graph)), analysed, stage_of,
-                   costs)
+                   predicted, costs)
 
 
 def group_costs(analysed: Analysed, rt: Runtime, plan: Plan, stage_of):
@@ -107,10 +111,10 @@ def group_costs(analysed: Analysed, rt: Runtime, plan: Plan, stage_of):
     return costs, hardware.memory_gb * 2 ** 30
 
 
-def _stats(graph: ops.Graph, capture: GraphCapture, recorded: Recorded, index: GraphIndex,
-           stage_of, num_task_graphs: int):
+def _stats(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, stage_of,
+           num_task_graphs: int):
     """Per TaskGraph: ops (as placed: backward and updates with their forward
-    TaskGraph) and trainable bytes; the optimizer's slots per weight."""
+    TaskGraph) and trainable bytes."""
     num_ops = [0] * num_task_graphs
     for op in index.ops:
         num_ops[stage_of.get(op, 0)] += 1
@@ -120,8 +124,7 @@ def _stats(graph: ops.Graph, capture: GraphCapture, recorded: Recorded, index: G
             param_bytes[stage_of.get(op, 0)] += v.shape.num_elements() * v.dtype.size
     split = {i: (ctx.devices, ctx.decisions, ctx.shares)
              for i, ctx in capture.split_contexts.items()}
-    return {"num_ops": num_ops, "param_bytes": param_bytes, "split": split,
-            "optimizer_slots": optimizer_slots(recorded)}
+    return {"num_ops": num_ops, "param_bytes": param_bytes, "split": split}
 
 
 def _trainable_variables(graph: ops.Graph) -> list:

@@ -65,7 +65,7 @@ def memory_section(plan, stages: Sequence[Stage]) -> str:
     body, width = [], 560
     for i, (name, used, weights) in enumerate(bars):
         value, what = (used, "estimated bytes per device") if estimated else (
-            weights, "weights per device (not costed: only auto.auto_parallel plans are)")
+            weights, "weights per device (the plan was not costed)")
         y = 8 + i * 20
         body.append(text(0, y + 12, name, 10))
         body.append(rect(70, y, (width - 80) * value / top, 14, colour(i),
@@ -85,7 +85,7 @@ def _fullest(est: Dict[str, Any], capacity) -> str:
     parts = est.get("memory")
     if not parts:
         return ("<p class=\"aside\">Gradients, optimizer state and activations are estimated "
-                "for auto.auto_parallel plans only.</p>")
+                "for the plans tfpar costs (every plan it makes for a graph).</p>")
     total = sum(parts.values())
     top = max(total, (capacity or 0) * _GB) or 1.0
     x, body = 0.0, []
