@@ -33,6 +33,7 @@ from tfpar.runtime.planning import group_costs, planned
 from tfpar.runtime.precision import applied, applied_option
 from tfpar.runtime.recomputation import recompute_configured, recompute_planned
 from tfpar.runtime import measured
+from tfpar.runtime.measured_calls import measured_call
 from tfpar.runtime.report_step import after_step, rewrite_report
 from tfpar.runtime.retune import GroupRetuner
 from tfpar.runtime.sessions import run_failed, run_options, session_config, session_target
@@ -41,7 +42,7 @@ from tfpar.runtime.tf2_functions import function_gradients, retraces_relaxed
 
 # The seams, as ``hooks.seams`` documents them.
 __all__ = ["after_run", "before_run", "function_gradients", "loss_scaled", "made_callable",
-           "make_iterator", "ran_before_rewrite", "retraces_relaxed", "rewrite_function",
+           "make_iterator", "measured_call", "ran_before_rewrite", "retraces_relaxed", "rewrite_function",
            "rewrites_next", "rewritten", "run_failed", "run_options", "session_config",
            "session_target", "setup_capture", "sync_batch_norm"]
 

@@ -34,7 +34,8 @@ from tfpar.runtime.context import Runtime, active
 from tfpar.runtime.graph_state import existing_state
 from tfpar.runtime.step_trace import step_allocations, step_spans
 
-__all__ = ["BEST_OF", "Predicted", "after_step", "measure_due", "predict", "traced_steps"]
+__all__ = ["BEST_OF", "Predicted", "after_step", "concluded", "fed_rows", "measure_due", "predict",
+           "traced_steps"]
 
 log = logging.getLogger("tfpar")
 BEST_OF = 5  # steps traced; each TaskGraph's time is the shortest (least disturbed)
@@ -65,9 +66,9 @@ def prediction_hardware(rt: Runtime) -> Hardware:
 def predict(graph: ops.Graph, index: GraphIndex, recorded: Recorded, rt: Runtime, plan: Plan,
             stage_of) -> Optional[Predicted]:
     """The cost model of ``plan``'s TaskGraphs, as ``stage_of`` places the
-    model's ops; None when nothing will be measured (``measure.after_steps``
-    0, or a tf.function step: its runs are not traced)."""
-    if not rt.config.get("measure.after_steps") or graph.building_function:
+    model's ops (of a graph, or a tf.function step: ``measured_calls``);
+    None when nothing will be measured (``measure.after_steps`` 0)."""
+    if not rt.config.get("measure.after_steps"):
         return None
     order, view = model_view(index, recorded)
     hardware = prediction_hardware(rt)
@@ -108,10 +109,20 @@ def after_step(graph: ops.Graph, run_metadata, feed_dict=None) -> Optional[Dict[
     if not due or run_metadata is None or not run_metadata.step_stats.dev_stats:
         return None
     state.samples.append(_measured(graph, state.plan, run_metadata))
-    cfg = active().config
-    if state.training_steps != cfg.get("measure.after_steps"):
+    if state.training_steps != active().config.get("measure.after_steps"):
         return None
-    measured = _compared(state, feed_dict, cfg.get("measure.tolerance"))
+    return concluded(state, fed_rows(feed_dict))
+
+
+def concluded(state, rows: List[int], not_measured: str = "") -> Dict[str, Any]:
+    """After the last step measured: compare (``rows``: the leading
+    dimensions of the step's inputs; ``not_measured``: what could not be
+    measured, and why), calibrate if asked, keep in ``state``'s plan and
+    say. Returns the comparison."""
+    cfg = active().config
+    measured = _compared(state, rows, cfg.get("measure.tolerance"))
+    if not_measured:
+        measured["not_measured"] = not_measured
     if cfg.get("measure.calibrate"):
         measured["calibrated"] = _calibrate(cfg.get("measure.calibrate"), state.predicted, measured)
     state.plan = dataclasses.replace(state.plan, measured=measured)
@@ -119,10 +130,11 @@ def after_step(graph: ops.Graph, run_metadata, feed_dict=None) -> Optional[Dict[
     return measured
 
 
-def _compared(state, feed_dict, tolerance: float) -> Dict[str, Any]:
+def _compared(state, rows: List[int], tolerance: float) -> Dict[str, Any]:
     """``Plan.measured``: each TaskGraph's prediction for the fed batch beside
-    the shortest time and largest memory of the steps measured."""
-    batch, batch_from = _batch(feed_dict, state.predicted.batch)
+    the shortest time and largest memory of the steps measured (None: memory
+    not measured)."""
+    batch, batch_from = _batch(rows, state.predicted.batch)
     steps = traced_steps(state.training_steps)
     predicted = _predicted(state.plan, state.predicted, batch)
     on_device: Dict[str, float] = collections.Counter()  # TaskGraphs sharing a device add up
@@ -131,7 +143,8 @@ def _compared(state, feed_dict, tolerance: float) -> Dict[str, Any]:
             on_device[device] += memory
     rows = []
     for i, (tg, (time_s, _)) in enumerate(zip(state.plan.task_graphs, predicted)):
-        measured = (min(s[i][0] for s in state.samples), max(s[i][1] for s in state.samples))
+        times, peaks = ([s[i][k] for s in state.samples] for k in (0, 1))
+        measured = (None if None in times else min(times), None if None in peaks else max(peaks))
         memory = max(on_device[d] for d in tg.devices)
         rows.append(dict(compare.row(tg.name, [short_name(d) for d in tg.devices],
                                      (time_s, memory), measured, tolerance),
@@ -186,15 +199,18 @@ def _variables_held(graph: ops.Graph, plan: Plan) -> Dict[str, int]:
     return held
 
 
-def _batch(feed_dict, assumed: int) -> Tuple[int, str]:
+def fed_rows(feed_dict) -> List[int]:
+    """The leading dimension of each array fed (sparse values and other
+    non-arrays left out)."""
+    return [np.shape(v)[0] for v in (feed_dict or {}).values()
+            if (isinstance(v, np.ndarray) or type(v) in (list, tuple)) and np.ndim(v) >= 1]
+
+
+def _batch(rows: List[int], assumed: int) -> Tuple[int, str]:
     """The global batch of the measured step: the leading dimension most of
-    the fed arrays share (sparse values and other non-arrays left out), else
-    what the plan assumed (static or 32)."""
-    dims = collections.Counter(np.shape(v)[0] for v in (feed_dict or {}).values()
-                               if (isinstance(v, np.ndarray) or type(v) in (list, tuple))
-                               and np.ndim(v) >= 1)
-    if dims:
-        return dims.most_common(1)[0][0], "fed"
+    its inputs share, else what the plan assumed (static or 32)."""
+    if rows:
+        return collections.Counter(rows).most_common(1)[0][0], "fed"
     return assumed, "assumed"
 
 
