@@ -6,6 +6,7 @@ the last the comparison is made, as for a graph. Measured per device: on
 CPUs the ops' busy time (memory: TensorFlow keeps no record of a function's
 allocations on CPUs), on GPUs the allocator's peak (time: the host sees
 kernels launched, not run)."""
+import dataclasses
 import functools
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -17,7 +18,7 @@ from tfpar.runtime.graph_state import GraphState, existing_state
 from tfpar.runtime.measured import concluded, traced_steps
 from tfpar.runtime.step_trace import function_spans
 
-__all__ = ["measured_call"]
+__all__ = ["measured_call", "taken_over"]
 
 _NO_CPU_MEMORY = ("memory: TensorFlow keeps no record of a tf.function's allocations on CPUs "
                   "(the peak of a Session.run step is measured)")
@@ -34,6 +35,22 @@ def measured_call(graph: ops.Graph) -> Optional[Callable[[Callable[[], Any], Seq
     if state is None or state.predicted is None or not context.executing_eagerly():
         return None
     return functools.partial(_step, graph, state)
+
+
+def taken_over(graph: ops.Graph) -> None:
+    """A trace of a tf.function step measured already (traced again for
+    another batch size, say) with the same TaskGraphs on the same devices:
+    its plan takes the measurement over, and its calls are not measured."""
+    state, rt = existing_state(graph), active()
+    done = rt.measured_steps.get(graph.name)
+    if state is None or state.plan is None or done is None or _where(done) != _where(state.plan):
+        return
+    state.plan = dataclasses.replace(state.plan, measured=done.measured)
+    state.predicted = None
+
+
+def _where(plan) -> list:
+    return [(tg.name, tg.strategy, list(tg.devices)) for tg in plan.task_graphs]
 
 
 def _step(graph: ops.Graph, state: GraphState, call: Callable[[], Any], inputs: Sequence) -> Any:
@@ -61,6 +78,7 @@ def _step(graph: ops.Graph, state: GraphState, call: Callable[[], Any], inputs: 
         concluded(state, rows, _unmeasured(state.samples, bool(gpus)))
         if rt.function_plan is before:  # what current_plan() shows
             rt.function_plan = state.plan
+        rt.measured_steps[graph.name] = state.plan
         state.predicted = None  # nothing left to measure: later calls run as they are
     return result
 
