@@ -11,7 +11,8 @@ op). ``--dir``: where checkpoints and logs go (custom loops save a
 ``tf.train.Checkpoint`` of the model and optimizer there at the end).
 Prints one JSON line: the losses, the final weights, and the devices that ran
 work in the training step's placed graphs (TensorFlow's partition graphs of
-every function run, collected from the first step on).
+every function run, collected from the first step on) and the plan's predicted
+vs measured table (``measured``).
 
 Scenarios: ``tape_adam`` / ``tape_legacy_adam`` / ``gradients_adam`` (a
 ``tf.function`` step with tf.GradientTape or tf.gradients and a Keras
@@ -249,7 +250,8 @@ def main(scenario: str, devices: int, late_init: bool, directory: str,
                              for layer in dense(net) if not isinstance(layer.kernel, tf.Variable)],
             "devices": working_devices(context.context().export_run_metadata()),
             "planned": planned_devices() if devices and not late_init else [],
-            "strategies": strategies() if devices and not late_init else []}
+            "strategies": strategies() if devices and not late_init else [],
+            "measured": measured() if devices and not late_init else {}}
 
 
 def whole_weights(net) -> list:
@@ -287,6 +289,14 @@ def strategies() -> list:
     except wh.PlanError:
         return []
     return [[tg.strategy, len(tg.devices)] for tg in plan.task_graphs]
+
+
+def measured() -> dict:
+    """``wh.current_plan().measured`` (empty when no step was rewritten)."""
+    try:
+        return wh.current_plan().measured
+    except wh.PlanError:
+        return {}
 
 
 def planned_devices() -> list:

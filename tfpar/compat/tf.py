@@ -25,7 +25,8 @@ from tensorflow.python.checkpoint import checkpoint
 from tensorflow.python.client import pywrap_tf_session as c_session, session as tf_session
 from tensorflow.python.data.ops import dataset_ops
 from tensorflow.python.eager import backprop, context
-from tensorflow.python.eager.polymorphic_function import tracing_compilation, transform
+from tensorflow.python.eager.polymorphic_function import (concrete_function, tracing_compilation,
+                                                         transform)
 from tensorflow.python.framework import (config, constant_op, device as device_lib, dtypes,
                                          errors as tf_errors, func_graph, function, importer,
                                          indexed_slices, ops, sparse_tensor, tensor as tensor_lib,
@@ -38,10 +39,12 @@ from tensorflow.python.ops import (array_ops, array_ops_stack, check_ops, collec
                                    init_ops, math_ops, nn_ops, resource_variable_ops,
                                    special_math_ops, state_ops, variable_scope,
                                    variables as variables_lib)
+from tensorflow.python.profiler.internal import _pywrap_profiler as profiler
 from tensorflow.python.trackable import base as trackable
 from tensorflow.python.training import optimizer as tf_optimizer, server_lib
 from tensorflow.python.training.saving import saveable_object_util
 from tensorflow.python.util import nest
+from tensorflow.tsl.profiler.protobuf import trace_events_pb2
 # END IMPORTS
 
 
@@ -187,3 +190,24 @@ def read_or(variable, initial) -> tensor_lib.Tensor:
     once it was written."""
     return cond_v2.cond_v2(variable.is_initialized(), variable.read_value,
                            lambda: constant_op.constant(initial, variable.dtype))
+
+
+def profiler_started():
+    """TensorFlow's profiler, started on host activity only; None when
+    another profile is being taken (one at a time)."""
+    session = profiler.ProfilerSession()
+    try:
+        session.start("", {"host_tracer_level": 2, "device_tracer_level": 0,
+                           "python_tracer_level": 0})
+    except tf_errors.OpError:
+        return None
+    return session
+
+
+def profiled_events(session):
+    """Stop ``session`` (``profiler_started``): what the host did meanwhile,
+    per event (thread, name, start, end in microseconds, its arguments)."""
+    trace = trace_events_pb2.Trace.FromString(session.stop())
+    return [(event.resource_id, event.name, event.timestamp_ps / 1e6,
+             (event.timestamp_ps + event.duration_ps) / 1e6, dict(event.args))
+            for event in trace.trace_events]

@@ -1,11 +1,12 @@
 """tf.functions traced from eager code: a step that trains with a static
 batch is traced again with it relaxed (arguments, and the eager tensors it
 captures as its batch); a traced step is handed to the runtime to rewrite
-before TensorFlow makes it a function."""
+before TensorFlow makes it a function; the runtime may measure its calls."""
 import threading
 
 from tfpar.compat import tf as internals
-from tfpar.compat.tf import capture_container, func_graph, ops, tracing_compilation, transform
+from tfpar.compat.tf import (capture_container, concrete_function, func_graph, ops,
+                             tracing_compilation, transform)
 from tfpar.hooks import capture as cap_lib
 from tfpar.hooks import seams
 from tfpar.hooks.patching import PatchSet
@@ -21,6 +22,7 @@ def add_function_patches(patches: PatchSet) -> None:
     patches.add(func_graph, "func_graph_from_py_func", _wrap_func_graph_from_py_func)
     patches.add(capture_container.FunctionCaptures, "capture_by_value",
                 _wrap_capture_by_value)
+    patches.add(concrete_function.ConcreteFunction, "_call_flat", _wrap_call_flat)
 
 
 # The FuncGraph being traced again with its arguments' batch relaxed
@@ -89,3 +91,14 @@ def _wrap_func_graph_transforms(original):
     return apply_func_graph_transforms
 
 
+
+
+def _wrap_call_flat(original):
+    """A call of a tf.function the runtime measures (``measured_call``) runs
+    through it; every other call as it is."""
+    def _call_flat(self, tensor_inputs, captured_inputs):
+        measure = None if seams.runtime is None else seams.runtime.measured_call(self.graph)
+        if measure is None:
+            return original(self, tensor_inputs, captured_inputs)
+        return measure(lambda: original(self, tensor_inputs, captured_inputs), tensor_inputs)
+    return _call_flat

@@ -28,6 +28,9 @@ It provides:
     does not record.
   rewrite_function: called with each tf.function traced from eager code,
     before TensorFlow makes it a function (it may rewrite the graph).
+  measured_call: FuncGraph -> None, or ``measure(call, tensor_inputs)``
+    that runs a call of its function (``call()``) and measures it; asked
+    at every call of a tf.function.
   retraces_relaxed: FuncGraph -> whether to trace its function again
     with the batch dimension of its arguments unknown.
   loss_scaled: graph -> whether its gradients are loss-scaled (fp16; may

@@ -42,15 +42,19 @@ def within(value: Optional[float], tolerance: float) -> bool:
 
 
 def row(name: str, devices: Sequence[str], predicted: Tuple[float, float],
-        measured: Tuple[float, float], tolerance: float) -> Dict[str, Any]:
+        measured: Tuple[Optional[float], Optional[float]], tolerance: float) -> Dict[str, Any]:
     """One TaskGraph's row: ``predicted`` and ``measured`` are (seconds of
-    compute a step, peak bytes) on its busiest device."""
-    time_ratio, memory_ratio = ratio(measured[0], predicted[0]), ratio(measured[1], predicted[1])
-    return {"name": name, "devices": list(devices),
-            "predicted_time_s": predicted[0], "measured_time_s": measured[0],
-            "time_ratio": time_ratio, "time_within": within(time_ratio, tolerance),
-            "predicted_memory_bytes": int(predicted[1]), "measured_memory_bytes": int(measured[1]),
-            "memory_ratio": memory_ratio, "memory_within": within(memory_ratio, tolerance)}
+    compute a step, peak bytes) on its busiest device; a value not measured
+    is None, and so are its ratio and whether it is within."""
+    said = {"name": name, "devices": list(devices)}
+    for what, (guess, got) in zip(("time", "memory"), zip(predicted, measured)):
+        value = ratio(got, guess) if got is not None else None
+        said.update({f"{what}_ratio": value,
+                     f"{what}_within": within(value, tolerance) if got is not None else None})
+    said.update(predicted_time_s=predicted[0], measured_time_s=measured[0],
+                predicted_memory_bytes=int(predicted[1]),
+                measured_memory_bytes=None if measured[1] is None else int(measured[1]))
+    return said
 
 
 def off_rows(measured: Dict[str, Any]) -> List[str]:
@@ -58,7 +62,7 @@ def off_rows(measured: Dict[str, Any]) -> List[str]:
     said = []
     for r in measured.get("task_graphs", []):
         parts = [f"{what} {_times(r[f'{what}_ratio'])}" for what in ("time", "memory")
-                 if not r[f"{what}_within"]]
+                 if r[f"{what}_within"] is False]
         if parts:
             said.append(f"{r['name']}: " + ", ".join(parts))
     return said
@@ -74,16 +78,19 @@ def table(measured: Dict[str, Any]) -> str:
     rows = [("TaskGraph", "devices", "time pred.", "measured", "ratio", "memory pred.",
              "measured", "ratio", "")]
     for r in measured["task_graphs"]:
-        ok = r["time_within"] and r["memory_within"]
+        ok = r["time_within"] is not False and r["memory_within"] is not False
         rows.append((r["name"], _devices(r["devices"]), _ms(r["predicted_time_s"]),
-                     _ms(r["measured_time_s"]), _times(r["time_ratio"]),
-                     human_bytes(r["predicted_memory_bytes"]), human_bytes(r["measured_memory_bytes"]),
+                     _unmeasured(r["measured_time_s"], _ms), _times(r["time_ratio"]),
+                     human_bytes(r["predicted_memory_bytes"]),
+                     _unmeasured(r["measured_memory_bytes"], human_bytes),
                      _times(r["memory_ratio"]), "within" if ok else "OFF"))
     widths = [max([least] + [len(r[i]) for r in rows]) for i, least in enumerate(_WIDTHS)]
     for i, cells in enumerate(rows):
         lines.append("  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip())
         if i == 0:
             lines.append("  ".join("-" * w for w in widths).rstrip())
+    if measured.get("not_measured"):
+        lines.append(f"not measured: {measured['not_measured']}")
     return "\n".join(lines)
 
 
@@ -93,6 +100,8 @@ def calibrated_entry(entry: Dict[str, Any], measured: Dict[str, Any]) -> Dict[st
     over TaskGraphs), kernel launches (``launch_s``, the planner's fixed
     cost per kernel) apart; above 1, the peak rises instead (efficiency
     stays 1)."""
+    if any(r["measured_time_s"] is None for r in measured["task_graphs"]):
+        raise ValueError("the step's compute time was not measured")
     launches = measured.get("launch_s", 0.0)
     predicted = sum(r["predicted_time_s"] for r in measured["task_graphs"]) - launches
     spent = sum(r["measured_time_s"] for r in measured["task_graphs"]) - launches
@@ -115,6 +124,11 @@ def _devices(devices: Sequence[str]) -> str:
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms"
+
+
+def _unmeasured(value, said) -> str:
+    """``said(value)``, or 'n/a' for a value not measured."""
+    return "n/a" if value is None else said(value)
 
 
 def _times(value: Optional[float]) -> str:

@@ -24,6 +24,9 @@ class Runtime:
       warned_one_device: functions said to train on one device (None: eager code).
       function_plan: the plan of the last tf.function step tfpar rewrote (eager
         scripts: what ``wh.current_plan()`` returns).
+      measured_steps: tf.function name -> the plan whose ``measured`` its calls
+        filled (``runtime.measured_calls``; a trace of it for another batch
+        takes it over, not measured again).
       searches: forward op names -> (best, runnable, candidates) of the ``auto_parallel``
         search of that model (a TF2 step is traced more than once, an
         Estimator builds a graph per call; the search runs once).
@@ -37,6 +40,7 @@ class Runtime:
     devices_per_worker: int = 0
     warned_one_device: Set[Optional[str]] = dataclasses.field(default_factory=set)
     function_plan: Any = None
+    measured_steps: Dict[str, Any] = dataclasses.field(default_factory=dict)
     searches: Dict[Any, Any] = dataclasses.field(default_factory=dict)
 
 

@@ -34,6 +34,7 @@ from tfpar.runtime.planning import Planned, group_costs, planned
 from tfpar.runtime.precision import applied, applied_option
 from tfpar.runtime.recomputation import recompute_configured, recompute_planned
 from tfpar.runtime import measured
+from tfpar.runtime.measured_calls import measured_call
 from tfpar.runtime.report_step import after_step, rewrite_report
 from tfpar.runtime.retune import GroupRetuner
 from tfpar.runtime.sessions import run_failed, run_options, session_config, session_target
@@ -42,9 +43,9 @@ from tfpar.runtime.tf2_functions import function_gradients, retraces_relaxed
 
 # The seams, as ``hooks.seams`` documents them.
 __all__ = ["after_run", "before_run", "function_gradients", "loss_scaled", "made_callable",
-           "make_iterator", "ran_before_rewrite", "retraces_relaxed", "rewrite_function",
-           "rewrites_next", "rewritten", "run_failed", "run_options", "session_config",
-           "session_target", "setup_capture", "sync_batch_norm"]
+           "make_iterator", "measured_call", "ran_before_rewrite", "retraces_relaxed",
+           "rewrite_function", "rewrites_next", "rewritten", "run_failed", "run_options",
+           "session_config", "session_target", "setup_capture", "sync_batch_norm"]
 
 log = logging.getLogger("tfpar")
 
@@ -183,7 +184,7 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
     state.rewrite = FetchTranslator(graph, rewrite, recording_paused, plan.group_size,
                                     _train_ops(analysed.recorded))
     state.retuner = _retuner(made, rt)
-    state.predicted = made.predicted if measured.measures(rt, graph) else None
+    state.predicted = made.predicted if measured.measures(rt) else None
     log.info("tfpar rewrote the graph:\n%s", plan.summary())
 
 

@@ -28,17 +28,18 @@ from tfpar.runtime.graph_state import existing_state
 from tfpar.runtime.prediction import Predicted
 from tfpar.runtime.step_trace import step_allocations, step_spans
 
-__all__ = ["BEST_OF", "after_step", "measure_due", "measures", "traced_steps"]
+__all__ = ["BEST_OF", "after_step", "concluded", "fed_rows", "measure_due", "measures",
+           "traced_steps"]
 
 log = logging.getLogger("tfpar")
 BEST_OF = 5  # steps traced; each TaskGraph's time is the shortest (least disturbed)
 
 
-def measures(rt: Runtime, graph: ops.Graph) -> bool:
-    """Whether ``graph``'s training steps are measured: ``measure.after_steps``
-    is not 0, and they are run by ``Session.run`` (a tf.function step's runs
-    are not traced)."""
-    return bool(rt.config.get("measure.after_steps")) and not graph.building_function
+def measures(rt: Runtime) -> bool:
+    """Whether training steps are measured (``measure.after_steps`` is not
+    0): a graph's run by ``Session.run``, a tf.function step's calls
+    (``measured_calls``)."""
+    return bool(rt.config.get("measure.after_steps"))
 
 
 def traced_steps(after_steps: int) -> range:
@@ -69,10 +70,20 @@ def after_step(graph: ops.Graph, run_metadata, feed_dict=None) -> Optional[Dict[
     if not due or run_metadata is None or not run_metadata.step_stats.dev_stats:
         return None
     state.samples.append(_measured(graph, state.plan, run_metadata))
-    cfg = active().config
-    if state.training_steps != cfg.get("measure.after_steps"):
+    if state.training_steps != active().config.get("measure.after_steps"):
         return None
-    measured = _compared(state, feed_dict, cfg.get("measure.tolerance"))
+    return concluded(state, fed_rows(feed_dict))
+
+
+def concluded(state, rows: List[int], not_measured: str = "") -> Dict[str, Any]:
+    """After the last step measured: compare (``rows``: the leading
+    dimensions of the step's inputs; ``not_measured``: what could not be
+    measured, and why), calibrate if asked, keep in ``state``'s plan and
+    say. Returns the comparison."""
+    cfg = active().config
+    measured = _compared(state, rows, cfg.get("measure.tolerance"))
+    if not_measured:
+        measured["not_measured"] = not_measured
     if cfg.get("measure.calibrate"):
         measured["calibrated"] = _calibrate(cfg.get("measure.calibrate"), state.predicted, measured)
     state.plan = dataclasses.replace(state.plan, measured=measured)
@@ -80,10 +91,11 @@ def after_step(graph: ops.Graph, run_metadata, feed_dict=None) -> Optional[Dict[
     return measured
 
 
-def _compared(state, feed_dict, tolerance: float) -> Dict[str, Any]:
+def _compared(state, rows: List[int], tolerance: float) -> Dict[str, Any]:
     """``Plan.measured``: each TaskGraph's prediction for the fed batch beside
-    the shortest time and largest memory of the steps measured."""
-    batch, batch_from = _batch(feed_dict, state.predicted.batch)
+    the shortest time and largest memory of the steps measured (None: memory
+    not measured)."""
+    batch, batch_from = _batch(rows, state.predicted.batch)
     steps = traced_steps(state.training_steps)
     predicted = per_task_graph(state.plan, state.predicted.costs, state.predicted.launch_s,
                                batch)
@@ -93,7 +105,8 @@ def _compared(state, feed_dict, tolerance: float) -> Dict[str, Any]:
             on_device[device] += memory
     rows = []
     for i, (tg, (time_s, _)) in enumerate(zip(state.plan.task_graphs, predicted)):
-        measured = (min(s[i][0] for s in state.samples), max(s[i][1] for s in state.samples))
+        times, peaks = ([s[i][k] for s in state.samples] for k in (0, 1))
+        measured = (None if None in times else min(times), None if None in peaks else max(peaks))
         memory = max(on_device[d] for d in tg.devices)
         rows.append(dict(compare.row(tg.name, [short_name(d) for d in tg.devices],
                                      (time_s, memory), measured, tolerance),
@@ -131,15 +144,18 @@ def _variables_held(graph: ops.Graph, plan: Plan) -> Dict[str, int]:
     return held
 
 
-def _batch(feed_dict, assumed: int) -> Tuple[int, str]:
+def fed_rows(feed_dict) -> List[int]:
+    """The leading dimension of each array fed (sparse values and other
+    non-arrays left out)."""
+    return [np.shape(v)[0] for v in (feed_dict or {}).values()
+            if (isinstance(v, np.ndarray) or type(v) in (list, tuple)) and np.ndim(v) >= 1]
+
+
+def _batch(rows: List[int], assumed: int) -> Tuple[int, str]:
     """The global batch of the measured step: the leading dimension most of
-    the fed arrays share (sparse values and other non-arrays left out), else
-    what the plan assumed (static or 32)."""
-    dims = collections.Counter(np.shape(v)[0] for v in (feed_dict or {}).values()
-                               if (isinstance(v, np.ndarray) or type(v) in (list, tuple))
-                               and np.ndim(v) >= 1)
-    if dims:
-        return dims.most_common(1)[0][0], "fed"
+    its inputs share, else what the plan assumed (static or 32)."""
+    if rows:
+        return collections.Counter(rows).most_common(1)[0][0], "fed"
     return assumed, "assumed"
 
 

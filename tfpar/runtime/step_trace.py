@@ -8,11 +8,12 @@ from tfpar.cluster.devices import short_name
 from tfpar.compat.tf import config_pb2, ops
 from tfpar.errors import PlanError
 from tfpar.runtime.graph_state import existing_state
+from tfpar.ir.host_trace import Event, step_ops
 from tfpar.ir.schedule import Task
 from tfpar.ir.simulate import SimulationResult, TimedTask, measured
 from tfpar.ir.trace import chrome_trace, write_chrome_trace
 
-__all__ = ["step_allocations", "step_devices", "step_spans", "step_timeline"]
+__all__ = ["function_spans", "step_allocations", "step_devices", "step_spans", "step_timeline"]
 
 
 # Grappler renames the nodes it rewrites ``scope/ArithmeticOptimizer/AddOpsRewrite_name``.
@@ -64,11 +65,34 @@ def step_spans(run_metadata: config_pb2.RunMetadata, graph: ops.Graph
     for device in run_metadata.step_stats.dev_stats:
         where = short_name(device.device.split("/stream:")[0])
         for node in device.node_stats:
-            name = _GRAPPLER_RENAME.sub(r"\1", node.node_name)
-            key = owner.get(name) or ("tfpar" if name.startswith("tfpar") else "other")
-            spans[key, where].append((node.all_start_micros,
-                                      node.all_start_micros + node.all_end_rel_micros))
+            spans[_owner(node.node_name, owner), where].append(
+                (node.all_start_micros, node.all_start_micros + node.all_end_rel_micros))
     return dict(spans)
+
+
+def function_spans(events: List[Event], graph: ops.Graph
+                   ) -> Dict[Tuple[str, str], List[Tuple[float, float]]]:
+    """As ``step_spans``, for a call of the tf.function step ``graph`` that
+    tfpar rewrote, from what the host profiler saw (``ir.host_trace``): each
+    op on the device the graph placed it on (an op of a function it calls,
+    ``call/node``, as its call op; a node partitioning added, as the op it
+    serves; nodes of no op the graph placed, left out)."""
+    owner = _task_graph_of_ops(existing_state(graph).rewrite)
+    placed = {op.name: short_name(op.device) for op in graph.get_operations() if op.device}
+    spans: Dict[Tuple[str, str], List[Tuple[float, float]]] = collections.defaultdict(list)
+    for node, start, end in step_ops(events):
+        name = _GRAPPLER_RENAME.sub(r"\1", node)
+        while name not in placed and "/" in name:
+            name = name.rsplit("/", 1)[0]
+        if name in placed:
+            spans[_owner(name, owner), placed[name]].append((start, end))
+    return dict(spans)
+
+
+def _owner(node: str, owner: Dict[str, str]) -> str:
+    """The TaskGraph a traced node belongs to, ``"tfpar"`` or ``"other"``."""
+    name = _GRAPPLER_RENAME.sub(r"\1", node)
+    return owner.get(name) or ("tfpar" if name.startswith("tfpar") else "other")
 
 
 def step_allocations(run_metadata: config_pb2.RunMetadata) -> Dict[str, List[Tuple[int, int]]]:

@@ -12,6 +12,7 @@ from tfpar.analysis.op_kinds import is_input, reads_as_batch
 from tfpar.runtime.captured_batches import captured_batch, unsplittable
 from tfpar.runtime.context import Runtime, active
 from tfpar.runtime.graph_state import state_of
+from tfpar.runtime.measured_calls import taken_over
 from tfpar.runtime.planning import plan_for
 
 __all__ = ["function_gradients", "retraces_relaxed", "rewrite_function"]
@@ -50,6 +51,7 @@ def rewrite_function(graph: ops.Graph, rewrite: Callable[[ops.Graph], Optional[A
         translate = rewrite(graph)
         if translate is not None:
             rewire_outputs(graph, translate)
+            taken_over(graph)
             rt.function_plan = state_of(graph).plan
 
 
