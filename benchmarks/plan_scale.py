@@ -164,7 +164,8 @@ TABLE.update({f"MT-NLG-{gpus}": Run("gpt", 105, 20480, 128, 8, 35, gpus, 1920, t
 LLAMA_405B = dict(device="H100-80GB", seq=8192, vocab=128256, ffn=53248, kv_heads=8,
                   techniques=tuple(Techniques(mode, zero, True) for mode in RECOMPUTE
                                    for zero in (0, 1, 2)),
-                  unmodelled="FlashAttention, sequence parallelism, interleaved stages")
+                  unmodelled="sequence parallelism, FlashAttention (TF 2.15 has none) and "
+                             "interleaved stages")
 TABLE.update({"Llama-405B-8K": Run("llama", 126, 16384, 128, 8, 16, 8192, 2048, 430,
                                    **LLAMA_405B),
               "Llama-405B-16K": Run("llama", 126, 16384, 128, 8, 16, 16384, 2048, 400,
