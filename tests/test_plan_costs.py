@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 from equivalence import plan_of
+from test_cost_model import adam_mlp
 
 import tfpar as wh
 from tfpar.cluster.hardware import Hardware
@@ -23,14 +24,6 @@ HOST = {"name": "host-CPU", "tflops": 0.05, "memory_gb": 16, "intra_node_gbps": 
         "inter_node_gbps": 1.25, "efficiency": 1.0}
 ALPHA = 10e-6  # comm.py's latency per message
 LAUNCHES = 3 * 5e-6  # step_model: per op that computes or allocates, 3 kernels of 5 us
-
-
-def adam_mlp(x, y):
-    h = v1.layers.dense(x, 16, tf.nn.relu, name="l0")
-    h = v1.layers.dense(h, 16, tf.nn.relu, name="l1")
-    logits = v1.layers.dense(h, 3, name="logits")
-    loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
-    return loss, v1.train.AdamOptimizer(1e-3).minimize(loss)
 
 
 def two_scopes(x, y):
