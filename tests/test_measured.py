@@ -12,10 +12,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from equivalence import fed_graph, traced_first_step
+
 import tfpar as wh
 from tfpar import ConfigError
 from tfpar.ir import measured as compare
 from tfpar.runtime.measured import traced_steps
+from tfpar.runtime.step_trace import step_devices, step_spans
 
 v1 = tf.compat.v1
 # A device whose speed makes the cost model easy to check by hand: 1 GFLOP/s.
@@ -187,3 +190,29 @@ def test_a_step_measured_within_its_kernel_launches_keeps_the_entry_and_trains(t
                       measured)
     assert said["from"].startswith("nothing fitted, the entry kept")
     assert json.load(open(tmp_path / "entry.json"))["efficiency"] == CATALOG["V100-32GB"].efficiency
+
+
+def test_a_fused_gelu_gradient_counts_for_its_task_graph():
+    """Grappler fuses a GELU gradient's chain of unary ops into one node named
+    ``.../Exp/unary_ops_composition``: its time and its device belong to the
+    TaskGraph of the op it ends with (measured as that TaskGraph's, and where
+    the step ran), not to "other"."""
+    with fed_graph({"cluster.num_devices": 2}) as (graph, x, y):
+        with wh.replicate(1):
+            h = v1.layers.dense(x, 64, lambda t: tf.nn.gelu(t, approximate=False), name="ffn")
+        with wh.replicate(1):
+            logits = v1.layers.dense(h, 3, name="logits")
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels=y, logits=logits))
+        train_op = v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        metadata = traced_first_step(train_op, {x: np.ones((8, 6), np.float32),
+                                                y: np.zeros(8, np.int64)})
+        fused = [node for device in metadata.step_stats.dev_stats for node in device.node_stats
+                 if node.node_name.endswith("unary_ops_composition")]
+        assert fused, "grappler fused no unary ops: the test checks nothing"
+        ran = step_devices(metadata, graph)
+        spans = step_spans(metadata, graph)
+    assert ran["replicate_0"].keys() == {"CPU:0"} and ran["replicate_1"].keys() == {"CPU:1"}
+    fused_spans = {(n.all_start_micros, n.all_start_micros + n.all_end_rel_micros) for n in fused}
+    assert fused_spans <= set(spans["replicate_0", "CPU:0"])
+    assert not fused_spans & set(spans.get(("other", "CPU:0"), ()))

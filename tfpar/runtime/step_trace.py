@@ -16,8 +16,15 @@ from tfpar.ir.trace import chrome_trace, write_chrome_trace
 __all__ = ["function_spans", "step_allocations", "step_devices", "step_spans", "step_timeline"]
 
 
-# Grappler renames the nodes it rewrites ``scope/ArithmeticOptimizer/AddOpsRewrite_name``.
-_GRAPPLER_RENAME = re.compile(r"(^|/)[A-Za-z]+Optimizer/[A-Za-z]+_")
+# Grappler renames the nodes it rewrites ``scope/ArithmeticOptimizer/AddOpsRewrite_name``,
+# and names a chain of unary ops it fuses (a GELU's gradient) after its last op,
+# ``name/unary_ops_composition``.
+_GRAPPLER_RENAME = re.compile(r"(^|/)[A-Za-z]+Optimizer/[A-Za-z]+_|/unary_ops_composition$")
+
+
+def _op_name(node: str) -> str:
+    """The graph op a traced node runs (the one grappler rewrote or fused into it)."""
+    return _GRAPPLER_RENAME.sub(lambda m: m.group(1) or "", node)
 
 
 def executed_ops(run_metadata: config_pb2.RunMetadata) -> Dict[str, Set[str]]:
@@ -26,7 +33,7 @@ def executed_ops(run_metadata: config_pb2.RunMetadata) -> Dict[str, Set[str]]:
     nodes: Dict[str, Set[str]] = {}
     for device in run_metadata.step_stats.dev_stats:
         for node in device.node_stats:
-            name = _GRAPPLER_RENAME.sub(r"\1", node.node_name)
+            name = _op_name(node.node_name)
             nodes.setdefault(name, set()).add(device.device.split("/stream:")[0])
     return nodes
 
@@ -81,7 +88,7 @@ def function_spans(events: List[Event], graph: ops.Graph
     placed = {op.name: short_name(op.device) for op in graph.get_operations() if op.device}
     spans: Dict[Tuple[str, str], List[Tuple[float, float]]] = collections.defaultdict(list)
     for node, start, end in step_ops(events):
-        name = _GRAPPLER_RENAME.sub(r"\1", node)
+        name = _op_name(node)
         while name not in placed and "/" in name:
             name = name.rsplit("/", 1)[0]
         if name in placed:
@@ -91,7 +98,7 @@ def function_spans(events: List[Event], graph: ops.Graph
 
 def _owner(node: str, owner: Dict[str, str]) -> str:
     """The TaskGraph a traced node belongs to, ``"tfpar"`` or ``"other"``."""
-    name = _GRAPPLER_RENAME.sub(r"\1", node)
+    name = _op_name(node)
     return owner.get(name) or ("tfpar" if name.startswith("tfpar") else "other")
 
 
