@@ -24,10 +24,15 @@ mesh as follows:
 Every mesh's stages become ``step_model.StageModel``s, and its step (with
 one micro-batch the stages run one after the other) and memory are
 estimated for each micro-batch count, memory technique and pipeline
-schedule - 1F1B, ZB-H1, kFkB (``step_model.best_setting``). The fastest
+schedule - 1F1B, ZB-H1, kFkB (``step_model.best_setting``). A pipeline
+mesh whose stages are not split is also costed with V = 2, 4, ... stages per
+device group under interleaved 1F1B (``costing.MeshCosting.interleaved``,
+``planner.interleaved``: its bubble shrinks V-fold, its transfers grow
+V-fold, its first group holds more activations), each a candidate of its
+own. The fastest
 candidate whose memory fits wins (``choice.choose``: within ``TOLERANCE`` of
 it, the one with fewer stages; among those, within ``TENSOR_TOLERANCE``, the
-lower tensor degree: the estimates are rough); ``progress`` reports each one as it is
+lower tensor degree, then the fewer virtual stages: the estimates are rough); ``progress`` reports each one as it is
 planned. ``time_limit_s`` bounds the whole search: no mesh is planned once
 it has passed (after the first), no ILP runs past it, and each ILP solve
 gets a share of it (a stage ILP ``costing.STAGE_ILP_SHARE``, a sharding ILP
@@ -142,7 +147,8 @@ def _plan_meshes(costing: MeshCosting, meshes: Sequence[Tuple[int, int]],
                      f"data parallelism {took}")
             continue
         spanning += [candidate] if spans else []
-        candidates.append(candidate)
-        progress(f"{where} {candidate.describe()}: step {candidate.step_time_s * 1e3:.3f} "
-                 f"ms, memory/device {candidate.memory_bytes / 2 ** 20:.1f} MiB {took}")
+        for planned in [candidate] + costing.interleaved(candidate):
+            candidates.append(planned)
+            progress(f"{where} {planned.describe()}: step {planned.step_time_s * 1e3:.3f} "
+                     f"ms, memory/device {planned.memory_bytes / 2 ** 20:.1f} MiB {took}")
     return candidates, tuple(unsearched), tuple(pruned)

@@ -66,7 +66,10 @@ class Candidate:
     record). ``flops``: FLOPs per step, the model's (3 x forward) and those
     its recomputation adds; ``faster_with``: its best setting with every
     memory technique (``ALL_TECHNIQUES``) that fits, when the search was not
-    allowed them all and it is faster."""
+    allowed them all and it is faster. ``virtual_stages``: interleaved 1F1B
+    with that many stages per device (``stages`` then numbers G V of them,
+    ``pipeline`` G); ``bubble_s`` and ``transfer_s``: how much of its step
+    is bubble and waiting for transfers (``step_model.Setting``'s)."""
 
     data: int
     pipeline: int
@@ -89,11 +92,17 @@ class Candidate:
     faster_with: Optional[Setting] = None
     search: Optional[SearchRecord] = None
     stage_memory: Tuple[float, ...] = ()
+    virtual_stages: int = 1
+    bubble_s: float = 0.0
+    transfer_s: float = 0.0
 
     def describe(self) -> str:
         """'data 4 x tensor 2 x pipeline 2, 8 micro-batches, zero_bubble,
-        recompute full' (the schedule when not 1F1B)."""
+        recompute full' (the schedule when not 1F1B; '..., 2 virtual
+        stages, ...' when interleaved)."""
         micro = f", {self.micro_batches} micro-batches" if self.micro_batches > 1 else ""
+        if self.virtual_stages > 1:
+            micro = f", {self.virtual_stages} virtual stages{micro}"
         schedule = {"1f1b": "", "kfkb": f", kfkb k={self.group_size}"}.get(
             self.schedule, f", {self.schedule}")
         used = self.techniques.describe()

@@ -14,7 +14,8 @@ __all__ = ["HINT_SPEED_UP", "TENSOR_TOLERANCE", "TOLERANCE", "choose",
 # win (bubbles and stage balance are where the model errs most); among those,
 # the lower tensor degree within TENSOR_TOLERANCE (a split's cost is computed
 # from its collectives: a gain of a few percent is noise, one of 9% - Whale's
-# 100K-class head on 8 GPUs - is not).
+# 100K-class head on 8 GPUs - is not), then the fewer virtual stages (each
+# doubles the transfers a step is exposed to on a slower link than assumed).
 TOLERANCE = 0.1
 TENSOR_TOLERANCE = 0.02
 # A plan this many times faster with memory techniques the search was not
@@ -47,7 +48,7 @@ def choose(candidates: Sequence[Candidate], hardware: Hardware) -> Candidate:
     near = [c for c in near if c.pipeline == stages]
     fastest = min(c.step_time_s for c in near)
     return min((c for c in near if c.step_time_s <= fastest * (1 + TENSOR_TOLERANCE)),
-               key=lambda c: (c.tensor, c.step_time_s))
+               key=lambda c: (c.tensor, c.virtual_stages, c.step_time_s))
 
 
 def faster_with_techniques(candidates: Sequence[Candidate], chosen: Optional[Candidate]

@@ -7,9 +7,10 @@ from tfpar.cluster.hardware import Hardware
 from tfpar.ir.outcome import Outcome
 from tfpar.planner.candidate import ALL_TECHNIQUES, Candidate, Part
 from tfpar.planner.comm import Cost, allreduce
+from tfpar.planner.interleaved import virtual_stage_counts
 from tfpar.planner.layers import layer_graph, subgraph
 from tfpar.planner.memory import RECOMPUTE, Techniques, recomputation
-from tfpar.planner.model_view import ModelView, timed
+from tfpar.planner.model_view import ModelView, stage_units, timed
 from tfpar.planner.partition import StageCut, partition_stages
 from tfpar.planner.roofline import low_precision_speed_up
 from tfpar.planner.sharding import plan_sharding
@@ -87,20 +88,40 @@ class MeshCosting:
         rows = self.global_batch / d
         counts = micro_batch_counts(max(int(rows), 1), self.num_micro_batch)
         if t == 1:
-            return self._unsplit(p, d, rows, counts, self.stages_of(p))
+            return self._unsplit(p, d, rows, counts)
         return self._split(t, p, d, rows, counts)
 
+    def interleaved(self, base: Candidate) -> List[Candidate]:
+        """``base``'s mesh with V = 2, 4, ... stages per device group
+        (``interleaved.virtual_stage_counts``) under interleaved 1F1B: for
+        a pipeline whose stages are not split, when 1F1B is searched, at
+        the micro-batch counts that are a multiple of its groups."""
+        p = base.pipeline
+        if base.tensor > 1 or p == 1 or "1f1b" not in self.schedules:
+            return []
+        d = self.num_devices // p
+        rows = self.global_batch / d
+        counts = [m for m in micro_batch_counts(max(int(rows), 1), self.num_micro_batch)
+                  if m % p == 0]
+        if not counts:
+            return []
+        return [self._unsplit(p, d, rows, counts, v)
+                for v in virtual_stage_counts(p, stage_units(self.model))]
+
     def _setting(self, stages: Sequence[StageModel], d: int, rows: float, counts: Sequence[int],
-                 cut: float, bandwidth: float) -> Tuple[Setting, Optional[Setting]]:
-        """The best setting, and the best with every memory technique when
-        the search may not use them all and it fits and is faster."""
+                 cut: float, bandwidth: float,
+                 virtual: int = 1) -> Tuple[Setting, Optional[Setting]]:
+        """The best setting (with ``virtual`` stages per device: interleaved
+        1F1B), and the best with every memory technique when the search may
+        not use them all and it fits and is faster."""
         pinned = [t for t in self.techniques if isinstance(t, Techniques)]
         allowed = pinned or technique_space(self.techniques, d, self.speed_up > 1,
                                             self.precision)
         every = technique_space(ALL_TECHNIQUES, d, self.speed_up > 1, self.precision)
         settings = []
         for techniques in [allowed] if pinned or set(every) <= set(allowed) else [allowed, every]:
-            space = Space(tuple(counts), tuple(techniques), self.schedules, self.group_size)
+            space = Space(tuple(counts), tuple(techniques),
+                          self.schedules if virtual == 1 else ("1f1b",), self.group_size, virtual)
             settings.append(best_setting(stages, d, rows, space, cut, bandwidth, self.speed_up,
                                          self.capacity))
         best, faster = settings[0], settings[-1]
@@ -120,8 +141,10 @@ class MeshCosting:
                          parts=parts, micro_batches=best.micro_batches,
                          techniques=best.techniques, state_bytes=max(best.state_bytes),
                          schedule=best.schedule, group_size=best.group_size,
-                         stage_search=self.cuts[p].outcome if p > 1 else None, flops=flops,
-                         faster_with=faster, stage_memory=best.memory_bytes, **found)
+                         stage_search=self.cuts[p * best.virtual_stages].outcome if p > 1
+                         else None, flops=flops, faster_with=faster,
+                         stage_memory=best.memory_bytes, virtual_stages=best.virtual_stages,
+                         bubble_s=best.bubble_s, transfer_s=best.transfer_s, **found)
 
     def _terms(self, ops: Sequence[int], act_scale: float) -> Dict[str, tuple]:
         """``StageModel``'s recomputation fields for ``ops``, activations x
@@ -140,11 +163,13 @@ class MeshCosting:
         return KERNELS_PER_OP * LAUNCH_S * _total(self.kernels, ops)
 
     def _unsplit(self, p: int, d: int, rows: float, counts: Sequence[int],
-                 cut: StageCut) -> Candidate:
-        """A pipeline (or, with ``p`` 1, data parallel) candidate of ``cut``."""
-        hardware, stages = self.hardware, cut.stages
-        per_row = stage_costs(self.model, stages, p, 1.0, hardware)
-        members: List[List[int]] = [[] for _ in range(p)]
+                 virtual: int = 1) -> Candidate:
+        """A pipeline (or, with ``p`` 1, data parallel) candidate of ``p``
+        device groups, each running ``virtual`` stages of the cut of
+        ``p virtual`` (interleaved 1F1B when more than one)."""
+        hardware, stages = self.hardware, self.stages_of(p * virtual).stages
+        per_row = stage_costs(self.model, stages, p * virtual, 1.0, hardware)
+        members: List[List[int]] = [[] for _ in range(p * virtual)]
         for i, stage in enumerate(stages):
             members[stage].append(i)
         models = [StageModel(3 * forward, 0.0, 0.0, self._launches(ops), params,
@@ -152,7 +177,7 @@ class MeshCosting:
                              **self._terms(ops, 1.0))
                   for ops, forward, params in zip(members, per_row.forward_s, per_row.param_bytes)]
         best, faster = self._setting(models, d, rows, counts, per_row.cut_bytes,
-                                     hardware.link(p))
+                                     hardware.link(p), virtual)
         parts = tuple(Part(seconds, memory, stage.grads.bytes) for seconds, memory, stage
                       in zip(best.stage_seconds, best.memory_bytes, models))
         return self._made(best, faster, d, 1, p, tuple(stages), parts)

@@ -1,7 +1,7 @@
 """Plan from the user's scopes (no search): VirtualDevices + simple estimates."""
 import dataclasses
 import math
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from tfpar import fallback
 from tfpar.cluster.hardware import device_hardware
@@ -19,7 +19,7 @@ __all__ = ["plan_from_annotations"]
 
 def plan_from_annotations(specs: Sequence[TaskGraphSpec], devices: Sequence[str],
                           config: Config, stats: Dict[str, Sequence[int]],
-                          graph: Any = None) -> Plan:
+                          graph: Any = None, virtual_stages: Optional[int] = None) -> Plan:
     """Turn annotated TaskGraphs into a Plan: one TaskGraph is data parallelism
     (with gradient accumulation when micro-batched); several form a pipeline,
     one stage per TaskGraph in creation order (Whale §3.1.2), replicated whole
@@ -34,6 +34,8 @@ def plan_from_annotations(specs: Sequence[TaskGraphSpec], devices: Sequence[str]
         built on, its chosen patterns, its shard shares).
       graph: the graph planned: devices the scopes' TaskGraphs share without
         asking, or leave idle, are said of it (``fallback``).
+      virtual_stages: stages per device group the automatic search chose
+        (None: ``pipeline.virtual_stages``).
 
     Raises:
       PlanError: the annotations need a feature this build does not provide yet,
@@ -45,8 +47,8 @@ def plan_from_annotations(specs: Sequence[TaskGraphSpec], devices: Sequence[str]
         num_micro_batch, schedule, group_size, virtual = (
             pinned.num_micro_batch, pinned.schedule, pinned.group_size, pinned.virtual_stages)
     else:
-        tgs = _annotated_task_graphs(specs, devices, config, stats.get("split", {}))
-        virtual = config.get("pipeline.virtual_stages")
+        virtual = virtual_stages or config.get("pipeline.virtual_stages")
+        tgs = _annotated_task_graphs(specs, devices, config, stats.get("split", {}), virtual)
         if graph is not None:  # interleaved stages share devices as asked
             _say_devices(tgs, devices, config.get("cluster.colocate_split_and_replicate")
                          or virtual > 1, graph)
@@ -72,12 +74,12 @@ def plan_from_annotations(specs: Sequence[TaskGraphSpec], devices: Sequence[str]
                 batch_shares=shares, virtual_stages=virtual)
 
 
-def _annotated_task_graphs(specs, devices, config, split) -> List[TaskGraphPlan]:
+def _annotated_task_graphs(specs, devices, config, split, virtual: int) -> List[TaskGraphPlan]:
     """Each device of a replicate TaskGraph's VirtualDevices runs one replica;
-    each VirtualDevice of a split TaskGraph runs one sharded replica."""
+    each VirtualDevice of a split TaskGraph runs one sharded replica (with
+    ``virtual`` stages per device group: dealt round-robin)."""
     requests = [(s.name, s.device_count) for s in specs]
     share = config.get("cluster.colocate_split_and_replicate")
-    virtual = config.get("pipeline.virtual_stages")
     assignment = assign_devices(requests, devices, share, virtual)
     hardware = device_hardware(config.get("cluster.hardware"), len(devices))
     # A split TaskGraph's devices are fixed as it is built (its variables are

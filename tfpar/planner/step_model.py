@@ -40,6 +40,13 @@ deferred weight gradient keeps its micro-batch), the transient bytes of the
 one recomputed unit, and its weights, gradients and optimizer slots
 (``memory.state_bytes``). An offloaded optimizer adds its host traffic
 and update after the stage's all-reduce (``memory.offload_seconds``).
+Interleaved 1F1B (``Space.virtual_stages`` V > 1: G V stages on G device
+groups) is replayed, not a closed form (``planner.interleaved``); a device
+then holds the state of its V stages and its group's peak of activations.
+Each setting says how much of its step is bubble (``Setting.bubble_s``: the
+step without transfers less the busiest device's compute) and how much
+waiting for transfers (``Setting.transfer_s``: the step less the step
+without them).
 """
 import dataclasses
 import itertools
@@ -47,6 +54,7 @@ import math
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 from tfpar.planner.comm import LATENCY_S, Cost
+from tfpar.planner.interleaved import group_peaks, interleaved_length
 from tfpar.planner.memory import (MIXED_ACTIVATIONS, RECOMPUTE, SLOTS, Techniques,
                                   offload_seconds, state_bytes)
 
@@ -95,19 +103,24 @@ class StageModel:
 class Space:
     """What ``best_setting`` tries: micro-batch counts, memory techniques,
     pipeline schedules (``SEARCHED_SCHEDULES`` names, or "gpipe"), and the kFkB group
-    size (None: every divisor of the micro-batch count that can help)."""
+    size (None: every divisor of the micro-batch count that can help);
+    ``virtual_stages`` V > 1: the stages are G V interleaved ones on G device
+    groups (1F1B only; counts multiples of G)."""
 
     counts: Tuple[int, ...]
     techniques: Tuple[Techniques, ...] = (Techniques(),)
     schedules: Tuple[str, ...] = ("1f1b",)
     group_size: Optional[int] = None
+    virtual_stages: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
     """The estimates of one mesh with ``micro_batches``, ``techniques`` and a
-    pipeline ``schedule`` (kFkB's ``group_size``): step seconds, bytes per
-    device (per stage), bytes sent per step."""
+    pipeline ``schedule`` (kFkB's ``group_size``) over ``virtual_stages``
+    per device: step seconds, bytes per device (per stage: its device's),
+    bytes sent per step; of the step, the bubble and the waits for
+    transfers (the module docstring)."""
 
     micro_batches: int
     techniques: Techniques
@@ -118,6 +131,9 @@ class Setting:
     state_bytes: Tuple[float, ...]
     schedule: str = "1f1b"
     group_size: int = 1
+    virtual_stages: int = 1
+    bubble_s: float = 0.0
+    transfer_s: float = 0.0
 
     @property
     def peak_memory(self) -> float:
@@ -245,7 +261,8 @@ def _schedules(space: Space, micro: int, times: Sequence[float], transfer: float
 def _settings(stages: Sequence[StageModel], data: int, rows_per_replica: float, micro: int,
               tech: Techniques, space: Space, cut_bytes: float, bandwidth: float,
               speed_up: float) -> Iterator[Setting]:
-    """One setting per schedule of ``space`` (one, 1F1B, without a pipeline)."""
+    """One setting per schedule of ``space`` (one, 1F1B, without a pipeline
+    or with virtual stages)."""
     rows = rows_per_replica / micro
     mode = RECOMPUTE.index(tech.recompute)
     speed, scale = (speed_up, MIXED_ACTIVATIONS) if tech.mixed_precision else (1.0, 1.0)
@@ -258,11 +275,41 @@ def _settings(stages: Sequence[StageModel], data: int, rows_per_replica: float, 
     sent = sum(stage.collective_bytes * rows * scale * micro + g.bytes
                for stage, g in zip(stages, grads)) + 2 * cut_bytes * rows * scale * micro
     host = [offload_seconds(stage.param_bytes) if tech.offload else 0.0 for stage in stages]
-    reduce_s = max(g.seconds + h for g, h in zip(grads, host))
     busy = tuple(t * micro + g.seconds + h for t, g, h in zip(times, grads, host))
+    kept = [rows * scale * stage.kept[mode] for stage in stages]
+    transient = [rows * scale * stage.transient[mode] for stage in stages]
+    if space.virtual_stages > 1:
+        yield _interleaved(space.virtual_stages, micro, tech, times, transfer, sent, busy, state,
+                           [g.seconds + h for g, h in zip(grads, host)], kept, transient)
+        return
+    reduce_s = max(g.seconds + h for g, h in zip(grads, host))
     for name, k in _schedules(space, micro, times, transfer):
-        memory = tuple(held + rows * scale * (stage.kept[mode] * in_flight(name, k, p, s, micro)
-                                              + stage.transient[mode])
-                       for s, (held, stage) in enumerate(zip(state, stages)))
-        yield Setting(micro, tech, pipeline_length(times, micro, transfer, name, k) + reduce_s,
-                      memory, sent, busy, state, name, k)
+        memory = tuple(held + kept[s] * in_flight(name, k, p, s, micro) + transient[s]
+                       for s, held in enumerate(state))
+        length = pipeline_length(times, micro, transfer, name, k)
+        still = pipeline_length(times, micro, 0.0, name, k)
+        yield Setting(micro, tech, length + reduce_s, memory, sent, busy, state, name, k,
+                      bubble_s=still - micro * max(times), transfer_s=length - still)
+
+
+def _interleaved(virtual: int, micro: int, tech: Techniques, times: Sequence[float],
+                 transfer: float, sent: float, busy: Tuple[float, ...],
+                 state: Tuple[float, ...], reduce: Sequence[float], kept: Sequence[float],
+                 transient: Sequence[float]) -> Setting:
+    """The interleaved 1F1B setting of ``times`` per stage (G V of them,
+    stage s on group ``s % G``): each device holds its V stages' state, its
+    group's peak of activations and its largest transient, all-reduces its
+    stages' gradients (``reduce``: seconds per stage) one after the other."""
+    groups = len(times) // virtual
+    members = [range(g, len(times), groups) for g in range(groups)]
+    held = [sum(state[s] for s in stages) for stages in members]
+    device = [h + peak + max(transient[s] for s in stages)
+              for h, peak, stages in zip(held, group_peaks(kept, groups, micro), members)]
+    length = interleaved_length(times, groups, micro, transfer)
+    still = interleaved_length(times, groups, micro, 0.0)
+    slowest = max(sum(times[s] for s in stages) for stages in members)
+    reduce_s = max(sum(reduce[s] for s in stages) for stages in members)
+    return Setting(micro, tech, length + reduce_s,
+                   tuple(device[s % groups] for s in range(len(times))), sent, busy,
+                   tuple(held[s % groups] for s in range(len(times))), "1f1b", 1, virtual,
+                   bubble_s=still - micro * slowest, transfer_s=length - still)

@@ -25,15 +25,17 @@ def memory_parts(candidate: Candidate) -> Dict[str, float]:
 
 def candidate_rows(candidates: Sequence[Candidate], chosen: Candidate,
                    hardware: Hardware) -> List[Dict[str, Any]]:
-    """One row per candidate (mesh, schedule, micro-batches, techniques,
-    estimated step and memory, ``why`` it lost or "chosen"), then one per
-    mesh of the search that gave none, saying why."""
+    """One row per candidate (mesh, schedule, virtual stages per device,
+    micro-batches, techniques, estimated step and memory, the seconds of
+    its step that are bubble and waits for transfers, ``why`` it lost or
+    "chosen"), then one per mesh of the search that gave none, saying why."""
     capacity = hardware.memory_gb * _GB
     fitting = [c for c in candidates if c.memory_bytes <= capacity]
     fastest = min((c.step_time_s for c in fitting), default=None)
     rows = [{"data": c.data, "tensor": c.tensor, "pipeline": c.pipeline,
              "schedule": c.schedule, "group_size": c.group_size,
-             "micro_batches": c.micro_batches, "techniques": c.techniques.describe(),
+             "virtual_stages": c.virtual_stages, "bubble_s": c.bubble_s,
+             "transfer_s": c.transfer_s, "micro_batches": c.micro_batches, "techniques": c.techniques.describe(),
              "step_time_s": c.step_time_s, "memory_bytes": c.memory_bytes,
              "why": "chosen" if c is chosen else _why(c, chosen, capacity, fastest)}
             for c in candidates]
@@ -54,13 +56,28 @@ def candidate_rows(candidates: Sequence[Candidate], chosen: Candidate,
     return rows
 
 
+def _interleaving(c: Candidate, chosen: Candidate) -> str:
+    """What interleaving changed between ``c`` and ``chosen`` when they are
+    one mesh with different virtual stages: each one's bubble and waits for
+    transfers (else nothing)."""
+    if (c.data, c.tensor, c.pipeline) != (chosen.data, chosen.tensor, chosen.pipeline) \
+            or c.virtual_stages == chosen.virtual_stages:
+        return ""
+
+    def terms(x: Candidate) -> str:
+        return (f"{x.virtual_stages} virtual stage{'s' if x.virtual_stages > 1 else ''}: "
+                f"bubble {x.bubble_s * 1e3:.3g} ms, waits for transfers "
+                f"{x.transfer_s * 1e3:.3g} ms")
+    return f" ({terms(c)}; chosen {terms(chosen)})"
+
+
 def _why(c: Candidate, chosen: Candidate, capacity: float, fastest: Optional[float]) -> str:
     """Why ``c`` lost to ``chosen`` (``planner.choice.choose``'s rules)."""
     if c.memory_bytes > capacity:
         return (f"does not fit: needs {c.memory_bytes / _GB:.1f} GB, "
                 f"{(c.memory_bytes - capacity) / _GB:.1f} GB over {capacity / _GB:g} GB")
     if c.step_time_s > chosen.step_time_s:
-        return f"slower by {c.step_time_s / chosen.step_time_s - 1:.1%}"
+        return f"slower by {c.step_time_s / chosen.step_time_s - 1:.1%}" + _interleaving(c, chosen)
     if fastest is not None and c.step_time_s <= fastest * (1 + TOLERANCE) \
             and c.pipeline > chosen.pipeline:
         return (f"within {TOLERANCE:.0%} of the fastest, where fewer pipeline stages win "
@@ -68,4 +85,7 @@ def _why(c: Candidate, chosen: Candidate, capacity: float, fastest: Optional[flo
     if c.tensor > chosen.tensor and c.pipeline == chosen.pipeline:
         return (f"within {TENSOR_TOLERANCE:.0%} of the chosen one, where the lower tensor "
                 "degree wins")
+    if c.virtual_stages > chosen.virtual_stages:
+        return (f"within {TENSOR_TOLERANCE:.0%} of the chosen one, where fewer virtual stages "
+                "win" + _interleaving(c, chosen))
     return "shards layers of a graph built before its plan existed (see the notes)"

@@ -119,7 +119,8 @@ def _plan(analysed: Analysed, rt: Runtime, auto: bool, count: Optional[int]) -> 
         rt.searches[same_model] = _search(rt, view, count, time_limit)
     best, runnable, candidates = rt.searches[same_model]
     say_how_it_was_found(graph, rt, best, runnable, candidates)
-    stages, count = (runnable.stages, runnable.pipeline) if runnable else ((0,) * len(order), 1)
+    stages, count = ((runnable.stages, runnable.pipeline * runnable.virtual_stages)
+                     if runnable else ((0,) * len(order), 1))
     return Automatic(tuple(order), tuple(view.param_bytes), tuple(stages), count, best,
                      runnable, candidates=tuple(candidates))
 

@@ -72,9 +72,10 @@ def planned(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> Planned:
     specs = task_graph_specs(capture, rt, automatic)
     stage_of = assign_stages(index, recorded, len(specs), [s.name for s in specs],
                              automatic.tags if automatic is not None else None)
+    chosen = automatic.runnable if automatic is not None else None
     plan = plan_from_annotations(specs, rt.devices, planned_config(rt, automatic),
                                  _stats(graph, capture, index, stage_of, len(specs)),
-                                 graph)
+                                 graph, chosen.virtual_stages if chosen is not None else None)
     if automatic is not None and automatic.runnable is not None:
         runnable = automatic.runnable
         plan = dataclasses.replace(

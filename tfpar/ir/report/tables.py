@@ -121,6 +121,8 @@ def candidates_table(plan) -> str:
 
 
 def _schedule(row: Dict[str, Any]) -> str:
+    if row.get("virtual_stages", 1) > 1:
+        return f"1f1b, {row['virtual_stages']} virtual stages"
     return f"kfkb k={row['group_size']}" if row["schedule"] == "kfkb" else row["schedule"]
 
 

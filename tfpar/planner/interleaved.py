@@ -1,0 +1,81 @@
+"""Interleaved 1F1B in the automatic search (virtual stages; Narayanan et
+al., SC'21 §2.2): the model is cut into G V stages and device group g runs
+stages g, g + G, ..., each 1/V of what it would run without interleaving
+(no TensorFlow).
+
+What it changes, for a device whose share of the model takes ``T`` per
+micro-batch (forward and backward) and ``M`` micro-batches a multiple of G:
+  * the bubble: a step lasts ``M T + (G - 1) T / V`` instead of 1F1B's
+    ``M T + (G - 1) T`` - the first micro-batch reaches the last group
+    after G - 1 chunks of ``T / V``, not G - 1 whole shares (§2.2.1);
+  * the transfers: a micro-batch crosses G V - 1 stage boundaries each way
+    instead of G - 1, V times as many point-to-point transfers, each
+    costed on the link as 1F1B's are (``step_model``: latency plus the
+    mean bytes of a boundary over the bandwidth). Filling and draining
+    the pipeline waits for ``2 (G V - 1)`` of them;
+  * the activations: group g runs ``2 (G - g - 1) + (V - 1) G`` forward
+    chunks before its first backward (``ir.schedule.interleaved_schedule``)
+    and one more before that backward ends, so the first group holds at
+    its peak ``min(G V + G - 1, M V)`` chunks' activations of a
+    micro-batch, each 1/V of its share: ``(G + (G - 1) / V) A`` for a
+    share keeping ``A`` a micro-batch, against 1F1B's ``G A``.
+The step and the peaks are not closed forms here: the planner replays the
+schedule (``ir.simulate.simulate`` with its device-group lanes; the peaks
+by walking each group's task order), which holds for unequal stages and for
+transfers too slow for the steady state to hide.
+"""
+import functools
+from typing import List, Sequence, Tuple
+
+from tfpar.ir.schedule import interleaved_schedule
+from tfpar.ir.simulate import simulate
+
+__all__ = ["MAX_VIRTUAL_STAGES", "group_peaks", "interleaved_length", "virtual_stage_counts"]
+
+# Virtual stages tried per device group: 2, 4, ... up to this (Megatron-LM's
+# published runs use at most a handful; each doubles the transfers).
+MAX_VIRTUAL_STAGES = 8
+
+
+def virtual_stage_counts(groups: int, units: int) -> List[int]:
+    """V > 1 (powers of two up to ``MAX_VIRTUAL_STAGES``) for which each of
+    ``groups`` device groups can hold V stages of a model of ``units``
+    stage units (``model_view.stage_units``)."""
+    counts, v = [], 2
+    while v <= MAX_VIRTUAL_STAGES and groups * v <= units and groups > 1:
+        counts.append(v)
+        v *= 2
+    return counts
+
+
+@functools.lru_cache(maxsize=4096)
+def _replayed(times: Tuple[float, ...], groups: int, micro: int, transfer: float) -> float:
+    schedule = interleaved_schedule(groups, len(times) // groups, micro)
+    return simulate(schedule, [t / 3 for t in times], [2 * t / 3 for t in times], transfer,
+                    device_groups=groups).length
+
+
+def interleaved_length(times: Sequence[float], groups: int, micro: int,
+                       transfer: float) -> float:
+    """Seconds from the first forward to the last backward of ``micro``
+    micro-batches through stages of ``times`` each (forward a third, as
+    ``step_model`` counts it; stage s on group ``s % groups``) with
+    ``transfer`` between neighbouring stages, replayed."""
+    return _replayed(tuple(times), groups, micro, transfer)
+
+
+def group_peaks(kept: Sequence[float], groups: int, micro: int) -> List[float]:
+    """Per device group, the most activation bytes it holds at once: a
+    stage's forward keeps its ``kept`` bytes (one micro-batch's) until its
+    backward, in the order ``interleaved_schedule`` gives the group."""
+    schedule = interleaved_schedule(groups, len(kept) // groups, micro)
+    peaks = []
+    for g in range(groups):
+        order = sorted((task.slot, s, task.kind) for s in range(g, len(kept), groups)
+                       for task in schedule[s])
+        held = peak = 0.0
+        for _, s, kind in order:
+            held += kept[s] if kind == "F" else -kept[s]
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
