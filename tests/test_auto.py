@@ -71,7 +71,12 @@ def test_the_searched_schedule_is_the_one_that_trains():
     assert_follows(result, planned)
     pinned = plan_of(deep_mlp, {**config, "pipeline.schedule": "1f1b"})
     assert pinned.schedule == "1f1b"
-    assert pinned.estimate["step_time_s"] > plan.estimate["step_time_s"]
+    # Plain 1F1B is slower; interleaved (two stages a device, more than 10%
+    # faster than plain 1F1B) wins then, within 10% of ZB-H1 it lost to.
+    plain, = [r for r in pinned.estimate["candidates"] if r["virtual_stages"] == 1]
+    assert plain["step_time_s"] > plan.estimate["step_time_s"]
+    assert pinned.virtual_stages == 2
+    assert pinned.estimate["step_time_s"] > plan.estimate["step_time_s"] / 1.1
 
 
 def test_small_mlp_on_8_devices_is_data_parallel():

@@ -29,11 +29,11 @@ mesh whose stages are not split is also costed with V = 2, 4, ... stages per
 device group under interleaved 1F1B (``costing.MeshCosting.interleaved``,
 ``planner.interleaved``: its bubble shrinks V-fold, its transfers grow
 V-fold, its first group holds more activations), each a candidate of its
-own. The fastest
-candidate whose memory fits wins (``choice.choose``: within ``TOLERANCE`` of
-it, the one with fewer stages; among those, within ``TENSOR_TOLERANCE``, the
-lower tensor degree, then the fewer virtual stages: the estimates are rough); ``progress`` reports each one as it is
-planned. ``time_limit_s`` bounds the whole search: no mesh is planned once
+own. The fastest candidate whose memory fits wins (``choice.choose``: within
+``TOLERANCE`` of it, the one with fewer stages, interleaved ones counted;
+among those, within ``TENSOR_TOLERANCE``, the lower tensor degree, then the
+fewer virtual stages: the estimates are rough); ``progress`` reports each
+one as it is planned. ``time_limit_s`` bounds the whole search: no mesh is planned once
 it has passed (after the first), no ILP runs past it, and each ILP solve
 gets a share of it (a stage ILP ``costing.STAGE_ILP_SHARE``, a sharding ILP
 ``costing.SOLVE_SHARE``). Tensor-only meshes of more than a node are planned in

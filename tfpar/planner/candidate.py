@@ -96,6 +96,11 @@ class Candidate:
     bubble_s: float = 0.0
     transfer_s: float = 0.0
 
+    @property
+    def stage_count(self) -> int:
+        """Its pipeline stages: a stage per device group, or V interleaved."""
+        return self.pipeline * self.virtual_stages
+
     def describe(self) -> str:
         """'data 4 x tensor 2 x pipeline 2, 8 micro-batches, zero_bubble,
         recompute full' (the schedule when not 1F1B; '..., 2 virtual

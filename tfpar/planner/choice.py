@@ -11,7 +11,8 @@ __all__ = ["HINT_SPEED_UP", "TENSOR_TOLERANCE", "TOLERANCE", "choose",
            "faster_with_techniques"]
 
 # Estimates are rough: within TOLERANCE of the fastest, fewer pipeline stages
-# win (bubbles and stage balance are where the model errs most); among those,
+# win (bubbles and stage balance are where the model errs most; interleaved
+# stages count, V per device group: ``Candidate.stage_count``); among those,
 # the lower tensor degree within TENSOR_TOLERANCE (a split's cost is computed
 # from its collectives: a gain of a few percent is noise, one of 9% - Whale's
 # 100K-class head on 8 GPUs - is not), then the fewer virtual stages (each
@@ -44,8 +45,8 @@ def choose(candidates: Sequence[Candidate], hardware: Hardware) -> Candidate:
                         f"{least.memory_bytes / 2 ** 30:.3g} GB ({least.describe()}){fits}")
     fastest = min(c.step_time_s for c in fitting)
     near = [c for c in fitting if c.step_time_s <= fastest * (1 + TOLERANCE)]
-    stages = min(c.pipeline for c in near)
-    near = [c for c in near if c.pipeline == stages]
+    stages = min(c.stage_count for c in near)
+    near = [c for c in near if c.stage_count == stages]
     fastest = min(c.step_time_s for c in near)
     return min((c for c in near if c.step_time_s <= fastest * (1 + TENSOR_TOLERANCE)),
                key=lambda c: (c.tensor, c.virtual_stages, c.step_time_s))

@@ -22,7 +22,13 @@ micro-batch (forward and backward) and ``M`` micro-batches a multiple of G:
 The step and the peaks are not closed forms here: the planner replays the
 schedule (``ir.simulate.simulate`` with its device-group lanes; the peaks
 by walking each group's task order), which holds for unequal stages and for
-transfers too slow for the steady state to hide.
+transfers too slow for the steady state to hide. A search tries thousands
+of micro-batches on a large batch, so at most ``replayed(G, V)`` = 2 G (V +
+2) are replayed: a longer step grows by the mean a micro-batch added over
+the replay's second half (within 3% of the whole replay for stages within
+10% of each other and transfers up to three stages long:
+``tests/test_virtual_stage_search.py``), and its peaks are the replay's
+(the steady state repeats every G micro-batches).
 """
 import functools
 from typing import List, Sequence, Tuple
@@ -30,7 +36,8 @@ from typing import List, Sequence, Tuple
 from tfpar.ir.schedule import interleaved_schedule
 from tfpar.ir.simulate import simulate
 
-__all__ = ["MAX_VIRTUAL_STAGES", "group_peaks", "interleaved_length", "virtual_stage_counts"]
+__all__ = ["MAX_VIRTUAL_STAGES", "group_peaks", "interleaved_length", "replayed",
+           "virtual_stage_counts"]
 
 # Virtual stages tried per device group: 2, 4, ... up to this (Megatron-LM's
 # published runs use at most a handful; each doubles the transfers).
@@ -48,6 +55,12 @@ def virtual_stage_counts(groups: int, units: int) -> List[int]:
     return counts
 
 
+def replayed(groups: int, virtual: int) -> int:
+    """The most micro-batches a step of ``groups`` x ``virtual`` stages is
+    replayed with (a multiple of ``groups``)."""
+    return 2 * groups * (virtual + 2)
+
+
 @functools.lru_cache(maxsize=4096)
 def _replayed(times: Tuple[float, ...], groups: int, micro: int, transfer: float) -> float:
     schedule = interleaved_schedule(groups, len(times) // groups, micro)
@@ -60,15 +73,22 @@ def interleaved_length(times: Sequence[float], groups: int, micro: int,
     """Seconds from the first forward to the last backward of ``micro``
     micro-batches through stages of ``times`` each (forward a third, as
     ``step_model`` counts it; stage s on group ``s % groups``) with
-    ``transfer`` between neighbouring stages, replayed."""
-    return _replayed(tuple(times), groups, micro, transfer)
+    ``transfer`` between neighbouring stages, replayed (extrapolated past
+    ``replayed``)."""
+    cap = replayed(groups, len(times) // groups)
+    if micro <= cap:
+        return _replayed(tuple(times), groups, micro, transfer)
+    half, whole = (_replayed(tuple(times), groups, m, transfer) for m in (cap // 2, cap))
+    return whole + (micro - cap) * (whole - half) / (cap - cap // 2)
 
 
 def group_peaks(kept: Sequence[float], groups: int, micro: int) -> List[float]:
     """Per device group, the most activation bytes it holds at once: a
     stage's forward keeps its ``kept`` bytes (one micro-batch's) until its
-    backward, in the order ``interleaved_schedule`` gives the group."""
-    schedule = interleaved_schedule(groups, len(kept) // groups, micro)
+    backward, in the order ``interleaved_schedule`` gives the group (of at
+    most ``replayed`` micro-batches)."""
+    schedule = interleaved_schedule(groups, len(kept) // groups,
+                                    min(micro, replayed(groups, len(kept) // groups)))
     peaks = []
     for g in range(groups):
         order = sorted((task.slot, s, task.kind) for s in range(g, len(kept), groups)

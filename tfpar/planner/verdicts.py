@@ -79,10 +79,11 @@ def _why(c: Candidate, chosen: Candidate, capacity: float, fastest: Optional[flo
     if c.step_time_s > chosen.step_time_s:
         return f"slower by {c.step_time_s / chosen.step_time_s - 1:.1%}" + _interleaving(c, chosen)
     if fastest is not None and c.step_time_s <= fastest * (1 + TOLERANCE) \
-            and c.pipeline > chosen.pipeline:
+            and c.stage_count > chosen.stage_count:
         return (f"within {TOLERANCE:.0%} of the fastest, where fewer pipeline stages win "
-                "(bubbles and stage balance are where estimates err most)")
-    if c.tensor > chosen.tensor and c.pipeline == chosen.pipeline:
+                "(bubbles and stage balance are where estimates err most)"
+                + _interleaving(c, chosen))
+    if c.tensor > chosen.tensor and c.stage_count == chosen.stage_count:
         return (f"within {TENSOR_TOLERANCE:.0%} of the chosen one, where the lower tensor "
                 "degree wins")
     if c.virtual_stages > chosen.virtual_stages:
