@@ -134,7 +134,8 @@ def test_search_reports_every_candidate_and_prefers_the_fastest():
                      edges=[(i, i + 1, 64.0) for i in range(3)])
     best = search(view, 4, Hardware("big", 1.0, 16.0), global_batch=64, num_micro_batch=4,
                   progress=lines.append, schedules=("1f1b",))
-    assert len(lines) == 3  # pipeline 1, 2, 4
+    assert len([line for line in lines if "virtual stages" not in line]) == 3  # pipeline 1, 2, 4
+    assert sum("pipeline 2, 2 virtual stages" in line for line in lines) == 1  # 4 ops: V = 2
     assert best.pipeline == 1  # tiny weights: data parallelism has no bubble
     # ZB-H1 fills the bubble, and two stages launch half the kernels each.
     zero_bubble = search(view, 4, Hardware("big", 1.0, 16.0), global_batch=64,
@@ -218,7 +219,8 @@ def test_only_meshes_that_give_every_replica_and_micro_batch_a_row_are_planned()
                         "than the model's 4 layers")
     assumed = search_all(_chain(4), 8, Hardware("big", 1.0, 16.0), global_batch=4,
                          num_micro_batch=2, batch_known=False)
-    assert [(c.data, c.pipeline) for c in assumed] == [(8, 1), (4, 2), (2, 4)]
+    assert [(c.data, c.pipeline, c.virtual_stages) for c in assumed] == [
+        (8, 1, 1), (4, 2, 1), (4, 2, 2), (2, 4, 1)]  # 2 stages of 2 ops a device: 4 ops
 
 
 def test_no_feasible_mesh_is_a_plan_error_that_says_why():

@@ -162,19 +162,19 @@ def test_long_steps_are_extrapolated_from_a_replay():
     each other and transfers up to three stages long; the peaks are the
     replay's."""
     rng = random.Random(45)
-    for groups in (2, 3, 4, 8):
-        for virtual in (2, 4, 8):
+    for groups in (2, 3, 8):
+        for virtual in (2, 4):
             for share in (0.0, 0.01, 0.1, 1.0, 3.0):
                 times = [rng.uniform(0.9, 1.1) for _ in range(groups * virtual)]
                 cap = replayed(groups, virtual)
-                for micro in (cap + groups, 3 * cap):
+                for micro in (cap + groups, 2 * cap):
                     whole = simulate(interleaved_schedule(groups, virtual, micro),
                                      [t / 3 for t in times], [2 * t / 3 for t in times],
                                      share * max(times), device_groups=groups).length
                     assert interleaved_length(times, groups, micro, share * max(times)) == \
                         pytest.approx(whole, rel=0.03), (groups, virtual, share, micro)
             kept = [rng.uniform(0.5, 1.5) for _ in range(groups * virtual)]
-            assert group_peaks(kept, groups, 3 * cap) == pytest.approx(_walked(kept, groups, 3 * cap))
+            assert group_peaks(kept, groups, 2 * cap) == pytest.approx(_walked(kept, groups, 2 * cap))
 
 
 def _walked(kept, groups, micro):
