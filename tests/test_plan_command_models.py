@@ -72,6 +72,34 @@ def test_options_reach_the_planned_graph(capsys):
     assert params() - params("--tied-embeddings") == 96 * 64 * 4
 
 
+def test_mask_reaches_the_gpt_and_only_the_gpt(capsys):
+    """--mask shared builds one causal mask for the 2 layers, per_layer one
+    in each (more ops); other models refuse it."""
+    def masks(*extra):
+        plan = plan_json(capsys, "--model", "gpt", *SMALL, "--cluster", "2 x T4", *extra)
+        return sum(tg["num_ops"] for tg in plan["task_graphs"])
+    none, shared, per_layer = masks(), masks("--mask", "shared"), masks("--mask", "per_layer")
+    assert none < shared < per_layer
+    assert cli.main(["plan", "--model", "llama", *SMALL, "--cluster", "2 x T4",
+                     "--mask", "shared"]) == 2
+    assert "--mask: only --model gpt" in capsys.readouterr().err
+
+
+def test_the_plan_says_the_virtual_stages_it_chose(capsys):
+    """Eight blocks on two T4s in a pipeline of 2 micro-batches (1F1B): a
+    third of the step is bubble, which two stages a device halve (estimated
+    21.3 ms plain, 18.0 ms interleaved), and the summary says so."""
+    assert cli.main(["plan", "--model", "gpt", "--layers", "8", *SMALL[2:], "--mask",
+                     "per_layer", "--cluster", "2 x T4", "--config",
+                     '{"auto.num_task_graph": 2, "pipeline.num_micro_batch": 2, '
+                     '"pipeline.schedule": "1f1b"}']) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("tfpar plan: data_parallel_degree=1 num_micro_batch=2 schedule=1f1b "
+                          "virtual_stages=2 (interleaved)")
+    assert [line.split()[6] for line in out.splitlines() if line.startswith("stage_")] == [
+        "CPU:0", "CPU:1", "CPU:0", "CPU:1"]
+
+
 def test_config_keys_go_over_the_commands_defaults(capsys):
     plan = plan_json(capsys, "--model", "gpt", *SMALL, "--cluster", "8 x A100-80GB",
                      "--config", '{"auto.memory_techniques": [], "auto.num_task_graph": 2}')

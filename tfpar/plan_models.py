@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="one projection makes q, k and v (default: three)")
     group.add_argument("--tied-embeddings", action="store_true",
                        help="the output projection is the token embedding (default: its own)")
+    group.add_argument("--mask", choices=("shared", "per_layer"),
+                       help="gpt: a causal mask built once and read by every layer, or built "
+                            "in each layer (default: none)")
     group.add_argument("--cluster", metavar="'N x DEVICE'",
                        help="the devices to plan for: N of a catalog device ("
                             + ", ".join(CATALOG) + "), or several such entries separated by "
@@ -113,6 +116,11 @@ def _shape(args) -> dict:
         raise ConfigError(f"--hidden {args.hidden} is not a multiple of --heads {args.heads}")
     shape = {n: getattr(args, n) for n in SHAPE}
     shape.update(fused_qkv=args.fused_qkv, tied_embeddings=args.tied_embeddings)
+    if args.mask is not None and args.model != "gpt":
+        raise ConfigError(f"--mask: only --model gpt builds a causal mask, not --model "
+                          f"{args.model}")
+    if args.model == "gpt":
+        shape.update(mask=args.mask)
     if args.model != "llama":
         if args.kv_heads is not None:
             raise ConfigError(f"--kv-heads: only --model llama has grouped-query attention, "
