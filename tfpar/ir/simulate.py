@@ -69,7 +69,7 @@ class SimulationResult:
 
 def simulate(schedule: List[List[Task]], forward_time: Times, backward_time: Times,
              transfer_time: float = 0.0, weight_share: float = 0.5,
-             device_groups: Optional[int] = None) -> SimulationResult:
+             device_groups: Optional[int] = None, transfers: bool = True) -> SimulationResult:
     """Simulate one step of ``schedule``.
 
     Args:
@@ -81,6 +81,8 @@ def simulate(schedule: List[List[Task]], forward_time: Times, backward_time: Tim
         layer's weight and input gradients cost one matmul each: 0.5).
       device_groups: interleaved stages (``interleaved_schedule``): stage s
         runs on group ``s % device_groups``; None: a group per stage.
+      transfers: list the transfers (False: none, for a caller that needs
+        only the timing, as the planner's search, which replays many steps).
 
     Raises:
       ValueError: malformed schedule or times, or a deadlocked schedule.
@@ -106,7 +108,8 @@ def simulate(schedule: List[List[Task]], forward_time: Times, backward_time: Tim
             raise ValueError(_deadlock_message(lanes, num_stages, placed, ends))
 
     tasks = sorted((timed for lane in placed for timed in lane), key=lambda t: t.stage)
-    return _result(tasks, _transfers(tasks, num_stages, delay), schedule, len(lanes))
+    return _result(tasks, _transfers(tasks, num_stages, delay) if transfers else [], schedule,
+                   len(lanes))
 
 
 def _lanes(schedule: List[List[Task]], device_groups: Optional[int]):

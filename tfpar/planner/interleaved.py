@@ -61,11 +61,22 @@ def replayed(groups: int, virtual: int) -> int:
     return 2 * groups * (virtual + 2)
 
 
+@functools.lru_cache(maxsize=256)
+def _schedule(groups: int, virtual: int, micro: int):
+    """``interleaved_schedule``'s tasks per stage, and each group's (stage,
+    kind) in its order (made once: a search replays each many times)."""
+    schedule = interleaved_schedule(groups, virtual, micro)
+    orders = [[(s, task.kind) for _, s, task in sorted(
+        (task.slot, s, task) for s in range(g, len(schedule), groups) for task in schedule[s])]
+        for g in range(groups)]
+    return schedule, orders
+
+
 @functools.lru_cache(maxsize=4096)
 def _replayed(times: Tuple[float, ...], groups: int, micro: int, transfer: float) -> float:
-    schedule = interleaved_schedule(groups, len(times) // groups, micro)
+    schedule, _ = _schedule(groups, len(times) // groups, micro)
     return simulate(schedule, [t / 3 for t in times], [2 * t / 3 for t in times], transfer,
-                    device_groups=groups).length
+                    device_groups=groups, transfers=False).length
 
 
 def interleaved_length(times: Sequence[float], groups: int, micro: int,
@@ -87,14 +98,12 @@ def group_peaks(kept: Sequence[float], groups: int, micro: int) -> List[float]:
     stage's forward keeps its ``kept`` bytes (one micro-batch's) until its
     backward, in the order ``interleaved_schedule`` gives the group (of at
     most ``replayed`` micro-batches)."""
-    schedule = interleaved_schedule(groups, len(kept) // groups,
-                                    min(micro, replayed(groups, len(kept) // groups)))
+    virtual = len(kept) // groups
+    _, orders = _schedule(groups, virtual, min(micro, replayed(groups, virtual)))
     peaks = []
-    for g in range(groups):
-        order = sorted((task.slot, s, task.kind) for s in range(g, len(kept), groups)
-                       for task in schedule[s])
+    for order in orders:
         held = peak = 0.0
-        for _, s, kind in order:
+        for s, kind in order:
             held += kept[s] if kind == "F" else -kept[s]
             peak = max(peak, held)
         peaks.append(peak)
