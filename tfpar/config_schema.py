@@ -103,7 +103,9 @@ SCHEMA = {
                              "ShardingUnit name -> sharding pattern the matcher must use"),
     "auto.auto_parallel": Option("bool", False, (), "let the planner choose TaskGraphs"),
     "auto.num_task_graph": Option("int|None", None, _at_least(1),
-                                  "stage count for auto pipeline; None: planner decides"),
+                                  "stage count for auto pipeline (device groups when the "
+                                  "search interleaves V stages on each); None: planner "
+                                  "decides"),
     "auto.opt_level": Option("str", "O2", _one_of("O2", "O3"),
                              "O2: segmented search, O3: whole-graph ILP"),
     "auto.global_batch": Option("int|None", None, _at_least(1),

@@ -26,9 +26,12 @@ class GraphState:
         (``runtime.sessions``; None until a session or the rewrite decides).
       automatic: (training calls seen, automatic plan) cached by the planner.
       reported: the config's ``report`` was written (``runtime.report_step``).
-      predicted: the cost model of its TaskGraphs (``runtime.measured``), or None.
+      predicted: the cost model of its TaskGraphs (``runtime.prediction``) while
+        its steps are measured, else None.
       training_steps: training steps run since the rewrite.
       samples: per traced step measured, per TaskGraph (seconds, bytes).
+      variables_held: bytes of variables per device (short name), read at the
+        first step measured.
     """
 
     plan: Optional[Plan] = None
@@ -42,6 +45,7 @@ class GraphState:
     predicted: Any = None
     training_steps: int = 0
     samples: list = dataclasses.field(default_factory=list)
+    variables_held: Optional[dict] = None
 
     def searched(self) -> Any:
         """The automatic plan cached by the planner (``runtime.automatic``), or None."""

@@ -69,7 +69,9 @@ def after_step(graph: ops.Graph, run_metadata, feed_dict=None) -> Optional[Dict[
     state.training_steps += 1
     if not due or run_metadata is None or not run_metadata.step_stats.dev_stats:
         return None
-    state.samples.append(_measured(graph, state.plan, run_metadata))
+    if state.variables_held is None:  # the rewritten graph's variables stay where they are
+        state.variables_held = _variables_held(graph, state.plan)
+    state.samples.append(_measured(graph, state.plan, run_metadata, state.variables_held))
     if state.training_steps != active().config.get("measure.after_steps"):
         return None
     return concluded(state, fed_rows(feed_dict))
@@ -117,14 +119,14 @@ def _compared(state, rows: List[int], tolerance: float) -> Dict[str, Any]:
             "tolerance": tolerance, "task_graphs": rows, "launch_s": launches}
 
 
-def _measured(graph: ops.Graph, plan: Plan, run_metadata) -> List[Tuple[float, int]]:
+def _measured(graph: ops.Graph, plan: Plan, run_metadata, held: Dict[str, int]
+              ) -> List[Tuple[float, int]]:
     """Per TaskGraph, on its busiest device in a traced step: the seconds its
     ops ran (overlaps once) and the bytes of the variables there plus the
     most the step's allocations kept alive."""
     spans = step_spans(run_metadata, graph)
     peaks = {short_name(d): compare.peak_bytes(r)
              for d, r in step_allocations(run_metadata).items()}
-    held = _variables_held(graph, plan)
     said = []
     for tg in plan.task_graphs:
         devices = [short_name(d) for d in tg.devices]
