@@ -73,6 +73,8 @@ def test_a_pipeline_from_scopes_is_costed_stage_by_stage():
     assert [tg.param_bytes for tg in plan.task_graphs] == [448, 1292]
     assert [tg.estimate["memory_bytes"] for tg in plan.task_graphs] == [2816, 5776]
     assert sorted(plan.estimate["memory_bytes_per_device"]) == [2816, 2816, 5776, 5776]
+    # Each stage's gradients all-reduced over its 2 replicas: 2 x 1/2 x its bytes.
+    assert [tg.estimate["comm_bytes"] for tg in plan.task_graphs] == [448, 1292]
     assert plan.estimate["step_time_s"] > sum(tg.estimate["time_s"] for tg in plan.task_graphs) / 2
 
 
@@ -108,5 +110,6 @@ def test_a_plan_estimate_by_hand():
     assert estimate["memory_bytes_per_device"] == [440.0, 840.0]
     assert estimate["memory"] == {"weights": 200.0, "gradients": 200.0, "optimizer": 400.0,
                                   "activations": 40.0}
-    assert (estimate["comm_bytes"], parts) == (0, [{"time_s": 12.5, "memory_bytes": 440.0},
-                                                   {"time_s": 24.5, "memory_bytes": 840.0}])
+    assert (estimate["comm_bytes"], parts) == (0, [
+        {"time_s": 12.5, "memory_bytes": 440.0, "comm_bytes": 0},
+        {"time_s": 24.5, "memory_bytes": 840.0, "comm_bytes": 0}])

@@ -347,8 +347,9 @@ def _logical_devices(plan: "Plan") -> List[str]:
     if not logical:  # one process has one CPU device; the others are TensorFlow's logical ones
         return []
     described = ((plan.estimate or {}).get("assumptions") or {}).get("device")
-    what = (f"standing in for the {described} devices described" if described not in
-            (None, "host-CPU") else "sharing its cores (no GPU is visible)")
+    what = (f"standing in for the {described} devices described"
+            if described is not None and not described.startswith("host-CPU")
+            else "sharing its cores (no GPU is visible)")
     return [f"devices: logical CPU devices of one host, {what}, e.g. {device_ranges(logical)}"]
 
 

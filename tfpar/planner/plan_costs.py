@@ -45,8 +45,9 @@ def plan_estimate(plan: Plan, costs: StageCosts, launch_s: Sequence[float], batc
                   ) -> Tuple[Dict[str, Any], List[Dict[str, float]]]:
     """``plan``'s estimate (the keys a searched plan's has: step, memory per
     device in device-name order, what fills the fullest, traffic, what it
-    assumes) and each TaskGraph's (``time_s``, ``memory_bytes``), for a step
-    of ``batch`` rows on ``hardware``."""
+    assumes) and each TaskGraph's (``time_s``, ``memory_bytes``, and
+    ``comm_bytes``: its gradients' all-reduce), for a step of ``batch`` rows
+    on ``hardware``."""
     said = per_task_graph(plan, costs, launch_s, batch)
     on_device: Dict[str, float] = collections.Counter()  # TaskGraphs sharing a device add up
     for tg, (_, memory) in zip(plan.task_graphs, said):
@@ -61,7 +62,8 @@ def plan_estimate(plan: Plan, costs: StageCosts, launch_s: Sequence[float], batc
                 "memory": _fullest_parts(plan, costs, said, fullest),
                 "comm_bytes": sum(c.bytes for c in comm),
                 "memory_techniques": [], "assumptions": assumptions}
-    return estimate, [{"time_s": t, "memory_bytes": m} for t, m in said]
+    return estimate, [{"time_s": t, "memory_bytes": m, "comm_bytes": c.bytes}
+                      for (t, m), c in zip(said, comm)]
 
 
 def _pipeline_s(plan: Plan, said, costs: StageCosts, batch: int, hardware: Hardware) -> float:
