@@ -15,7 +15,7 @@ from tfpar.planner.memory import state_parts
 from tfpar.planner.stage_costs import StageCosts
 from tfpar.planner.step_model import in_flight
 
-__all__ = ["per_task_graph", "plan_estimate"]
+__all__ = ["device_memory", "per_task_graph", "plan_estimate"]
 
 
 def per_task_graph(plan: Plan, costs: StageCosts, launch_s: Sequence[float],
@@ -30,7 +30,7 @@ def per_task_graph(plan: Plan, costs: StageCosts, launch_s: Sequence[float],
     group = plan.group_size if isinstance(plan.group_size, int) else 1
     said = []
     for s, tg in enumerate(plan.task_graphs):
-        degree = tg.device_count if tg.strategy == "split" else 1
+        degree = _shards(tg)
         rows = batch / len(tg.replicas)
         alive = in_flight(plan.schedule, group, stages, s, plan.num_micro_batch)
         time_s = ((costs.forward_s[s] + costs.backward_s[s]) * rows / degree
@@ -49,10 +49,7 @@ def plan_estimate(plan: Plan, costs: StageCosts, launch_s: Sequence[float], batc
     ``comm_bytes``: its gradients' all-reduce), for a step of ``batch`` rows
     on ``hardware``."""
     said = per_task_graph(plan, costs, launch_s, batch)
-    on_device: Dict[str, float] = collections.Counter()  # TaskGraphs sharing a device add up
-    for tg, (_, memory) in zip(plan.task_graphs, said):
-        for device, part in _device_parts(tg):
-            on_device[device] += memory * part
+    on_device = device_memory(plan, said)
     comm = [allreduce(len(tg.replicas), tg.param_bytes, hardware.bandwidth(len(tg.replicas)))
             for tg in plan.task_graphs]
     fullest = max(on_device, key=on_device.get)
@@ -79,12 +76,27 @@ def _pipeline_s(plan: Plan, said, costs: StageCosts, batch: int, hardware: Hardw
                          transfer).length
 
 
+def device_memory(plan: Plan, said: Sequence[Tuple[float, float]]) -> Dict[str, float]:
+    """Bytes per device of ``plan`` from ``per_task_graph``'s: TaskGraphs
+    sharing a device add up; a split TaskGraph's by its shard shares."""
+    on_device: Dict[str, float] = collections.Counter()
+    for tg, (_, memory) in zip(plan.task_graphs, said):
+        for device, part in _device_parts(tg):
+            on_device[device] += memory * part
+    return on_device
+
+
+def _shards(tg) -> int:
+    """The devices one copy of ``tg`` is spread over (a split TaskGraph's)."""
+    return tg.device_count if tg.strategy == "split" else 1
+
+
 def _device_parts(tg) -> List[Tuple[str, float]]:
     """(device, its part of what one device of ``tg`` holds on average): 1
     for a replica; a split TaskGraph's shard shares (Whale §3.3.1: the
     faster device takes the wider shard), even without them."""
     if tg.strategy != "split":
-        return [(d, 1.0) for d in tg.devices]
+        return [(d, 1.0) for d in dict.fromkeys(tg.devices)]
     shares = tg.shard_shares or (1,) * tg.device_count
     return [(d, tg.device_count * share / sum(shares))
             for group in tg.replicas for d, share in zip(group, shares)]
@@ -98,8 +110,7 @@ def _fullest_parts(plan: Plan, costs: StageCosts, said, device: str) -> Dict[str
         for on, part in _device_parts(tg):
             if on != device:
                 continue
-            degree = tg.device_count if tg.strategy == "split" else 1
-            state = costs.fixed_bytes[s] / degree * part
+            state = costs.fixed_bytes[s] / _shards(tg) * part
             for name, size in state_parts(state, 1, 0, False, costs.optimizer_slots).items():
                 parts[name] += size
             parts["activations"] += memory * part - state

@@ -35,7 +35,8 @@ def candidate_rows(candidates: Sequence[Candidate], chosen: Candidate,
     rows = [{"data": c.data, "tensor": c.tensor, "pipeline": c.pipeline,
              "schedule": c.schedule, "group_size": c.group_size,
              "virtual_stages": c.virtual_stages, "bubble_s": c.bubble_s,
-             "transfer_s": c.transfer_s, "micro_batches": c.micro_batches, "techniques": c.techniques.describe(),
+             "transfer_s": c.transfer_s, "micro_batches": c.micro_batches,
+             "techniques": c.techniques.describe(),
              "step_time_s": c.step_time_s, "memory_bytes": c.memory_bytes,
              "why": "chosen" if c is chosen else _why(c, chosen, capacity, fastest)}
             for c in candidates]

@@ -22,7 +22,7 @@ from tfpar.cluster.devices import short_name
 from tfpar.compat.tf import ops
 from tfpar.ir import measured as compare
 from tfpar.ir.plan import Plan
-from tfpar.planner.plan_costs import per_task_graph
+from tfpar.planner.plan_costs import device_memory, per_task_graph
 from tfpar.runtime.context import Runtime, active
 from tfpar.runtime.graph_state import existing_state
 from tfpar.runtime.prediction import Predicted
@@ -101,10 +101,7 @@ def _compared(state, rows: List[int], tolerance: float) -> Dict[str, Any]:
     steps = traced_steps(state.training_steps)
     predicted = per_task_graph(state.plan, state.predicted.costs, state.predicted.launch_s,
                                batch)
-    on_device: Dict[str, float] = collections.Counter()  # TaskGraphs sharing a device add up
-    for tg, (_, memory) in zip(state.plan.task_graphs, predicted):
-        for device in set(tg.devices):
-            on_device[device] += memory
+    on_device = device_memory(state.plan, predicted)
     rows = []
     for i, (tg, (time_s, _)) in enumerate(zip(state.plan.task_graphs, predicted)):
         times, peaks = ([s[i][k] for s in state.samples] for k in (0, 1))

@@ -15,6 +15,7 @@ from tfpar.planner.stage_costs import StageCosts, stage_costs
 from tfpar.planner.step_model import KERNELS_PER_OP, LAUNCH_S, kernel_counts
 from tfpar.runtime.automatic import cluster_hardware, planning_batch
 from tfpar.runtime.context import Runtime
+from tfpar.runtime.stated import assumptions, batch_from
 
 __all__ = ["Predicted", "costed", "predict", "prediction_hardware"]
 
@@ -53,27 +54,19 @@ def predict(analysed: Analysed, rt: Runtime, plan: Plan, stage_of) -> Predicted:
     kernels = [0] * len(plan.task_graphs)
     for stage, count in zip(stages, kernel_counts(view.flops, view.activation_bytes)):
         kernels[stage] += count
-    batch_from = ("auto.global_batch" if rt.config.get("auto.global_batch") else
-                  "the model's inputs" if view.batch else
-                  "assumed: neither the model's inputs nor auto.global_batch declare one")
     return Predicted(costs, hardware, planning_batch(rt, view),
-                     tuple(KERNELS_PER_OP * LAUNCH_S * k for k in kernels), batch_from,
-                     view.compute_dtype)
+                     tuple(KERNELS_PER_OP * LAUNCH_S * k for k in kernels),
+                     batch_from(rt, bool(view.batch)), view.compute_dtype)
 
 
 def costed(plan: Plan, predicted: Predicted) -> Plan:
     """``plan`` with the estimate of ``predicted`` for its assumed batch, and
     each TaskGraph's."""
-    hw, dtype = predicted.hardware, predicted.compute_dtype
     devices = {d for tg in plan.task_graphs for d in tg.devices}
-    assumptions = {
-        "device": hw.name, "devices": len(devices), "devices_per_node": hw.devices_per_node,
-        "compute_dtype": dtype, "peak_dtype": hw.peak_name(dtype), "peak_tflops": hw.peak(dtype),
-        "efficiency": hw.efficiency, "memory_gbps": hw.memory_gbps, "memory_gb": hw.memory_gb,
-        "optimizer_slots": predicted.costs.optimizer_slots, "global_batch": predicted.batch,
-        "batch_from": predicted.batch_from}
+    said = assumptions(predicted.hardware, predicted.compute_dtype, len(devices),
+                       predicted.costs.optimizer_slots, predicted.batch, predicted.batch_from)
     estimate, parts = plan_estimate(plan, predicted.costs, predicted.launch_s, predicted.batch,
-                                    hw, assumptions)
+                                    predicted.hardware, said)
     return dataclasses.replace(
         plan, estimate={**plan.estimate, **estimate},
         task_graphs=tuple(dataclasses.replace(tg, estimate=part)

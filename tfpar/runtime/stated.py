@@ -8,6 +8,7 @@ left out would make it much faster (``say_how_it_was_found``).
 from typing import Any, Dict, List, Optional, Sequence
 
 from tfpar import fallback
+from tfpar.cluster.hardware import Hardware
 from tfpar.ir.outcome import Outcome
 from tfpar.ir.plan import TaskGraphPlan
 from tfpar.planner.candidate import Candidate
@@ -17,7 +18,8 @@ from tfpar.planner.meshes import meshes_named
 from tfpar.planner.roofline import LOW_PRECISION
 from tfpar.planner.verdicts import candidate_rows, memory_parts
 
-__all__ = ["estimate_of", "memory_per_device", "say_how_it_was_found", "say_stage_cut"]
+__all__ = ["assumptions", "batch_from", "estimate_of", "memory_per_device",
+           "say_how_it_was_found", "say_stage_cut"]
 
 _MORE = "Raise auto.search_time_limit_s"
 
@@ -67,20 +69,35 @@ def _assumed(candidate: Candidate, rt) -> Dict[str, Any]:
     dtype = LOW_PRECISION if candidate.techniques.mixed_precision else record.dtype
     model, again = candidate.flops
     device_seconds = candidate.step_time_s * record.num_devices * 1e12
-    batch_from = ("auto.global_batch" if rt.config.get("auto.global_batch") else
-                  "the model's inputs" if record.batch_known else
-                  "assumed: neither the model's inputs nor auto.global_batch declare one")
-    return {"assumptions": {
-        "device": hardware.name, "devices": record.num_devices,
-        "devices_per_node": hardware.devices_per_node, "compute_dtype": dtype,
-        "peak_dtype": hardware.peak_name(dtype), "peak_tflops": hardware.peak(dtype),
-        "efficiency": hardware.efficiency, "memory_gbps": hardware.memory_gbps,
-        "memory_gb": hardware.memory_gb, "optimizer_slots": record.optimizer_slots,
-        "global_batch": record.global_batch, "batch_from": batch_from},
-        "flops_per_step": model, "recomputed_flops_per_step": again,
+    return {"assumptions": assumptions(hardware, dtype, record.num_devices,
+                                       record.optimizer_slots, record.global_batch,
+                                       batch_from(rt, record.batch_known)),
+            "flops_per_step": model, "recomputed_flops_per_step": again,
         "model_tflops_per_device": model / device_seconds if device_seconds else 0.0,
         "hardware_tflops_per_device": (model + again) / device_seconds if device_seconds
         else 0.0}
+
+
+def assumptions(hardware: Hardware, dtype: str, devices: int, slots: float, batch: int,
+                said_batch: str) -> Dict[str, Any]:
+    """What an estimate assumes (``estimate.assumptions``, the summary's
+    ``assumes:`` line): ``devices`` of ``hardware`` computing in ``dtype``,
+    ``slots`` optimizer slots per weight, a global ``batch`` (from where
+    ``said_batch`` says)."""
+    return {"device": hardware.name, "devices": devices,
+            "devices_per_node": hardware.devices_per_node, "compute_dtype": dtype,
+            "peak_dtype": hardware.peak_name(dtype), "peak_tflops": hardware.peak(dtype),
+            "efficiency": hardware.efficiency, "memory_gbps": hardware.memory_gbps,
+            "memory_gb": hardware.memory_gb, "optimizer_slots": slots,
+            "global_batch": batch, "batch_from": said_batch}
+
+
+def batch_from(rt, known: bool) -> str:
+    """Where the batch an estimate assumes comes from (``known``: the model's
+    inputs declare one)."""
+    return ("auto.global_batch" if rt.config.get("auto.global_batch") else
+            "the model's inputs" if known else
+            "assumed: neither the model's inputs nor auto.global_batch declare one")
 
 
 def _found(candidate: Candidate) -> Dict[str, Any]:
