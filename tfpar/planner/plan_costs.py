@@ -52,11 +52,11 @@ def plan_estimate(plan: Plan, costs: StageCosts, launch_s: Sequence[float], batc
     on_device = device_memory(plan, said)
     comm = [allreduce(len(tg.replicas), tg.param_bytes, hardware.bandwidth(len(tg.replicas)))
             for tg in plan.task_graphs]
-    fullest = max(on_device, key=on_device.get)
+    fullest = _fullest_parts(plan, costs, said, max(on_device, key=on_device.get))
     estimate = {"step_time_s": _pipeline_s(plan, said, costs, batch, hardware)
                 + max(c.seconds for c in comm),
                 "memory_bytes_per_device": [on_device[d] for d in sorted(on_device)],
-                "memory": _fullest_parts(plan, costs, said, fullest),
+                "memory": fullest,
                 "comm_bytes": sum(c.bytes for c in comm),
                 "memory_techniques": [], "assumptions": assumptions}
     return estimate, [{"time_s": t, "memory_bytes": m, "comm_bytes": c.bytes}

@@ -49,14 +49,14 @@ def predict(analysed: Analysed, rt: Runtime, plan: Plan, stage_of) -> Predicted:
     model's ops."""
     order, view = analysed.view
     hardware = prediction_hardware(rt)
+    batch, said_batch = planning_batch(rt, view), batch_from(rt, bool(view.batch))
     stages = [stage_of.get(op, 0) for op in order]
     costs = stage_costs(view, stages, len(plan.task_graphs), 1.0, hardware)
     kernels = [0] * len(plan.task_graphs)
     for stage, count in zip(stages, kernel_counts(view.flops, view.activation_bytes)):
         kernels[stage] += count
-    return Predicted(costs, hardware, planning_batch(rt, view),
-                     tuple(KERNELS_PER_OP * LAUNCH_S * k for k in kernels),
-                     batch_from(rt, bool(view.batch)), view.compute_dtype)
+    return Predicted(costs, hardware, batch, tuple(KERNELS_PER_OP * LAUNCH_S * k for k in kernels),
+                     said_batch, view.compute_dtype)
 
 
 def costed(plan: Plan, predicted: Predicted) -> Plan:

@@ -69,9 +69,9 @@ def _assumed(candidate: Candidate, rt) -> Dict[str, Any]:
     dtype = LOW_PRECISION if candidate.techniques.mixed_precision else record.dtype
     model, again = candidate.flops
     device_seconds = candidate.step_time_s * record.num_devices * 1e12
+    said_batch = batch_from(rt, record.batch_known)
     return {"assumptions": assumptions(hardware, dtype, record.num_devices,
-                                       record.optimizer_slots, record.global_batch,
-                                       batch_from(rt, record.batch_known)),
+                                       record.optimizer_slots, record.global_batch, said_batch),
             "flops_per_step": model, "recomputed_flops_per_step": again,
         "model_tflops_per_device": model / device_seconds if device_seconds else 0.0,
         "hardware_tflops_per_device": (model + again) / device_seconds if device_seconds
