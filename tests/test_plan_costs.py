@@ -113,3 +113,30 @@ def test_a_plan_estimate_by_hand():
     assert (estimate["comm_bytes"], parts) == (0, [
         {"time_s": 12.5, "memory_bytes": 440.0, "comm_bytes": 0},
         {"time_s": 24.5, "memory_bytes": 840.0, "comm_bytes": 0}])
+
+
+def test_interleaved_stages_keep_their_device_groups_activations_not_one_f_one_bs():
+    """Four stages dealt to 2 devices (V = 2: stages 0 and 2 on CPU:0, 1 and
+    3 on CPU:1), 4 micro-batches of an 8-row batch (2 rows each), 10, 20, 30
+    and 40 activation bytes a row: a micro-batch keeps 20, 40, 60 and 80.
+    CPU:0 runs F0 F0 F2 F2 F0 before its first backward (B2), holding 20 +
+    20 + 60 + 60 + 20 = 180 bytes, its peak (SC'21 §2.2: G V + G - 1 = 5
+    chunks); CPU:1 runs F1 F1 F3, holding 40 + 40 + 80 = 160, before B3, and
+    never more. Each stage gets its part of its group's peak: 180 x 20/80 =
+    45 and 135, 160 x 40/120 and 160 x 80/120. With 400 bytes of weights,
+    gradients and Adam slots a stage, the devices hold 980 and 960 bytes;
+    1F1B over four stages would keep 4, 3, 2 and 1 micro-batches (80 + 120
+    on CPU:0 and 120 + 80 on CPU:1: 1000 bytes each)."""
+    costs = StageCosts(forward_s=(1.0,) * 4, param_bytes=(100.0,) * 4,
+                       activation_bytes=(10.0, 20.0, 30.0, 40.0), transfer_s=0.0,
+                       cut_bytes=8.0, optimizer_slots=2.0)
+    tgs = tuple(TaskGraphPlan(f"s{i}", "replicate", 1, ((CPU + str(i % 2),),), num_ops=10,
+                              param_bytes=100) for i in range(4))
+    plan = Plan(task_graphs=tgs, data_parallel_degree=1, num_micro_batch=4, schedule="1f1b",
+                virtual_stages=2)
+    memory = [m for _, m in per_task_graph(plan, costs, (0.0,) * 4, 8)]
+    assert memory == pytest.approx([445, 400 + 160 * 40 / 120, 535, 400 + 160 * 80 / 120])
+    hardware = Hardware("link", tflops=1.0, memory_gb=1, intra_node_gbps=1,
+                        inter_node_gbps=1, efficiency=1.0)
+    estimate, _ = plan_estimate(plan, costs, (0.0,) * 4, 8, hardware, {})
+    assert estimate["memory_bytes_per_device"] == pytest.approx([980, 960])

@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 from tfpar.cluster.hardware import Hardware
 from tfpar.ir.plan import Plan
 from tfpar.planner.comm import LATENCY_S, allreduce
+from tfpar.planner.interleaved import group_peaks
 from tfpar.planner.memory import state_parts
 from tfpar.planner.stage_costs import StageCosts
 from tfpar.planner.step_model import in_flight
@@ -26,18 +27,33 @@ def per_task_graph(plan: Plan, costs: StageCosts, launch_s: Sequence[float],
     and its peak bytes per device (weights, gradients and optimizer slots,
     plus the activations of the micro-batches its schedule keeps alive),
     from ``costs`` of one row."""
-    stages = len(plan.task_graphs)
-    group = plan.group_size if isinstance(plan.group_size, int) else 1
     said = []
-    for s, tg in enumerate(plan.task_graphs):
+    for s, (tg, kept) in enumerate(zip(plan.task_graphs, _activations(plan, costs, batch))):
         degree = _shards(tg)
-        rows = batch / len(tg.replicas)
-        alive = in_flight(plan.schedule, group, stages, s, plan.num_micro_batch)
-        time_s = ((costs.forward_s[s] + costs.backward_s[s]) * rows / degree
+        time_s = ((costs.forward_s[s] + costs.backward_s[s]) * batch / len(tg.replicas) / degree
                   + launch_s[s] * plan.num_micro_batch)
-        kept = costs.activation_bytes[s] * rows / plan.num_micro_batch * alive
         said.append((time_s, (costs.fixed_bytes[s] + kept) / degree))
     return said
+
+
+def _activations(plan: Plan, costs: StageCosts, batch: int) -> List[float]:
+    """Per TaskGraph, the activation bytes of its replica's peak: a
+    micro-batch's times the micro-batches its schedule keeps alive
+    (``step_model.in_flight``). With interleaved stages, a device group's
+    peak is found by walking its task order (``interleaved.group_peaks``, as
+    the search counts it) and each of the group's stages is given the part of
+    it its micro-batch's bytes are of the group's."""
+    stages, micro = len(plan.task_graphs), plan.num_micro_batch
+    one = [costs.activation_bytes[s] * batch / len(tg.replicas) / micro
+           for s, tg in enumerate(plan.task_graphs)]
+    if plan.virtual_stages > 1:
+        groups = stages // plan.virtual_stages
+        peaks = group_peaks(one, groups, micro)
+        held = [sum(one[g::groups]) for g in range(groups)]
+        return [peaks[s % groups] * k / held[s % groups] if held[s % groups] else 0.0
+                for s, k in enumerate(one)]
+    group = plan.group_size if isinstance(plan.group_size, int) else 1
+    return [k * in_flight(plan.schedule, group, stages, s, micro) for s, k in enumerate(one)]
 
 
 def plan_estimate(plan: Plan, costs: StageCosts, launch_s: Sequence[float], batch: int,
