@@ -7,7 +7,9 @@ import random
 
 import pytest
 
-from equivalence import assert_equivalent, deep_mlp, make_data, plan_of, train
+import tensorflow as tf
+
+from equivalence import assert_equivalent, deep_mlp, layer, make_data, plan_of, train
 from proof import TRACER
 
 from tfpar.cluster.hardware import Hardware
@@ -24,6 +26,7 @@ from tfpar.planner.step_model import Space, StageModel, best_setting
 from tfpar.planner.verdicts import candidate_rows
 
 DATA = make_data(steps=3, batch=8)
+CPU = "/job:localhost/replica:0/task:0/device:CPU:"
 
 
 def stage(compute_s, kept=0.0):
@@ -189,3 +192,49 @@ def _walked(kept, groups, micro):
             peak = max(peak, held)
         peaks.append(peak)
     return peaks
+
+
+def layered_mlp(layers):
+    """``deep_mlp`` of keras-style layers (``tf.compat.v1.layers.dense``,
+    whose activation a split pattern applies to each shard)."""
+    def build(x, y):
+        h = x
+        for i in range(layers):
+            h = layer(h, 8, f"layer{i}", seed=i, activation=tf.nn.tanh)
+        loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(y, layer(h, 3, "logits", seed=9))
+        return loss, tf.compat.v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+    return build
+
+
+def split_described(gbps, memory_bytes=2 ** 30):
+    """Two device groups of a 10-layer MLP on 4 devices slow at compute,
+    holding ``memory_bytes`` each, with a link of ``gbps``."""
+    return {"auto.auto_parallel": True, "auto.num_task_graph": 2, "cluster.num_devices": 4,
+            "pipeline.num_micro_batch": 2, "pipeline.schedule": "1f1b",
+            "cluster.hardware": [{"name": "slow", "tflops": 3e-5,
+                                  "memory_gb": memory_bytes / 2 ** 30, "intra_node_gbps": gbps}]}
+
+
+@pytest.mark.filterwarnings("ignore:.*they are copies of its ops:tfpar.FallbackWarning")
+def test_split_stages_interleave_too_and_the_pinned_plan_trains_as_one_device():
+    """Tensor x pipeline x virtual stages: devices with 85% of the memory a
+    data parallel pipeline needs force every stage split over 2 devices;
+    the fast link and slow compute make the bubble worth interleaving (2
+    micro-batches: a step of 1F1B is 3 stage shares, interleaved 2.5): 4
+    split stages, 2 per group (CPU:0-1 runs 0 and 2). Pinned, the model is
+    built so and trains with the numbers of one device, every stage where
+    planned; on a slow link the search does not interleave."""
+    build = layered_mlp(10)
+    data_parallel = plan_of(build, split_described(0.001))
+    assert not data_parallel.sharding
+    tight = 0.85 * max(data_parallel.estimate["memory_bytes_per_device"])
+    plan = plan_of(build, split_described(100.0, tight))
+    assert (plan.sharding["tensor_degree"], plan.virtual_stages) == (2, 2)
+    groups = [tg.replicas for tg in plan.task_graphs]
+    assert groups == [((CPU + "0", CPU + "1"),), ((CPU + "2", CPU + "3"),)] * 2
+    pinned = {**split_described(100.0, tight), "plan": plan.to_dict()}
+    assert_equivalent(train(build, DATA), train(build, DATA, pinned))
+    built = plan_of(build, pinned)
+    assert built.virtual_stages == 2 and [tg.replicas for tg in built.task_graphs] == groups
+    slow = plan_of(build, split_described(0.001, tight))
+    assert (slow.sharding["tensor_degree"], slow.virtual_stages) == (2, 1)

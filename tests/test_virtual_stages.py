@@ -8,8 +8,9 @@ across its stages."""
 import pytest
 import tensorflow as tf
 
-from equivalence import assert_equivalent, train
+from equivalence import assert_equivalent, layer, train
 from proof import TRACER
+from test_split import DATA as SPLIT_DATA, scope
 from tied_gpt import FOUR, gpt, token_data
 
 import tfpar as wh
@@ -19,6 +20,7 @@ from tfpar.ir.simulate import simulate
 
 v1 = tf.compat.v1
 DATA = token_data(batch=8)
+CPU = "/job:localhost/replica:0/task:0/device:CPU:"
 INTERLEAVED = {"cluster.num_devices": 2, "pipeline.num_micro_batch": 4,
                "pipeline.virtual_stages": 2}
 
@@ -94,3 +96,50 @@ def test_virtual_stages_need_rounds_of_micro_batches_and_1f1b():
         train(gpt(FOUR), DATA, {**INTERLEAVED, "pipeline.num_micro_batch": 3})
     with pytest.raises(wh.ConfigError, match="pipeline.virtual_stages"):
         wh.init({**INTERLEAVED, "pipeline.schedule": "gpipe"})
+
+
+def _split_stages(tfpar, stages=4):
+    """An MLP of ``stages`` layers, each in its own ``wh.split(2)`` scope."""
+    def build(x, y):
+        h = x
+        for i in range(stages - 1):
+            with scope(tfpar, "split", 2):
+                h = layer(h, 12, f"fc{i}", seed=i + 1, activation=tf.nn.tanh)
+        with scope(tfpar, "split", 2):
+            logits = layer(h, 10, "logits", seed=9)
+            loss = v1.losses.sparse_softmax_cross_entropy(y, logits)
+        return loss, v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+    return build
+
+
+@pytest.mark.filterwarnings("ignore:.*they are copies of its ops:tfpar.FallbackWarning")
+def test_split_stages_interleave_on_their_device_groups():
+    """Tensor x pipeline x virtual stages: four split(2) stages on 4 devices,
+    V = 2, are built on the device group each is dealt to (stages 0 and 2
+    sharded over CPU:0-1, 1 and 3 over CPU:2-3: known as each scope opens,
+    2 groups of 2 devices), train as plain TF and run where planned."""
+    config = {"cluster.num_devices": 4, "pipeline.num_micro_batch": 2,
+              "pipeline.virtual_stages": 2}
+    result = train(_split_stages(True), SPLIT_DATA, config)
+    entry, = TRACER.graphs.values()
+    plan = entry.plan
+    assert [tg.replicas for tg in plan.task_graphs] == [((CPU + "0", CPU + "1"),),
+                                                        ((CPU + "2", CPU + "3"),)] * 2
+    assert plan.virtual_stages == 2 and [tg.strategy for tg in plan.task_graphs] == ["split"] * 4
+    # Each group's tasks are chained across its stages in interleaved order:
+    # CPU:0-1 runs stage 0's F0 F1, stage 2's F0 F1 B0 B1, stage 0's B0 B1.
+    task_of = {op: (s, kind + str(m)) for (_, s, kind, m), members in entry.rewrite.task_ops.items()
+               for op in members}
+    waits = {barrier.name.split("/")[-1]: {task_of.get(op) for op in barrier.control_inputs}
+             for _, barrier in entry.rewrite.schedule_edges}
+    assert waits["before_s2_d0_F0"] == {(0, "F1")} and waits["before_s0_d0_B0"] == {(2, "B1")}
+    assert waits["before_s3_d0_F0"] == {(1, "F1")} and waits["before_s1_d0_B0"] == {(3, "B1")}
+    assert_equivalent(train(_split_stages(False), SPLIT_DATA), result)
+
+
+def test_split_stages_that_do_not_fill_the_groups_say_how_many_to_build():
+    """Three split(2) stages cannot be dealt to 2 groups of 2 devices, V = 2."""
+    with pytest.raises(wh.AnnotationError, match="virtual_stages 2"):
+        train(_split_stages(True, 3), SPLIT_DATA, {"cluster.num_devices": 4,
+                                                  "pipeline.num_micro_batch": 2,
+                                                  "pipeline.virtual_stages": 2})

@@ -6,6 +6,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from tfpar.cluster.hardware import Hardware
 from tfpar.ir.outcome import Outcome
 from tfpar.planner.candidate import ALL_TECHNIQUES, Candidate, Part
+from tfpar.planner.choice import TOLERANCE
 from tfpar.planner.comm import Cost, allreduce
 from tfpar.planner.interleaved import virtual_stage_counts
 from tfpar.planner.layers import layer_graph, subgraph
@@ -93,20 +94,29 @@ class MeshCosting:
 
     def interleaved(self, base: Candidate) -> List[Candidate]:
         """``base``'s mesh with V = 2, 4, ... stages per device group
-        (``interleaved.virtual_stage_counts``) under interleaved 1F1B: for
-        a pipeline whose stages are not split, when 1F1B is searched, at
-        the micro-batch counts that are a multiple of its groups."""
-        p = base.pipeline
-        if base.tensor > 1 or p == 1 or "1f1b" not in self.schedules:
+        (``interleaved.virtual_stage_counts``) under interleaved 1F1B, when
+        1F1B is searched, at the micro-batch counts that are a multiple of
+        its groups: a pipeline's stages, or with tensor splits its sharded
+        stages (each of the G V on its group's t devices). Tried only when
+        ``base`` is more than ``choice.TOLERANCE`` slower than its groups'
+        mean busy seconds: no schedule of the same work on G groups is
+        faster than that, and the chooser keeps the fewer stages of a
+        candidate within TOLERANCE of a faster one."""
+        p, t = base.pipeline, base.tensor
+        mean_busy = sum(part.seconds for part in base.parts) / p
+        if (p == 1 or "1f1b" not in self.schedules
+                or base.step_time_s <= (1 + TOLERANCE) * mean_busy):
             return []
-        d = self.num_devices // p
+        d = self.num_devices // (p * t)
         rows = self.global_batch / d
         counts = [m for m in micro_batch_counts(max(int(rows), 1), self.num_micro_batch)
                   if m % p == 0]
         if not counts:
             return []
-        return [self._unsplit(p, d, rows, counts, v)
-                for v in virtual_stage_counts(p, stage_units(self.model))]
+        made = (self._unsplit(p, d, rows, counts, v) if t == 1
+                else self._split(t, p, d, rows, counts, v)
+                for v in virtual_stage_counts(p, stage_units(self.model)))
+        return [candidate for candidate in made if candidate is not None]
 
     def _setting(self, stages: Sequence[StageModel], d: int, rows: float, counts: Sequence[int],
                  cut: float, bandwidth: float,
@@ -182,8 +192,8 @@ class MeshCosting:
                       in zip(best.stage_seconds, best.memory_bytes, models))
         return self._made(best, faster, d, 1, p, tuple(stages), parts)
 
-    def _split(self, t: int, p: int, d: int, rows: float,
-               counts: Sequence[int]) -> Optional[Candidate]:
+    def _split(self, t: int, p: int, d: int, rows: float, counts: Sequence[int],
+               virtual: int = 1) -> Optional[Candidate]:
         """Data x ``t`` x ``p``: without a pipeline, the sharding search on the
         whole layer graph (layers may stay data parallel); with one, the stages
         of ``partition_stages``, each on its own d x t devices with every layer
@@ -192,11 +202,13 @@ class MeshCosting:
         micro-batch (the given count, else the whole batch) of a replica of
         the tensor-only mesh to fit the device (when nothing fits so, with
         its weights, gradients and optimizer slots alone: micro-batches and
-        recomputation shrink activations), then evaluated at every setting."""
+        recomputation shrink activations), then evaluated at every setting.
+        With ``virtual`` stages per device group, the cut is of p V stages."""
         layers, hardware, model = self.layers, self.hardware, self.model
-        op_stages = self.stages_of(p).stages
+        op_stages = self.stages_of(p * virtual).stages
         stage_of = [op_stages[layer.ops[0]] for layer in layers.layers]  # non-decreasing
-        groups = [[i for i, stage in enumerate(stage_of) if stage == s] for s in range(p)]
+        groups = [[i for i, stage in enumerate(stage_of) if stage == s]
+                  for s in range(p * virtual)]
         if not all(groups):
             return None
         graphs = [subgraph(layers, members) for members in groups] if p > 1 else [layers]
@@ -208,7 +220,8 @@ class MeshCosting:
         models = [self._split_stage(shape, graph, c, t, p, d)
                   for shape, graph, c in zip(shapes, graphs, chosen)]
         cut = sum(size for i, j, size in layers.edges if stage_of[i] != stage_of[j])
-        best, faster = self._setting(models, d, rows, counts, cut, _scattered(hardware, t, p))
+        best, faster = self._setting(models, d, rows, counts, cut, _scattered(hardware, t, p),
+                                     virtual)
         final = rows / best.micro_batches
         parts, split, stages = [], [], []
         for s, (shape, graph, candidates) in enumerate(zip(shapes, graphs, chosen)):

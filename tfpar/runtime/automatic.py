@@ -254,7 +254,7 @@ def sharded_plan(automatic: Automatic, rt: Runtime, index: GraphIndex,
     position = {op: i for i, op in enumerate(automatic.order)}
     if best.split_stages:
         runs = [(True, [op for op in automatic.order if best.stages[position[op]] == s])
-                for s in range(best.pipeline)]
+                for s in range(best.pipeline * best.virtual_stages)]
     else:
         runs: List[Tuple[bool, List[ops.Operation]]] = []
         backward = next((i for i, op in enumerate(index.ops)
@@ -274,7 +274,8 @@ def sharded_plan(automatic: Automatic, rt: Runtime, index: GraphIndex,
                                      if op in position)) for _, members in runs]}
     config = rt.config.replace({"plan": None, "cluster.colocate_split_and_replicate":
                                 not best.split_stages, **_chosen_pipeline(best)})
-    plan = plan_from_annotations(specs, rt.devices, config, stats)
+    plan = plan_from_annotations(specs, rt.devices, config, stats,
+                                 virtual_stages=best.virtual_stages)
     part_of = {automatic.order[i]: part for part in best.parts for i in part.ops}
     task_graphs = tuple(
         dataclasses.replace(

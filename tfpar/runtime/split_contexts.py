@@ -27,13 +27,27 @@ def make_split_context(capture: GraphCapture, spec: TaskGraphSpec, rt: Runtime,
     choices on the dense units named after those layers, unless
     ``split.patterns`` names them."""
     if devices is None:
-        devices = assign_devices([(s.name, s.device_count) for s in capture.task_graphs],
-                                 rt.devices, rt.config.get("cluster.colocate_split_and_replicate")
-                                 ).virtual_devices[-1][0]
+        devices = _opened_on(capture, rt)
     return SplitContext(spec.name, devices, rt.config.get("split.patterns"),
                         capture.sharded_tensors, shard_shares(rt, spec.index, devices),
                         {scope: how for scope, how in (planned or {}).items()
                          if how in ("column", "row")})
+
+
+def _opened_on(capture: GraphCapture, rt: Runtime) -> Sequence[str]:
+    """The devices of the TaskGraph just opened, given those opened before
+    it; with ``pipeline.virtual_stages``, its device group's, groups of its
+    size taking TaskGraphs in turn over all the devices (SC'21 §2.2: the
+    number of groups is known before the scopes after it are)."""
+    specs = capture.task_graphs
+    virtual = rt.config.get("pipeline.virtual_stages")
+    if virtual > 1:
+        size = specs[-1].device_count or len(rt.devices)
+        group = (len(specs) - 1) % max(len(rt.devices) // size, 1)
+        return rt.devices[group * size:(group + 1) * size]
+    return assign_devices([(s.name, s.device_count) for s in specs], rt.devices,
+                          rt.config.get("cluster.colocate_split_and_replicate")
+                          ).virtual_devices[-1][0]
 
 
 def setup_capture(capture: GraphCapture) -> None:
