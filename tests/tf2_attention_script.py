@@ -8,12 +8,14 @@ DEVICES 0 trains plainly; otherwise ``wh.init({"cluster.num_devices":
 DEVICES})`` comes first and MODE says how the model is parallel: ``split``
 (the default: the transformer block is made and called in ``wh.split()`` and
 the layers before and after it in ``wh.replicate()``), ``replicas`` (no
-scopes: data parallelism) or ``stages`` (the embeddings in one
+scopes: data parallelism), ``sequence`` (as ``split``, with
+``split.sequence_parallel``) or ``stages`` (the embeddings in one
 ``wh.replicate(1)`` stage, the rest in another, 4 micro-batches).
 Saves a ``tf.train.Checkpoint`` of the model and its optimizer in DIR and
 prints one JSON line: the losses, every value of that checkpoint
 (split weights and their optimizer slots are saved whole under their
-single-device keys), the devices that ran work in the step's placed graphs,
+single-device keys), the devices that ran work in the step's placed graphs
+(and those that ran LayerNormalization moments),
 the plan's devices, TaskGraphs (strategy, device count) and the split
 TaskGraph's patterns, and the devices of the attention kernels' shards.
 """
@@ -36,6 +38,7 @@ def stage():
 
 
 MODES = {"split": ((wh.split, wh.replicate), {}), "replicas": ((), {}),
+         "sequence": ((wh.split, wh.replicate), {"split.sequence_parallel": True}),
          "stages": ((stage, stage, contextlib.nullcontext), {"pipeline.num_micro_batch": 4})}
 
 
@@ -56,8 +59,11 @@ def main(devices: int, heads: int, directory: str, mode: str = "split") -> dict:
     attention = block(model).attention
     projections = (attention._query_dense, attention._key_dense, attention._value_dense,
                    attention._output_dense)
-    return {"losses": losses, "saved": saved,
-            "devices": working_devices(context.context().export_run_metadata()),
+    metadata = context.context().export_run_metadata()
+    return {"losses": losses, "saved": saved, "devices": working_devices(metadata),
+            "norm_devices": sorted({node.device for function in metadata.function_graphs
+                                    for graph in function.partition_graphs for node in graph.node
+                                    if "layer_normalization/moments" in node.name}),
             "planned": planned_devices() if devices else [],
             "strategies": strategies() if devices else [],
             "patterns": [tg.patterns for tg in wh.current_plan().task_graphs

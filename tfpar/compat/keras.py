@@ -7,7 +7,8 @@ from keras.src import backend, constraints, initializers as keras_initializers, 
 from keras.src.engine import base_layer, functional, training_v1
 from keras.src.layers.attention import multi_head_attention as keras_attention
 from keras.src.layers.core import dense as keras_dense, einsum_dense as keras_einsum_dense
-from keras.src.layers.normalization import batch_normalization
+from keras.src.layers.normalization import batch_normalization, layer_normalization
+from keras.src.layers.regularization import dropout as keras_dropout
 from keras.src.legacy_tf_layers import base as legacy_layers
 from keras.src.optimizers import optimizer as keras_optimizer
 from keras.src.optimizers.legacy import optimizer_v2 as keras_optimizer_v2

@@ -22,7 +22,8 @@ layers are ``split_layer_patches``'.
 * ``gen_math_ops.mat_mul`` (``tf.matmul``) and ``gen_linalg_ops.einsum``
   (``tf.einsum``) on split operands: contraction patterns;
 * elementwise activations (relu, tanh, sigmoid) of a split tensor act on its
-  shards, so it stays split.
+  shards, so it stays split (along the sequence too: ``sequence_patches``
+  keeps the rest of a sequence-parallel region split).
 """
 import functools
 import inspect
@@ -32,6 +33,7 @@ from tfpar.compat.tf import (gen_array_ops, gen_linalg_ops, gen_math_ops, gen_nn
                              special_math_ops, tensor_util, variable_scope)
 from tfpar.errors import ShardingError
 from tfpar.hooks.patching import PatchSet
+from tfpar.hooks.sequence_patches import add_sequence_patches
 from tfpar.hooks.split_layer_patches import add_split_layer_patches
 from tfpar.hooks.split_scope import open_split_context
 from tfpar.ir.sharding import ShardingUnit
@@ -50,6 +52,7 @@ __all__ = ["add_split_patches"]
 
 def add_split_patches(patches: PatchSet) -> None:
     add_split_layer_patches(patches)
+    add_sequence_patches(patches)
     patches.add(gen_nn_ops, "sparse_softmax_cross_entropy_with_logits",
                 lambda original: _wrap_xent(original, sparse=True))
     patches.add(gen_nn_ops, "softmax_cross_entropy_with_logits",
@@ -228,7 +231,7 @@ def _dispatch(ctx, kind, equation, operands, fallback):
 def _wrap_elementwise(original):
     def elementwise(x, name=None):
         ctx = open_split_context()
-        sharded = ctx.lookup(x) if ctx is not None else None
+        sharded = ctx.lookup(x, sequence=True) if ctx is not None else None
         if sharded is None:
             return original(x, name=name)
         with ctx.building():
@@ -236,5 +239,5 @@ def _wrap_elementwise(original):
             for shard, device in zip(sharded.shards, ctx.devices):
                 with ops.device(device):
                     shards.append(original(shard))
-            return ctx.sharded(shards, sharded.axis)
+            return ctx.sharded(shards, sharded.axis, sharded.sequence)
     return elementwise

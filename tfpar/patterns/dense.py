@@ -5,7 +5,9 @@
   sums the input gradient over devices.
 * ``row`` (Whale SP2): W split by rows; device i multiplies input columns i (a
   local slice, or the shards of a column-split input: column then row needs no
-  gather, as in Megatron) and the partial products are summed. Output whole.
+  gather, as in Megatron) and the partial products are summed. Output whole,
+  or, with ``split.sequence_parallel``, split along its sequence
+  (``sequence.py``: the sum is a reduce-scatter).
 
 The layer's weights keep its regularizers and constraints (``weights.py``); a
 pattern matches only if it splits no axis a constraint needs whole.
@@ -17,6 +19,7 @@ import dataclasses
 from tfpar.compat.tf import dtypes, math_ops, ops
 from tfpar.errors import ShardingError
 from tfpar.ir.sharding import ShardingUnit
+from tfpar.patterns import sequence
 from tfpar.patterns.matcher import choose
 from tfpar.patterns.weights import describe, keeps_whole, whole_axes
 
@@ -50,8 +53,9 @@ class _Column:
         biases = list(bias) if bias is not None else [None] * ctx.size
         shards = []
         for kernel_i, bias_i in zip(kernel, biases):
-            with ops.device(ctx.device_of(kernel_i)):
-                y = math_ops.matmul(x, kernel_i)
+            index = ctx.shard_index(kernel_i)
+            with ops.device(ctx.devices[index]):
+                y = math_ops.matmul(ctx.local(x, index), kernel_i)
                 if bias_i is not None:
                     y = y + bias_i
                 shards.append(layer.activation(y) if layer.activation is not None else y)
@@ -83,16 +87,22 @@ class _Row:
         for kernel_i in kernel:
             index, rows = ctx.shard_index(kernel_i), int(kernel_i.shape[0])
             with ops.device(ctx.devices[index]):
-                x_i = sharded.shards[index] if sharded is not None else x[..., offset:offset + rows]
-                partials.append(math_ops.matmul(x_i, kernel_i))
+                x_i = (sharded.shards[index] if sharded is not None
+                       else ctx.local(x, index)[..., offset:offset + rows])
+                partials.append((index, math_ops.matmul(x_i, kernel_i)))
             offset += rows
         with ops.device(ctx.devices[0]):
-            y = math_ops.add_n(partials)
-            if layer.use_bias:
-                y = y + getter("bias", [units], dtype, layer.bias_initializer, None,
-                               regularizer=layer.bias_regularizer,
-                               constraint=layer.bias_constraint)
+            bias = getter("bias", [units], dtype, layer.bias_initializer, None,
+                          regularizer=layer.bias_regularizer,
+                          constraint=layer.bias_constraint) if layer.use_bias else None
+
+        def finish(y):
+            y = y + bias if bias is not None else y
             return layer.activation(y) if layer.activation is not None else y
+        if sequence.applies(ctx, partials[0][1].shape):
+            return sequence.reduce_scatter(ctx, partials, finish)
+        with ops.device(ctx.devices[0]):
+            return finish(math_ops.add_n([p for _, p in partials]))
 
 
 def _dtype(layer, x):

@@ -8,11 +8,13 @@ The equation's letters say what can be split:
   the heads ``d``); each device computes its slice of the output from the whole
   input, and the output stays split along that letter. A bias holding the
   letter is split with it; another bias is added whole on every device.
+  An input split along its sequence is gathered on each device first.
 * ``row``: W split along a letter it contracts with the input (the attention
   output ``abcd,cde->abe``: the heads ``c``); each device contracts its slice
   of the input (its shard, when the input is split along that letter: column
   then row needs no gather) and the partial outputs are summed; the bias is
-  added once.
+  added once. With ``split.sequence_parallel``, an output whose axis 1 comes
+  from the input is reduce-scattered along it instead (``sequence.py``).
 * ``whole``: an equation that offers neither (a per-feature scale
   ``abc,c->abc``), or weights too narrow for one slice per device, or
   constraints that need the axis whole: the layer computes as on one device,
@@ -28,6 +30,7 @@ from tfpar.compat import keras as keras_internals
 from tfpar.compat.tf import array_ops, dtypes, math_ops, ops, special_math_ops, tensor_shape
 from tfpar.fallback import fall_back
 from tfpar.ir.sharding import ShardingUnit
+from tfpar.patterns import sequence
 from tfpar.patterns.matcher import choose
 from tfpar.patterns.weights import keeps_whole, whole_axes
 
@@ -58,10 +61,12 @@ class _Equation:
             return rest.index(letter) - len(rest)
         return spec.replace("...", "").index(letter)
 
-    def letter_at(self, axis: int, rank: int) -> str:
-        """The input letter at ``axis`` of a rank-``rank`` input, or ''."""
-        letters = self.source.replace("...", "")
-        position = axis - (rank - len(letters)) if self.source.startswith("...") else axis
+    def letter_at(self, axis: int, rank: int, spec: str = "") -> str:
+        """The input's (or ``spec``'s) letter at ``axis`` of a rank-``rank``
+        tensor, or '' (an axis ``...`` stands for)."""
+        spec = spec or self.source
+        letters = spec.replace("...", "")
+        position = axis - (rank - len(letters)) if spec.startswith("...") else axis
         return letters[position] if 0 <= position < len(letters) else ""
 
 
@@ -111,9 +116,10 @@ class _Column(_Split):
         biases = list(bias) if unit.sizes["column"].get("bias") is not None else [bias] * ctx.size
         shards = []
         for kernel_i, bias_i in zip(kernel, biases):
-            with ops.device(ctx.device_of(kernel_i)):
-                shards.append(_finish(layer, special_math_ops.einsum(layer.equation, x, kernel_i),
-                                      bias_i))
+            index = ctx.shard_index(kernel_i)
+            with ops.device(ctx.devices[index]):
+                shards.append(_finish(layer, special_math_ops.einsum(
+                    layer.equation, ctx.local(x, index), kernel_i), bias_i))
         return ctx.sharded(shards, _Equation.axis(equation.output, letter))
 
 
@@ -142,11 +148,15 @@ class _Row(_Split):
                 else:
                     begin, size = [0] * x.shape.rank, [-1] * x.shape.rank
                     begin[axis], size[axis] = offset, rows
-                    x_i = array_ops.slice(x, begin, size)
-                partials.append(special_math_ops.einsum(layer.equation, x_i, kernel_i))
+                    x_i = array_ops.slice(ctx.local(x, index), begin, size)
+                partials.append((index, special_math_ops.einsum(layer.equation, x_i, kernel_i)))
             offset += rows
+        shape = partials[0][1].shape
+        if sequence.applies(ctx, shape) and not set(
+                equation.letter_at(1, shape.rank, equation.output)) & set(equation.kernel):
+            return sequence.reduce_scatter(ctx, partials, lambda y: _finish(layer, y, bias))
         with ops.device(ctx.devices[0]):
-            return _finish(layer, math_ops.add_n(partials), bias)
+            return _finish(layer, math_ops.add_n([p for _, p in partials]), bias)
 
 
 class _Whole:

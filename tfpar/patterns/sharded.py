@@ -9,7 +9,10 @@ TensorFlow creates the slice (``ShardCreation``), from the slice's offset in
 the full variable, never from its name. A sharded tensor is its per-device
 shards plus a full view (their concatenation) that is computed only if
 something outside the patterns reads it (Whale's split bridge: gather along the
-split dimension).
+split dimension). With ``split.sequence_parallel``, a tensor can also be
+sharded along its sequence (``ShardedTensor.sequence``): the patterns that
+split weights see it whole, and read it on each device gathered there
+(``SplitContext.local``).
 """
 import contextlib
 import dataclasses
@@ -27,11 +30,13 @@ __all__ = ["ShardCreation", "ShardedTensor", "SplitContext", "creation_slices",
 @dataclasses.dataclass
 class ShardedTensor:
     """``shards[i]`` on ``devices[i]``, split along ``axis``; ``full`` is the
-    concatenated view (on ``devices[0]``)."""
+    concatenated view (on ``devices[0]``); ``sequence``: split along the
+    sequence (axis 1) by sequence parallelism, not by a weight's split."""
 
     shards: List[tensor_lib.Tensor]
     axis: int
     full: tensor_lib.Tensor
+    sequence: bool = False
 
     @property
     def sizes(self) -> List[tensor_lib.Tensor]:
@@ -51,11 +56,14 @@ class SplitContext:
       decisions: ShardingUnit name -> chosen pattern, in build order.
       shares: per device, its integer weight in every split dimension (mixed
         devices: Whale §3.3.1); empty: even, as TensorFlow partitions.
+      sequence_parallel: ``split.sequence_parallel``; ``sequence_regions``
+        counts the tensors built split along the sequence.
+      graph: the graph it was made in.
     """
 
     def __init__(self, name: str, devices: Sequence[str], forced: Optional[Dict[str, str]],
                  registry: Optional[Dict] = None, shares: Sequence[int] = (),
-                 planned: Optional[Dict[str, str]] = None):
+                 planned: Optional[Dict[str, str]] = None, sequence_parallel: bool = False):
         """``registry``: full view (its ``ref()``) -> (devices, ShardedTensor),
         shared by the split TaskGraphs of a graph, so one on the same devices reads another's shards
         directly (Whale: a gather followed by a partition along the same
@@ -66,6 +74,10 @@ class SplitContext:
         self.forced = dict(forced or {})
         self.planned = dict(planned or {})
         self.decisions: Dict[str, str] = {}
+        self.sequence_parallel = sequence_parallel
+        self.sequence_regions = 0
+        self.graph = ops.get_default_graph()  # the one its fallbacks are noted in
+        self._gathered: Dict = {}
         self._sharded = registry if registry is not None else {}
         self._units: Dict[str, int] = {}
         self._depth = 0
@@ -120,14 +132,15 @@ class SplitContext:
         self._units[base] = count + 1
         return base if count == 0 else f"{base}_{count}"
 
-    def lookup(self, t) -> Optional[ShardedTensor]:
+    def lookup(self, t, sequence: bool = False) -> Optional[ShardedTensor]:
         """The sharded form of ``t``, looking through reshapes that keep the
-        last (split) dimension."""
+        last (split) dimension; one split along the sequence only if
+        ``sequence``."""
         if not isinstance(t, tensor_lib.Tensor):
             return None
         devices, sharded = self._sharded.get(t.ref(), (None, None))
         if sharded is not None and devices == self.devices:
-            return sharded
+            return sharded if sequence or not sharded.sequence else None
         # TensorFlow's cross-entropies flatten logits to [-1, classes]; for a
         # [batch, classes] input that reshape is the identity.
         if t.op.type in ("Reshape", "Identity") and t.shape.rank == 2:
@@ -142,14 +155,29 @@ class SplitContext:
         rank = t.shape.rank if isinstance(t, tensor_lib.Tensor) and t.shape.rank else 0
         return ShardingInfo.split(rank, sharded.axis) if sharded else ShardingInfo.full(rank)
 
-    def sharded(self, shards: List[tensor_lib.Tensor], axis: int) -> tensor_lib.Tensor:
-        """Register ``shards`` (on this TaskGraph's devices) split along ``axis``;
-        returns the full view the user sees."""
+    def sharded(self, shards: List[tensor_lib.Tensor], axis: int,
+                sequence: bool = False) -> tensor_lib.Tensor:
+        """Register ``shards`` (on this TaskGraph's devices) split along ``axis``
+        (the sequence, if ``sequence``); returns the full view the user sees."""
         with ops.device(self.devices[0]):
             full = array_ops.concat(shards, axis, name="gather_shards")
         self._sharded[full.ref()] = (
-            self.devices, ShardedTensor(list(shards), axis % full.shape.rank, full))
+            self.devices, ShardedTensor(list(shards), axis % full.shape.rank, full, sequence))
+        self.sequence_regions += bool(sequence)
         return full
+
+    def local(self, x, index: int):
+        """``x`` as device ``index`` reads it: split along the sequence, its
+        shards concatenated on that device (one device's part of an
+        all-gather), made once; else ``x``."""
+        sharded = self.lookup(x, sequence=True)
+        if sharded is None or not sharded.sequence:
+            return x
+        key = (x.ref(), index)
+        if key not in self._gathered:
+            with ops.device(self.devices[index]):
+                self._gathered[key] = array_ops.concat(sharded.shards, 1, name="gather_sequence")
+        return self._gathered[key]
 
     @contextlib.contextmanager
     def creating_shards(self, shape: Sequence[int], axis: int):

@@ -1,9 +1,11 @@
 """The SplitContexts of split TaskGraphs: their devices and shares, a pinned
-plan's sharded layers built split, and ``split.patterns`` checked."""
+plan's sharded layers built split, and ``split.patterns`` and
+``split.sequence_parallel`` checked."""
 from typing import Dict, Optional, Sequence
 
 from tfpar.cluster.virtual_device import assign_devices
 from tfpar.errors import ConfigError, PlanError
+from tfpar.fallback import fall_back
 from tfpar.hooks.capture import GraphCapture
 from tfpar.ir.plan import pinned_plan
 from tfpar.ir.taskgraph import TaskGraphSpec
@@ -31,7 +33,8 @@ def make_split_context(capture: GraphCapture, spec: TaskGraphSpec, rt: Runtime,
     return SplitContext(spec.name, devices, rt.config.get("split.patterns"),
                         capture.sharded_tensors, shard_shares(rt, spec.index, devices),
                         {scope: how for scope, how in (planned or {}).items()
-                         if how in ("column", "row")})
+                         if how in ("column", "row")},
+                        rt.config.get("split.sequence_parallel"))
 
 
 def _opened_on(capture: GraphCapture, rt: Runtime) -> Sequence[str]:
@@ -71,7 +74,18 @@ def setup_capture(capture: GraphCapture) -> None:
 
 
 def check_forced_units(capture: GraphCapture, rt: Runtime) -> None:
-    """Every ShardingUnit ``split.patterns`` names exists in this graph."""
+    """Every ShardingUnit ``split.patterns`` names exists in this graph; a
+    split TaskGraph asked to run sequence parallel where nothing of it could
+    says so (``fall_back``)."""
+    for ctx in capture.split_contexts.values():
+        if ctx.sequence_parallel and not ctx.sequence_regions:
+            fall_back(
+                f"split.sequence_parallel asked to split TaskGraph '{ctx.name}' along the "
+                "sequence", "nothing of it is: it has no row-parallel layer whose output has "
+                f"a sequence axis (rank 3 or more, axis 1 of a known length of at least "
+                f"{ctx.size}), so every such output is summed whole",
+                "Give its layers [batch, sequence, features] inputs of a static sequence "
+                "length, or set split.sequence_parallel false to silence this", ctx.graph)
     forced = rt.config.get("split.patterns") or {}
     known = {name for ctx in capture.split_contexts.values() for name in ctx.decisions}
     unknown = sorted(set(forced) - known)
