@@ -119,9 +119,11 @@ SCHEMA = {
                                 "static batch of the model's inputs, else 32"),
     "auto.search_time_limit_s": Option("float", 60.0, _POSITIVE, "planner search time limit"),
     "auto.memory_techniques": Option(
-        "list", [], ("a list of 'recompute', 'zero', 'mixed_precision', 'offload'",
-                     lambda v: set(v) <= {"recompute", "zero", "mixed_precision", "offload"}),
-        "memory techniques the planner may choose"),
+        "list", [], ("a list of 'recompute', 'zero', 'mixed_precision', 'offload', "
+                     "'sequence_parallel'", lambda v: set(v) <= {
+                         "recompute", "zero", "mixed_precision", "offload", "sequence_parallel"}),
+        "memory techniques the planner may choose (sequence_parallel: for split meshes, when "
+        "it makes the step faster or makes it fit)"),
     "auto.split_heads": Option("bool", False, (),
                                "tensor groups may split attention cores by heads (Megatron's "
                                "attention; for plans only: tfpar cannot build it yet)"),

@@ -78,7 +78,8 @@ class Plan:
         ``auto.num_task_graph``'s plans too say ``stage_search``).
       sharding: what the sharding search chose (``auto.auto_parallel``):
         ``tensor_degree`` and ``layers``, name scope -> sharding candidate
-        (``planner.sharding``); pinned, those layers are built split.
+        (``planner.sharding``), and ``sequence_parallel`` when the search
+        chose it; pinned, those layers are built split (sequence parallel).
       batch_shares: per replica of the model, its integer weight in the global
         batch (rows in proportion, ``balance.hardware_aware`` on mixed
         devices: Whale §3.3.1); empty: even rows.
@@ -250,7 +251,9 @@ class Plan:
                 [f"{unit} -> {pattern}" for tg in group
                  for unit, pattern in sorted(tg.patterns.items())])]
         if self.sharding:
-            lines.append(f"sharded layers (tensor degree {self.sharding['tensor_degree']}): "
+            sequence = ", sequence parallel" if self.sharding.get("sequence_parallel") else ""
+            lines.append(f"sharded layers (tensor degree {self.sharding['tensor_degree']}"
+                         f"{sequence}): "
                          + ", ".join(numbered([f"{scope} -> {how}" for scope, how
                                                in self.sharding["layers"].items()])))
         for tg in self.task_graphs:

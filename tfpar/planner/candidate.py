@@ -69,7 +69,9 @@ class Candidate:
     allowed them all and it is faster. ``virtual_stages``: interleaved 1F1B
     with that many stages per device (``stages`` then numbers G V of them,
     ``pipeline`` G); ``bubble_s`` and ``transfer_s``: how much of its step
-    is bubble and waiting for transfers (``step_model.Setting``'s)."""
+    is bubble and waiting for transfers (``step_model.Setting``'s);
+    ``sequence_parallel``: its split TaskGraphs run sequence parallel
+    (``split.sequence_parallel``)."""
 
     data: int
     pipeline: int
@@ -95,6 +97,7 @@ class Candidate:
     virtual_stages: int = 1
     bubble_s: float = 0.0
     transfer_s: float = 0.0
+    sequence_parallel: bool = False
 
     @property
     def stage_count(self) -> int:
@@ -112,4 +115,5 @@ class Candidate:
             self.schedule, f", {self.schedule}")
         used = self.techniques.describe()
         return (f"data {self.data} x tensor {self.tensor} x pipeline {self.pipeline}{micro}"
-                + schedule + (f", {used}" if used != "none" else ""))
+                + schedule + (", sequence parallel" if self.sequence_parallel else "")
+                + (f", {used}" if used != "none" else ""))

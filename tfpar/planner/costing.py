@@ -1,5 +1,12 @@
 """Costing one (data, tensor, pipeline) mesh of the automatic search: its
-stages cut, its layers sharded, every setting estimated (no TensorFlow)."""
+stages cut, its layers sharded, every setting estimated (no TensorFlow).
+
+Sequence parallelism (``auto.memory_techniques`` "sequence_parallel") is
+costed on a split mesh's chosen sharding too (``sharding_costs``: the same
+step, fewer activations kept) and taken when its best setting is faster (it
+spares recomputation, or fits fewer micro-batches) or fits where the
+setting without it does not; otherwise not, so dropout masks stay one
+device's."""
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -217,15 +224,19 @@ class MeshCosting:
         if sharded is None:
             return None
         chosen, outcome = sharded
-        models = [self._split_stage(shape, graph, c, t, p, d)
-                  for shape, graph, c in zip(shapes, graphs, chosen)]
         cut = sum(size for i, j, size in layers.edges if stage_of[i] != stage_of[j])
-        best, faster = self._setting(models, d, rows, counts, cut, _scattered(hardware, t, p),
-                                     virtual)
+        best, faster, sequence = None, None, False
+        for sequence_parallel in (False, True)[:1 + ("sequence_parallel" in self.techniques)]:
+            models = [self._split_stage(shape, graph, c, t, p, d, sequence_parallel)
+                      for shape, graph, c in zip(shapes, graphs, chosen)]
+            setting = self._setting(models, d, rows, counts, cut, _scattered(hardware, t, p),
+                                    virtual)
+            if best is None or _relieves(setting[0], best, self.capacity):
+                (best, faster), sequence = setting, sequence_parallel
         final = rows / best.micro_batches
         parts, split, stages = [], [], []
         for s, (shape, graph, candidates) in enumerate(zip(shapes, graphs, chosen)):
-            plan = self._plan(shape, graph, candidates, t, p, d, final, p == 1)
+            plan = self._plan(shape, graph, candidates, t, p, d, final, p == 1, sequence)
             for layer, c, cost, memory in zip(graph.layers, candidates, plan.layer_costs,
                                               plan.layer_memory):
                 parts.append(Part(cost.seconds * best.micro_batches, memory,
@@ -239,7 +250,7 @@ class MeshCosting:
                 op_stage[op] = stage_of[i]
         return self._made(best, faster, d, t, p, tuple(op_stage), tuple(parts),
                           split_scopes=tuple(split), split_stages=tuple(stages),
-                          sharding_search=outcome)
+                          sharding_search=outcome, sequence_parallel=sequence)
 
     def _sharded(self, shapes, graphs, t: int, p: int, d: int):
         """Each of ``graphs``' (of ``shapes``) sharding candidates and how
@@ -284,39 +295,41 @@ class MeshCosting:
         return None
 
     def _problem(self, graph, t: int, p: int, d: int, rows: float,
-                 gradients: bool = False) -> Problem:
+                 gradients: bool = False, sequence: bool = False) -> Problem:
         return Problem(graph, Mesh(d * t, t, rows * d, self.hardware, self.model.compute_dtype),
-                       split_only=p > 1, gradients=gradients)
+                       split_only=p > 1, gradients=gradients, sequence_parallel=sequence)
 
     def _plan(self, shape, graph, candidates: Sequence[str], t: int, p: int, d: int,
-              rows: float, gradients: bool = False):
-        """``Problem.plan`` of ``graph`` (of ``shape``) as ``candidates``, made
-        once for the stages of one shape (a pipeline's middle stages)."""
-        key = (shape, tuple(candidates), t, p, d, rows, gradients)
+              rows: float, gradients: bool = False, sequence: bool = False):
+        """``Problem.plan`` of ``graph`` (of ``shape``) as ``candidates`` (with
+        sequence parallelism if ``sequence``), made once for the stages of
+        one shape (a pipeline's middle stages)."""
+        key = (shape, tuple(candidates), t, p, d, rows, gradients, sequence)
         if key not in self.plans:
-            self.plans[key] = self._problem(graph, t, p, d, rows, gradients).plan(candidates,
-                                                                                 False)
+            self.plans[key] = self._problem(graph, t, p, d, rows, gradients,
+                                            sequence).plan(candidates, False)
         return self.plans[key]
 
     def _split_stage(self, shape, graph, candidates: Sequence[str], t: int, p: int,
-                     d: int) -> StageModel:
+                     d: int, sequence: bool = False) -> StageModel:
         """``graph`` (of ``shape``) sharded as ``candidates``, as a
         ``StageModel`` (affine in the rows: evaluated at one and two rows per
         replica), made once for the stages of one shape."""
-        key = (shape, tuple(candidates), t, p, d)
+        key = (shape, tuple(candidates), t, p, d, sequence)
         if key not in self.stage_models:
-            self.stage_models[key] = self._stage_model(shape, graph, candidates, t, p, d)
+            self.stage_models[key] = self._stage_model(shape, graph, candidates, t, p, d,
+                                                       sequence)
         return self.stage_models[key]
 
     def _stage_model(self, shape, graph, candidates: Sequence[str], t: int, p: int,
-                     d: int) -> StageModel:
-        one = self._plan(shape, graph, candidates, t, p, d, 1.0)
-        two = self._plan(shape, graph, candidates, t, p, d, 2.0)
+                     d: int, sequence: bool = False) -> StageModel:
+        one = self._plan(shape, graph, candidates, t, p, d, 1.0, sequence=sequence)
+        two = self._plan(shape, graph, candidates, t, p, d, 2.0, sequence=sequence)
         compute = self._problem(graph, t, p, d, 1.0).compute_seconds(candidates)
         per_row = two.step_time_s - one.step_time_s
         params = one.weight_memory / graph.state_per_weight
         if p == 1:
-            with_grads = self._plan(shape, graph, candidates, t, p, d, 1.0, gradients=True)
+            with_grads = self._plan(shape, graph, candidates, t, p, d, 1.0, True, sequence)
             grads = Cost(with_grads.step_time_s - one.step_time_s,
                          with_grads.comm_bytes - one.comm_bytes)
         else:
@@ -328,6 +341,13 @@ class MeshCosting:
                           one.step_time_s - per_row + self._launches(ops), params, grads,
                           **self._terms(ops, activations / unsplit))
 
+
+
+def _relieves(setting: Setting, plain: Setting, capacity: float) -> bool:
+    """Whether ``setting`` (with sequence parallelism) beats ``plain``: a
+    shorter step, or it fits where ``plain`` does not."""
+    return (setting.step_time_s < plain.step_time_s
+            or plain.peak_memory > capacity >= setting.peak_memory)
 
 
 def _total(values: Sequence[float], ops: Sequence[int]) -> float:

@@ -29,6 +29,15 @@ Resharding an edge costs an all-gather (``B``->``W``, ``F``->``W``) forward and
 its transpose backward (Megatron's f / g operators for ``W``->``F``). Step time
 is the sum (Rhino's objective); memory per device is weights x4 (weights,
 gradients, two optimizer slots) plus the activations kept for backward.
+
+Sequence parallelism (``Problem.sequence_parallel``; Korthikanti et al. 2022,
+§4.2.2) keeps 1/t of what a tensor group otherwise keeps whole on each of
+its t devices between a row-parallel output and the next column-parallel
+input: the kept output of a ``row`` layer, and of every ``whole`` elementwise
+or ``other`` layer (layer norms, dropout, residual adds; the model does not
+tell a layer with a sequence axis from one without). Its communication is
+the ``row`` all-reduce's: a reduce-scatter and an all-gather move the same
+bytes, so the step time is unchanged.
 """
 import dataclasses
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -98,12 +107,14 @@ class Problem:
     ``gradients``: count the gradient all-reduces (a pipeline stage's, once
     per step, are counted by its caller); ``limit_activations``: whether the
     memory limit counts activations (else weights, gradients and slots);
-    ``split_heads``: attention cores may run on a group's heads (``heads``)."""
+    ``split_heads``: attention cores may run on a group's heads (``heads``);
+    ``sequence_parallel``: the module docstring's."""
 
     def __init__(self, graph: LayerGraph, mesh: Mesh, split_only: bool = False,
                  gradients: bool = True, limit_activations: bool = True,
-                 split_heads: bool = False):
+                 split_heads: bool = False, sequence_parallel: bool = False):
         self.graph, self.mesh = graph, mesh
+        self.sequence_parallel = sequence_parallel
         self.split_only, self.gradients = split_only, gradients
         self.limit_activations, self.split_heads = limit_activations, split_heads
         self.rows_device = mesh.batch / mesh.devices
@@ -197,8 +208,11 @@ class Problem:
         weights = layer.param_bytes / (t if candidate in SHARDED else 1)
         if not activations:
             return self.graph.state_per_weight * weights
-        return (self.graph.state_per_weight * weights
-                + layer.activation_bytes * self.rows(candidate, kept=True))
+        rows = self.rows(candidate, kept=True)
+        if self.sequence_parallel and (candidate == "row" or candidate == "whole"
+                                       and layer.kind in ("elementwise", "other")):
+            rows /= t
+        return self.graph.state_per_weight * weights + layer.activation_bytes * rows
 
     def memory(self, chosen: Sequence[str]) -> float:
         """Bytes per device the memory limit applies to."""

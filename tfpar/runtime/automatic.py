@@ -286,6 +286,8 @@ def sharded_plan(automatic: Automatic, rt: Runtime, index: GraphIndex,
                                      for op in members if op in part_of}.values()))
         for tg, (split, members) in zip(plan.task_graphs, runs))
     sharding = {"tensor_degree": best.tensor, "layers": layers}
+    if best.sequence_parallel:
+        sharding["sequence_parallel"] = True
     if best.split_stages:
         sharding["stages"] = {scope: stage for (scope, _), stage
                               in zip(best.split_scopes, best.split_stages)}

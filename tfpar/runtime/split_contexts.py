@@ -34,7 +34,8 @@ def make_split_context(capture: GraphCapture, spec: TaskGraphSpec, rt: Runtime,
                         capture.sharded_tensors, shard_shares(rt, spec.index, devices),
                         {scope: how for scope, how in (planned or {}).items()
                          if how in ("column", "row")},
-                        rt.config.get("split.sequence_parallel"))
+                        rt.config.get("split.sequence_parallel")
+                        or bool(pinned_sharding(rt).get("sequence_parallel")))
 
 
 def _opened_on(capture: GraphCapture, rt: Runtime) -> Sequence[str]:

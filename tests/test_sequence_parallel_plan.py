@@ -1,0 +1,84 @@
+"""Sequence parallelism in the planner (issue 45): its memory term worked out
+by hand (Korthikanti et al. 2022, Table 2), and the search choosing it where
+memory forces it, and only there."""
+import dataclasses
+
+from test_expert_plans import DGX_A100
+from test_head_split import gpt_view
+
+from tfpar.ir.plan import Plan
+from tfpar.planner.auto import search_all
+from tfpar.planner.layers import Layer, LayerGraph
+from tfpar.planner.sharding_costs import Mesh, Problem
+
+# A transformer layer as Korthikanti et al. count its activations (16-bit
+# bytes per sequence, in units of s h): layer norm 1 keeps its input and
+# output, the Q K V input (2 + 2); the Q K V projection its Q, K, V (6); the
+# attention core its a s^2 tensors (5 a s / h) and the output projection's
+# input (2); the output projection its dropout mask (1); layer norm 2 (2 + 2);
+# the first MLP layer its 4h output (8); GeLU its output (8); the second
+# its dropout mask (1). Together 34 + 5 a s / h.
+S, H, A = 8, 16, 4  # sequence, hidden, heads: s h = 128, 5 a s / h = 10
+LAYER = (("ln1", "other", "whole", 4), ("qkv", "matmul", "column", 6),
+         ("core", "attention", "heads", 2 + 5 * A * S / H), ("proj", "matmul", "row", 1),
+         ("ln2", "other", "whole", 4), ("fc1", "matmul", "column", 8),
+         ("gelu", "elementwise", "shards", 8), ("fc2", "matmul", "row", 1))
+
+
+def layer_memory(t, sequence_parallel):
+    """Activation bytes per device of one sequence (batch 1) through LAYER on
+    a tensor group of ``t``, weightless."""
+    layers = tuple(Layer(name, kind, 0.0, 0.0, units * S * H, 0.0, 0.0, (i,), (name,))
+                   for i, (name, kind, _, units) in enumerate(LAYER))
+    problem = Problem(LayerGraph(layers, ()), Mesh(t, t, 1.0, DGX_A100),
+                      sequence_parallel=sequence_parallel)
+    return problem.memory([candidate for _, _, candidate, _ in LAYER])
+
+
+def test_activation_memory_per_layer_is_korthikantis():
+    """s b h (34 + 5 a s / h) = 128 x 44 = 5632 on one device; tensor 4:
+    s b h (10 + 24 / t + 5 a s / (h t)) = 128 x (10 + 6 + 2.5) = 2368 (the
+    layer norms' 4 + 4 and the two dropout masks' 1 + 1 whole on every
+    device); with sequence parallelism s b h / t (34 + 5 a s / h) = 128 x 11
+    = 1408."""
+    assert layer_memory(1, False) == 5632
+    assert layer_memory(4, False) == 2368
+    assert layer_memory(4, True) == 1408
+    assert layer_memory(1, True) == 5632  # nothing to split over one device
+
+
+def tensor_2(memory_gb, techniques):
+    """The tensor 2 x pipeline 2 candidate for a GPT of 2 layers (hidden
+    1024, 16 heads, 8 sequences of 512 tokens, 16 bits) on 4 devices."""
+    view = dataclasses.replace(gpt_view(layers=2, hidden=1024, heads=16, seq=512),
+                               compute_dtype="fp16")
+    small = dataclasses.replace(DGX_A100, memory_gb=memory_gb)
+    candidates = search_all(view, 4, small, 8, 1, pipeline=2, split_heads=True,
+                            techniques=techniques)
+    return next(c for c in candidates if c.tensor == 2)
+
+
+def test_the_search_runs_sequence_parallel_where_memory_forces_it_and_only_there():
+    """With 2 GiB the split stages fit either way, at the same step time:
+    not chosen (dropout masks stay one device's). With 0.5 GiB (537 MB) the
+    fullest stage needs 579 MB without it, recomputation allowed or not
+    (the search found no setting that fits); with it 462 MB (its layer norms',
+    dropouts' and residual sums' activations at 1/2), which fits, at the
+    same step time."""
+    roomy = tensor_2(2.0, ("recompute", "sequence_parallel"))
+    assert not roomy.sequence_parallel and roomy.memory_bytes == 579035136
+    plain = tensor_2(0.5, ("recompute",))
+    chosen = tensor_2(0.5, ("recompute", "sequence_parallel"))
+    assert not plain.sequence_parallel and plain.memory_bytes > 0.5 * 2 ** 30
+    assert chosen.sequence_parallel and chosen.techniques.recompute == "none"
+    assert round(chosen.memory_bytes) == 461570048 <= 0.5 * 2 ** 30
+    assert chosen.step_time_s == roomy.step_time_s == plain.step_time_s
+    assert chosen.describe() == "data 1 x tensor 2 x pipeline 2, sequence parallel"
+
+
+def test_a_plan_says_its_split_task_graphs_run_sequence_parallel():
+    plan = Plan((), 1, sharding={"tensor_degree": 2, "layers": {"h0/mlp/c_fc": "column"},
+                                 "sequence_parallel": True})
+    assert "sharded layers (tensor degree 2, sequence parallel): h0/mlp/c_fc -> column" \
+        in plan.summary()
+    assert plan.to_dict()["sharding"]["sequence_parallel"] is True
