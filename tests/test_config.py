@@ -71,7 +71,7 @@ def test_defaults():
         "pipeline": {"num_micro_batch": 1, "schedule": "auto", "task_functions": True,
                      "group_size": 1, "virtual_stages": 1, "retune_steps": 100,
                      "retune_tolerance": 0.05},
-        "split": {"patterns": None},
+        "split": {"patterns": None, "sequence_parallel": False},
         "auto": {"auto_parallel": False, "num_task_graph": None, "opt_level": "O2",
                  "global_batch": None, "search_time_limit_s": 60.0, "memory_techniques": [],
                  "split_heads": False, "planning_pass": True},

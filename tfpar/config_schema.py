@@ -102,10 +102,10 @@ SCHEMA = {
     "split.patterns": Option("dict|None", None, (),
                              "ShardingUnit name -> sharding pattern the matcher must use"),
     "split.sequence_parallel": Option(
-        "bool", False, (), "sequence parallelism (Korthikanti et al. 2022, §4.2.2): a "
-        "row-parallel layer's [batch, sequence, ...] output is reduce-scattered along the "
-        "sequence, the residual adds, LayerNormalization and Dropout after it run on each "
-        "device's sequence slice, and the next column-parallel layer all-gathers it: their "
+        "bool", False, (), "sequence parallelism (Korthikanti et al. 2022, §4.2.2): the "
+        "[batch, sequence, ...] output of a row split layer is summed by a reduce scatter "
+        "along the sequence, the residual adds, LayerNormalization and Dropout after it run "
+        "on each device's sequence slice, and the next column split layer gathers it: their "
         "activations are divided by the split's device count, the communication is the same"),
     "auto.auto_parallel": Option("bool", False, (), "let the planner choose TaskGraphs"),
     "auto.num_task_graph": Option("int|None", None, _at_least(1),
