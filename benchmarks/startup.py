@@ -22,7 +22,12 @@ step), is trained in each configuration:
     then 4 ``wh.replicate(1)`` stages (the embeddings in the first, the tied
     projection and the loss in the last) with 8 and 32 micro-batches;
   * ``gpt5_m8``: the GPT in 5 scopes on 4 devices, the embeddings in a scope of
-    their own (the first two scopes share a device), 8 micro-batches.
+    their own (the first two scopes share a device), 8 micro-batches;
+  * ``keras_plain``, ``keras_split2``, ``keras_split2_sp``: the encoder's
+    blocks as Keras layers (``MultiHeadAttention``, ``LayerNormalization``,
+    ``Dense``), plain TF, then in one ``wh.split(2)`` on 2 devices (Megatron's
+    split), then with ``split.sequence_parallel`` (norms and residual adds on
+    each device's half of the sequence).
 
 Every configuration runs in its own fresh process (no TF caches shared), given
 ``--timeout`` seconds; one that times out or fails reports n/a and misses its
@@ -44,7 +49,8 @@ each against the plain TF run of its model. Targets (``TARGETS``, at most):
 pipe4_m8 start-up / plain 3; pipe4v2_m8 start-up / plain 3; pipe4_m32 /
 pipe4_m8 start-up 1.5; pipe4_m8 step /
 plain 1.3; pipe4_m32 / pipe4_m8 ops 1.10; gpt4_m8 start-up / gpt_plain 3;
-gpt4_m32 / gpt4_m8 ops 1.10; gpt5_m8 start-up / gpt_plain 3. ``--check`` prints PASS/FAIL per target and exits
+gpt4_m32 / gpt4_m8 ops 1.10; gpt5_m8 start-up / gpt_plain 3; keras_split2_sp
+start-up / keras_split2 1.3. ``--check`` prints PASS/FAIL per target and exits
 1 when one is missed or a configuration's losses differ from its plain run's.
 Progress goes to stderr.
 
@@ -88,11 +94,16 @@ CONFIGS = {
     **{f"gpt4_m{m}": ({"cluster.num_devices": 4, "pipeline.num_micro_batch": m}, 4, STAGES,
                       "gpt") for m in (8, 32)},
     "gpt5_m8": ({"cluster.num_devices": 4, "pipeline.num_micro_batch": 8}, 4, STAGES, "gpt5"),
+    "keras_plain": (None, 1, 0, "keras"),
+    "keras_split2": ({"cluster.num_devices": 2}, 2, 0, "keras"),
+    "keras_split2_sp": ({"cluster.num_devices": 2, "split.sequence_parallel": True}, 2, 0,
+                        "keras"),
 }
+PLAIN = {"transformer": "plain", "gpt": "gpt_plain", "gpt5": "gpt_plain", "keras": "keras_plain"}
 TARGETS = {"startup_m8_plain": 3.0, "startup_v2_m8_plain": 3.0, "startup_m32_m8": 1.5,
            "step_m8_plain": 1.3,
            "ops_m32_m8": 1.10, "gpt_startup_m8_plain": 3.0, "gpt_ops_m32_m8": 1.10,
-           "gpt5_startup_m8_plain": 3.0}
+           "gpt5_startup_m8_plain": 3.0, "keras_startup_sp_split": 1.3}
 SIZES = {"layers": (12, 2, f"transformer layers (>= {STAGES // 2})"),
          "hidden": (256, 32, f"hidden size (a multiple of {HEADS} heads)"),
          "seq": (64, 8, "sequence length"), "batch": (64, 32, "global batch (a multiple of 32)"),
@@ -194,6 +205,27 @@ def build_gpt(args, stages, embedding_alone=False):
     return feed, loss, v1.train.AdamOptimizer(1e-4).minimize(loss)
 
 
+def build_keras(args, split):
+    """(feeds of a batch, loss, train_op): the encoder's blocks as Keras
+    layers, in ``wh.split(2)`` when ``split``; MSE loss, Adam."""
+    x = v1.placeholder(tf.float32, [None, args.seq, args.hidden], name="x")
+    target = v1.placeholder(tf.float32, [None, args.seq, args.hidden], name="target")
+    tf.keras.utils.set_random_seed(0)
+    layers = tf.keras.layers
+    h = x
+    with wh.split(2) if split else contextlib.nullcontext():
+        for _ in range(args.layers):
+            a = layers.LayerNormalization()(h)
+            h = h + layers.MultiHeadAttention(HEADS, args.hidden // HEADS)(a, a)
+            f = layers.Dense(4 * args.hidden, activation="gelu")(layers.LayerNormalization()(h))
+            h = h + layers.Dense(args.hidden)(f)
+    loss = tf.reduce_mean(tf.square(layers.LayerNormalization()(h) - target))
+    rng = np.random.RandomState(0)
+    feed = {t: rng.randn(args.batch, args.seq, args.hidden).astype(np.float32)
+            for t in (x, target)}
+    return feed, loss, v1.train.AdamOptimizer(1e-4).minimize(loss)
+
+
 def run_worker(name, args):
     """Build and train configuration ``name`` in this process; its measurements as a dict."""
     tfpar_config, devices, stages, model = CONFIGS[name]
@@ -202,8 +234,11 @@ def run_worker(name, args):
     with graph.as_default():
         if tfpar_config is not None:
             wh.init(tfpar_config)
-        feed, loss, train = (build(args, stages) if model == "transformer"
-                             else build_gpt(args, stages, model == "gpt5"))
+        if model == "keras":
+            feed, loss, train = build_keras(args, tfpar_config is not None)
+        else:
+            feed, loss, train = (build(args, stages) if model == "transformer"
+                                 else build_gpt(args, stages, model == "gpt5"))
         init = v1.global_variables_initializer()
     start = time.perf_counter()
     sess = v1.Session(graph=graph, config=v1.ConfigProto(device_count={"CPU": devices}))
@@ -237,7 +272,7 @@ def same_loss(r, plain) -> bool:
 
 def plain_of(name):
     """The plain TF configuration of ``name``'s model."""
-    return "plain" if CONFIGS[name][3] == "transformer" else "gpt_plain"
+    return PLAIN[CONFIGS[name][3]]
 
 
 def rows_of(results):
@@ -274,7 +309,10 @@ def targets(results):
             ("gpt4_m32 / gpt4_m8 ops", ratio(g32["ops"], g8["ops"]), TARGETS["gpt_ops_m32_m8"]),
             ("gpt5_m8 start-up / gpt_plain",
              ratio(results["gpt5_m8"]["startup_s"], results["gpt_plain"]["startup_s"]),
-             TARGETS["gpt5_startup_m8_plain"])]
+             TARGETS["gpt5_startup_m8_plain"]),
+            ("keras_split2_sp / keras_split2 start-up",
+             ratio(results["keras_split2_sp"]["startup_s"], results["keras_split2"]["startup_s"]),
+             TARGETS["keras_startup_sp_split"])]
 
 
 def print_table(rows, found, args):
