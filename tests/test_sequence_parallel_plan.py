@@ -3,6 +3,10 @@ by hand (Korthikanti et al. 2022, Table 2), and the search choosing it where
 memory forces it, and only there."""
 import dataclasses
 
+import numpy as np
+import tensorflow as tf
+
+from equivalence import assert_equivalent, dense, plan_of, train
 from test_expert_plans import DGX_A100
 from test_head_split import gpt_view
 
@@ -10,6 +14,8 @@ from tfpar.ir.plan import Plan
 from tfpar.planner.auto import search_all
 from tfpar.planner.layers import Layer, LayerGraph
 from tfpar.planner.sharding_costs import Mesh, Problem
+
+v1 = tf.compat.v1
 
 # A transformer layer as Korthikanti et al. count its activations (16-bit
 # bytes per sequence, in units of s h): layer norm 1 keeps its input and
@@ -82,3 +88,44 @@ def test_a_plan_says_its_split_task_graphs_run_sequence_parallel():
     assert "sharded layers (tensor degree 2, sequence parallel): h0/mlp/c_fc -> column" \
         in plan.summary()
     assert plan.to_dict()["sharding"]["sequence_parallel"] is True
+
+
+def sequence_mlp(x, y):
+    """A residual MLP block of Keras layers on [batch, 5, 6] sequences, a
+    LayerNormalization after the residual add, then a pooled head."""
+    h = dense(x, 16, "embed", seed=1)
+    glorot = tf.keras.initializers.GlorotUniform
+    inner = tf.keras.layers.Dense(64, activation="relu", name="fc1",
+                                  kernel_initializer=glorot(seed=2))(h)
+    out = tf.keras.layers.Dense(16, name="fc2", kernel_initializer=glorot(seed=3))(inner)
+    normed = tf.keras.layers.LayerNormalization(name="norm")(h + out)
+    logits = dense(tf.reduce_mean(normed, 1), 3, "logits", seed=4)
+    loss = v1.losses.sparse_softmax_cross_entropy(y, logits)
+    return loss, v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+
+
+def test_a_pinned_plan_with_sequence_parallelism_builds_its_split_task_graph_so():
+    """The searched plan of a memory-bound MLP block (fc1 by columns, fc2 by
+    rows) with ``sequence_parallel`` in its sharding, as a chosen plan carries
+    it, and the residual add and the norm in the tensor group (``whole``, as
+    the search keeps every layer of a pipeline's split stage; here it kept
+    them data parallel): pinned, its split TaskGraph reduce-scatters fc2's
+    output and runs the add and the norm on sequence slices, with one
+    device's numbers."""
+    device = {"name": "small", "tflops": 0.01, "memory_gb": 16}
+    config = {"auto.auto_parallel": True, "cluster.num_devices": 2, "auto.num_task_graph": 1,
+              "cluster.hardware": [device]}
+    need = max(plan_of(sequence_mlp, config, shape=(None, 5, 6)).estimate[
+        "memory_bytes_per_device"])
+    config["cluster.hardware"] = [{**device, "memory_gb": 0.9 * need / 2 ** 30}]
+    plan = plan_of(sequence_mlp, config, shape=(None, 5, 6)).to_dict()
+    assert plan["sharding"]["layers"] == {"fc1": "column", "fc2": "row"}
+    plan["sharding"]["sequence_parallel"] = True
+    plan["sharding"]["layers"].update({"add": "whole", "norm": "whole"})  # as a search keeps them
+    pinned = {**config, "plan": plan}
+    rng = np.random.RandomState(0)
+    data = (rng.randn(3, 8, 5, 6).astype(np.float32), rng.randint(0, 3, (3, 8)).astype(np.int64))
+    assert_equivalent(train(sequence_mlp, data), train(sequence_mlp, data, pinned))
+    built = plan_of(sequence_mlp, pinned, shape=(None, 5, 6))
+    assert built.task_graphs[1].patterns == {"fc1": "column", "fc2": "row",
+                                             "add_v2": "sequence", "norm": "sequence"}
