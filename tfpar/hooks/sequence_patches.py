@@ -6,7 +6,7 @@ subtractions, products and bias adds (residual connections). On anything
 else, or on tensors not split along the sequence, TensorFlow's own runs.
 """
 from tfpar.compat.keras import keras_dropout, layer_normalization
-from tfpar.compat.tf import gen_math_ops, gen_nn_ops
+from tfpar.compat.tf import context, gen_math_ops, gen_nn_ops
 from tfpar.hooks.patching import PatchSet
 from tfpar.hooks.split_scope import open_split_context
 from tfpar.patterns import sequence
@@ -57,6 +57,8 @@ def _wrap_dropout(original):
 
 def _wrap_binary(original):
     def binary(x, y, name=None):
+        if context.executing_eagerly():  # no split scope: the hot path of eager code
+            return original(x, y, name=name)
         return _on_slices(original.__name__, lambda ctx: sequence.binary(ctx, original, x, y),
                           lambda: original(x, y, name=name))
     return binary
