@@ -23,7 +23,7 @@ from tfpar.compat.tf import array_ops, ops, tensor_lib, variables_lib
 from tfpar.errors import ShardingError
 from tfpar.ir.sharding import ShardingInfo
 
-__all__ = ["ShardCreation", "ShardedTensor", "SplitContext", "creation_slices",
+__all__ = ["ShardCreation", "ShardedTensor", "SplitContext", "creation_slices", "names_layer",
            "shard_being_created", "slice_offsets"]
 
 
@@ -119,8 +119,7 @@ class SplitContext:
             return self.forced[unit]
         if unit in self.planned:
             return self.planned[unit]
-        found = [scope for scope in self.planned
-                 if scope.endswith("/" + unit) or unit.endswith("/" + scope)]
+        found = [scope for scope in self.planned if names_layer(unit, scope)]
         if len(found) > 1:
             raise ShardingError(f"tfpar: ShardingUnit '{unit}' could be the pinned plan's layer "
                                 f"{' or '.join(map(repr, found))}; name its layers uniquely")
@@ -263,6 +262,13 @@ class ShardCreation:
 
 
 _creations: List[ShardCreation] = []
+
+
+def names_layer(unit: str, scope: str) -> bool:
+    """Whether ShardingUnit ``unit`` is a pinned plan's layer ``scope``: the
+    same name, or one ends the other (a TF2 step names its ops inside its
+    model's scope)."""
+    return unit == scope or scope.endswith("/" + unit) or unit.endswith("/" + scope)
 
 
 def creation_slices(full_shape: Sequence[int], slice_dim: int, count: int):

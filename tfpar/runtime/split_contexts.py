@@ -9,7 +9,7 @@ from tfpar.fallback import fall_back
 from tfpar.hooks.capture import GraphCapture
 from tfpar.ir.plan import pinned_plan
 from tfpar.ir.taskgraph import TaskGraphSpec
-from tfpar.patterns.sharded import SplitContext
+from tfpar.patterns.sharded import SplitContext, names_layer
 from tfpar.runtime.automatic import pinned_sharding
 from tfpar.runtime.balanced import shard_shares
 from tfpar.runtime.context import Runtime, active
@@ -87,6 +87,7 @@ def check_forced_units(capture: GraphCapture, rt: Runtime) -> None:
                 f"{ctx.size}), so every such output is summed whole",
                 "Give its layers [batch, sequence, features] inputs of a static sequence "
                 "length, or set split.sequence_parallel false to silence this", ctx.graph)
+    _say_unbuilt_plan(capture)
     forced = rt.config.get("split.patterns") or {}
     known = {name for ctx in capture.split_contexts.values() for name in ctx.decisions}
     unknown = sorted(set(forced) - known)
@@ -95,3 +96,23 @@ def check_forced_units(capture: GraphCapture, rt: Runtime) -> None:
             f"split.patterns names {', '.join(map(repr, unknown))}, but no ShardingUnit of this "
             f"graph is called so; its units (layer names as in their variables, or op kinds "
             f"numbered _1, _2...): {', '.join(sorted(known)) or 'none (no wh.split scope)'}")
+
+
+def _say_unbuilt_plan(capture: GraphCapture) -> None:
+    """A pinned plan's column or row layer that no ShardingUnit of its name
+    was built as says so (``fall_back``), with what was built instead."""
+    contexts = list(capture.split_contexts.values())
+    built = {unit: how for ctx in contexts for unit, how in ctx.decisions.items()}
+    planned = {scope: how for ctx in contexts for scope, how in ctx.planned.items()}
+    missed = {scope: how for scope, how in planned.items()
+              if how not in {built[u] for u in built if names_layer(u, scope)}}
+    if missed:
+        fall_back(
+            "the pinned plan splits " + ", ".join(f"'{scope}' by {how}s" for scope, how
+                                                  in sorted(missed.items())),
+            "they were not built so (no ShardingUnit of their names chose it; units built: "
+            + (", ".join(f"{unit} -> {how}" for unit, how in sorted(built.items())) or "none")
+            + "): tf.compat.v1.get_variable in a split scope is split along its first axis "
+            "and its matmul by what that gives", "Build those layers with "
+            "tf.compat.v1.layers.dense or keras Dense, whose split follows the plan",
+            contexts[0].graph)
