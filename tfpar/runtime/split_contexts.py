@@ -1,7 +1,7 @@
 """The SplitContexts of split TaskGraphs: their devices and shares, a pinned
 plan's sharded layers built split, and ``split.patterns`` and
 ``split.sequence_parallel`` checked."""
-from typing import Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from tfpar.cluster.virtual_device import assign_devices
 from tfpar.errors import ConfigError, PlanError
@@ -75,19 +75,10 @@ def setup_capture(capture: GraphCapture) -> None:
 
 
 def check_forced_units(capture: GraphCapture, rt: Runtime) -> None:
-    """Every ShardingUnit ``split.patterns`` names exists in this graph; a
-    split TaskGraph asked to run sequence parallel where nothing of it could
-    says so (``fall_back``)."""
-    for ctx in capture.split_contexts.values():
-        if ctx.sequence_parallel and not ctx.sequence_regions:
-            fall_back(
-                f"split.sequence_parallel asked to split TaskGraph '{ctx.name}' along the "
-                "sequence", "nothing of it is: it has no row-parallel layer whose output has "
-                f"a sequence axis (rank 3 or more, axis 1 of a known length of at least "
-                f"{ctx.size}), so every such output is summed whole",
-                "Give its layers [batch, sequence, features] inputs of a static sequence "
-                "length, or set split.sequence_parallel false to silence this", ctx.graph)
-    _say_unbuilt_plan(capture)
+    """Every ShardingUnit ``split.patterns`` names exists in this graph; what
+    the split TaskGraphs were asked and could not do is said (``fall_back``):
+    running sequence parallel with nothing to split along the sequence, a
+    pinned plan's layer built otherwise."""
     forced = rt.config.get("split.patterns") or {}
     known = {name for ctx in capture.split_contexts.values() for name in ctx.decisions}
     unknown = sorted(set(forced) - known)
@@ -96,23 +87,38 @@ def check_forced_units(capture: GraphCapture, rt: Runtime) -> None:
             f"split.patterns names {', '.join(map(repr, unknown))}, but no ShardingUnit of this "
             f"graph is called so; its units (layer names as in their variables, or op kinds "
             f"numbered _1, _2...): {', '.join(sorted(known)) or 'none (no wh.split scope)'}")
+    for what, why, instead, graph in _unsplit_sequences(capture) + _unbuilt_plan(capture):
+        fall_back(what, why, instead, graph)
 
 
-def _say_unbuilt_plan(capture: GraphCapture) -> None:
-    """A pinned plan's column or row layer that no ShardingUnit of its name
-    was built as says so (``fall_back``), with what was built instead."""
+def _unsplit_sequences(capture: GraphCapture) -> List[Tuple[str, str, str, Any]]:
+    """(what, why, what to do, graph) of each split TaskGraph asked to run
+    sequence parallel where nothing of it could."""
+    return [(f"split.sequence_parallel asked to split TaskGraph '{ctx.name}' along the sequence",
+             "nothing of it is: it has no row-parallel layer whose output has a sequence axis "
+             f"(rank 3 or more, axis 1 of a known length of at least {ctx.size}), so every "
+             "such output is summed whole", "Give its layers [batch, sequence, features] inputs "
+             "of a static sequence length, or set split.sequence_parallel false to silence this",
+             ctx.graph)
+            for ctx in capture.split_contexts.values()
+            if ctx.sequence_parallel and not ctx.sequence_regions]
+
+
+def _unbuilt_plan(capture: GraphCapture) -> List[Tuple[str, str, str, Any]]:
+    """(what, why, what to do, graph) when a pinned plan's column or row
+    layers were built otherwise (no ShardingUnit of their names chose it)."""
     contexts = list(capture.split_contexts.values())
     built = {unit: how for ctx in contexts for unit, how in ctx.decisions.items()}
     planned = {scope: how for ctx in contexts for scope, how in ctx.planned.items()}
     missed = {scope: how for scope, how in planned.items()
               if how not in {built[u] for u in built if names_layer(u, scope)}}
-    if missed:
-        fall_back(
-            "the pinned plan splits " + ", ".join(f"'{scope}' by {how}s" for scope, how
-                                                  in sorted(missed.items())),
-            "they were not built so (no ShardingUnit of their names chose it; units built: "
-            + (", ".join(f"{unit} -> {how}" for unit, how in sorted(built.items())) or "none")
-            + "): tf.compat.v1.get_variable in a split scope is split along its first axis "
-            "and its matmul by what that gives", "Build those layers with "
-            "tf.compat.v1.layers.dense or keras Dense, whose split follows the plan",
-            contexts[0].graph)
+    if not missed:
+        return []
+    return [("the pinned plan splits " + ", ".join(f"'{scope}' by {how}s"
+                                                   for scope, how in sorted(missed.items())),
+             "they were not built so (no ShardingUnit of their names chose it; units built: "
+             + (", ".join(f"{unit} -> {how}" for unit, how in sorted(built.items())) or "none")
+             + "): tf.compat.v1.get_variable in a split scope is split along its first axis "
+             "and its matmul by what that gives", "Build those layers with "
+             "tf.compat.v1.layers.dense or keras Dense, whose split follows the plan",
+             contexts[0].graph)]
