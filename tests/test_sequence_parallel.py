@@ -173,3 +173,33 @@ def test_keras_transformer_block_with_sequence_parallelism_fits_like_one_device_
     assert split["patterns"] == [{**PATTERNS, **SEQUENCE_UNITS}]
     devices = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in (0, 1)]
     assert split["norm_devices"] == devices
+
+
+def pipelined_blocks(tfpar):
+    """Two pre-norm blocks, each in its own split(2) stage (tensor x
+    pipeline on 4 devices), then the pooled head."""
+    def build(x, y):
+        h = x
+        for _ in range(2):
+            with wh.split(2) if tfpar else contextlib.nullcontext():
+                h = block(h)
+        logits = tf.keras.layers.Dense(3, name="head")(tf.reduce_mean(h, 1))
+        loss = v1.losses.sparse_softmax_cross_entropy(y, logits)
+        return loss, v1.train.MomentumOptimizer(0.1, 0.9).minimize(loss)
+    return build
+
+
+@pytest.mark.filterwarnings("ignore:.*they are copies of its ops:tfpar.FallbackWarning")
+def test_split_stages_of_a_pipeline_run_sequence_parallel_and_train_like_one_device():
+    """Each stage reduce-scatters its row outputs over its own 2 devices
+    (CPU:0-1, then CPU:2-3); the second stage reads the first's output
+    whole across the stage boundary; 2 micro-batches."""
+    config = {**CONFIG, "cluster.num_devices": 4, "pipeline.num_micro_batch": 2}
+    data = block_data(6)
+    result = train(pipelined_blocks(True), data, config)
+    graph, = TRACER.graphs
+    sums = [op for op in graph.get_operations() if op.type == "AddN"  # of activations
+            and "gradients" not in op.name and op.outputs[0].shape[0] is None]
+    assert {int(op.outputs[0].shape[1]) for op in sums} == {3}
+    assert {op.device[-1] for op in sums} == set("0123")
+    assert_equivalent(train(pipelined_blocks(False), data), result)
