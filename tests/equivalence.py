@@ -53,14 +53,18 @@ def mlp_classifier(optimizer=lambda: tf.compat.v1.train.GradientDescentOptimizer
     return build
 
 
-def deep_mlp(layers):
+def deep_mlp(layers, make=None):
     """build(x, y) for ``layers`` tanh layers of width 8 and a 3-class head, no
-    scopes (for tfpar's automatic partitions), plain SGD."""
+    scopes (for tfpar's automatic partitions), plain SGD; each layer made by
+    ``make`` (``dense``, matmuls on variables, when None; ``layer``:
+    ``tf.compat.v1.layers.dense``)."""
+    make = make or dense
+
     def build(x, y):
         h = x
         for i in range(layers):
-            h = dense(h, 8, f"layer{i}", seed=i, activation=tf.nn.tanh)
-        loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(y, dense(h, 3, "logits", seed=9))
+            h = make(h, 8, f"layer{i}", seed=i, activation=tf.nn.tanh)
+        loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(y, make(h, 3, "logits", seed=9))
         return loss, tf.compat.v1.train.GradientDescentOptimizer(0.5).minimize(loss)
     return build
 

@@ -7,8 +7,6 @@ import random
 
 import pytest
 
-import tensorflow as tf
-
 from equivalence import assert_equivalent, deep_mlp, layer, make_data, plan_of, train
 from proof import TRACER
 
@@ -194,18 +192,6 @@ def _walked(kept, groups, micro):
     return peaks
 
 
-def layered_mlp(layers):
-    """``deep_mlp`` of keras-style layers (``tf.compat.v1.layers.dense``,
-    whose activation a split pattern applies to each shard)."""
-    def build(x, y):
-        h = x
-        for i in range(layers):
-            h = layer(h, 8, f"layer{i}", seed=i, activation=tf.nn.tanh)
-        loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(y, layer(h, 3, "logits", seed=9))
-        return loss, tf.compat.v1.train.GradientDescentOptimizer(0.5).minimize(loss)
-    return build
-
-
 def split_described(gbps, memory_bytes=2 ** 30):
     """Two device groups of a 10-layer MLP on 4 devices slow at compute,
     holding ``memory_bytes`` each, with a link of ``gbps``."""
@@ -224,7 +210,7 @@ def test_split_stages_interleave_too_and_the_pinned_plan_trains_as_one_device():
     split stages, 2 per group (CPU:0-1 runs 0 and 2). Pinned, the model is
     built so and trains with the numbers of one device, every stage where
     planned; on a slow link the search does not interleave."""
-    build = layered_mlp(10)
+    build = deep_mlp(10, layer)  # tf.compat.v1.layers: split as the plan says
     data_parallel = plan_of(build, split_described(0.001))
     assert not data_parallel.sharding
     tight = 0.85 * max(data_parallel.estimate["memory_bytes_per_device"])
