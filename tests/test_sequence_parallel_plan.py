@@ -4,6 +4,7 @@ memory forces it, and only there."""
 import dataclasses
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from equivalence import assert_equivalent, dense, plan_of, train
@@ -129,3 +130,45 @@ def test_a_pinned_plan_with_sequence_parallelism_builds_its_split_task_graph_so(
     built = plan_of(sequence_mlp, pinned, shape=(None, 5, 6))
     assert built.task_graphs[1].patterns == {"fc1": "column", "fc2": "row",
                                              "add_v2": "sequence", "norm": "sequence"}
+
+
+def keras_blocks(x, y):
+    """Two pre-norm blocks of Keras layers (MultiHeadAttention, a 4 x MLP,
+    LayerNormalization, residual adds), hidden 32, then a pooled head."""
+    tf.keras.utils.set_random_seed(4)
+    for _ in range(2):
+        attention = tf.keras.layers.MultiHeadAttention(2, 16)
+        norm_1, norm_2 = tf.keras.layers.LayerNormalization(), tf.keras.layers.LayerNormalization()
+        up, down = tf.keras.layers.Dense(128, activation="relu"), tf.keras.layers.Dense(32)
+        normed = norm_1(x)
+        x = x + attention(normed, normed)
+        x = x + down(up(norm_2(x)))
+    logits = tf.keras.layers.Dense(3, name="head")(tf.reduce_mean(x, 1))
+    loss = v1.losses.sparse_softmax_cross_entropy(y, logits)
+    return loss, v1.train.MomentumOptimizer(0.1, 0.9).minimize(loss)
+
+
+@pytest.mark.filterwarnings("ignore:.*they are copies of its ops:tfpar.FallbackWarning")
+def test_a_pinned_plan_of_two_keras_attention_layers_builds_each_as_planned():
+    """keras names the projections of every MultiHeadAttention ``query``,
+    ``key``, ``value``: the pinned plan's ``multi_head_attention/query`` and
+    ``multi_head_attention_1/query`` are told apart by the scope the layer is
+    being built in (before: "name its layers uniquely", which keras does not
+    let one do). 299000 bytes a device: a data parallel pipeline needs
+    299920, split stages 298208, so the search splits them; pinned, the
+    model trains with one device's numbers."""
+    shape = (None, 16, 32)
+    config = {"auto.auto_parallel": True, "auto.num_task_graph": 2, "cluster.num_devices": 4,
+              "pipeline.num_micro_batch": 2, "pipeline.schedule": "1f1b", "auto.global_batch": 8,
+              "cluster.hardware": [{"name": "slow", "tflops": 3e-5, "memory_gb": 299000 / 2 ** 30,
+                                    "intra_node_gbps": 100.0}]}
+    plan = plan_of(keras_blocks, config, shape=shape)
+    assert plan.sharding["tensor_degree"] == 2
+    assert {"multi_head_attention/query", "multi_head_attention_1/query"} <= set(
+        plan.sharding["layers"])
+    pinned = {**config, "plan": plan.to_dict()}
+    rng = np.random.RandomState(0)
+    data = (rng.randn(2, 8, 16, 32).astype(np.float32), rng.randint(0, 3, (2, 8)).astype(np.int64))
+    assert_equivalent(train(keras_blocks, data), train(keras_blocks, data, pinned))
+    built = plan_of(keras_blocks, pinned, shape=shape)
+    assert [tg.patterns["query"] for tg in built.task_graphs] == ["column", "column"]

@@ -110,7 +110,9 @@ class SplitContext:
         """The pattern forced on ShardingUnit ``unit``: by ``split.patterns``,
         else by the pinned plan's layer of that name scope (the whole scope,
         or the one scope ending with the unit's name or ending it: a TF2
-        step's ops are named inside its model's scope).
+        step's ops are named inside its model's scope; of several, the one
+        the ops are being built in: keras names the sublayers of every
+        MultiHeadAttention ``query``, ``key``...).
 
         Raises:
           ShardingError: several planned layers end with the unit's name.
@@ -120,6 +122,10 @@ class SplitContext:
         if unit in self.planned:
             return self.planned[unit]
         found = [scope for scope in self.planned if names_layer(unit, scope)]
+        if len(found) > 1:
+            building = ops.get_default_graph().get_name_scope()
+            found = [scope for scope in found if names_layer(building, scope)
+                     or building.startswith(scope + "/")] or found
         if len(found) > 1:
             raise ShardingError(f"tfpar: ShardingUnit '{unit}' could be the pinned plan's layer "
                                 f"{' or '.join(map(repr, found))}; name its layers uniquely")
