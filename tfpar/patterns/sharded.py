@@ -17,13 +17,13 @@ split weights see it whole, and read it on each device gathered there
 import contextlib
 import dataclasses
 import weakref
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Set
 
 from tfpar.compat.tf import array_ops, ops, tensor_lib, variables_lib
 from tfpar.errors import ShardingError
 from tfpar.ir.sharding import ShardingInfo
 
-__all__ = ["ShardCreation", "ShardedTensor", "SplitContext", "creation_slices", "names_layer",
+__all__ = ["ShardCreation", "ShardedTensor", "SplitContext", "creation_slices",
            "shard_being_created", "slice_offsets"]
 
 
@@ -56,6 +56,8 @@ class SplitContext:
       decisions: ShardingUnit name -> chosen pattern, in build order.
       shares: per device, its integer weight in every split dimension (mixed
         devices: Whale §3.3.1); empty: even, as TensorFlow partitions.
+      followed: the pinned plan's layers (``planned``) a unit was forced
+        to build as planned (``forced_pattern``).
       sequence_parallel: ``split.sequence_parallel``; ``sequence_regions``
         counts the tensors built split along the sequence.
       graph: the graph it was made in.
@@ -74,6 +76,7 @@ class SplitContext:
         self.forced = dict(forced or {})
         self.planned = dict(planned or {})
         self.decisions: Dict[str, str] = {}
+        self.followed: Set[str] = set()
         self.sequence_parallel = sequence_parallel
         self.sequence_regions = 0
         self.graph = ops.get_default_graph()  # the one its fallbacks are noted in
@@ -119,17 +122,19 @@ class SplitContext:
         """
         if unit in self.forced:
             return self.forced[unit]
-        if unit in self.planned:
-            return self.planned[unit]
-        found = [scope for scope in self.planned if names_layer(unit, scope)]
+        found = ([unit] if unit in self.planned
+                 else [scope for scope in self.planned if _names_layer(unit, scope)])
         if len(found) > 1:
             building = ops.get_default_graph().get_name_scope()
-            found = [scope for scope in found if names_layer(building, scope)
+            found = [scope for scope in found if _names_layer(building, scope)
                      or building.startswith(scope + "/")] or found
         if len(found) > 1:
             raise ShardingError(f"tfpar: ShardingUnit '{unit}' could be the pinned plan's layer "
                                 f"{' or '.join(map(repr, found))}; name its layers uniquely")
-        return self.planned[found[0]] if found else None
+        if not found:
+            return None
+        self.followed.add(found[0])
+        return self.planned[found[0]]
 
     def unit_name(self, base: str) -> str:
         """A unique ShardingUnit name from a layer / op name."""
@@ -270,7 +275,7 @@ class ShardCreation:
 _creations: List[ShardCreation] = []
 
 
-def names_layer(unit: str, scope: str) -> bool:
+def _names_layer(unit: str, scope: str) -> bool:
     """Whether ShardingUnit ``unit`` is a pinned plan's layer ``scope``: the
     same name, or one ends the other (a TF2 step names its ops inside its
     model's scope)."""

@@ -9,7 +9,7 @@ from tfpar.fallback import fall_back
 from tfpar.hooks.capture import GraphCapture
 from tfpar.ir.plan import pinned_plan
 from tfpar.ir.taskgraph import TaskGraphSpec
-from tfpar.patterns.sharded import SplitContext, names_layer
+from tfpar.patterns.sharded import SplitContext
 from tfpar.runtime.automatic import pinned_sharding
 from tfpar.runtime.balanced import shard_shares
 from tfpar.runtime.context import Runtime, active
@@ -106,18 +106,19 @@ def _unsplit_sequences(capture: GraphCapture) -> List[Tuple[str, str, str, Any]]
 
 def _unbuilt_plan(capture: GraphCapture) -> List[Tuple[str, str, str, Any]]:
     """(what, why, what to do, graph) when a pinned plan's column or row
-    layers were built otherwise (no ShardingUnit of their names chose it)."""
+    layers were built otherwise: no ShardingUnit was forced to their pattern
+    (``SplitContext.followed``)."""
     contexts = list(capture.split_contexts.values())
-    built = {unit: how for ctx in contexts for unit, how in ctx.decisions.items()}
-    planned = {scope: how for ctx in contexts for scope, how in ctx.planned.items()}
-    missed = {scope: how for scope, how in planned.items()
-              if how not in {built[u] for u in built if names_layer(u, scope)}}
+    followed = set().union(*(ctx.followed for ctx in contexts))
+    missed = {scope: how for ctx in contexts for scope, how in ctx.planned.items()
+              if scope not in followed}
     if not missed:
         return []
+    built = sorted({f"{unit} -> {how}" for ctx in contexts for unit, how in ctx.decisions.items()})
     return [("the pinned plan splits " + ", ".join(f"'{scope}' by {how}s"
                                                    for scope, how in sorted(missed.items())),
              "they were not built so (no ShardingUnit of their names chose it; units built: "
-             + (", ".join(f"{unit} -> {how}" for unit, how in sorted(built.items())) or "none")
+             + (", ".join(built) or "none")
              + "): tf.compat.v1.get_variable in a split scope is split along its first axis "
              "and its matmul by what that gives", "Build those layers with "
              "tf.compat.v1.layers.dense or keras Dense, whose split follows the plan",
