@@ -11,7 +11,7 @@ activation, an expert dimension).
 """
 from typing import Callable, List, Optional, Sequence
 
-from tfpar.compat.tf import array_ops, math_ops, ops
+from tfpar.compat.tf import math_ops, ops
 from tfpar.ir.sharding import ShardingUnit
 from tfpar.patterns.matcher import Gather
 from tfpar.patterns.moe import TOKENS, combine_token, index_sizes, reads_weight
@@ -84,7 +84,7 @@ def sharded_contraction(ctx, equation: str, operands: Sequence,
         if sharded is not None:
             per_operand.append(sharded.shards)
         elif letter in spec:
-            per_operand.append(_slices(ctx, x, spec.index(letter), widths))
+            per_operand.append(ctx.cut(x, spec.index(letter), widths))
         else:
             per_operand.append([x] * ctx.size)
     results = []
@@ -97,13 +97,3 @@ def sharded_contraction(ctx, equation: str, operands: Sequence,
         return math_ops.add_n(results)
 
 
-def _slices(ctx, x, axis: int, widths: Sequence[int]) -> List:
-    pieces, offset = [], 0
-    for width, device in zip(widths, ctx.devices):
-        with ops.device(device):
-            begin = [0] * x.shape.rank
-            size = [-1] * x.shape.rank
-            begin[axis], size[axis] = offset, width
-            pieces.append(array_ops.slice(x, begin, size))
-        offset += width
-    return pieces

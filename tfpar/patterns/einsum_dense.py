@@ -27,11 +27,12 @@ import math
 from typing import Dict, Optional
 
 from tfpar.compat import keras as keras_internals
-from tfpar.compat.tf import array_ops, dtypes, math_ops, ops, special_math_ops, tensor_shape
+from tfpar.compat.tf import dtypes, math_ops, ops, special_math_ops, tensor_shape
 from tfpar.fallback import fall_back
 from tfpar.ir.sharding import ShardingUnit
 from tfpar.patterns import sequence
 from tfpar.patterns.matcher import choose
+from tfpar.patterns.sharded import slice_along
 from tfpar.patterns.weights import keeps_whole, whole_axes
 
 __all__ = ["EINSUM_DENSE_PATTERNS", "choose_einsum_dense"]
@@ -146,9 +147,7 @@ class _Row(_Split):
                 if sharded is not None:
                     x_i = sharded.shards[index]
                 else:
-                    begin, size = [0] * x.shape.rank, [-1] * x.shape.rank
-                    begin[axis], size[axis] = offset, rows
-                    x_i = array_ops.slice(ctx.local(x, index), begin, size)
+                    x_i = slice_along(ctx.local(x, index), axis, offset, rows)
                 partials.append((index, special_math_ops.einsum(layer.equation, x_i, kernel_i)))
             offset += rows
         shape = partials[0][1].shape

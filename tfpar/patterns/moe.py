@@ -22,6 +22,7 @@ from typing import Dict, List, Optional, Tuple
 
 from tfpar.compat.tf import array_ops, array_ops_stack, dtypes, math_ops, ops, special_math_ops
 from tfpar.ir.sharding import ShardingUnit
+from tfpar.patterns.sharded import slice_along
 
 __all__ = ["DISPATCH_PATTERNS", "TOKENS", "combine_token", "dispatch_indices",
            "dispatch_unit", "index_sizes", "reads_weight", "tokens_combine", "tokens_dispatch"]
@@ -149,10 +150,8 @@ def tokens_combine(ctx, equation: str, operands, split_operand: int, sharded, to
     for j, device in enumerate(ctx.devices):
         with ops.device(device):
             for i, block in enumerate(rows):
-                begin, size = [0] * block.shape.rank, [-1] * block.shape.rank
-                begin[axis], size[axis] = sum(widths[:j]), widths[j]
                 pair = [None, None]
-                pair[other] = array_ops.slice(block, begin, size)
+                pair[other] = slice_along(block, axis, sum(widths[:j]), widths[j])
                 pair[split_operand] = sharded.shards[j]
                 partials[j][i] = special_math_ops.einsum(equation, *pair)
     outputs = []

@@ -14,7 +14,8 @@ activations.
 """
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from tfpar.compat.tf import array_ops, math_ops, ops
+from tfpar.compat.tf import math_ops, ops
+from tfpar.patterns.sharded import slice_along
 
 __all__ = ["applies", "binary", "per_shard", "reduce_scatter"]
 
@@ -36,12 +37,11 @@ def reduce_scatter(ctx, partials: Sequence[Tuple[int, object]], finish: Callable
     length = int(partials[0][1].shape[1])
     widths = ctx.widths(length)
     offsets = [sum(widths[:i]) for i in range(ctx.size)]
-    rank = partials[0][1].shape.rank
     pieces: List[List] = [[] for _ in range(ctx.size)]
     for index, partial in partials:
         with ops.device(ctx.devices[index]):
             for i, (offset, width) in enumerate(zip(offsets, widths)):
-                pieces[i].append(_cut(partial, 1, offset, width, rank))
+                pieces[i].append(slice_along(partial, 1, offset, width))
     shards = []
     for i, device in enumerate(ctx.devices):
         with ops.device(device):
@@ -100,15 +100,4 @@ def _slices(ctx, t, full, widths: Sequence[int]) -> Optional[List]:
         return [t] * ctx.size
     if t.shape[axis] is None or int(t.shape[axis]) != sum(widths):
         return None
-    parts, offset = [], 0
-    for width, device in zip(widths, ctx.devices):
-        with ops.device(device):
-            parts.append(_cut(t, axis, offset, width, t.shape.rank))
-        offset += width
-    return parts
-
-
-def _cut(t, axis: int, offset: int, width: int, rank: int):
-    begin, size = [0] * rank, [-1] * rank
-    begin[axis], size[axis] = offset, width
-    return array_ops.slice(t, begin, size)
+    return ctx.cut(t, axis, widths)

@@ -24,7 +24,7 @@ from tfpar.errors import ShardingError
 from tfpar.ir.sharding import ShardingInfo
 
 __all__ = ["ShardCreation", "ShardedTensor", "SplitContext", "creation_slices",
-           "shard_being_created", "slice_offsets"]
+           "shard_being_created", "slice_along", "slice_offsets"]
 
 
 @dataclasses.dataclass
@@ -176,6 +176,15 @@ class SplitContext:
         self.sequence_regions += bool(sequence)
         return full
 
+    def cut(self, x, axis: int, widths: Sequence[int]) -> List[tensor_lib.Tensor]:
+        """``x`` cut along ``axis`` into ``widths``, piece i on device i."""
+        pieces, offset = [], 0
+        for width, device in zip(widths, self.devices):
+            with ops.device(device):
+                pieces.append(slice_along(x, axis, offset, width))
+            offset += width
+        return pieces
+
     def local(self, x, index: int):
         """``x`` as device ``index`` reads it: split along the sequence, its
         shards concatenated on that device (one device's part of an
@@ -273,6 +282,13 @@ class ShardCreation:
 
 
 _creations: List[ShardCreation] = []
+
+
+def slice_along(t, axis: int, offset: int, width: int):
+    """``width`` entries of ``t`` from ``offset`` along ``axis``."""
+    begin, size = [0] * t.shape.rank, [-1] * t.shape.rank
+    begin[axis], size[axis] = offset, width
+    return array_ops.slice(t, begin, size)
 
 
 def _names_layer(unit: str, scope: str) -> bool:
