@@ -226,7 +226,8 @@ class MeshCosting:
         chosen, outcome = sharded
         cut = sum(size for i, j, size in layers.edges if stage_of[i] != stage_of[j])
         best, faster, sequence = None, None, False
-        for sequence_parallel in (False, True)[:1 + ("sequence_parallel" in self.techniques)]:
+        tried = (False, True) if "sequence_parallel" in self.techniques else (False,)
+        for sequence_parallel in tried:
             models = [self._split_stage(shape, graph, c, t, p, d, sequence_parallel)
                       for shape, graph, c in zip(shapes, graphs, chosen)]
             setting = self._setting(models, d, rows, counts, cut, _scattered(hardware, t, p),
