@@ -26,13 +26,18 @@ def classifier(classes):
 @pytest.mark.parametrize("classes,devices", [(100000, 8), (8000, 4)])
 def test_wide_head_is_split_and_backbone_replicated(classes, devices):
     """Whale's Example 2 found, not written: the head's weights cost more to
-    all-reduce than its logits cost to keep split."""
+    all-reduce than its logits cost to keep split. (The weightless Tanh
+    before it may join the split group whole: its gather then the column
+    layer's backward all-reduce (Megatron's f) cost about what gathering
+    into the column layer and reduce-scattering its gradient do.)"""
     config = {"auto.auto_parallel": True, "cluster.num_devices": devices}
     plan = plan_of(classifier(classes), config)
     assert plan.sharding["layers"]["logits"] == "column"
     assert "features" not in plan.sharding["layers"]
+    assert set(plan.sharding["layers"]) <= {"Tanh", "logits", "sparse_softmax_cross_entropy_loss"}
     assert [tg.strategy for tg in plan.task_graphs] == ["replicate", "split"]
-    assert f"tensor degree {devices}): logits -> column" in plan.summary()
+    assert f"tensor degree {devices}): " in plan.summary()
+    assert "logits -> column" in plan.summary()
 
 
 def test_the_split_head_plan_trains_like_one_device():

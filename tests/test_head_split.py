@@ -56,28 +56,34 @@ def test_a_weightless_contraction_of_the_inputs_is_no_attention_core():
     assert not any(layer.kind == "attention" for layer in graph.layers)
 
 
-def tensor_8(view, split_heads):
+def tensor_8(view, split_heads, memory_gb=0.15):
     """The tensor-8 candidate on devices too small for the model's ~0.4 GB
     of weights and optimizer state, or for its attention's with only the MLPs
     split (with 0.3 GB, replicas of the attention would beat splitting it:
     the layer norms before a column split run whole on every device)."""
-    small = dataclasses.replace(DGX_A100, memory_gb=0.15)
+    small = dataclasses.replace(DGX_A100, memory_gb=memory_gb)
     candidates = search_all(view, 8, small, 8, 1, pipeline=1, split_heads=split_heads)
     return next(c for c in candidates if c.tensor == 8)
 
 
 def test_heads_split_as_megatron_splits_them():
     """Tensor 8 on a GPT of 16 heads: with ``split_heads`` every core layer
-    runs on its group's heads between c_attn by columns and c_proj by rows,
-    so it computes an eighth of the core and gathers no Q K V; without it
-    the core runs whole (or by rows) behind an all-gather of Q K V."""
+    runs on its group's heads after c_attn by columns, so it computes an
+    eighth of the core and gathers no Q K V; without it the core runs whole
+    (or by rows) behind an all-gather of Q K V. The merged heads go on to
+    c_proj by rows (Megatron's) or, as the cost model finds here, gathered
+    to the batch's rows for a replicated c_proj: its weights' all-reduce
+    costs less than the row split's all-reduce and the gather of its
+    gradient back (the residual stream stays split by batch rows)."""
     view = dataclasses.replace(gpt_view(layers=2, hidden=1024, heads=16, seq=512),
                                compute_dtype="fp16")
     split, whole = tensor_8(view, True), tensor_8(view, False)
     layers = dict(split.split_scopes)
     for i in range(2):
-        assert {layers[f"h{i}/attn/{name}"] for name in CORE} == {"heads"}
-        assert layers[f"h{i}/attn/c_attn"] == "column" and layers[f"h{i}/attn/c_proj"] == "row"
+        assert {layers[f"h{i}/attn/{name}"] for name in CORE - {"Reshape_3"}} == {"heads"}
+        assert layers[f"h{i}/attn/c_attn"] == "column"
+        assert (layers.get(f"h{i}/attn/Reshape_3", "dp"), layers.get(f"h{i}/attn/c_proj", "dp")
+                ) in (("heads", "row"), ("dp", "dp"))
         assert dict(whole.split_scopes).get(f"h{i}/attn/MatMul", "dp") in ("whole", "dp")
     assert split.step_time_s < whole.step_time_s
     assert split.comm_bytes < whole.comm_bytes
@@ -92,7 +98,7 @@ def test_a_live_run_refuses_a_plan_that_splits_heads():
         return loss, v1.train.AdamOptimizer(1e-3).minimize(loss)
     # Small devices: only column / row splits fit, and they leave the core
     # behind an all-gather unless it splits by heads.
-    device = {"name": "gpu", "tflops": 10, "memory_gb": 0.012}
+    device = {"name": "gpu", "tflops": 10, "memory_gb": 0.01}
     config = {"auto.auto_parallel": True, "cluster.num_devices": 2, "cluster.hardware": [device],
               "auto.split_heads": True, "auto.planning_pass": False}
     plan = plan_of(build, config, dtype=tf.int32, shape=(8, 16))
@@ -110,7 +116,9 @@ def test_a_llama_core_with_grouped_heads_and_rotary_embeddings_splits_by_heads()
     """tfpar/models/llama.py's block (plan_scale's Llama 3 rows): 16 query
     heads sharing 8 key/value heads, rotary embeddings (their half swaps are
     concats inside the core), a SwiGLU MLP. Tensor 8: q, k, v by columns,
-    the core by heads, o by rows; gate and up by columns, down by rows."""
+    the core by heads, o by rows; gate and up by columns, down by rows
+    (with 0.1 GB: with 0.15 GB replicas of the attention cost less than its
+    tensor-parallel all-reduces)."""
     graph = tf.Graph()
     with graph.as_default():
         wh.init({"cluster.num_devices": 1})
@@ -120,7 +128,8 @@ def test_a_llama_core_with_grouped_heads_and_rotary_embeddings_splits_by_heads()
     core = {layer.scope for layer in layer_graph(view).layers if layer.kind == "attention"}
     assert {"layer_0/attention/concat", "layer_0/attention/Softmax",
             "layer_1/attention/MatMul_1"} <= core
-    layers = dict(tensor_8(dataclasses.replace(view, compute_dtype="fp16"), True).split_scopes)
+    layers = dict(tensor_8(dataclasses.replace(view, compute_dtype="fp16"), True,
+                           memory_gb=0.1).split_scopes)
     for i in range(2):
         assert {layers[scope] for scope in core if scope.startswith(f"layer_{i}/")} == {"heads"}
         assert [layers[f"layer_{i}/attention/{name}"] for name in "qkvo"] == ["column"] * 3 + [

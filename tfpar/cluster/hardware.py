@@ -26,7 +26,7 @@ Megatron-LM's published GPT configurations at 0.95-1.09 of the per-GPU
 throughput they measured, 137-163 TFLOP/s, 44-52% of the A100's peak
 (Narayanan et al., SC'21, Table 1; ``benchmarks/plan_scale.py``). Judged
 on runs that choice never saw (MT-NLG 530B, Smith et al. 2022: DeepSpeed's
-pipelines) the estimates are 0.82-0.85 of the measured step. Memory,
+pipelines) the estimates are 0.86-0.88 of the measured step. Memory,
 intra-node (NVLink, or PCIe for T4) bandwidth per device, and the
 inter-node network of the machines these usually come in (100 Gb/s
 for V100 / P100 / T4 nodes, 200 Gb/s A100, 400 Gb/s H100). ``NODE_SIZES``:

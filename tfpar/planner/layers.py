@@ -17,19 +17,23 @@ Each layer has a kind, from its op types:
     softmax) between weighted contractions (``attention_layers``): may run on
     a group's heads (Megatron's head-parallel attention);
   * ``other``: everything else (needs whole rows).
+
+An attention core inside a keras ``MultiHeadAttention`` (``keras_attention``)
+is one tfpar's split builds by heads (``Layer.heads_built``); other cores
+split by heads only in plans (``auto.split_heads``).
 """
 import collections
 import dataclasses
 import functools
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, Iterable, List, Mapping, Sequence, Set, Tuple
 
 import networkx as nx
 
 from tfpar.ir.contractions import CONTRACTIONS
 from tfpar.planner.memory import state_per_weight
 
-__all__ = ["HEAD_OPS", "Layer", "LayerGraph", "attention_layers", "critical_positions",
-           "layer_graph", "subgraph"]
+__all__ = ["HEAD_OPS", "KERAS_PROJECTIONS", "Layer", "LayerGraph", "attention_layers",
+           "critical_positions", "heads_units", "keras_attention", "layer_graph", "subgraph"]
 
 XENT = frozenset({"SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits"})
 LOOKUPS = frozenset({"GatherV2", "ResourceGather"})
@@ -45,6 +49,8 @@ HEAD_OPS = CONTRACTIONS | ELEMENTWISE | READS | frozenset({
     "Split", "SplitV", "ConcatV2", "Reshape", "Transpose", "Softmax", "Select", "SelectV2",
     "Maximum", "Minimum", "Greater", "GreaterEqual", "RandomUniform", "Floor", "StridedSlice",
     "Slice", "Unpack", "Squeeze", "ExpandDims"})
+# The sublayers keras names a MultiHeadAttention's projections.
+KERAS_PROJECTIONS = ("query", "key", "value", "attention_output")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +74,8 @@ class Layer:
       ops: indices of its ops in the model view.
       signature: kind, costs and op types as the layer was read from the
         graph (``identity`` is what makes equal subproblems).
+      heads_built: an attention core's layer inside a keras
+        MultiHeadAttention, which tfpar's split builds by heads.
     """
 
     scope: str
@@ -80,13 +88,14 @@ class Layer:
     ops: Tuple[int, ...]
     signature: Tuple
     scopes: Tuple[str, ...] = ()
+    heads_built: bool = False
 
     @property
     def identity(self) -> Tuple:
         """Equal identities are equal subproblems: the signature with the
         kind and the inputs from outside as they are now (``attention_layers``
         and ``subgraph`` change them)."""
-        return (self.signature, self.kind, self.input_bytes)
+        return (self.signature, self.kind, self.input_bytes, self.heads_built)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,10 +147,39 @@ def layer_graph(view) -> LayerGraph:
                           outgoing[position[g]]) for g in order)
     edges = tuple((a, b, s) for (a, b), s in sorted(volume.items()))
     core = set(attention_layers(layers, edges, view.types))
-    layers = tuple(dataclasses.replace(layer, kind="attention")
+    keras = keras_attention(scope for layer in layers for scope in layer.scopes)
+    layers = tuple(dataclasses.replace(layer, kind="attention",
+                                       heads_built=_parent(layer.scope) in keras)
                    if k in core and layer.kind == "other" else layer
                    for k, layer in enumerate(layers))
     return LayerGraph(layers, edges, state_per_weight(view.optimizer_slots))
+
+
+def keras_attention(scopes: Iterable[str]) -> Set[str]:
+    """The name scopes of keras MultiHeadAttention layers among the layer
+    scopes ``scopes``: those with all four ``KERAS_PROJECTIONS`` inside."""
+    found: Dict[str, Set[str]] = collections.defaultdict(set)
+    for scope in scopes:
+        parent, _, name = scope.rpartition("/")
+        if name in KERAS_PROJECTIONS:
+            found[parent].add(name)
+    return {parent for parent, names in found.items() if len(names) == len(KERAS_PROJECTIONS)}
+
+
+def heads_units(planned: Mapping[str, str]) -> Tuple[Dict[str, str], List[str]]:
+    """A plan's layers split by ``heads`` (``planned``: scope -> candidate):
+    the keras MultiHeadAttention layers they are in, as the units tfpar's
+    split builds by heads (scope -> "heads"), and the scopes of the others,
+    which it cannot build (``auto.split_heads``' plans of hand-written
+    attention)."""
+    keras = keras_attention(planned)
+    heads = [scope for scope, how in planned.items() if how == "heads"]
+    return ({_parent(scope): "heads" for scope in heads if _parent(scope) in keras},
+            [scope for scope in heads if _parent(scope) not in keras])
+
+
+def _parent(scope: str) -> str:
+    return scope.rpartition("/")[0]
 
 
 def attention_layers(layers: Sequence[Layer], edges: Sequence[Tuple[int, int, float]],

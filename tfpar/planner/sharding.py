@@ -207,10 +207,11 @@ def _solve_segment(problem: Problem, allowed, start: int, end: int, time_limit_s
 def _chain_dp(problem: Problem, allowed, start: int, end: int, a: str, b: str) -> List[str]:
     """Candidates of layers start+1..end of a chain, start's and end's fixed."""
     size = {j: problem.preds[j][0][1] for j in range(start + 1, end + 1)}
+    readers = {j: problem.readers[problem.preds[j][0][0]] for j in range(start + 1, end + 1)}
     best = {a: (0.0, [])}
     for j in range(start + 1, end + 1):
         options = (b,) if j == end else allowed[j]
-        best = {c: min(((cost + problem.reshard(size[j], p, c).seconds
+        best = {c: min(((cost + problem.reshard(size[j], p, c, readers[j]).seconds
                          + problem.node(j, c).seconds, path + [c])
                         for p, (cost, path) in best.items()), key=lambda x: x[0])
                 for c in options}

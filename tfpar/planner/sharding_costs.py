@@ -19,25 +19,36 @@ group. Candidates by kind:
   heads         F       F       an attention core's op on the group's heads
   ============  ======  ======  ===========================================
 
-``heads`` (``layers.attention_layers``; only with ``split_heads``) reads
+``heads`` (``layers.attention_layers``; with ``split_heads``, or in a keras
+MultiHeadAttention, which tfpar builds so: ``Layer.heads_built``) reads
 ``F`` as Megatron does: a column-split Q K V projection gives each device
 the Q, K and V columns of its heads (their order in the weight is the
 runtime's concern), so the core runs on a group's heads with no collective
 and hands the row-split output projection its heads' features.
 
-Resharding an edge costs an all-gather (``B``->``W``, ``F``->``W``) forward and
-its transpose backward (Megatron's f / g operators for ``W``->``F``). Step time
+Resharding an edge (``Problem.edge``) costs its move forward and its
+gradient's move back: an all-gather into ``W`` (from ``B`` or ``F``), a slice
+out of ``W`` (free), both between ``B`` and ``F``. A ``column`` layer's input
+gradient is a sum of the group's partial products: all-reduced back to a
+``W`` producer (Megatron's f operator; Shoeybi et al. 2019, §3), reduce-
+scattered back to a ``B`` or ``F`` one, once per producer: its column
+readers sum their partials first (Q, K and V reading one layer norm), so
+each edge carries its share (exact when every reader of the producer is a
+``column`` layer). With the ``row`` all-reduce (g), a Megatron transformer
+layer costs its four all-reduces per step. Step time
 is the sum (Rhino's objective); memory per device is weights x4 (weights,
 gradients, two optimizer slots) plus the activations kept for backward.
 
 Sequence parallelism (``Problem.sequence_parallel``; Korthikanti et al. 2022,
 §4.2.2) keeps 1/t of what a tensor group otherwise keeps whole on each of
 its t devices between a row-parallel output and the next column-parallel
-input: the kept output of a ``row`` layer, and of every ``whole`` elementwise
-or ``other`` layer (layer norms, dropout, residual adds; the model does not
-tell a layer with a sequence axis from one without). Its communication is
-the ``row`` all-reduce's: a reduce-scatter and an all-gather move the same
-bytes, so the step time is unchanged.
+input (``Problem.sliced``, the regions the rewrite slices): the kept output
+of a ``row`` layer, and of every ``whole`` elementwise or ``other`` layer
+(layer norms, dropout, residual adds) one of whose inputs is so kept (the
+model does not tell a layer with a sequence axis from one without). A
+region does not cross into a pipeline stage: the stage receives whole rows.
+Its communication is the ``row`` all-reduce's: a reduce-scatter and an
+all-gather move the same bytes, so the step time is unchanged.
 """
 import dataclasses
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -123,9 +134,11 @@ class Problem:
         # ranges) cost nothing whatever the layouts (``edge``): left out, so
         # they tie no segment of the search to another (``critical_positions``).
         self.preds: List[List[Tuple[int, float]]] = [[] for _ in graph.layers]
+        self.readers = [0] * len(graph.layers)
         for i, j, size in graph.edges:
             if size:
                 self.preds[j].append((i, size))
+                self.readers[i] += 1
         # Costs depend on a layer's identity, not its position: a model's
         # repeated blocks are costed once (``layer_cost``, ``memory_of``).
         self.klass = graph.classes
@@ -138,8 +151,9 @@ class Problem:
             return [("dp",)] * len(self.graph.layers)
         allowed = [CANDIDATES[layer.kind] if layer.kind != "elementwise" or not layer.param_bytes
                    else ("dp", "whole") for layer in self.graph.layers]
-        if not self.split_heads:
-            allowed = [tuple(c for c in options if c != "heads") for options in allowed]
+        allowed = [options if self.split_heads or layer.heads_built
+                   else tuple(c for c in options if c != "heads")
+                   for options, layer in zip(allowed, self.graph.layers)]
         return [options[1:] for options in allowed] if self.split_only else allowed
 
     def rows(self, candidate: str, kept: bool = False) -> float:
@@ -173,7 +187,8 @@ class Problem:
                               mesh.hardware.bandwidth(mesh.devices), latency=False)
         # The model's inputs arrive split by rows (data parallelism feeds them);
         # a split layer gathers them (labels and ids are never feature-split).
-        extra = self.edge(layer.input_bytes, "B", "B" if candidate == "dp" else "W")
+        extra = self.edge(layer.input_bytes, "B", LAYOUTS[candidate][0],
+                          float(candidate == "column"))
         if candidate in ("row", "vocab"):  # partial sums of whole rows
             extra += allreduce(t, layer.out_bytes * self.rows_group, bandwidth)
         elif candidate == "xent":
@@ -186,51 +201,82 @@ class Problem:
         return sum(3 * layer.flops * self.rows(c) for layer, c in zip(self.graph.layers, chosen)
                    ) / speed
 
-    def edge(self, size: float, out_layout: str, in_layout: str) -> Cost:
-        """Resharding ``size`` bytes per row, forward and backward."""
-        if out_layout == in_layout or not size:
+    def edge(self, size: float, out_layout: str, in_layout: str,
+             partial: float = 0.0) -> Cost:
+        """Resharding ``size`` bytes per row forward and its gradient back;
+        ``partial``: the consumer's input gradient is a sum of partials (a
+        ``column`` layer's), reduced on the way back, this edge's share of
+        the reduction (module docstring)."""
+        if not size:
             return Cost()
-        if "W" not in (out_layout, in_layout):  # through whole rows
-            return self.edge(size, out_layout, "W") + self.edge(size, "W", in_layout)
         t, total, bandwidth = self.mesh.tensor, size * self.rows_group, self.mesh.group_bandwidth
-        gather = allgather(t, total, bandwidth)
-        return {("B", "W"): gather * 2, ("W", "B"): gather, ("F", "W"): gather,
-                ("W", "F"): allreduce(t, total, bandwidth)}[out_layout, in_layout]
+        if not partial:
+            back = self._move(size, in_layout, out_layout)
+        elif out_layout == "W":
+            back = allreduce(t, total, bandwidth) * partial
+        else:  # a reduce-scatter moves what an all-gather does
+            back = allgather(t, total, bandwidth) * partial
+        return self._move(size, out_layout, in_layout) + back
 
-    def memory_of(self, i: int, candidate: str, activations: bool = True) -> float:
-        key = (self.klass[i], candidate, activations)
+    def _move(self, size: float, source: str, target: str) -> Cost:
+        """``size`` bytes per row from layout ``source`` to ``target``, one way."""
+        if source == target or target != "W" and source == "W":  # a slice
+            return Cost()
+        return allgather(self.mesh.tensor, size * self.rows_group, self.mesh.group_bandwidth)
+
+    def memory_of(self, i: int, candidate: str, activations: bool = True,
+                  sliced: bool = False) -> float:
+        """Layer i's bytes per device as ``candidate``; ``sliced``: its kept
+        output split along the sequence (``sliced``)."""
+        key = (self.klass[i], candidate, activations, sliced)
         if key not in self._memory:
-            self._memory[key] = self._layer_memory(i, candidate, activations)
+            self._memory[key] = self._layer_memory(i, candidate, activations, sliced)
         return self._memory[key]
 
-    def _layer_memory(self, i: int, candidate: str, activations: bool) -> float:
+    def _layer_memory(self, i: int, candidate: str, activations: bool, sliced: bool) -> float:
         layer, t = self.graph.layers[i], self.mesh.tensor
         weights = layer.param_bytes / (t if candidate in SHARDED else 1)
         if not activations:
             return self.graph.state_per_weight * weights
-        rows = self.rows(candidate, kept=True)
-        if self.sequence_parallel and (candidate == "row" or candidate == "whole"
-                                       and layer.kind in ("elementwise", "other")):
-            rows /= t
+        rows = self.rows(candidate, kept=True) / (t if sliced else 1)
         return self.graph.state_per_weight * weights + layer.activation_bytes * rows
+
+    def sliced(self, chosen: Sequence[str]) -> List[bool]:
+        """Per layer, whether sequence parallelism keeps its output split
+        along the sequence: a ``row`` layer's, and a ``whole`` elementwise or
+        ``other`` layer's that reads one (the module docstring's regions)."""
+        sliced: List[bool] = []
+        for j, (layer, candidate) in enumerate(zip(self.graph.layers, chosen)):
+            sliced.append(self.sequence_parallel and self.mesh.tensor > 1 and (
+                candidate == "row" or candidate == "whole"
+                and layer.kind in ("elementwise", "other")
+                and any(sliced[i] for i, _ in self.preds[j])))
+        return sliced
+
+    def layer_memory(self, chosen: Sequence[str], activations: bool = True) -> List[float]:
+        """Bytes per device of each layer as ``chosen``."""
+        return [self.memory_of(i, c, activations, cut)
+                for i, (c, cut) in enumerate(zip(chosen, self.sliced(chosen)))]
 
     def memory(self, chosen: Sequence[str]) -> float:
         """Bytes per device the memory limit applies to."""
-        return sum(self.memory_of(i, c, self.limit_activations) for i, c in enumerate(chosen))
+        return sum(self.layer_memory(chosen, self.limit_activations))
 
-    def reshard(self, size: float, producer: str, consumer: str) -> Cost:
-        """The edge between a layer with candidate ``producer`` and one with ``consumer``."""
-        return self.edge(size, LAYOUTS[producer][1], LAYOUTS[consumer][0])
+    def reshard(self, size: float, producer: str, consumer: str, readers: int = 1) -> Cost:
+        """The edge between a layer with candidate ``producer`` (read by
+        ``readers`` layers) and one with ``consumer``."""
+        return self.edge(size, LAYOUTS[producer][1], LAYOUTS[consumer][0],
+                         (consumer == "column") / readers)
 
     def layer_cost(self, j: int, candidate_of) -> Cost:
         """Layer j's cost with the resharding of its inputs (``candidate_of``:
         layer -> candidate, for j and its producers)."""
         mine = candidate_of[j]
-        inputs = tuple((size, candidate_of[i]) for i, size in self.preds[j])
+        inputs = tuple((size, candidate_of[i], self.readers[i]) for i, size in self.preds[j])
         key = (self.klass[j], mine, inputs)
         if key not in self._costs:
-            self._costs[key] = sum((self.reshard(size, theirs, mine) for size, theirs in inputs),
-                                   self.node(j, mine))
+            self._costs[key] = sum((self.reshard(size, theirs, mine, readers)
+                                    for size, theirs, readers in inputs), self.node(j, mine))
         return self._costs[key]
 
     def layer_costs(self, chosen: Sequence[str]) -> List[Cost]:
@@ -255,8 +301,8 @@ class Problem:
              outcome: Optional[Outcome] = None) -> ShardingPlan:
         costs = self.layer_costs(chosen)
         step = _sum_costs(costs) + self._bucket_latency(chosen)
-        memory = [self.memory_of(i, c) for i, c in enumerate(chosen)]
-        weights = sum(self.memory_of(i, c, activations=False) for i, c in enumerate(chosen))
+        memory = self.layer_memory(chosen)
+        weights = sum(self.layer_memory(chosen, activations=False))
         return ShardingPlan(tuple(chosen), step.seconds, sum(memory), step.bytes, optimal,
                             tuple(costs), tuple(memory), weights, outcome)
 

@@ -29,7 +29,7 @@ def solve_ilp(problem: Problem, allowed: Sequence[Tuple[str, ...]],
     options = {i: allowed[i] for i in nodes}
     edges = [(i, j, size) for j in nodes for i, size in problem.preds[j] if i in inside]
     node_cost = {(i, c): problem.node(i, c).seconds for i in nodes for c in options[i]}
-    edge_cost = {(e, a, b): problem.reshard(size, a, b).seconds
+    edge_cost = {(e, a, b): problem.reshard(size, a, b, problem.readers[i]).seconds
                  for e, (i, j, size) in enumerate(edges) for a in options[i] for b in options[j]}
     unit = max(list(node_cost.values()) + list(edge_cost.values()) + [1e-30]) / _RESOLUTION
     model = cp_model.CpModel()

@@ -18,6 +18,7 @@ from tfpar.planner.balance import balance_stages
 from tfpar.planner.choice import choose
 from tfpar.planner.costing import STAGE_ILP_SHARE
 from tfpar.planner.from_annotations import plan_from_annotations
+from tfpar.planner.layers import heads_units
 from tfpar.planner.memory import Techniques, state_per_weight
 from tfpar.planner.partition import StageCut, partition_stages
 from tfpar.planner.step_model import in_flight
@@ -353,8 +354,8 @@ def planned_techniques(automatic: Optional[Automatic], rt: Runtime) -> Technique
 def refuse_planning_only(automatic: Optional[Automatic], rt: Runtime) -> None:
     """A plan that needs memory techniques (``auto.memory_techniques``) tfpar
     does not apply to the graph (``unapplied``) or splits attention heads
-    (``auto.split_heads``) cannot train here: raise, naming them; a pinned
-    plan too."""
+    (``auto.split_heads``) outside keras MultiHeadAttention layers cannot
+    train here: raise, naming them; a pinned plan too."""
     chosen = [c for c in (automatic.best, automatic.runnable) if c is not None] \
         if automatic is not None else []
     low = applied(rt.config, rt.device_type) is not None
@@ -368,14 +369,13 @@ def refuse_planning_only(automatic: Optional[Automatic], rt: Runtime) -> None:
     if pinned:
         raise PlanError(f"tfpar: the pinned plan needs {', '.join(pinned)} (its estimate's "
                         "memory_techniques), which tfpar cannot apply here")
-    heads = [scope for c in chosen for scope, how in c.split_scopes if how == "heads"]
-    heads += [scope for scope, how in pinned_sharding(rt).get("layers", {}).items()
-              if how == "heads"]
+    heads = [scope for c in chosen for scope in heads_units(dict(c.split_scopes))[1]]
+    heads += heads_units(pinned_sharding(rt).get("layers", {}))[1]
     if heads:
         raise PlanError(f"tfpar: the planner's plan splits attention heads ({heads[0]}"
                         f"{f' and {len(heads) - 1} more' if len(heads) > 1 else ''}), which "
-                        "tfpar cannot build yet: auto.split_heads is for planning (tfpar "
-                        "plan); set it false to train")
+                        "tfpar cannot build yet outside keras MultiHeadAttention: "
+                        "auto.split_heads is for planning (tfpar plan); set it false to train")
 
 
 def warn_unbuilt_sharding(automatic: Optional[Automatic]) -> None:

@@ -10,6 +10,7 @@ from tfpar.hooks.capture import GraphCapture
 from tfpar.ir.plan import pinned_plan
 from tfpar.ir.taskgraph import TaskGraphSpec
 from tfpar.patterns.sharded import SplitContext
+from tfpar.planner.layers import heads_units
 from tfpar.runtime.automatic import pinned_sharding
 from tfpar.runtime.balanced import shard_shares
 from tfpar.runtime.context import Runtime, active
@@ -26,14 +27,15 @@ def make_split_context(capture: GraphCapture, spec: TaskGraphSpec, rt: Runtime,
     mixed devices, shards in proportion to their speeds, or as a pinned plan
     says (``shard_shares``).
     ``planned`` (a pinned plan's layer -> candidate) forces its column / row
-    choices on the dense units named after those layers, unless
-    ``split.patterns`` names them."""
+    choices on the dense units named after those layers, and its heads on
+    the keras MultiHeadAttention they are in, unless ``split.patterns``
+    names them."""
     if devices is None:
         devices = _opened_on(capture, rt)
     return SplitContext(spec.name, devices, rt.config.get("split.patterns"),
                         capture.sharded_tensors, shard_shares(rt, spec.index, devices),
-                        {scope: how for scope, how in (planned or {}).items()
-                         if how in ("column", "row")},
+                        {**{scope: how for scope, how in (planned or {}).items()
+                            if how in ("column", "row")}, **heads_units(planned or {})[0]},
                         rt.config.get("split.sequence_parallel")
                         or bool(pinned_sharding(rt).get("sequence_parallel")))
 
@@ -115,7 +117,7 @@ def _unbuilt_plan(capture: GraphCapture) -> List[Tuple[str, str, str, Any]]:
     if not missed:
         return []
     built = sorted({f"{unit} -> {how}" for ctx in contexts for unit, how in ctx.decisions.items()})
-    return [("the pinned plan splits " + ", ".join(f"'{scope}' by {how}s"
+    return [("the pinned plan splits " + ", ".join(f"'{scope}' by {how.rstrip('s')}s"
                                                    for scope, how in sorted(missed.items())),
              "they were not built so (no ShardingUnit of their names chose it; units built: "
              + (", ".join(built) or "none")
