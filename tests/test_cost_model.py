@@ -195,6 +195,44 @@ def test_split_layers_communication_by_hand():
     assert column.seconds == pytest.approx(input_gather)  # weights never all-reduced (d = 1)
 
 
+def weightless_chain(layers, edges):
+    """A Problem on 4 devices of one tensor group, 64 rows, of ``layers``
+    ((name, kind, bytes per row out)) with neither FLOPs nor weights."""
+    made = tuple(Layer(name, kind, 0.0, out, 0.0, 0.0, 0.0, (i,), (name,))
+                 for i, (name, kind, out) in enumerate(layers))
+    hardware = Hardware("test", 1.0, 16.0, intra_node_gbps=10)
+    return Problem(LayerGraph(made, edges), Mesh(4, 4, 64, hardware))
+
+
+def test_a_megatron_mlp_costs_an_all_reduce_each_way():
+    """Shoeybi et al. 2019, §3: layer norm (whole rows) -> fc1 by columns ->
+    GeLU on shards -> fc2 by rows -> residual add. Forward, fc2's partial
+    sums are all-reduced (g); backward, fc1's partial input gradients are
+    (f): 2 x 2 (t-1)/t x 64 rows x 1024 bytes = 196608 bytes. Before, f
+    was left out (98304)."""
+    problem = weightless_chain(
+        (("ln", "other", 1024), ("fc1", "matmul", 4096), ("gelu", "elementwise", 4096),
+         ("fc2", "matmul", 1024), ("add", "elementwise", 1024)),
+        ((0, 1, 1024.0), (1, 2, 4096.0), (2, 3, 4096.0), (3, 4, 1024.0)))
+    chosen = ("whole", "column", "shards", "row", "whole")
+    assert problem.objective(chosen).bytes == 2 * allreduce(4, 64 * 1024, 1e10).bytes == 196608
+
+
+def test_q_k_and_v_reading_one_layer_norm_share_its_all_reduce():
+    """Q, K and V by columns each hold a partial gradient of the layer norm's
+    output; they are summed on each device first, then all-reduced once:
+    each of the three edges carries a third of it."""
+    problem = weightless_chain((("ln", "other", 1024), ("q", "matmul", 1024),
+                                ("k", "matmul", 1024), ("v", "matmul", 1024)),
+                               ((0, 1, 1024.0), (0, 2, 1024.0), (0, 3, 1024.0)))
+    once = allreduce(4, 64 * 1024, 1e10)
+    assert problem.objective(("whole", "column", "column", "column")).bytes == pytest.approx(
+        once.bytes)
+    # Read split by batch rows instead, the sum is reduce-scattered back.
+    assert problem.objective(("dp", "column", "column", "column")).bytes == pytest.approx(
+        3 * allgather(4, 64 * 1024, 1e10).bytes + allgather(4, 64 * 1024, 1e10).bytes)
+
+
 # ---------------------------------------------------------------------------
 # Layer FLOPs from real TF graphs (the model view of rewriters/model_view.py).
 
