@@ -9,11 +9,12 @@ import tensorflow as tf
 
 from equivalence import assert_equivalent, dense, plan_of, train
 from test_expert_plans import DGX_A100
+from test_cost_model import graph_view
 from test_head_split import gpt_view
 
 from tfpar.ir.plan import Plan
 from tfpar.planner.auto import search_all
-from tfpar.planner.layers import Layer, LayerGraph
+from tfpar.planner.layers import Layer, LayerGraph, layer_graph
 from tfpar.planner.sharding_costs import Mesh, Problem
 
 v1 = tf.compat.v1
@@ -189,3 +190,19 @@ def test_a_pinned_plan_of_two_keras_attention_layers_builds_each_as_planned():
     assert plan.sharding["layers"]["multi_head_attention_1/einsum"] == "heads"
     assert [tg.patterns.get(f"multi_head_attention{suffix}") for tg, suffix
             in zip(built.task_graphs, ("", "_1"))] == ["heads", "heads"]
+
+
+def test_keras_attention_splits_by_heads_on_at_most_as_many_devices_as_heads():
+    """Without ``auto.split_heads`` a keras MultiHeadAttention's core may split
+    by heads, which tfpar builds (its heads read from the query kernel): its
+    2 heads on a tensor group of 2, not of 4 (that would force the heads
+    pattern on a layer that cannot take it)."""
+    view = graph_view(lambda: keras_blocks(v1.placeholder(tf.float32, [8, 16, 32]),
+                                           v1.placeholder(tf.int64, [8]))[0])[1]
+    assert dict(view.attention_heads) == {"multi_head_attention": 2, "multi_head_attention_1": 2}
+    graph = layer_graph(view)
+    cores = [i for i, layer in enumerate(graph.layers) if layer.kind == "attention"]
+    assert len(cores) >= 6 and {graph.layers[i].heads for i in cores} == {2}
+    for t, offered in ((2, True), (4, False)):
+        allowed = Problem(graph, Mesh(t, t, 8.0, DGX_A100)).allowed()
+        assert {"heads" in allowed[i] for i in cores} == {offered}

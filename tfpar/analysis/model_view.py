@@ -77,7 +77,22 @@ def model_view(index: GraphIndex, recorded: Recorded) -> Tuple[List[ops.Operatio
         batch=_declared_batch(graph, recorded), compute_dtype=_compute_dtype(graph, flops),
         traffic_bytes=_traffic(graph, edges),
         kept_bytes=_kept_bytes(index, graph, recorded),
-        optimizer_slots=optimizer_slots(recorded))
+        optimizer_slots=optimizer_slots(recorded), attention_heads=_attention_heads(order))
+
+
+def _attention_heads(order: List[ops.Operation]) -> Tuple[Tuple[str, int], ...]:
+    """(name scope, heads) of each keras MultiHeadAttention among ``order``:
+    its query projection, an EinsumDense in the layer's ``query`` scope, reads
+    a ``[model, heads, width]`` kernel."""
+    found = []
+    for op in order:
+        parts = op.name.split("/")
+        if op.type == "Einsum" and "query" in parts[:-1] and len(op.inputs) == 2:
+            kernel = op.inputs[1].shape
+            if kernel.rank == 3 and kernel[1] is not None:
+                scope = "/".join(parts[:len(parts) - 1 - parts[::-1].index("query")])
+                found.append((scope, int(kernel[1])))
+    return tuple(dict(found).items())
 
 
 def optimizer_slots(recorded: Recorded) -> float:

@@ -18,9 +18,9 @@ Each layer has a kind, from its op types:
     a group's heads (Megatron's head-parallel attention);
   * ``other``: everything else (needs whole rows).
 
-An attention core inside a keras ``MultiHeadAttention`` (``keras_attention``)
-is one tfpar's split builds by heads (``Layer.heads_built``); other cores
-split by heads only in plans (``auto.split_heads``).
+An attention core inside a keras ``MultiHeadAttention`` is one tfpar's split
+builds by heads (``Layer.heads``, from ``ModelView.attention_heads``); other
+cores split by heads only in plans (``auto.split_heads``).
 """
 import collections
 import dataclasses
@@ -74,8 +74,8 @@ class Layer:
       ops: indices of its ops in the model view.
       signature: kind, costs and op types as the layer was read from the
         graph (``identity`` is what makes equal subproblems).
-      heads_built: an attention core's layer inside a keras
-        MultiHeadAttention, which tfpar's split builds by heads.
+      heads: the heads of the keras MultiHeadAttention an attention core's
+        layer is in (0: none), which tfpar's split builds by heads.
     """
 
     scope: str
@@ -88,14 +88,14 @@ class Layer:
     ops: Tuple[int, ...]
     signature: Tuple
     scopes: Tuple[str, ...] = ()
-    heads_built: bool = False
+    heads: int = 0
 
     @property
     def identity(self) -> Tuple:
         """Equal identities are equal subproblems: the signature with the
         kind and the inputs from outside as they are now (``attention_layers``
         and ``subgraph`` change them)."""
-        return (self.signature, self.kind, self.input_bytes, self.heads_built)
+        return (self.signature, self.kind, self.input_bytes, self.heads)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,9 +147,9 @@ def layer_graph(view) -> LayerGraph:
                           outgoing[position[g]]) for g in order)
     edges = tuple((a, b, s) for (a, b), s in sorted(volume.items()))
     core = set(attention_layers(layers, edges, view.types))
-    keras = keras_attention(scope for layer in layers for scope in layer.scopes)
+    heads = dict(view.attention_heads)
     layers = tuple(dataclasses.replace(layer, kind="attention",
-                                       heads_built=_parent(layer.scope) in keras)
+                                       heads=heads.get(_parent(layer.scope), 0))
                    if k in core and layer.kind == "other" else layer
                    for k, layer in enumerate(layers))
     return LayerGraph(layers, edges, state_per_weight(view.optimizer_slots))

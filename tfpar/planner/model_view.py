@@ -35,6 +35,8 @@ class ModelView:
         ``benchmarks/memory.py``).
       optimizer_slots: the optimizer's state per weight, as the script's
         optimizer made it (SGD 0, Momentum 1, Adam 2); Adam's when unknown.
+      attention_heads: (name scope, heads) of each keras MultiHeadAttention
+        (read from its query kernel, ``[model, heads, width]``).
     """
 
     flops: Sequence[float]
@@ -50,6 +52,7 @@ class ModelView:
     traffic_bytes: Optional[Sequence[float]] = None
     kept_bytes: Optional[Sequence[float]] = None
     optimizer_slots: float = SLOTS
+    attention_heads: Tuple[Tuple[str, int], ...] = ()
 
     @property
     def kept(self) -> Sequence[float]:

@@ -20,7 +20,8 @@ group. Candidates by kind:
   ============  ======  ======  ===========================================
 
 ``heads`` (``layers.attention_layers``; with ``split_heads``, or in a keras
-MultiHeadAttention, which tfpar builds so: ``Layer.heads_built``) reads
+MultiHeadAttention of at least t heads, which tfpar builds so:
+``Layer.heads``) reads
 ``F`` as Megatron does: a column-split Q K V projection gives each device
 the Q, K and V columns of its heads (their order in the weight is the
 runtime's concern), so the core runs on a group's heads with no collective
@@ -151,7 +152,7 @@ class Problem:
             return [("dp",)] * len(self.graph.layers)
         allowed = [CANDIDATES[layer.kind] if layer.kind != "elementwise" or not layer.param_bytes
                    else ("dp", "whole") for layer in self.graph.layers]
-        allowed = [options if self.split_heads or layer.heads_built
+        allowed = [options if self.split_heads or layer.heads >= self.mesh.tensor
                    else tuple(c for c in options if c != "heads")
                    for options, layer in zip(allowed, self.graph.layers)]
         return [options[1:] for options in allowed] if self.split_only else allowed
