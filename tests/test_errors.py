@@ -6,6 +6,9 @@ import tensorflow as tf
 from equivalence import mlp_classifier
 
 import tfpar as wh
+from tfpar.ir.sharding import ShardingUnit
+from tfpar.patterns.attention import ATTENTION_PATTERNS
+from tfpar.patterns.matcher import choose
 
 
 def test_scope_asking_for_too_many_devices():
@@ -57,13 +60,30 @@ def test_forced_pattern_that_cannot_shard_the_unit_is_a_sharding_error():
         wh.init({"cluster.num_devices": 2, "split.patterns": {"logits": "distributed"}})
         x = tf.compat.v1.placeholder(tf.float32, [None, 6])
         try:
-            with pytest.raises(wh.ShardingError, match="forces 'distributed' on ShardingUnit "
-                                                       "'logits'.*match it: column, row") as info:
+            with pytest.raises(wh.ShardingError, match="split.patterns forces 'distributed' on "
+                                                       "ShardingUnit 'logits'.*match it: column, "
+                                                       "row") as info:
                 with wh.split(2):
                     tf.compat.v1.layers.dense(x, 4, name="logits")
         finally:
             wh.reset()
     assert isinstance(info.value, wh.ConfigError) and isinstance(info.value, wh.PlanError)
+
+
+def test_a_pattern_the_pinned_plan_forces_and_the_unit_cannot_take_names_the_plan():
+    """A keras MultiHeadAttention of 2 heads forced 'heads' by a pinned plan
+    on more devices than heads: the error says the plan forced it (before:
+    "split.patterns forces", a key the user never set)."""
+    class Pinned:
+        forced, decisions = {}, {}
+
+        @staticmethod
+        def forced_pattern(unit):
+            return "heads"
+    unit = ShardingUnit("multi_head_attention", "attention", (), {"heads": False, "gathered": 96})
+    with pytest.raises(wh.ShardingError, match="the pinned plan forces 'heads' on ShardingUnit "
+                                               "'multi_head_attention'.*match it: gather$"):
+        choose(Pinned(), unit, ATTENTION_PATTERNS)
 
 
 def test_an_empty_batch_fails_fast():

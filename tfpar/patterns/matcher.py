@@ -40,8 +40,9 @@ def choose(ctx, unit: ShardingUnit, candidates: Sequence):
     if forced is not None:
         chosen = [p for p in matching if p.name == forced]
         if not chosen:
+            source = "split.patterns" if unit.name in ctx.forced else "the pinned plan"
             raise ShardingError(
-                f"split.patterns forces '{forced}' on ShardingUnit '{unit.name}' "
+                f"{source} forces '{forced}' on ShardingUnit '{unit.name}' "
                 f"({unit.kind}, inputs {', '.join(map(str, unit.inputs))}); patterns that "
                 f"match it: {', '.join(p.name for p in matching) or 'none'}")
         pattern = chosen[0]
