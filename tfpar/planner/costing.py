@@ -1,12 +1,12 @@
 """Costing one (data, tensor, pipeline) mesh of the automatic search: its
 stages cut, its layers sharded, every setting estimated (no TensorFlow).
 
-Sequence parallelism (``auto.memory_techniques`` "sequence_parallel") is
-costed on a split mesh's chosen sharding too (``sharding_costs``: the same
-step, fewer activations kept) and taken when its best setting is faster (it
-spares recomputation, or fits fewer micro-batches) or fits where the
-setting without it does not; otherwise not, so dropout masks stay one
-device's."""
+Sequence parallelism (``auto.memory_techniques`` "sequence_parallel"): a
+split mesh is sharded twice, the second search knowing its regions keep and
+compute 1/t (``sharding_costs``), and it is taken when its best setting is
+faster by more than ``TOLERANCE`` (it spares recomputation, or fits fewer
+micro-batches) or fits where the setting without it does not; otherwise
+not, so dropout masks stay one device's."""
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -220,20 +220,21 @@ class MeshCosting:
             return None
         graphs = [subgraph(layers, members) for members in groups] if p > 1 else [layers]
         shapes = [self._shape(graph) for graph in graphs]
-        sharded = self._sharded(shapes, graphs, t, p, d)
-        if sharded is None:
-            return None
-        chosen, outcome = sharded
         cut = sum(size for i, j, size in layers.edges if stage_of[i] != stage_of[j])
-        best, faster, sequence = None, None, False
+        best, faster, sequence, chosen, outcome = None, None, False, None, None
         tried = (False, True) if "sequence_parallel" in self.techniques else (False,)
         for sequence_parallel in tried:
+            sharded = self._sharded(shapes, graphs, t, p, d, sequence_parallel)
+            if sharded is None:
+                continue
             models = [self._split_stage(shape, graph, c, t, p, d, sequence_parallel)
-                      for shape, graph, c in zip(shapes, graphs, chosen)]
+                      for shape, graph, c in zip(shapes, graphs, sharded[0])]
             setting = self._setting(models, d, rows, counts, cut, _scattered(hardware, t, p),
                                     virtual)
             if best is None or _relieves(setting[0], best, self.capacity):
-                (best, faster), sequence = setting, sequence_parallel
+                (best, faster), sequence, (chosen, outcome) = setting, sequence_parallel, sharded
+        if best is None:
+            return None
         final = rows / best.micro_batches
         parts, split, stages = [], [], []
         for s, (shape, graph, candidates) in enumerate(zip(shapes, graphs, chosen)):
@@ -253,21 +254,22 @@ class MeshCosting:
                           split_scopes=tuple(split), split_stages=tuple(stages),
                           sharding_search=outcome, sequence_parallel=sequence)
 
-    def _sharded(self, shapes, graphs, t: int, p: int, d: int):
+    def _sharded(self, shapes, graphs, t: int, p: int, d: int, sequence: bool = False):
         """Each of ``graphs``' (of ``shapes``) sharding candidates and how
         their searches went, as one ``Outcome`` (the first one not proved
         optimal, a timed-out one first); None when one fits nowhere or
         shards nothing. Split stages cost the same per replica whatever d:
         sharded as on one replica of a tensor-only mesh, so that every
-        pipeline degree reuses the same solved segments."""
+        pipeline degree reuses the same solved segments. ``sequence``: the
+        search knows its split layers run sequence parallel."""
         replicas = 1 if p > 1 else d
         sizing = self.global_batch * t / self.num_devices / (self.num_micro_batch or 1)
         mesh = Mesh(replicas * t, t, sizing * replicas, self.hardware, self.model.compute_dtype)
         chosen, outcomes = [], []
         for shape, graph in zip(shapes, graphs):
-            key = (shape, mesh, p > 1)
+            key = (shape, mesh, p > 1, sequence)
             if key not in self.sharded:
-                self.sharded[key] = self._shard(graph, mesh, p)
+                self.sharded[key] = self._shard(graph, mesh, p, sequence)
             if self.sharded[key] is None or all(c == "dp" for c in self.sharded[key][0]):
                 return None
             chosen.append(self.sharded[key][0])
@@ -281,7 +283,8 @@ class MeshCosting:
         shape = (tuple(layer.identity for layer in graph.layers), graph.edges)
         return self.shapes.setdefault(shape, len(self.shapes))
 
-    def _shard(self, graph, mesh: Mesh, p: int) -> Optional[Tuple[Tuple[str, ...], Outcome]]:
+    def _shard(self, graph, mesh: Mesh, p: int,
+               sequence: bool = False) -> Optional[Tuple[Tuple[str, ...], Outcome]]:
         """The sharding search's candidates for ``graph`` on ``mesh`` and how
         it went (None: nothing fits, not even weights, gradients and
         optimizer slots alone); each ILP solve gets ``SOLVE_SHARE`` of the
@@ -290,7 +293,8 @@ class MeshCosting:
             plan = plan_sharding(graph, mesh, self.capacity, self.opt_level,
                                  self.time_limit_s * SOLVE_SHARE, split_only=p > 1,
                                  gradients=p == 1, solved=self.solved, activations=activations,
-                                 split_heads=self.split_heads, deadline=self.deadline)
+                                 split_heads=self.split_heads, deadline=self.deadline,
+                                 sequence_parallel=sequence)
             if plan is not None:
                 return plan.candidates, plan.outcome
         return None
@@ -345,9 +349,11 @@ class MeshCosting:
 
 
 def _relieves(setting: Setting, plain: Setting, capacity: float) -> bool:
-    """Whether ``setting`` (with sequence parallelism) beats ``plain``: a
-    shorter step, or it fits where ``plain`` does not."""
-    return (setting.step_time_s < plain.step_time_s
+    """Whether ``setting`` (with sequence parallelism) beats ``plain``: a step
+    shorter by more than ``TOLERANCE`` (it spares recomputation or
+    micro-batches: the slices' own compute saving alone does not change
+    where dropout draws its masks), or it fits where ``plain`` does not."""
+    return (setting.step_time_s * (1 + TOLERANCE) < plain.step_time_s
             or plain.peak_memory > capacity >= setting.peak_memory)
 
 

@@ -44,16 +44,19 @@ def plan_sharding(graph: LayerGraph, mesh: Mesh, memory_limit: float, opt_level:
                   time_limit_s: float = SEGMENT_LIMIT_S, split_only: bool = False,
                   gradients: bool = True, solved: Optional[Dict] = None,
                   activations: bool = True, split_heads: bool = False,
-                  deadline: Optional[float] = None) -> Optional[ShardingPlan]:
+                  deadline: Optional[float] = None,
+                  sequence_parallel: bool = False) -> Optional[ShardingPlan]:
     """The cheapest candidates for ``graph`` on ``mesh`` (None: nothing fits
     ``memory_limit``: with ``activations`` False, the weights, gradients and
     optimizer slots alone). O3 starts from the O2 plan (a solver hint) and
     tries to prove or beat it. ``time_limit_s``: each ILP solve's;
     ``deadline``: a ``time.monotonic()`` past which none runs.
-    ``split_only``, ``gradients`` and ``split_heads``: see ``Problem``;
+    ``split_only``, ``gradients``, ``split_heads`` and
+    ``sequence_parallel``: see ``Problem``;
     ``solved``: segments already solved (by an earlier call, e.g. another
     pipeline stage of the same mesh), updated with this call's."""
-    problem = Problem(graph, mesh, split_only, gradients, activations, split_heads)
+    problem = Problem(graph, mesh, split_only, gradients, activations, split_heads,
+                      sequence_parallel)
     allowed = problem.allowed()
     forced = False
     solved = {} if solved is None else solved
@@ -173,7 +176,8 @@ def _segment_key(problem: Problem, allowed, start: int, end: int) -> Tuple:
     edges = tuple((i - start, j - start, size) for j in range(start + 1, end + 1)
                   for i, size in problem.preds[j])
     return (tuple(layer.identity for layer in layers), edges, tuple(allowed[start:end + 1]),
-            problem.mesh, problem.split_only, problem.gradients)
+            tuple(problem.readers[start:end + 1]), problem.mesh, problem.split_only,
+            problem.gradients, problem.sequence_parallel)
 
 
 def _solve_segment(problem: Problem, allowed, start: int, end: int, time_limit_s: float,

@@ -46,10 +46,12 @@ its t devices between a row-parallel output and the next column-parallel
 input (``Problem.sliced``, the regions the rewrite slices): the kept output
 of a ``row`` layer, and of every ``whole`` elementwise or ``other`` layer
 (layer norms, dropout, residual adds) one of whose inputs is so kept (the
-model does not tell a layer with a sequence axis from one without). A
-region does not cross into a pipeline stage: the stage receives whole rows.
-Its communication is the ``row`` all-reduce's: a reduce-scatter and an
-all-gather move the same bytes, so the step time is unchanged.
+model does not tell a layer with a sequence axis from one without), and
+those ``whole`` layers compute on their slice. A region does not cross into
+a pipeline stage: the stage receives whole rows. Its communication is the
+``row`` all-reduce's: a reduce-scatter and an all-gather move the same
+bytes. The search, choosing layers one at a time, assumes every such layer
+is in a region (``may_slice``); the plan's estimates count the regions.
 """
 import dataclasses
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -166,18 +168,29 @@ class Problem:
             return self.rows_group
         return self.rows_group / self.mesh.tensor
 
-    def node(self, i: int, candidate: str) -> Cost:
-        """Compute (forward + backward = 3 x forward) and communication of layer i."""
-        key = (self.klass[i], candidate)
+    def may_slice(self, i: int, candidate: str) -> bool:
+        """Whether sequence parallelism can keep layer i's output split along
+        the sequence as ``candidate`` (``sliced`` says whether it does: the
+        search, choosing a layer at a time, assumes it)."""
+        return self.sequence_parallel and self.mesh.tensor > 1 and (
+            candidate == "row" or candidate == "whole"
+            and self.graph.layers[i].kind in ("elementwise", "other"))
+
+    def node(self, i: int, candidate: str, sliced: Optional[bool] = None) -> Cost:
+        """Compute (forward + backward = 3 x forward) and communication of
+        layer i; ``sliced`` (default ``may_slice``): a ``whole`` layer then
+        computes on its sequence slice."""
+        sliced = self.may_slice(i, candidate) if sliced is None else sliced
+        key = (self.klass[i], candidate, sliced)
         if key not in self._nodes:
-            self._nodes[key] = self._node(i, candidate)
+            self._nodes[key] = self._node(i, candidate, sliced)
         return self._nodes[key]
 
-    def _node(self, i: int, candidate: str) -> Cost:
+    def _node(self, i: int, candidate: str, sliced: bool) -> Cost:
         layer, mesh = self.graph.layers[i], self.mesh
         t, bandwidth = mesh.tensor, mesh.group_bandwidth
-        compute = Cost(3 * layer.flops * self.rows(candidate)
-                       / mesh.hardware.flops_per_s(mesh.dtype))
+        rows = self.rows(candidate) / (t if sliced and candidate == "whole" else 1)
+        compute = Cost(3 * layer.flops * rows / mesh.hardware.flops_per_s(mesh.dtype))
         if not self.gradients:
             grads = Cost()
         elif candidate in SHARDED:
@@ -198,8 +211,9 @@ class Problem:
 
     def compute_seconds(self, chosen: Sequence[str]) -> float:
         """Forward and backward compute of the layers as ``chosen`` (no collectives)."""
-        speed = self.mesh.hardware.flops_per_s(self.mesh.dtype)
-        return sum(3 * layer.flops * self.rows(c) for layer, c in zip(self.graph.layers, chosen)
+        speed, t = self.mesh.hardware.flops_per_s(self.mesh.dtype), self.mesh.tensor
+        return sum(3 * layer.flops * self.rows(c) / (t if cut and c == "whole" else 1)
+                   for layer, c, cut in zip(self.graph.layers, chosen, self.sliced(chosen))
                    ) / speed
 
     def edge(self, size: float, out_layout: str, in_layout: str,
@@ -226,9 +240,10 @@ class Problem:
         return allgather(self.mesh.tensor, size * self.rows_group, self.mesh.group_bandwidth)
 
     def memory_of(self, i: int, candidate: str, activations: bool = True,
-                  sliced: bool = False) -> float:
-        """Layer i's bytes per device as ``candidate``; ``sliced``: its kept
-        output split along the sequence (``sliced``)."""
+                  sliced: Optional[bool] = None) -> float:
+        """Layer i's bytes per device as ``candidate``; ``sliced`` (default
+        ``may_slice``): its kept output split along the sequence."""
+        sliced = self.may_slice(i, candidate) if sliced is None else sliced
         key = (self.klass[i], candidate, activations, sliced)
         if key not in self._memory:
             self._memory[key] = self._layer_memory(i, candidate, activations, sliced)
@@ -247,11 +262,9 @@ class Problem:
         along the sequence: a ``row`` layer's, and a ``whole`` elementwise or
         ``other`` layer's that reads one (the module docstring's regions)."""
         sliced: List[bool] = []
-        for j, (layer, candidate) in enumerate(zip(self.graph.layers, chosen)):
-            sliced.append(self.sequence_parallel and self.mesh.tensor > 1 and (
-                candidate == "row" or candidate == "whole"
-                and layer.kind in ("elementwise", "other")
-                and any(sliced[i] for i, _ in self.preds[j])))
+        for j, candidate in enumerate(chosen):
+            sliced.append(self.may_slice(j, candidate) and (
+                candidate == "row" or any(sliced[i] for i, _ in self.preds[j])))
         return sliced
 
     def layer_memory(self, chosen: Sequence[str], activations: bool = True) -> List[float]:
@@ -269,19 +282,21 @@ class Problem:
         return self.edge(size, LAYOUTS[producer][1], LAYOUTS[consumer][0],
                          (consumer == "column") / readers)
 
-    def layer_cost(self, j: int, candidate_of) -> Cost:
+    def layer_cost(self, j: int, candidate_of, sliced: Optional[bool] = None) -> Cost:
         """Layer j's cost with the resharding of its inputs (``candidate_of``:
-        layer -> candidate, for j and its producers)."""
+        layer -> candidate, for j and its producers; ``sliced``: ``node``'s)."""
         mine = candidate_of[j]
         inputs = tuple((size, candidate_of[i], self.readers[i]) for i, size in self.preds[j])
-        key = (self.klass[j], mine, inputs)
+        key = (self.klass[j], mine, inputs, sliced)
         if key not in self._costs:
             self._costs[key] = sum((self.reshard(size, theirs, mine, readers)
-                                    for size, theirs, readers in inputs), self.node(j, mine))
+                                    for size, theirs, readers in inputs),
+                                   self.node(j, mine, sliced))
         return self._costs[key]
 
     def layer_costs(self, chosen: Sequence[str]) -> List[Cost]:
-        return [self.layer_cost(j, chosen) for j in range(len(chosen))]
+        """Each layer's cost as ``chosen``, sequence-parallel regions as they are."""
+        return [self.layer_cost(j, chosen, cut) for j, cut in enumerate(self.sliced(chosen))]
 
     def objective(self, chosen: Sequence[str]) -> Cost:
         """What the solvers minimise: layers' costs plus resharding edges."""
