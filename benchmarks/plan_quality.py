@@ -266,14 +266,6 @@ def fixed(layers, mesh, choice, gradients=True):
     return min(plans, key=lambda plan: plan.step_time_s), problem
 
 
-def compute_seconds(problem, plan):
-    """The compute part of a plan's step: forward + backward (3 x the forward
-    FLOPs) of the rows each layer computes, at the device's throughput."""
-    speed = problem.mesh.hardware.flops_per_s(problem.mesh.dtype)
-    return sum(3 * layer.flops * problem.rows(c)
-               for layer, c in zip(problem.graph.layers, plan.candidates)) / speed
-
-
 def short(scope):
     return "loss" if scope == LOSS else scope
 
@@ -335,7 +327,7 @@ def whale_setting(view, layers, gpus, args, hardware, choice):
             "paper_plan": describe(choice, 1, gpus, 1), "hybrid": hybrid,
             "sp2": fixed(layers, split_mesh, SP2)[0], "dp": dp,
             "capacity": hardware.memory_gb * 2 ** 30,
-            "bridge_s": bare_hybrid.step_time_s - compute_seconds(problem, bare_hybrid),
+            "bridge_s": bare_hybrid.step_time_s - problem.compute_seconds(bare_hybrid.candidates),
             "dp_sync_s": dp.step_time_s - bare_dp.step_time_s}
 
 

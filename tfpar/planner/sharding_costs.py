@@ -159,14 +159,18 @@ class Problem:
                    for options, layer in zip(allowed, self.graph.layers)]
         return [options[1:] for options in allowed] if self.split_only else allowed
 
-    def rows(self, candidate: str, kept: bool = False) -> float:
+    def rows(self, candidate: str, kept: bool = False, sliced: bool = False) -> float:
         """Rows per device a layer with ``candidate`` computes on or, ``kept``,
-        keeps outputs of (row and vocab keep whole rows of partial sums)."""
+        keeps outputs of (row and vocab keep whole rows of partial sums);
+        ``sliced``: in a sequence-parallel region, whose kept outputs and
+        ``whole`` computations are 1/t of those."""
         if candidate == "dp":
             return self.rows_device
         if candidate == "whole" or kept and candidate in ("row", "vocab"):
-            return self.rows_group
-        return self.rows_group / self.mesh.tensor
+            rows = self.rows_group
+        else:
+            rows = self.rows_group / self.mesh.tensor
+        return rows / self.mesh.tensor if sliced and (kept or candidate == "whole") else rows
 
     def may_slice(self, i: int, candidate: str) -> bool:
         """Whether sequence parallelism can keep layer i's output split along
@@ -189,8 +193,8 @@ class Problem:
     def _node(self, i: int, candidate: str, sliced: bool) -> Cost:
         layer, mesh = self.graph.layers[i], self.mesh
         t, bandwidth = mesh.tensor, mesh.group_bandwidth
-        rows = self.rows(candidate) / (t if sliced and candidate == "whole" else 1)
-        compute = Cost(3 * layer.flops * rows / mesh.hardware.flops_per_s(mesh.dtype))
+        compute = Cost(3 * layer.flops * self.rows(candidate, sliced=sliced)
+                       / mesh.hardware.flops_per_s(mesh.dtype))
         if not self.gradients:
             grads = Cost()
         elif candidate in SHARDED:
@@ -211,8 +215,8 @@ class Problem:
 
     def compute_seconds(self, chosen: Sequence[str]) -> float:
         """Forward and backward compute of the layers as ``chosen`` (no collectives)."""
-        speed, t = self.mesh.hardware.flops_per_s(self.mesh.dtype), self.mesh.tensor
-        return sum(3 * layer.flops * self.rows(c) / (t if cut and c == "whole" else 1)
+        speed = self.mesh.hardware.flops_per_s(self.mesh.dtype)
+        return sum(3 * layer.flops * self.rows(c, sliced=cut)
                    for layer, c, cut in zip(self.graph.layers, chosen, self.sliced(chosen))
                    ) / speed
 
@@ -254,8 +258,8 @@ class Problem:
         weights = layer.param_bytes / (t if candidate in SHARDED else 1)
         if not activations:
             return self.graph.state_per_weight * weights
-        rows = self.rows(candidate, kept=True) / (t if sliced else 1)
-        return self.graph.state_per_weight * weights + layer.activation_bytes * rows
+        return (self.graph.state_per_weight * weights
+                + layer.activation_bytes * self.rows(candidate, kept=True, sliced=sliced))
 
     def sliced(self, chosen: Sequence[str]) -> List[bool]:
         """Per layer, whether sequence parallelism keeps its output split
@@ -286,6 +290,7 @@ class Problem:
         """Layer j's cost with the resharding of its inputs (``candidate_of``:
         layer -> candidate, for j and its producers; ``sliced``: ``node``'s)."""
         mine = candidate_of[j]
+        sliced = self.may_slice(j, mine) if sliced is None else sliced
         inputs = tuple((size, candidate_of[i], self.readers[i]) for i, size in self.preds[j])
         key = (self.klass[j], mine, inputs, sliced)
         if key not in self._costs:
