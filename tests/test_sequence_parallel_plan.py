@@ -166,6 +166,26 @@ def keras_blocks(x, y):
     return loss, v1.train.MomentumOptimizer(0.1, 0.9).minimize(loss)
 
 
+KERAS_BLOCKS_SHAPE = (None, 16, 32)
+
+
+def keras_blocks_config(device_bytes, techniques=()):
+    """Automatic plans of ``keras_blocks`` in 2 TaskGraphs of 4 slow devices
+    of ``device_bytes`` each, 2 micro-batches of 8 sequences, 1F1B."""
+    return {"auto.auto_parallel": True, "auto.num_task_graph": 2, "cluster.num_devices": 4,
+            "pipeline.num_micro_batch": 2, "pipeline.schedule": "1f1b", "auto.global_batch": 8,
+            "auto.memory_techniques": list(techniques),
+            "cluster.hardware": [{"name": "slow", "tflops": 3e-5,
+                                  "memory_gb": device_bytes / 2 ** 30, "intra_node_gbps": 100.0}]}
+
+
+def keras_blocks_data(seed):
+    """2 steps of 8 sequences of 16 x 32 and their labels of 3 classes."""
+    rng = np.random.RandomState(seed)
+    return (rng.randn(2, 8, 16, 32).astype(np.float32),
+            rng.randint(0, 3, (2, 8)).astype(np.int64))
+
+
 @pytest.mark.filterwarnings("ignore:.*they are copies of its ops:tfpar.FallbackWarning")
 def test_a_pinned_plan_of_two_keras_attention_layers_builds_each_as_planned():
     """keras names the projections of every MultiHeadAttention ``query``,
@@ -175,18 +195,13 @@ def test_a_pinned_plan_of_two_keras_attention_layers_builds_each_as_planned():
     let one do). 299000 bytes a device: a data parallel pipeline needs
     299920, split stages 298208, so the search splits them; pinned, the
     model trains with one device's numbers."""
-    shape = (None, 16, 32)
-    config = {"auto.auto_parallel": True, "auto.num_task_graph": 2, "cluster.num_devices": 4,
-              "pipeline.num_micro_batch": 2, "pipeline.schedule": "1f1b", "auto.global_batch": 8,
-              "cluster.hardware": [{"name": "slow", "tflops": 3e-5, "memory_gb": 299000 / 2 ** 30,
-                                    "intra_node_gbps": 100.0}]}
+    shape, config = KERAS_BLOCKS_SHAPE, keras_blocks_config(299000)
     plan = plan_of(keras_blocks, config, shape=shape)
     assert plan.sharding["tensor_degree"] == 2
     assert {"multi_head_attention/query", "multi_head_attention_1/query"} <= set(
         plan.sharding["layers"])
     pinned = {**config, "plan": plan.to_dict()}
-    rng = np.random.RandomState(0)
-    data = (rng.randn(2, 8, 16, 32).astype(np.float32), rng.randint(0, 3, (2, 8)).astype(np.int64))
+    data = keras_blocks_data(0)
     assert_equivalent(train(keras_blocks, data), train(keras_blocks, data, pinned))
     built = plan_of(keras_blocks, pinned, shape=shape)
     assert [tg.patterns["query"] for tg in built.task_graphs] == ["column", "column"]
@@ -221,20 +236,14 @@ def test_the_search_runs_keras_blocks_sequence_parallel_and_the_plan_trains_so()
     halves: 253680 bytes. Pinned, the plan trains like one device; every
     row output is summed as sequence halves [batch, 8, 32], on each device
     of each stage; nothing falls back (FallbackWarning is an error here)."""
-    shape = (None, 16, 32)
-    config = {"auto.auto_parallel": True, "auto.num_task_graph": 2, "cluster.num_devices": 4,
-              "pipeline.num_micro_batch": 2, "pipeline.schedule": "1f1b", "auto.global_batch": 8,
-              "auto.memory_techniques": ["sequence_parallel"],
-              "cluster.hardware": [{"name": "slow", "tflops": 3e-5, "memory_gb": 280000 / 2 ** 30,
-                                    "intra_node_gbps": 100.0}]}
-    plan = plan_of(keras_blocks, config, shape=shape)
+    config = keras_blocks_config(280000, ["sequence_parallel"])
+    plan = plan_of(keras_blocks, config, shape=KERAS_BLOCKS_SHAPE)
     assert plan.sharding["sequence_parallel"] is True
     assert max(plan.estimate["memory_bytes_per_device"]) <= 280000
     assert [plan.sharding["layers"][f"{scope}"] for scope in (
         "multi_head_attention/attention_output", "dense_1", "add", "layer_normalization_1")
             ] == ["row", "row", "whole", "whole"]
-    rng = np.random.RandomState(1)
-    data = (rng.randn(2, 8, 16, 32).astype(np.float32), rng.randint(0, 3, (2, 8)).astype(np.int64))
+    data = keras_blocks_data(1)
     result = train(keras_blocks, data, {**config, "plan": plan.to_dict()})
     graph, = TRACER.graphs
     sums = [op for op in graph.get_operations() if op.type == "AddN" and "gradients" not in
