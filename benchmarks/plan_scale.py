@@ -99,7 +99,8 @@ class Run:
     ``hardware.EFFICIENCY`` was chosen on; "judged": runs that choice never
     saw) and its published seconds a step (0: derived from ``measured``);
     ``interleaved``: the pinned estimate takes the fastest number of virtual
-    stages; ``sequence_parallel``: it may run sequence parallel;
+    stages; ``sequence_parallel``: the run used it, so the pinned estimate
+    and the search may;
     ``differs``: what the run used that tfpar has not (judged all the same,
     with its share of the estimate: ``flash_share``)."""
 
@@ -245,8 +246,9 @@ def measure(name):
     print(f"plan_scale: {name} on {gpus} GPUs ...", file=sys.stderr, flush=True)
     view, build_s, view_s = build_view(model_of(run))
     start = time.perf_counter()
+    offered = TECHNIQUES + (("sequence_parallel",) if run.sequence_parallel else ())
     chosen = choose(search_all(view, gpus, hardware, batch, None, time_limit_s=SEARCH_LIMIT_S,
-                               techniques=TECHNIQUES, split_heads=True), hardware)
+                               techniques=offered, split_heads=True), hardware)
     plan_s = view_s + time.perf_counter() - start
     pinned = pinned_candidate(run, view)
     pinned_tflops = step_flops(run) / (pinned.step_time_s * gpus) / 1e12

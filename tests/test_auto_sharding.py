@@ -6,6 +6,7 @@ import tensorflow as tf
 
 from equivalence import (assert_equivalent, deep_mlp, dense, initialized, layer, make_data,
                          plan_of, train)
+from proof import TRACER
 from test_cost_model import TRANSFORMER_MLP_LAYERS, deep_mlp_layers, hand_memory, planned_stages
 
 import tfpar as wh
@@ -212,3 +213,60 @@ def test_memory_forces_tensor_and_pipeline_together(devices):
         assert_equivalent(train(model, data), train(model, data, pinned))
     built = plan_of(model, pinned)
     assert [tg.devices for tg in built.task_graphs] == [tg.devices for tg in plan.task_graphs]
+
+
+
+def swiglu_block(style):
+    """Llama's MLP, down(silu(gate(h)) * up(h)), in a residual block between
+    an embedding and a head, as keras writes it (a ``swish`` activation, a
+    ``Multiply`` layer) or tf.compat.v1 code (``tf.nn.silu`` between the
+    layers)."""
+    def build(x, y):
+        h = dense(x, 16, "embed", seed=1)
+        if style == "keras":
+            init = [tf.keras.initializers.GlorotUniform(seed=s) for s in (2, 3, 4)]
+            gated = tf.keras.layers.Multiply()([
+                tf.keras.layers.Dense(64, "swish", kernel_initializer=init[0], name="gate")(h),
+                tf.keras.layers.Dense(64, kernel_initializer=init[1], name="up")(h)])
+            out = tf.keras.layers.Dense(16, kernel_initializer=init[2], name="down")(gated)
+        else:
+            gated = tf.nn.silu(layer(h, 64, "gate", seed=2)) * layer(h, 64, "up", seed=3)
+            out = layer(gated, 16, "down", seed=4)
+        logits = dense(h + out, 3, "logits", seed=5)
+        loss = v1.losses.sparse_softmax_cross_entropy(y, logits)
+        return loss, v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+    return build
+
+
+SWIGLU_LAYERS = {"keras": {"multiply": "shards"},
+                 "v1": {"mul_2": "shards", **{silu: "shards" for silu in (
+                     "mul", "Sigmoid", "mul_1", "IdentityN")}}}
+
+
+@pytest.mark.parametrize("style", ["keras", "v1"])
+def test_a_swiglu_mlp_is_planned_and_built_column_shards_row(style):
+    """On 2 devices holding 80% of the data-parallel copy, gate and up split
+    by columns, silu (its custom gradient's IdentityN too) and the product
+    act on shards, down splits by rows: Megatron's MLP for SwiGLU. Before
+    tfpar read IdentityN as element-wise, silu ran whole and no plan fit.
+    Pinned, it trains like one device, down reading each device's shard of
+    the product."""
+    build = swiglu_block(style)
+    device = {"name": "small", "tflops": 0.01, "memory_gb": 16}
+    config = {"auto.auto_parallel": True, "cluster.num_devices": 2, "auto.num_task_graph": 1,
+              "cluster.hardware": [device]}
+    need = max(plan_of(build, config).estimate["memory_bytes_per_device"])
+    config["cluster.hardware"] = [{**device, "memory_gb": 0.8 * need / 2 ** 30}]
+    plan = plan_of(build, config)
+    assert plan.sharding["layers"] == {"gate": "column", "up": "column", "down": "row",
+                                       **SWIGLU_LAYERS[style]}
+    data = make_data(steps=3, batch=8)
+    TRACER.take()
+    result = train(build, data, {**config, "plan": plan.to_dict()})
+    graph, = TRACER.graphs
+    down = [op for op in graph.get_operations() if op.type == "MatMul"
+            and op.name.startswith("down/") and "gradients" not in op.name]
+    assert [(op.inputs[0].op.type, op.inputs[0].shape.as_list()) for op in down] == [
+        ("Mul", [None, 32])] * 2
+    assert sorted(op.inputs[0].op.device[-1] for op in down) == ["0", "1"]
+    assert_equivalent(train(build, data), result)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from proof import assert_parallel, ran_on
+from proof import TRACER, assert_parallel, executed_nodes, ran_on
 from equivalence import (assert_equivalent, checkpoint_session, dense, layer, make_data,
                          plan_of, train)
 
@@ -502,3 +502,43 @@ def test_split_patterns_name_units_as_their_variables_and_refuse_unknown_names()
                             "split.patterns": {"dense_1": "row"}})["dense_1"] == "row"
     with pytest.raises(wh.ConfigError, match="split.patterns names 'nosuch'.*units.*dense_1"):
         auto_named_head({"cluster.num_devices": 2, "split.patterns": {"nosuch": "row"}})
+
+
+def swiglu_mlp(tfpar, style):
+    """Llama's MLP, down(silu(gate(x)) * up(x)), as tf.compat.v1 code writes
+    it (``tf.nn.silu`` between the layers) or keras (``swish`` activation,
+    a ``Multiply`` layer); classifier after it."""
+    def build(x, y):
+        with scope(tfpar, "split", 2):
+            if style == "v1":
+                gated = tf.nn.silu(layer(x, 16, "gate", seed=1)) * layer(x, 16, "up", seed=2)
+            else:
+                init = [tf.keras.initializers.GlorotUniform(seed=s) for s in (1, 2)]
+                gated = tf.keras.layers.Multiply()([
+                    tf.keras.layers.Dense(16, "swish", kernel_initializer=init[0], name="gate")(x),
+                    tf.keras.layers.Dense(16, kernel_initializer=init[1], name="up")(x)])
+            logits = layer(layer(gated, 8, "down", seed=3), 10, "logits", seed=4)
+            loss = v1.losses.sparse_softmax_cross_entropy(y, logits)
+        return loss, v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+    return build
+
+
+@pytest.mark.parametrize("style", ["v1", "keras"])
+def test_swiglu_acts_on_shards_between_its_column_and_row_layers(style):
+    """gate and up split by columns; silu and the product act on each
+    device's 8 of the 16 features, and down (row) reads those shards: the
+    [rows, 16] product is never gathered. Trains like one device."""
+    config = {"cluster.num_devices": 2}
+    TRACER.take()
+    result = train(swiglu_mlp(True, style), DATA, config)
+    graph, = TRACER.graphs
+    assert {k: v for k, v in TRACER.graphs[graph].plan.task_graphs[0].patterns.items()
+            if k in ("gate", "up", "down")} == {"gate": "column", "up": "column", "down": "row"}
+    executed = executed_nodes(TRACER.graphs[graph].run_metadata)
+    down = [op for op in graph.get_operations() if op.type == "MatMul"
+            and op.name.startswith("down/") and "gradients" not in op.name]
+    assert [op.inputs[0].op.type for op in down] == ["Mul", "Mul"]
+    assert [op.inputs[0].shape.as_list() for op in down] == [[None, 8], [None, 8]]
+    assert sorted(d for op in down for d in executed[op.inputs[0].op.name]) == [
+        f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in (0, 1)]
+    assert_equivalent(train(swiglu_mlp(False, style), DATA), result)

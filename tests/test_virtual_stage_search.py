@@ -3,9 +3,13 @@
 transfers, its first group's activations - chosen where the bubble dominates
 and the link is fast, left where its transfers cost more than the bubble
 saves (the verdicts say both), and the chosen V trains as one device."""
+import dataclasses
 import random
 
 import pytest
+
+from test_expert_plans import DGX_A100
+from test_head_split import gpt_view
 
 from equivalence import assert_equivalent, deep_mlp, layer, make_data, plan_of, train
 from proof import TRACER
@@ -14,7 +18,7 @@ from tfpar.cluster.hardware import Hardware
 from tfpar.ir.schedule import interleaved_schedule
 from tfpar.ir.simulate import simulate
 from tfpar.planner.auto import search_all
-from tfpar.planner.choice import choose
+from tfpar.planner.choice import TOLERANCE, choose
 from tfpar.planner.comm import Cost
 from tfpar.planner.interleaved import (group_peaks, interleaved_length, replayed,
                                        virtual_stage_counts)
@@ -224,3 +228,23 @@ def test_split_stages_interleave_too_and_the_pinned_plan_trains_as_one_device():
     assert built.virtual_stages == 2 and [tg.replicas for tg in built.task_graphs] == groups
     slow = plan_of(build, split_described(0.001, tight))
     assert (slow.sharding["tensor_degree"], slow.virtual_stages) == (2, 1)
+
+
+def test_split_stages_in_mixed_precision_are_weighed_on_the_step_they_run():
+    """Eight GPT blocks of width 4096 on 16 A100s in 16-bit mixed precision,
+    a pipeline of 4 with 8 micro-batches: a tensor-split mesh's 1F1B step
+    is about (8 + 3) / 8 of its busy seconds, and 2 virtual stages make it
+    more than ``TOLERANCE`` faster. Its layers' seconds (``parts``: at the
+    compute dtype, without mixed precision's speed-up) add up to more than
+    the step; the search weighs the seconds its setting runs (``busy_s``)
+    and tries the interleaved mesh (it did not before)."""
+    view = dataclasses.replace(gpt_view(layers=8, hidden=4096, heads=32, batch=16, seq=2048,
+                                        vocab=1024), compute_dtype="tf32")
+    found = search_all(view, 16, DGX_A100, 16, 8, pipeline=4, split_heads=True,
+                       techniques=(Techniques("none", 0, True),), schedules=("1f1b",))
+    split = {c.virtual_stages: c for c in found if c.tensor == 2}
+    base = split[1]
+    assert sum(part.seconds for part in base.parts) / 4 > base.step_time_s / (1 + TOLERANCE)
+    assert base.busy_s <= base.step_time_s - base.bubble_s - base.transfer_s
+    assert base.step_time_s > (1 + TOLERANCE) * base.busy_s
+    assert split[2].step_time_s * (1 + TOLERANCE) < base.step_time_s

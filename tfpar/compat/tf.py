@@ -192,6 +192,15 @@ def read_or(variable, initial) -> tensor_lib.Tensor:
                            lambda: constant_op.constant(initial, variable.dtype))
 
 
+def silu_exports():
+    """(module, name) of every public API name of ``tf.nn.silu`` (``swish``
+    too, in ``tf.nn``, ``tf.compat.v1.nn`` and ``tf.compat.v2.nn``, which
+    keras calls): patching the function's module would miss them."""
+    silu = _tf.nn.silu
+    return [(module, name) for module in (_tf.nn, _tf.compat.v1.nn, _tf.compat.v2.nn)
+            for name in ("silu", "swish") if getattr(module, name, None) is silu]
+
+
 def profiler_started():
     """TensorFlow's profiler, started on host activity only; None when
     another profile is being taken (one at a time)."""

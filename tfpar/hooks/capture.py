@@ -13,7 +13,7 @@ from typing import Any, Callable, Container, Dict, List, Optional, Set, Tuple
 from tfpar.ir.recorded import ApplyCall, GradientCall, Recorded
 from tfpar.ir.taskgraph import Phase, Strategy, TaskGraphSpec
 
-__all__ = ["GraphCapture", "capture_for", "existing_capture",
+__all__ = ["GraphCapture", "capture_for", "constant_op", "existing_capture",
            "layer_of", "recording_paused", "reset_captures", "set_capture_setup"]
 
 
@@ -139,7 +139,8 @@ class GraphCapture:
         if task_graph is None and self._scopes:
             task_graph = self._scopes[-1]
         if task_graph is None and phase is None and self._planned_split is not None:
-            task_graph = self._planned_task_graph(op.name, closing=True)
+            task_graph = self._planned_task_graph(op.name, closing=True,
+                                                  constant=constant_op(op))
         if task_graph is None and phase is None:
             task_graph = self._implicit_task_graph()
         if task_graph is not None:
@@ -170,18 +171,19 @@ class GraphCapture:
         self._planned_split = (layers, device_count, make_context, pipelined)
         self.default_strategy = None if pipelined else (Strategy.REPLICATE, device_count)
 
-    def _planned_task_graph(self, name: str, closing: bool) -> Optional[int]:
+    def _planned_task_graph(self, name: str, closing: bool,
+                            constant: bool = False) -> Optional[int]:
         """The split TaskGraph of the planned layer holding ``name`` (opened by
         the first of a run of such layers of one stage). A forward op outside
-        them ends the run (``closing``), unless a split pattern is building it
-        or the plan is pipelined."""
+        them ends the run (``closing``), unless a split pattern is building it,
+        the plan is pipelined or it is a ``constant`` (``constant_op``)."""
         if self._scopes or self.gradient_calls:
             return None
         layers, count, make_context, pipelined = self._planned_split
         open_ = self._open_planned
         scope = layer_of(name, layers)
         if scope is None:
-            if open_ is not None and (pipelined or self.split_contexts[open_].busy):
+            if open_ is not None and (pipelined or constant or self.split_contexts[open_].busy):
                 return open_
             if closing:
                 self._open_planned = None
@@ -244,6 +246,15 @@ class GraphCapture:
             return None
         index = self._planned_task_graph(name_scope, closing=False)
         return None if index is None else self.split_contexts[index]
+
+
+def constant_op(op: Any) -> bool:
+    """A batch-free constant (``tf.nn.silu``'s ``beta``; an identity or cast
+    of constants): it joins the run of planned split layers it is made in
+    instead of ending it, as the plan's TaskGraphs count it
+    (``runtime.automatic.sharded_plan``)."""
+    return op.type == "Const" or (op.type in ("Identity", "Cast") and bool(op.inputs)
+                                  and all(constant_op(t.op) for t in op.inputs))
 
 
 def layer_of(name: str, layers: Container[str]) -> Optional[str]:

@@ -21,16 +21,21 @@ layers are ``split_layer_patches``'.
   row-split table: vocabulary-sharded lookup;
 * ``gen_math_ops.mat_mul`` (``tf.matmul``) and ``gen_linalg_ops.einsum``
   (``tf.einsum``) on split operands: contraction patterns;
-* elementwise activations (relu, tanh, sigmoid) of a split tensor act on its
-  shards, so it stays split (along the sequence too: ``sequence_patches``
-  keeps the rest of a sequence-parallel region split).
+* elementwise activations (relu, tanh, sigmoid, ``tf.nn.silu``) of a split
+  tensor act on its shards, so it stays split (along the sequence too:
+  ``sequence_patches`` keeps the rest of a sequence-parallel region split);
+* products, sums and differences of two tensors split alike along their
+  features (SwiGLU's ``silu(gate) * up`` of two column-split layers) act on
+  their shards too, so the row-split layer after them reads the shards.
 """
+import contextlib
 import functools
 import inspect
 
 from tfpar.compat import tf as internals
-from tfpar.compat.tf import (gen_array_ops, gen_linalg_ops, gen_math_ops, gen_nn_ops, math_ops, ops,
-                             special_math_ops, tensor_util, variable_scope)
+from tfpar.compat.tf import (context, gen_array_ops, gen_linalg_ops, gen_math_ops, gen_nn_ops,
+                             math_ops, ops, silu_exports, special_math_ops, tensor_util,
+                             variable_scope)
 from tfpar.errors import ShardingError
 from tfpar.hooks.patching import PatchSet
 from tfpar.hooks.sequence_patches import add_sequence_patches
@@ -67,6 +72,10 @@ def add_split_patches(patches: PatchSet) -> None:
     for module, name in ((gen_nn_ops, "relu"), (gen_math_ops, "tanh"),
                          (gen_math_ops, "sigmoid")):
         patches.add(module, name, _wrap_elementwise)
+    for module, name in silu_exports():
+        patches.add(module, name, _wrap_silu)
+    for name in ("add_v2", "sub", "mul"):
+        patches.add(gen_math_ops, name, _wrap_binary)
 
 
 def _wrap_xent(original, sparse: bool):
@@ -234,10 +243,56 @@ def _wrap_elementwise(original):
         sharded = ctx.lookup(x, sequence=True) if ctx is not None else None
         if sharded is None:
             return original(x, name=name)
-        with ctx.building():
-            shards = []
-            for shard, device in zip(sharded.shards, ctx.devices):
-                with ops.device(device):
-                    shards.append(original(shard))
-            return ctx.sharded(shards, sharded.axis, sharded.sequence)
+        return _on_shards(ctx, [sharded], sharded, original)
     return elementwise
+
+
+def _wrap_silu(original):
+    """``tf.nn.silu`` opens no name scope: a pinned plan's layer is found by
+    the name of its first op with rows (``beta * features``: ``mul``). Each
+    shard runs silu itself, with its custom gradient."""
+    def silu(features, beta=1.0):
+        graph = ops.get_default_graph()
+        ctx = open_split_context(graph.unique_name("mul", mark_as_used=False))
+        sharded = ctx.lookup(features, sequence=True) if ctx is not None else None
+        if sharded is None:
+            return original(features, beta)
+        return _on_shards(ctx, [sharded], sharded, lambda shard: original(shard, beta))
+    return silu
+
+
+def _wrap_binary(original):
+    """Outside the sequence-parallel patch of the same ops: it sees only
+    what this leaves whole."""
+    def binary(x, y, name=None):
+        if context.executing_eagerly():  # no split scope: the hot path of eager code
+            return original(x, y, name=name)
+        ctx = open_split_context()
+        pair = [ctx.lookup(t) for t in (x, y)] if ctx is not None else [None]
+        if None in pair or not _alike(*pair):
+            return original(x, y, name=name)
+        return _on_shards(ctx, pair, pair[0], original)
+    return binary
+
+
+def _alike(a, b) -> bool:
+    """Whether ``a`` and ``b`` are split along the same feature axis into
+    shards of the same shapes (elementwise on shards is then exact)."""
+    shapes = [[s.shape.as_list() if s.shape.rank is not None else None for s in t.shards]
+              for t in (a, b)]
+    return (not a.sequence and not b.sequence and a.axis == b.axis
+            and None not in shapes[0] and shapes[0] == shapes[1])
+
+
+def _on_shards(ctx, operands, lead, compute):
+    """``compute`` of the i-th shards of ``operands`` on device i: the full
+    view of the result, split as ``lead``. The first shard's ops take the
+    names a whole op would (those a pinned plan knows them by), the others'
+    a name scope of their own."""
+    with ctx.building():
+        shards = []
+        for i, device in enumerate(ctx.devices):
+            scope = ops.name_scope(f"tfpar_shard_{i}") if i else contextlib.nullcontext()
+            with ops.device(device), scope:
+                shards.append(compute(*(operand.shards[i] for operand in operands)))
+        return ctx.sharded(shards, lead.axis, lead.sequence)

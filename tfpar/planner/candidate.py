@@ -69,7 +69,8 @@ class Candidate:
     allowed them all and it is faster. ``virtual_stages``: interleaved 1F1B
     with that many stages per device (``stages`` then numbers G V of them,
     ``pipeline`` G); ``bubble_s`` and ``transfer_s``: how much of its step
-    is bubble and waiting for transfers (``step_model.Setting``'s);
+    is bubble and waiting for transfers (``step_model.Setting``'s), and
+    ``busy_s`` the mean busy seconds of its device groups a step;
     ``sequence_parallel``: its split TaskGraphs run sequence parallel
     (``split.sequence_parallel``)."""
 
@@ -97,6 +98,7 @@ class Candidate:
     virtual_stages: int = 1
     bubble_s: float = 0.0
     transfer_s: float = 0.0
+    busy_s: float = 0.0
     sequence_parallel: bool = False
 
     @property

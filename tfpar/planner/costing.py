@@ -106,13 +106,14 @@ class MeshCosting:
         its groups: a pipeline's stages, or with tensor splits its sharded
         stages (each of the G V on its group's t devices). Tried only when
         ``base`` is more than ``choice.TOLERANCE`` slower than its groups'
-        mean busy seconds: no schedule of the same work on G groups is
-        faster than that, and the chooser keeps the fewer stages of a
-        candidate within TOLERANCE of a faster one."""
+        mean busy seconds (``Candidate.busy_s``, as its setting runs them:
+        its parts' seconds are a split stage's layers at the compute dtype,
+        without mixed precision or recomputation): no schedule of the same
+        work on G groups is faster than that, and the chooser keeps the
+        fewer stages of a candidate within TOLERANCE of a faster one."""
         p, t = base.pipeline, base.tensor
-        mean_busy = sum(part.seconds for part in base.parts) / p
         if (p == 1 or "1f1b" not in self.schedules
-                or base.step_time_s <= (1 + TOLERANCE) * mean_busy):
+                or base.step_time_s <= (1 + TOLERANCE) * base.busy_s):
             return []
         d = self.num_devices // (p * t)
         rows = self.global_batch / d
@@ -161,7 +162,8 @@ class MeshCosting:
                          stage_search=self.cuts[p * best.virtual_stages].outcome if p > 1
                          else None, flops=flops, faster_with=faster,
                          stage_memory=best.memory_bytes, virtual_stages=best.virtual_stages,
-                         bubble_s=best.bubble_s, transfer_s=best.transfer_s, **found)
+                         bubble_s=best.bubble_s, transfer_s=best.transfer_s,
+                         busy_s=sum(best.stage_seconds) / p, **found)
 
     def _terms(self, ops: Sequence[int], act_scale: float) -> Dict[str, tuple]:
         """``StageModel``'s recomputation fields for ``ops``, activations x

@@ -39,7 +39,8 @@ XENT = frozenset({"SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWit
 LOOKUPS = frozenset({"GatherV2", "ResourceGather"})
 ELEMENTWISE = frozenset({"Relu", "Relu6", "Elu", "Selu", "Gelu", "Tanh", "Sigmoid", "Softplus",
                          "Identity", "Cast", "Neg", "Square", "Sqrt", "Rsqrt", "Exp", "Erf",
-                         "Mul", "AddV2", "Add", "Sub", "RealDiv", "BiasAdd", "Const"})
+                         "Mul", "AddV2", "Add", "Sub", "RealDiv", "BiasAdd", "Const",
+                         "IdentityN"})  # IdentityN: a custom gradient's (tf.nn.silu's) outputs
 READS = frozenset({"ReadVariableOp", "Identity"})
 # What an attention core is made of, between its Q K V projection and its output
 # projection (dropout, masks and rotary embeddings' half swaps included; a

@@ -1,7 +1,6 @@
 """The automatic plan of an unannotated model (``auto.auto_parallel``,
-``num_task_graph``): the search over the model view, the plan it gives a
-graph built before it (the best unsharded one), and the TaskGraphs a build
-with a sharded plan pinned makes."""
+``num_task_graph``): the search over the model view, the plan it gives a graph
+built before it (the best unsharded one), and the TaskGraphs a pinned one makes."""
 import dataclasses
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -9,7 +8,7 @@ from tfpar import fallback
 from tfpar.cluster.hardware import HOST_CPU, Hardware, default_node, device_hardware, slowest
 from tfpar.compat.tf import ops
 from tfpar.errors import ConfigError, PlanError
-from tfpar.hooks.capture import GraphCapture, layer_of
+from tfpar.hooks.capture import GraphCapture, constant_op, layer_of
 from tfpar.ir.outcome import Outcome
 from tfpar.ir.plan import Plan, pinned_plan
 from tfpar.ir.taskgraph import Phase, Strategy, TaskGraphSpec
@@ -127,8 +126,7 @@ def _plan(analysed: Analysed, rt: Runtime, auto: bool, count: Optional[int]) -> 
 
 
 def _search(rt: Runtime, view, count: Optional[int], time_limit: float):
-    """The search's pick, the best plan that shards nothing (None when none
-    fits), and every candidate."""
+    """The search's pick, the best plan sharding nothing (None: none fits), all candidates."""
     cfg = rt.config
     hardware = cluster_hardware(rt)
     known = bool(cfg.get("auto.global_batch") or view.batch)
@@ -247,9 +245,10 @@ def sharded_plan(automatic: Automatic, rt: Runtime, index: GraphIndex,
     """The search's pick when it shards layers, with the TaskGraphs a build
     with it pinned makes. Without a pipeline: the ops built before the first
     backward op (inputs and weights included), in creation order, cut into
-    runs in and out of the sharded layers; split runs over ``tensor``
-    devices, the others replicated on as many (devices shared, nested data
-    parallelism). With one: a split TaskGraph per stage, on its own devices."""
+    runs in and out of the sharded layers (constants and ops nothing reads
+    stay in a split run: tf.nn.silu's beta, the dead identity of its result);
+    split runs over ``tensor`` devices, the others replicated on as many
+    (nested data parallelism). With one: a split TaskGraph per stage."""
     best = automatic.best
     layers = dict(best.split_scopes)
     position = {op: i for i, op in enumerate(automatic.order)}
@@ -263,7 +262,8 @@ def sharded_plan(automatic: Automatic, rt: Runtime, index: GraphIndex,
         for op in index.ops[:backward]:
             if op.name in capture.op_phase:
                 continue
-            split = layer_of(op.name, layers) is not None
+            split = layer_of(op.name, layers) is not None or bool(runs and runs[-1][0] and (
+                constant_op(op) or not any(t.consumers() for t in op.outputs)))
             if not runs or runs[-1][0] != split:
                 runs.append((split, []))
             runs[-1][1].append(op)
@@ -281,7 +281,8 @@ def sharded_plan(automatic: Automatic, rt: Runtime, index: GraphIndex,
     task_graphs = tuple(
         dataclasses.replace(
             tg, patterns={scope: layers[scope] for scope in (layer_of(op.name, layers)
-                                                             for op in members if op in position)}
+                                                             for op in members if op in position)
+                          if scope is not None}
             if split else {},
             estimate=part_estimate({id(part_of[op]): part_of[op]
                                      for op in members if op in part_of}.values()))
