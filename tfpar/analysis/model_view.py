@@ -33,7 +33,7 @@ SAME_ELEMENTS = frozenset({"Reshape", "Squeeze", "ExpandDims", "Transpose", "Ide
 # Ops whose output is their input's buffer (TensorFlow forwards it): they
 # allocate nothing. A Transpose does when its permutation is the identity
 # (tensordot's, on a dense layer over [batch, sequence, features]).
-VIEWS = frozenset({"Reshape", "Squeeze", "ExpandDims", "Identity"})
+VIEWS = frozenset({"Reshape", "Squeeze", "ExpandDims", "Identity", "IdentityN"})
 # Ops that read only their input's shape, not its elements.
 SHAPE_READS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 # Elementwise ops and the row reductions of softmax and layer norms: a chain

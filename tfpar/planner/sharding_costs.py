@@ -35,7 +35,9 @@ gradient is a sum of the group's partial products: all-reduced back to a
 scattered back to a ``B`` or ``F`` one, once per producer: its column
 readers sum their partials first (Q, K and V reading one layer norm), so
 each edge carries its share (exact when every reader of the producer is a
-``column`` layer). With the ``row`` all-reduce (g), a Megatron transformer
+``column`` layer). Likewise a producer's forward all-gather is made once
+and read by all its readers: each edge carries its share (exact when
+every reader gathers). With the ``row`` all-reduce (g), a Megatron transformer
 layer costs its four all-reduces per step. Step time
 is the sum (Rhino's objective); memory per device is weights x4 (weights,
 gradients, two optimizer slots) plus the activations kept for backward.
@@ -221,11 +223,12 @@ class Problem:
                    ) / speed
 
     def edge(self, size: float, out_layout: str, in_layout: str,
-             partial: float = 0.0) -> Cost:
+             partial: float = 0.0, share: float = 1.0) -> Cost:
         """Resharding ``size`` bytes per row forward and its gradient back;
-        ``partial``: the consumer's input gradient is a sum of partials (a
-        ``column`` layer's), reduced on the way back, this edge's share of
-        the reduction (module docstring)."""
+        ``share``: this edge's share of the producer's forward gather (its
+        readers read one gathered copy); ``partial``: the consumer's input
+        gradient is a sum of partials (a ``column`` layer's), reduced on the
+        way back, this edge's share of the reduction (module docstring)."""
         if not size:
             return Cost()
         t, total, bandwidth = self.mesh.tensor, size * self.rows_group, self.mesh.group_bandwidth
@@ -235,7 +238,7 @@ class Problem:
             back = allreduce(t, total, bandwidth) * partial
         else:  # a reduce-scatter moves what an all-gather does
             back = allgather(t, total, bandwidth) * partial
-        return self._move(size, out_layout, in_layout) + back
+        return self._move(size, out_layout, in_layout) * share + back
 
     def _move(self, size: float, source: str, target: str) -> Cost:
         """``size`` bytes per row from layout ``source`` to ``target``, one way."""
@@ -284,7 +287,7 @@ class Problem:
         """The edge between a layer with candidate ``producer`` (read by
         ``readers`` layers) and one with ``consumer``."""
         return self.edge(size, LAYOUTS[producer][1], LAYOUTS[consumer][0],
-                         (consumer == "column") / readers)
+                         (consumer == "column") / readers, 1 / readers)
 
     def layer_cost(self, j: int, candidate_of, sliced: Optional[bool] = None) -> Cost:
         """Layer j's cost with the resharding of its inputs (``candidate_of``:
