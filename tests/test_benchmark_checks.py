@@ -137,14 +137,15 @@ def scale_row(estimate=1.05, chosen_pinned=0.9, fits=True, plan_build=0.2, group
     (scale_row(estimate=1.2), 1),  # 20% over it
     (scale_row(estimate=0.8), 1),
     (scale_row(estimate=1.2, group="fit"), 1),  # the fit set is held to it too
-    (scale_row(chosen_pinned=1.01), 1),  # the chosen plan slower than the published one
+    (scale_row(chosen_pinned=1.09), 0),  # within the chooser's tolerance for fewer stages
+    (scale_row(chosen_pinned=1.11), 1),  # the chosen plan slower than the published one
     (scale_row(fits=False), 1),
     (scale_row(plan_build=0.3), 1),  # planning over 25% of the build
 ])
 def test_plan_scale_check_fails_when_a_row_misses(row, code, capsys):
     assert bench_args.verdict(plan_scale.targets([row]), args()) == code
     assert ("FAIL  1.7B on 32 GPUs" in capsys.readouterr().err) == bool(code)
-    assert plan_scale.TARGETS == {"estimate": 0.15, "chosen_pinned": 1.0, "plan_build": 0.25}
+    assert plan_scale.TARGETS == {"estimate": 0.15, "chosen_pinned": 1.1, "plan_build": 0.25}
 
 
 def test_plan_scale_judges_llama_3_and_says_what_flash_attention_would_save(capsys):

@@ -110,7 +110,10 @@ class MeshCosting:
         its parts' seconds are a split stage's layers at the compute dtype,
         without mixed precision or recomputation): no schedule of the same
         work on G groups is faster than that, and the chooser keeps the
-        fewer stages of a candidate within TOLERANCE of a faster one."""
+        fewer stages of a candidate within TOLERANCE of a faster one. V
+        doubles while each is faster than the fewer before it (a V that is
+        not shortens the bubble less than its transfers and activations
+        cost; more would shorten it less still)."""
         p, t = base.pipeline, base.tensor
         if (p == 1 or "1f1b" not in self.schedules
                 or base.step_time_s <= (1 + TOLERANCE) * base.busy_s):
@@ -121,10 +124,16 @@ class MeshCosting:
                   if m % p == 0]
         if not counts:
             return []
-        made = (self._unsplit(p, d, rows, counts, v) if t == 1
-                else self._split(t, p, d, rows, counts, v)
-                for v in virtual_stage_counts(p, stage_units(self.model)))
-        return [candidate for candidate in made if candidate is not None]
+        made: List[Candidate] = []
+        for v in virtual_stage_counts(p, stage_units(self.model)):
+            candidate = (self._unsplit(p, d, rows, counts, v) if t == 1
+                         else self._split(t, p, d, rows, counts, v))
+            if candidate is None:
+                continue
+            made.append(candidate)
+            if candidate.step_time_s >= min(c.step_time_s for c in [base] + made[:-1]):
+                break
+        return made
 
     def _setting(self, stages: Sequence[StageModel], d: int, rows: float, counts: Sequence[int],
                  cut: float, bandwidth: float,
