@@ -7,6 +7,7 @@ starting as soon as its stage and its inputs are ready; with interleaved
 stages (``device_groups``), each device group runs the tasks of all its
 stages one at a time, in their ``slot`` order.
 """
+import collections
 import dataclasses
 import numbers
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -103,9 +104,17 @@ def simulate(schedule: List[List[Task]], forward_time: Times, backward_time: Tim
     lanes = _lanes(schedule, device_groups)
     ends: Dict[_Key, float] = {}
     placed: List[List[TimedTask]] = [[] for _ in lanes]
-    while any(len(placed[lane]) < len(tasks) for lane, tasks in enumerate(lanes)):
-        if not _place_ready_tasks(lanes, num_stages, placed, ends, durations, delay):
-            raise ValueError(_deadlock_message(lanes, num_stages, placed, ends))
+    lane_of = [s % device_groups if device_groups else s for s in range(num_stages)]
+    waiting = collections.deque(range(len(lanes)))  # lanes that may place a task
+    while waiting:
+        lane = waiting.popleft()
+        for stage in _place_ready_tasks(lanes[lane], placed[lane], num_stages, ends, durations,
+                                        delay):
+            for near in (stage - 1, stage + 1):  # whose tasks may wait on it
+                if 0 <= near < num_stages and lane_of[near] not in waiting:
+                    waiting.append(lane_of[near])
+    if any(len(placed[lane]) < len(tasks) for lane, tasks in enumerate(lanes)):
+        raise ValueError(_deadlock_message(lanes, num_stages, placed, ends))
 
     tasks = sorted((timed for lane in placed for timed in lane), key=lambda t: t.stage)
     return _result(tasks, _transfers(tasks, num_stages, delay) if transfers else [], schedule,
@@ -173,23 +182,24 @@ def task_dependencies(stage: int, task: Task, num_stages: int) -> List[Tuple[_Ke
     return deps
 
 
-def _place_ready_tasks(lanes, num_stages, placed, ends, durations, delay) -> bool:
-    """Place every next task whose inputs have ended; True if any was placed."""
-    progressed = False
-    for lane, lane_tasks in enumerate(lanes):
-        while len(placed[lane]) < len(lane_tasks):
-            stage, task = lane_tasks[len(placed[lane])]
-            deps = task_dependencies(stage, task, num_stages)
-            if any(key not in ends for key, _ in deps):
-                break
-            ready = max([ends[key] + (delay if cross else 0.0) for key, cross in deps], default=0.0)
-            previous_end = placed[lane][-1].end if placed[lane] else 0.0
-            start = max(previous_end, ready)
-            end = start + durations[task.kind][stage]
-            placed[lane].append(TimedTask(stage, task, start, end))
-            ends[(stage, task.kind, task.micro_batch)] = end
-            progressed = True
-    return progressed
+def _place_ready_tasks(lane_tasks, placed, num_stages, ends, durations, delay) -> List[int]:
+    """Place a lane's next tasks while their inputs have ended; the stages
+    of those placed."""
+    stages = []
+    while len(placed) < len(lane_tasks):
+        stage, task = lane_tasks[len(placed)]
+        ready = 0.0
+        for key, cross in task_dependencies(stage, task, num_stages):
+            end = ends.get(key)
+            if end is None:
+                return stages
+            ready = max(ready, end + delay if cross else end)
+        start = max(placed[-1].end if placed else 0.0, ready)
+        end = start + durations[task.kind][stage]
+        placed.append(TimedTask(stage, task, start, end))
+        ends[(stage, task.kind, task.micro_batch)] = end
+        stages.append(stage)
+    return stages
 
 
 def _deadlock_message(lanes, num_stages, placed, ends) -> str:

@@ -127,7 +127,7 @@ class MeshCosting:
         made: List[Candidate] = []
         for v in virtual_stage_counts(p, stage_units(self.model)):
             candidate = (self._unsplit(p, d, rows, counts, v) if t == 1
-                         else self._split(t, p, d, rows, counts, v))
+                         else self._split(t, p, d, rows, counts, v, base))
             if candidate is None:
                 continue
             made.append(candidate)
@@ -211,7 +211,7 @@ class MeshCosting:
         return self._made(best, faster, d, 1, p, tuple(stages), parts)
 
     def _split(self, t: int, p: int, d: int, rows: float, counts: Sequence[int],
-               virtual: int = 1) -> Optional[Candidate]:
+               virtual: int = 1, kept: Optional[Candidate] = None) -> Optional[Candidate]:
         """Data x ``t`` x ``p``: without a pipeline, the sharding search on the
         whole layer graph (layers may stay data parallel); with one, the stages
         of ``partition_stages``, each on its own d x t devices with every layer
@@ -221,7 +221,10 @@ class MeshCosting:
         the tensor-only mesh to fit the device (when nothing fits so, with
         its weights, gradients and optimizer slots alone: micro-batches and
         recomputation shrink activations), then evaluated at every setting.
-        With ``virtual`` stages per device group, the cut is of p V stages."""
+        With ``virtual`` stages per device group, the cut is of p V stages,
+        each layer sharded as in ``kept`` (the mesh without them: its layers'
+        shardings do not depend on the cut, and re-solving them for every V
+        would cost a search as long as the mesh's own)."""
         layers, hardware, model = self.layers, self.hardware, self.model
         op_stages = self.stages_of(p * virtual).stages
         stage_of = [op_stages[layer.ops[0]] for layer in layers.layers]  # non-decreasing
@@ -234,8 +237,9 @@ class MeshCosting:
         cut = sum(size for i, j, size in layers.edges if stage_of[i] != stage_of[j])
         best, faster, sequence, chosen, outcome = None, None, False, None, None
         tried = (False, True) if "sequence_parallel" in self.techniques else (False,)
-        for sequence_parallel in tried:
-            sharded = self._sharded(shapes, graphs, t, p, d, sequence_parallel)
+        for sequence_parallel in tried if kept is None else (kept.sequence_parallel,):
+            sharded = (self._sharded(shapes, graphs, t, p, d, sequence_parallel) if kept is None
+                       else _as_kept(kept, graphs))
             if sharded is None:
                 continue
             models = [self._split_stage(shape, graph, c, t, p, d, sequence_parallel)
@@ -381,3 +385,9 @@ def _scattered(hardware: Hardware, t: int, p: int) -> float:
     between, within = hardware.link(t * p), hardware.link(t)
     return 1 / (1 / (t * between) + (t - 1) / (t * within))
 
+
+def _as_kept(kept: Candidate, graphs) -> Tuple[List[Tuple[str, ...]], Optional[Outcome]]:
+    """``_sharded``'s answer for ``graphs`` with each layer sharded as in ``kept``."""
+    by_scope = dict(kept.split_scopes)
+    return ([tuple(by_scope[layer.scopes[0]] for layer in graph.layers) for graph in graphs],
+            kept.sharding_search)

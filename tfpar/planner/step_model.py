@@ -215,9 +215,14 @@ def best_setting(stages: Sequence[StageModel], data: int, rows_per_replica: floa
     memory. ``cut_bytes``: bytes per row crossing the stage boundaries (one
     transfer carries their mean); ``speed_up``: mixed precision's compute
     speed-up."""
-    settings = [setting for micro in space.counts for tech in space.techniques
-                for setting in _settings(stages, data, rows_per_replica, micro, tech, space,
-                                         cut_bytes, transfer_bandwidth, speed_up)]
+    settings: List[Setting] = []
+    cutoff = math.inf  # a fitting setting's step, with the tolerance a plainer one gets
+    for micro, tech in itertools.product(space.counts, space.techniques):
+        for setting in _settings(stages, data, rows_per_replica, micro, tech, space, cut_bytes,
+                                 transfer_bandwidth, speed_up, cutoff):
+            settings.append(setting)
+            if setting.peak_memory <= capacity:
+                cutoff = min(cutoff, setting.step_time_s * (1 + SCHEDULE_TOLERANCE))
     fitting = [s for s in settings if s.peak_memory <= capacity]
     if not fitting:
         return min(settings, key=lambda s: (s.peak_memory, s.step_time_s))
@@ -260,9 +265,11 @@ def _schedules(space: Space, micro: int, times: Sequence[float], transfer: float
 
 def _settings(stages: Sequence[StageModel], data: int, rows_per_replica: float, micro: int,
               tech: Techniques, space: Space, cut_bytes: float, bandwidth: float,
-              speed_up: float) -> Iterator[Setting]:
+              speed_up: float, cutoff: float = math.inf) -> Iterator[Setting]:
     """One setting per schedule of ``space`` (one, 1F1B, without a pipeline
-    or with virtual stages)."""
+    or with virtual stages: none when even its busiest group's work takes
+    longer than ``cutoff``, a step another setting beats, so that its
+    schedule is not replayed)."""
     rows = rows_per_replica / micro
     mode = RECOMPUTE.index(tech.recompute)
     speed, scale = (speed_up, MIXED_ACTIVATIONS) if tech.mixed_precision else (1.0, 1.0)
@@ -279,8 +286,12 @@ def _settings(stages: Sequence[StageModel], data: int, rows_per_replica: float, 
     kept = [rows * scale * stage.kept[mode] for stage in stages]
     transient = [rows * scale * stage.transient[mode] for stage in stages]
     if space.virtual_stages > 1:
-        yield _interleaved(space.virtual_stages, micro, tech, times, transfer, sent, busy, state,
-                           [g.seconds + h for g, h in zip(grads, host)], kept, transient)
+        reduce = [g.seconds + h for g, h in zip(grads, host)]
+        groups = len(times) // space.virtual_stages
+        least = max(sum(times[g::groups]) * micro + sum(reduce[g::groups]) for g in range(groups))
+        if least <= cutoff:
+            yield _interleaved(space.virtual_stages, micro, tech, times, transfer, sent, busy,
+                               state, reduce, kept, transient)
         return
     reduce_s = max(g.seconds + h for g, h in zip(grads, host))
     for name, k in _schedules(space, micro, times, transfer):
