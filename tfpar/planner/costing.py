@@ -236,8 +236,9 @@ class MeshCosting:
         shapes = [self._shape(graph) for graph in graphs]
         cut = sum(size for i, j, size in layers.edges if stage_of[i] != stage_of[j])
         best, faster, sequence, chosen, outcome = None, None, False, None, None
-        tried = (False, True) if "sequence_parallel" in self.techniques else (False,)
-        for sequence_parallel in tried if kept is None else (kept.sequence_parallel,):
+        tried = ((kept.sequence_parallel,) if kept is not None
+                 else (False, True) if "sequence_parallel" in self.techniques else (False,))
+        for sequence_parallel in tried:
             sharded = (self._sharded(shapes, graphs, t, p, d, sequence_parallel) if kept is None
                        else _as_kept(kept, graphs))
             if sharded is None:

@@ -286,12 +286,11 @@ def _settings(stages: Sequence[StageModel], data: int, rows_per_replica: float, 
     kept = [rows * scale * stage.kept[mode] for stage in stages]
     transient = [rows * scale * stage.transient[mode] for stage in stages]
     if space.virtual_stages > 1:
-        reduce = [g.seconds + h for g, h in zip(grads, host)]
-        groups = len(times) // space.virtual_stages
-        least = max(sum(times[g::groups]) * micro + sum(reduce[g::groups]) for g in range(groups))
-        if least <= cutoff:
-            yield _interleaved(space.virtual_stages, micro, tech, times, transfer, sent, busy,
-                               state, reduce, kept, transient)
+        setting = _interleaved(space.virtual_stages, micro, tech, times, transfer, sent, busy,
+                               state, [g.seconds + h for g, h in zip(grads, host)], kept,
+                               transient, cutoff)
+        if setting is not None:
+            yield setting
         return
     reduce_s = max(g.seconds + h for g, h in zip(grads, host))
     for name, k in _schedules(space, micro, times, transfer):
@@ -306,20 +305,24 @@ def _settings(stages: Sequence[StageModel], data: int, rows_per_replica: float, 
 def _interleaved(virtual: int, micro: int, tech: Techniques, times: Sequence[float],
                  transfer: float, sent: float, busy: Tuple[float, ...],
                  state: Tuple[float, ...], reduce: Sequence[float], kept: Sequence[float],
-                 transient: Sequence[float]) -> Setting:
+                 transient: Sequence[float], cutoff: float = math.inf) -> Optional[Setting]:
     """The interleaved 1F1B setting of ``times`` per stage (G V of them,
     stage s on group ``s % G``): each device holds its V stages' state, its
     group's peak of activations and its largest transient, all-reduces its
-    stages' gradients (``reduce``: seconds per stage) one after the other."""
+    stages' gradients (``reduce``: seconds per stage) one after the other.
+    None, unreplayed, when its busiest group's work and gradients alone
+    take longer than ``cutoff``."""
     groups = len(times) // virtual
     members = [range(g, len(times), groups) for g in range(groups)]
+    slowest = max(sum(times[s] for s in stages) for stages in members)
+    reduce_s = max(sum(reduce[s] for s in stages) for stages in members)
+    if micro * slowest + reduce_s > cutoff:
+        return None
     held = [sum(state[s] for s in stages) for stages in members]
     device = [h + peak + max(transient[s] for s in stages)
               for h, peak, stages in zip(held, group_peaks(kept, groups, micro), members)]
     length = interleaved_length(times, groups, micro, transfer)
     still = interleaved_length(times, groups, micro, 0.0)
-    slowest = max(sum(times[s] for s in stages) for stages in members)
-    reduce_s = max(sum(reduce[s] for s in stages) for stages in members)
     return Setting(micro, tech, length + reduce_s,
                    tuple(device[s % groups] for s in range(len(times))), sent, busy,
                    tuple(held[s % groups] for s in range(len(times))), "1f1b", 1, virtual,
