@@ -240,7 +240,7 @@ def swiglu_block(style):
 
 SWIGLU_LAYERS = {"keras": {"multiply": "shards"},
                  "v1": {"mul_2": "shards", **{silu: "shards" for silu in (
-                     "mul", "Sigmoid", "mul_1", "IdentityN")}}}
+                     "beta", "mul", "Sigmoid", "mul_1", "IdentityN")}}}
 
 
 @pytest.mark.parametrize("style", ["keras", "v1"])

@@ -148,19 +148,46 @@ def test_plan_scale_check_fails_when_a_row_misses(row, code, capsys):
     assert plan_scale.TARGETS == {"estimate": 0.15, "chosen_pinned": 1.1, "plan_build": 0.25}
 
 
-def test_plan_scale_judges_llama_3_and_says_what_flash_attention_would_save(capsys):
-    """Llama 3's run used FlashAttention, which TF 2.15 lacks: its estimate
-    is judged all the same (a miss fails the check), and the row says the
-    share of the estimate FlashAttention would save."""
-    llama = {**scale_row(estimate=2.5), "differs": "FlashAttention", "flash_share": 0.4}
+def test_plan_scale_judges_llama_3_as_it_ran_and_says_what_flash_attention_saves(capsys):
+    """Llama 3's run used FlashAttention, which TF 2.15 lacks, and no
+    activation checkpointing at 8K sequences: its estimate is judged as it
+    ran (a miss fails the check), and the row says how much less that is
+    than with TensorFlow's attention and what TensorFlow could run."""
+    llama = {**scale_row(estimate=2.5), "flash_share": 0.4}
     assert bench_args.verdict(plan_scale.targets([llama]), args()) == 1
-    assert plan_scale.TABLE["Llama-405B-8K"].role == "judged"
+    run = plan_scale.TABLE["Llama-405B-8K"]
+    assert run.role == "judged" and run.flash_attention
+    assert {t.recompute for t in run.techniques} == {"none"}
     plan_scale.print_row({**llama, "device": "H100-80GB", "batch": 2048, "seq": 8192,
                           "build_s": 1.0, "plan_s": 0.2, "chosen": "c", "chosen_step_s": 1.0,
                           "chosen_tflops": 1.0, "chosen_gib": 1.0, "published": "p",
                           "published_step_s": 1.0, "published_tflops": 1, "pinned": "q",
-                          "pinned_step_s": 2.5, "pinned_tflops": 1.0})
-    assert "used FlashAttention: 40% of the estimate's roofline time" in capsys.readouterr().out
+                          "pinned_step_s": 2.5, "pinned_gib": 200.0, "pinned_tflops": 1.0,
+                          "runnable": "r", "runnable_step_s": 3.0})
+    out = capsys.readouterr().out
+    assert "q: 2.50 s/step = 2.50 x measured, 1 TFLOP/s, 200 GiB per GPU" in out
+    assert ("attention as FlashAttention runs it: 40% less than with TensorFlow's attention; "
+            "what TensorFlow can run of the mesh: r, 3.00 s/step") in out
+
+
+def test_flash_view_keeps_the_scores_on_chip_and_recomputes_q_k_t():
+    """Four ops of one sequence's attention (per row, float32, 2 heads of
+    s = 4: scores of 2 x 4 x 4 x 4 = 128 bytes): Q K^T (reads 64 + 64,
+    writes 128), the softmax (128 through), attention over V (reads 128 +
+    64, writes 64) and the output projection (64 in and out, weights 256)."""
+    from tfpar.planner.model_view import ModelView
+    view = ModelView(flops=[256.0, 160.0, 256.0, 512.0],
+                     activation_bytes=[128.0, 128.0, 64.0, 64.0],
+                     param_bytes=[0.0, 0.0, 0.0, 256.0],
+                     edges=[(0, 1, 128.0), (1, 2, 128.0), (2, 3, 64.0)],
+                     types=["BatchMatMulV2", "Softmax", "BatchMatMulV2", "MatMul"],
+                     traffic_bytes=[256.0, 256.0, 256.0, 384.0],
+                     kept_bytes=[0.0, 128.0, 64.0, 64.0])
+    run = plan_scale.dataclasses.replace(plan_scale.TABLE["Llama-405B-8K"], heads=2, seq=4)
+    flash = plan_scale.flash_view(view, run)
+    assert flash.traffic_bytes == (128.0, 0.0, 128.0, 384.0)  # Q and K in; V in, output out
+    assert flash.kept_bytes == (0.0, 0.0, 64.0, 64.0)
+    assert flash.flops == (256.0 * 4 / 3, 160.0, 256.0, 512.0)
 
 
 def test_plan_scale_reports_the_fit_and_judged_sets_apart():

@@ -44,7 +44,7 @@ def test_recomputation_of_a_gpt_layer_by_hand(gpt_view):
     bytes (16 bits, dropout, fused kernels): 34 s b h + 5 a s^2 b. This graph
     (float32, no dropout, TensorFlow's unfused ops) keeps, per sequence, what
     its backward pass reads (``test_kept_bytes_of_a_gpt_layer_by_hand``):
-      * ``none``: 30 s h + a s^2 + 2 s floats;
+      * ``none``: 28 s h + a s^2 + 4 s floats;
       * ``selective`` drops the attention core's a s^2 (the softmax, the one
         tensor of the core read back; the paper's five bytes per score are
         five tensors of which TensorFlow keeps one) and recomputes the
@@ -55,8 +55,8 @@ def test_recomputation_of_a_gpt_layer_by_hand(gpt_view):
     terms = recomputation(gpt_view)
     ops = block_ops(gpt_view, "h1")
     kept = {mode: sum(terms.kept[mode][i] for i in ops) for mode in terms.kept}
-    assert kept["none"] == (30 * SBH + AS2 + 2 * SEQ) * FLOAT
-    assert kept["selective"] == (30 * SBH + 2 * SEQ) * FLOAT
+    assert kept["none"] == (28 * SBH + AS2 + 4 * SEQ) * FLOAT
+    assert kept["selective"] == (28 * SBH + 4 * SEQ) * FLOAT
     assert kept["full"] == SBH * FLOAT
     assert terms.transient_bytes("full", ops) == kept["none"]
     assert terms.transient_bytes("selective", ops) == AS2 * FLOAT
@@ -74,18 +74,21 @@ def test_recomputation_of_a_gpt_layer_by_hand(gpt_view):
 
 def test_kept_bytes_of_a_gpt_layer_by_hand(gpt_view):
     """What the backward pass reads after the gradient comes back
-    (``ModelView.kept_bytes``), per sequence of layer h1: 30 s h floats -
-    layer norms 2 x 4 (the centred input, computed early for the variance's
-    gradient, the sub, mul and output), the 3 head transposes of Q, K, V, the
-    context's transpose, residuals 2, GELU 4 x 4 (x / sqrt 2, erf + 1, x / 2,
-    output) - plus a s^2 (the softmax) and 2 s (the norms' rsqrt). The
+    (``ModelView.kept_bytes``), per sequence of layer h1: 28 s h floats -
+    layer norms 2 x 3 (the sub, mul and output), the 3 head transposes of Q,
+    K, V, the context's transpose, residuals 2, GELU 4 x 4 (x / sqrt 2, erf +
+    1, x / 2, output) - plus a s^2 (the softmax), 2 s (the norms' rsqrt) and
+    2 s (their means: the variance's gradient computes the centred input
+    again once the gradient arrives, its ``SquaredDifference`` gradient
+    waiting for it by a control edge, and reads the norm's input, kept
+    anyway, and mean). The
     scores, their scaling and mask are not read back, nor are the dense
     layers' MatMul and BiasAdd outputs (their gradients need the inputs), nor
     the tensordots' shapes (read early). ``activation_bytes`` counts every
     output, what the planner once kept: 56 s h + 5 a s^2 + 2 x 5 s + 4 x 5."""
     ops = block_ops(gpt_view, "h1")
     kept = sum(gpt_view.kept_bytes[i] for i in ops)
-    assert kept == (30 * SBH + AS2 + 2 * SEQ) * FLOAT
+    assert kept == (28 * SBH + AS2 + 4 * SEQ) * FLOAT
     assert sum(gpt_view.activation_bytes[i] for i in ops) == (
         56 * SBH + 5 * AS2 + 2 * 5 * SEQ + 4 * 5) * FLOAT
     by_type = {}

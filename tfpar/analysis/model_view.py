@@ -191,7 +191,11 @@ def _kept_bytes(index: GraphIndex, graph: _Read, recorded: Recorded) -> List[flo
     when a backward op reading it also waits for a later op (the gradient
     coming back). Only backward ops the gradients depend on by data count
     (Grappler prunes the rest: a constant's gradient, such as a division by
-    sqrt(d)'s)."""
+    sqrt(d)'s). An op waits for its control inputs too (silu's gradient
+    computes ``sigmoid(beta x)`` once the gradient arrives); what an early
+    op keeps counts with the last forward op it waits for that is not a
+    constant (silu's ``beta x``: with ``x``, not with ``beta``, which the
+    script created after it)."""
     phases, producer = recorded.op_phase, graph.producer
     live = data_ancestors((t.op for call in recorded.gradient_calls for g in call.grads
                            if g is not None for t in gradient_tensors(g)),
@@ -201,12 +205,16 @@ def _kept_bytes(index: GraphIndex, graph: _Read, recorded: Recorded) -> List[flo
     # are not counted).
     ready: Dict[ops.Operation, int] = {}
     size: Dict[ops.Operation, float] = {}
+    home: Dict[ops.Operation, int] = {}  # the last forward op it waits for, constants aside
     read: Dict[int, int] = {}  # kept forward tensor -> the op of order allocating it
     early = set()  # backward ops run during the forward pass whose outputs are kept
     for op in (op for op in index.ops if op in live):
         inputs = op.inputs
-        ready[op] = last = max((producer[id(t)] if id(t) in producer else ready.get(t.op, -1)
-                                for t in inputs), default=-1)
+        forward = [producer[id(t)] for t in inputs if id(t) in producer]
+        backward = [t.op for t in inputs if id(t) not in producer] + list(op.control_inputs)
+        ready[op] = last = max(forward + [ready.get(b, -1) for b in backward], default=-1)
+        home[op] = max([j for j in forward if graph.types[j] != "Const"]
+                       + [home.get(b, -1) for b in backward], default=-1)
         size[op] = max((graph.nbytes[id(t)] if id(t) in producer else size.get(t.op, 0.0)
                         for t in inputs), default=0.0) if op.type in _ELEMENTWISE else 0.0
         for t in inputs:
@@ -224,7 +232,7 @@ def _kept_bytes(index: GraphIndex, graph: _Read, recorded: Recorded) -> List[flo
     for key, j in read.items():
         kept[j] += graph.nbytes[key]
     for op in early:  # counted with the forward op it follows
-        kept[ready[op]] += size[op]
+        kept[max(home[op], 0)] += size[op]
     return kept
 
 

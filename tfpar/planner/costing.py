@@ -18,7 +18,7 @@ from tfpar.planner.comm import Cost, allreduce
 from tfpar.planner.interleaved import virtual_stage_counts
 from tfpar.planner.layers import layer_graph, subgraph
 from tfpar.planner.memory import RECOMPUTE, Techniques, recomputation
-from tfpar.planner.model_view import ModelView, stage_units, timed
+from tfpar.planner.model_view import ModelView, sent_bytes, stage_units, timed
 from tfpar.planner.partition import StageCut, partition_stages
 from tfpar.planner.roofline import low_precision_speed_up
 from tfpar.planner.sharding import plan_sharding
@@ -111,9 +111,11 @@ class MeshCosting:
         without mixed precision or recomputation): no schedule of the same
         work on G groups is faster than that, and the chooser keeps the
         fewer stages of a candidate within TOLERANCE of a faster one. V
-        doubles while each is faster than the fewer before it (a V that is
-        not shortens the bubble less than its transfers and activations
-        cost; more would shorten it less still)."""
+        doubles while each is faster than the V before it (a V that is not
+        shortens the bubble less than its transfers and activations cost;
+        more would shorten it less still). The first V is not held to
+        ``base``, whose schedule may be another (ZB-H1 fills 1F1B's bubble
+        otherwise: V = 2 may lose to it where V = 8 wins)."""
         p, t = base.pipeline, base.tensor
         if (p == 1 or "1f1b" not in self.schedules
                 or base.step_time_s <= (1 + TOLERANCE) * base.busy_s):
@@ -131,7 +133,7 @@ class MeshCosting:
             if candidate is None:
                 continue
             made.append(candidate)
-            if candidate.step_time_s >= min(c.step_time_s for c in [base] + made[:-1]):
+            if len(made) > 1 and candidate.step_time_s >= made[-2].step_time_s:
                 break
         return made
 
@@ -234,7 +236,11 @@ class MeshCosting:
             return None
         graphs = [subgraph(layers, members) for members in groups] if p > 1 else [layers]
         shapes = [self._shape(graph) for graph in graphs]
-        cut = sum(size for i, j, size in layers.edges if stage_of[i] != stage_of[j])
+        op_stage = [0] * len(model.flops)
+        for i, layer in enumerate(layers.layers):
+            for op in layer.ops:
+                op_stage[op] = stage_of[i]
+        cut = sent_bytes(model.edges, op_stage)
         best, faster, sequence, chosen, outcome = None, None, False, None, None
         tried = ((kept.sequence_parallel,) if kept is not None
                  else (False, True) if "sequence_parallel" in self.techniques else (False,))
@@ -262,10 +268,6 @@ class MeshCosting:
                 if p > 1 or c != "dp":
                     split += [(scope, c) for scope in layer.scopes]
                     stages += [s] * len(layer.scopes) if p > 1 else []
-        op_stage = [0] * len(model.flops)
-        for i, layer in enumerate(layers.layers):
-            for op in layer.ops:
-                op_stage[op] = stage_of[i]
         return self._made(best, faster, d, t, p, tuple(op_stage), tuple(parts),
                           split_scopes=tuple(split), split_stages=tuple(stages),
                           sharding_search=outcome, sequence_parallel=sequence)

@@ -7,7 +7,7 @@ from tfpar.cluster.hardware import Hardware
 from tfpar.planner.memory import SLOTS
 from tfpar.planner.roofline import timed_flops
 
-__all__ = ["ModelView", "stage_units", "timed"]
+__all__ = ["ModelView", "sent_bytes", "stage_units", "timed"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,3 +83,12 @@ def timed(model: ModelView, hardware: Hardware) -> ModelView:
         model, flops=timed_flops(model.flops, model.traffic_bytes, hardware, model.compute_dtype),
         traffic_bytes=None)
 
+
+def sent_bytes(edges: Sequence[Tuple[int, int, float]], stage_of: Sequence[int]) -> float:
+    """Bytes per row the stages ``stage_of`` (per op) send each other: a
+    tensor once to each stage that reads it, however many of its ops do (a
+    residual stream read by a layer norm's two ops and by the residual add
+    crosses once; a producer's edges of one size to one stage are taken
+    for one tensor)."""
+    sent = {(i, stage_of[j], size) for i, j, size in edges if stage_of[i] != stage_of[j]}
+    return sum(size for _, _, size in sent)

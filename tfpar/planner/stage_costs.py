@@ -5,7 +5,7 @@ from typing import Sequence, Tuple
 
 from tfpar.cluster.hardware import Hardware
 from tfpar.planner.comm import LATENCY_S
-from tfpar.planner.model_view import ModelView, timed
+from tfpar.planner.model_view import ModelView, sent_bytes, timed
 from tfpar.planner.memory import state_per_weight
 
 __all__ = ["StageCosts", "stage_costs"]
@@ -48,7 +48,7 @@ def stage_costs(model: ModelView, stages: Sequence[int], num_stages: int, rows: 
         forward[stage] += model.flops[i] * rows / speed
         params[stage] += model.param_bytes[i]
         activations[stage] += model.kept[i] * rows
-    cut = sum(size for i, j, size in model.edges if stages[i] != stages[j]) * rows
+    cut = sent_bytes(model.edges, stages) * rows
     transfer = LATENCY_S + cut / max(num_stages - 1, 1) / bandwidth if num_stages > 1 else 0.0
     return StageCosts(tuple(forward), tuple(params), tuple(activations), transfer, cut,
                       model.optimizer_slots)
