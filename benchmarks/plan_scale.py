@@ -29,7 +29,8 @@ row:
   * build s: TensorFlow building the graph;
   * plan s: reading it (``model_view``) and the whole search
     (``auto.search_all`` over every data x tensor x pipeline mesh, then
-    ``choose``), and plan / build;
+    ``choose``), Python's garbage collector paused as tfpar's planning pass
+    pauses it, and plan / build;
   * chosen: the plan and its estimated TFLOP/s per GPU, the FLOPs it runs /
     (step x GPUs): a GPT's 72 B s l h^2 (1 + s / 6h + V / 12lh) a step
     (forward and backward) plus what its recomputation runs again - with
@@ -83,6 +84,7 @@ from tfpar.planner.auto import search_all  # noqa: E402
 from tfpar.planner.choice import TOLERANCE, choose  # noqa: E402
 from tfpar.ir.contractions import CONTRACTIONS  # noqa: E402
 from tfpar.planner.memory import RECOMPUTE, Techniques  # noqa: E402
+from tfpar.runtime.gc_paused import gc_paused  # noqa: E402
 from tfpar.analysis.model_view import model_view  # noqa: E402
 from tfpar.analysis.graph_index import GraphIndex  # noqa: E402
 from tfpar.models.gpt import gpt_train_op  # noqa: E402
@@ -240,7 +242,8 @@ def build_view(model):
                 llama_train_op(layers, hidden, ffn, heads, kv_heads, seq, vocab, batch)
             build_s = time.perf_counter() - start
             start = time.perf_counter()
-            _, view = model_view(GraphIndex(graph), capture_for(graph))
+            with gc_paused():  # as tfpar's planning pass reads it
+                _, view = model_view(GraphIndex(graph), capture_for(graph))
             view_s = time.perf_counter() - start
     finally:
         wh.reset()
@@ -257,8 +260,10 @@ def measure(name):
     view, build_s, view_s = build_view(model_of(run))
     start = time.perf_counter()
     offered = TECHNIQUES + (("sequence_parallel",) if run.sequence_parallel else ())
-    chosen = choose(search_all(view, gpus, hardware, batch, None, time_limit_s=SEARCH_LIMIT_S,
-                               techniques=offered, split_heads=True), hardware)
+    with gc_paused():  # as tfpar's planning pass searches (runtime.automatic)
+        chosen = choose(search_all(view, gpus, hardware, batch, None,
+                                   time_limit_s=SEARCH_LIMIT_S, techniques=offered,
+                                   split_heads=True), hardware)
     plan_s = view_s + time.perf_counter() - start
     pinned, runnable, flash_share = pinned_estimates(run, view)
     pinned_tflops = step_flops(run) / (pinned.step_time_s * gpus) / 1e12

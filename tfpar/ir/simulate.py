@@ -14,7 +14,8 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from tfpar.ir.schedule import Task, validate_schedule
 
-__all__ = ["TimedTask", "Transfer", "SimulationResult", "measured", "simulate", "task_dependencies"]
+__all__ = ["Replay", "TimedTask", "Transfer", "SimulationResult", "measured", "replay_order",
+           "replay_times", "simulate", "task_dependencies"]
 
 Times = Union[float, Sequence[float]]
 _Key = Tuple[int, str, int]  # (stage, kind, micro_batch)
@@ -38,6 +39,21 @@ class Transfer:
     kind: str
     start: float
     end: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Replay:
+    """A schedule's tasks in an order where each comes after its inputs and
+    after the task its lane runs before it (``replay_order``): per task its
+    stage and ``Task``, and the indices (-1: none) of that previous task, of
+    its input on its own stage and of its input from another stage (a task
+    has at most one of each: ``task_dependencies``). What a step's timing
+    needs, made once for any durations."""
+    stages: Tuple[int, ...]
+    tasks: Tuple[Task, ...]
+    previous: Tuple[int, ...]
+    local: Tuple[int, ...]
+    remote: Tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,24 +117,54 @@ def simulate(schedule: List[List[Task]], forward_time: Times, backward_time: Tim
         durations["W"] = [share * b for b in backward]
     delay = _non_negative("transfer_time", transfer_time)
 
+    replay = replay_order(schedule, device_groups)
+    starts, ends = replay_times(replay, durations, delay)
+    tasks = sorted(map(TimedTask, replay.stages, replay.tasks, starts, ends),
+                   key=lambda t: t.stage)  # stable: a stage's tasks in its order
+    return _result(tasks, _transfers(tasks, num_stages, delay) if transfers else [], schedule,
+                   device_groups or num_stages)
+
+
+def replay_order(schedule: List[List[Task]], device_groups: Optional[int] = None) -> Replay:
+    """``schedule``'s ``Replay`` (``device_groups`` as ``simulate``'s).
+
+    Raises:
+      ValueError: a deadlocked schedule (a task whose input never comes)."""
     lanes = _lanes(schedule, device_groups)
-    ends: Dict[_Key, float] = {}
-    placed: List[List[TimedTask]] = [[] for _ in lanes]
+    num_stages = len(schedule)
+    index: Dict[_Key, int] = {}
+    order: List[Tuple[int, Task, int, int, int]] = []
+    done = [0] * len(lanes)
     lane_of = [s % device_groups if device_groups else s for s in range(num_stages)]
     waiting = collections.deque(range(len(lanes)))  # lanes that may place a task
     while waiting:
         lane = waiting.popleft()
-        for stage in _place_ready_tasks(lanes[lane], placed[lane], num_stages, ends, durations,
-                                        delay):
+        for stage in _place_ready_tasks(lanes[lane], done, lane, num_stages, index, order):
             for near in (stage - 1, stage + 1):  # whose tasks may wait on it
                 if 0 <= near < num_stages and lane_of[near] not in waiting:
                     waiting.append(lane_of[near])
-    if any(len(placed[lane]) < len(tasks) for lane, tasks in enumerate(lanes)):
-        raise ValueError(_deadlock_message(lanes, num_stages, placed, ends))
+    if any(done[lane] < len(tasks) for lane, tasks in enumerate(lanes)):
+        raise ValueError(_deadlock_message(lanes, num_stages, done, index))
+    return Replay(*zip(*order)) if order else Replay((), (), (), (), ())
 
-    tasks = sorted((timed for lane in placed for timed in lane), key=lambda t: t.stage)
-    return _result(tasks, _transfers(tasks, num_stages, delay) if transfers else [], schedule,
-                   len(lanes))
+
+def replay_times(replay: Replay, durations: Dict[str, Sequence[float]],
+                 delay: float) -> Tuple[List[float], List[float]]:
+    """When each task of ``replay`` starts and ends: it starts once its
+    lane's previous task and its inputs have ended (those from another
+    stage ``delay`` later), and lasts ``durations[kind][stage]``."""
+    starts: List[float] = []
+    ends: List[float] = []
+    for stage, task, previous, local, remote in zip(replay.stages, replay.tasks,
+                                                    replay.previous, replay.local, replay.remote):
+        ready = ends[previous] if previous >= 0 else 0.0
+        if local >= 0 and ends[local] > ready:
+            ready = ends[local]
+        if remote >= 0 and ends[remote] + delay > ready:
+            ready = ends[remote] + delay
+        starts.append(ready)
+        ends.append(ready + durations[task.kind][stage])
+    return starts, ends
 
 
 def _lanes(schedule: List[List[Task]], device_groups: Optional[int]):
@@ -182,35 +228,38 @@ def task_dependencies(stage: int, task: Task, num_stages: int) -> List[Tuple[_Ke
     return deps
 
 
-def _place_ready_tasks(lane_tasks, placed, num_stages, ends, durations, delay) -> List[int]:
-    """Place a lane's next tasks while their inputs have ended; the stages
-    of those placed."""
+def _place_ready_tasks(lane_tasks, done, lane, num_stages, index, order) -> List[int]:
+    """Put a lane's next tasks in ``order`` while their inputs are in it;
+    the stages of those put."""
     stages = []
-    while len(placed) < len(lane_tasks):
-        stage, task = lane_tasks[len(placed)]
-        ready = 0.0
+    while done[lane] < len(lane_tasks):
+        stage, task = lane_tasks[done[lane]]
+        inputs = {False: -1, True: -1}  # crosses stages -> index
         for key, cross in task_dependencies(stage, task, num_stages):
-            end = ends.get(key)
-            if end is None:
+            if key not in index:
                 return stages
-            ready = max(ready, end + delay if cross else end)
-        start = max(placed[-1].end if placed else 0.0, ready)
-        end = start + durations[task.kind][stage]
-        placed.append(TimedTask(stage, task, start, end))
-        ends[(stage, task.kind, task.micro_batch)] = end
+            inputs[cross] = index[key]
+        previous = index[_key(*lane_tasks[done[lane] - 1])] if done[lane] else -1
+        index[_key(stage, task)] = len(order)
+        order.append((stage, task, previous, inputs[False], inputs[True]))
+        done[lane] += 1
         stages.append(stage)
     return stages
 
 
-def _deadlock_message(lanes, num_stages, placed, ends) -> str:
+def _key(stage: int, task: Task) -> _Key:
+    return (stage, task.kind, task.micro_batch)
+
+
+def _deadlock_message(lanes, num_stages, done, index) -> str:
     stuck = []
     for lane, lane_tasks in enumerate(lanes):
-        if len(placed[lane]) == len(lane_tasks):
+        if done[lane] == len(lane_tasks):
             continue
-        stage, task = lane_tasks[len(placed[lane])]
+        stage, task = lane_tasks[done[lane]]
         missing = [f"{kind}{m} on stage {s}"
                    for (s, kind, m), _ in task_dependencies(stage, task, num_stages)
-                   if (s, kind, m) not in ends]
+                   if (s, kind, m) not in index]
         stuck.append(f"stage {stage} at {task} (waits for {', '.join(missing)})")
     return "infeasible pipeline schedule (deadlock): " + "; ".join(stuck)
 

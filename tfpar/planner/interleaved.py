@@ -20,7 +20,8 @@ micro-batch (forward and backward) and ``M`` micro-batches a multiple of G:
     micro-batch, each 1/V of its share: ``(G + (G - 1) / V) A`` for a
     share keeping ``A`` a micro-batch, against 1F1B's ``G A``.
 The step and the peaks are not closed forms here: the planner replays the
-schedule (``ir.simulate.simulate`` with its device-group lanes; the peaks
+schedule (``ir.simulate``'s replay with its device-group lanes, ordered
+once per schedule and timed per setting; the peaks
 by walking each group's task order), which holds for unequal stages and for
 transfers too slow for the steady state to hide. A search tries thousands
 of micro-batches on a large batch, so at most ``replayed(G, V)`` = 2 G (V +
@@ -33,8 +34,10 @@ the replay's second half (within 3% of the whole replay for stages within
 import functools
 from typing import List, Sequence, Tuple
 
+import numpy
+
 from tfpar.ir.schedule import interleaved_schedule
-from tfpar.ir.simulate import simulate
+from tfpar.ir.simulate import replay_order, replay_times
 
 __all__ = ["MAX_VIRTUAL_STAGES", "group_peaks", "interleaved_length", "replayed",
            "virtual_stage_counts"]
@@ -72,11 +75,20 @@ def _schedule(groups: int, virtual: int, micro: int):
     return schedule, orders
 
 
+@functools.lru_cache(maxsize=16)
+def _order(groups: int, virtual: int, micro: int):
+    """The schedule's ``ir.simulate.Replay`` (made once: a search replays it
+    with many stage times)."""
+    return replay_order(_schedule(groups, virtual, micro)[0], groups)
+
+
 @functools.lru_cache(maxsize=4096)
 def _replayed(times: Tuple[float, ...], groups: int, micro: int, transfer: float) -> float:
-    schedule, _ = _schedule(groups, len(times) // groups, micro)
-    return simulate(schedule, [t / 3 for t in times], [2 * t / 3 for t in times], transfer,
-                    device_groups=groups, transfers=False).length
+    """``simulate``'s length of the step, timed on its cached ``Replay``."""
+    replay = _order(groups, len(times) // groups, micro)
+    _, ends = replay_times(replay, {"F": [t / 3 for t in times], "B": [2 * t / 3 for t in times]},
+                           transfer)
+    return max(ends)
 
 
 def interleaved_length(times: Sequence[float], groups: int, micro: int,
@@ -99,12 +111,15 @@ def group_peaks(kept: Sequence[float], groups: int, micro: int) -> List[float]:
     backward, in the order ``interleaved_schedule`` gives the group (of at
     most ``replayed`` micro-batches)."""
     virtual = len(kept) // groups
-    _, orders = _schedule(groups, virtual, min(micro, replayed(groups, virtual)))
-    peaks = []
-    for order in orders:
-        held = peak = 0.0
-        for s, kind in order:
-            held += kept[s] if kind == "F" else -kept[s]
-            peak = max(peak, held)
-        peaks.append(peak)
-    return peaks
+    per_stage = numpy.asarray(kept, dtype=float)
+    return [max(0.0, float(numpy.cumsum(per_stage[stages] * signs).max(initial=0.0)))
+            for stages, signs in _walks(groups, virtual, min(micro, replayed(groups, virtual)))]
+
+
+@functools.lru_cache(maxsize=256)
+def _walks(groups: int, virtual: int, micro: int):
+    """Per device group, the stage of each task in its order and +1 for a
+    forward (which keeps its activations), -1 for a backward (which frees them)."""
+    return [(numpy.array([s for s, _ in order], dtype=int),
+             numpy.array([1.0 if kind == "F" else -1.0 for _, kind in order]))
+            for order in _schedule(groups, virtual, micro)[1]]
