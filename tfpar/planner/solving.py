@@ -22,15 +22,18 @@ def left_s(deadline: Optional[float]) -> float:
     return float("inf") if deadline is None else deadline - time.monotonic()
 
 
-def cp_solver(limit_s: float, deadline: Optional[float] = None,
-              workers: int = 1) -> Optional[cp_model.CpSolver]:
+def cp_solver(limit_s: float, deadline: Optional[float] = None, workers: int = 1,
+              presolve: bool = True) -> Optional[cp_model.CpSolver]:
     """A solver limited to ``limit_s`` (deterministic time on one worker,
-    wall-clock on several) and to ``deadline``; None once it has passed."""
+    wall-clock on several) and to ``deadline``; None once it has passed.
+    ``presolve``: CP-SAT's presolve (off for many small models, where it
+    costs more than it saves)."""
     left = left_s(deadline)
     if left <= 0:
         return None
     solver = cp_model.CpSolver()
     solver.parameters.num_search_workers = workers
+    solver.parameters.cp_model_presolve = presolve
     if workers == 1:
         solver.parameters.max_deterministic_time = limit_s
         if left != float("inf"):
