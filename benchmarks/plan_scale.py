@@ -60,10 +60,10 @@ plan s / build s <= 0.25.
 
     python benchmarks/plan_scale.py [--check] [--json] [--rows 1.7B,145.6B]
 
-(2 cores: about 21 minutes for all fifteen rows, most of it TensorFlow
-building the graphs - 11 s for the 1.7B, 137 s for the 1T, 102 s for the
-MT-NLG graph the three rows share, 200 s for Llama 3 405B; ``--quick``: the
-1.7B and 3.6B rows, about 45 s.)
+(2 cores: about 14 minutes for all fifteen rows, most of it TensorFlow
+building the graphs - 10 s for the 1.7B, 90 s for the 1T, 66 s for the
+MT-NLG graph the three rows share, 62 s for Llama 3 405B's; ``--quick``:
+the 1.7B and 3.6B rows, about 45 s.)
 """
 import argparse
 import dataclasses
