@@ -64,22 +64,11 @@ def replayed(groups: int, virtual: int) -> int:
     return 2 * groups * (virtual + 2)
 
 
-@functools.lru_cache(maxsize=256)
-def _schedule(groups: int, virtual: int, micro: int):
-    """``interleaved_schedule``'s tasks per stage, and each group's (stage,
-    kind) in its order (made once: a search replays each many times)."""
-    schedule = interleaved_schedule(groups, virtual, micro)
-    orders = [[(s, task.kind) for _, s, task in sorted(
-        (task.slot, s, task) for s in range(g, len(schedule), groups) for task in schedule[s])]
-        for g in range(groups)]
-    return schedule, orders
-
-
 @functools.lru_cache(maxsize=16)
 def _order(groups: int, virtual: int, micro: int):
-    """The schedule's ``ir.simulate.Replay`` (made once: a search replays it
-    with many stage times)."""
-    return replay_order(_schedule(groups, virtual, micro)[0], groups)
+    """``interleaved_schedule``'s ``ir.simulate.Replay`` (made once: a search
+    replays it with many stage times)."""
+    return replay_order(interleaved_schedule(groups, virtual, micro), groups)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -112,14 +101,16 @@ def group_peaks(kept: Sequence[float], groups: int, micro: int) -> List[float]:
     most ``replayed`` micro-batches)."""
     virtual = len(kept) // groups
     per_stage = numpy.asarray(kept, dtype=float)
-    return [max(0.0, float(numpy.cumsum(per_stage[stages] * signs).max(initial=0.0)))
+    return [float(numpy.cumsum(per_stage[stages] * signs).max(initial=0.0))
             for stages, signs in _walks(groups, virtual, min(micro, replayed(groups, virtual)))]
 
 
 @functools.lru_cache(maxsize=256)
 def _walks(groups: int, virtual: int, micro: int):
-    """Per device group, the stage of each task in its order and +1 for a
-    forward (which keeps its activations), -1 for a backward (which frees them)."""
-    return [(numpy.array([s for s, _ in order], dtype=int),
-             numpy.array([1.0 if kind == "F" else -1.0 for _, kind in order]))
-            for order in _schedule(groups, virtual, micro)[1]]
+    """Per device group, the stage of each of its tasks in the order it runs
+    them (a ``Replay`` keeps each group's order) and +1 for a forward (which
+    keeps its activations), -1 for a backward (which frees them)."""
+    replay = _order(groups, virtual, micro)
+    stages = numpy.array(replay.stages, dtype=int)
+    signs = numpy.array([1.0 if task.kind == "F" else -1.0 for task in replay.tasks])
+    return [(stages[mine], signs[mine]) for mine in (stages % groups == g for g in range(groups))]
