@@ -16,14 +16,14 @@ from tfpar.planner.candidate import ALL_TECHNIQUES, Candidate, Part
 from tfpar.planner.choice import TOLERANCE
 from tfpar.planner.comm import Cost, allreduce
 from tfpar.planner.interleaved import virtual_stage_counts
-from tfpar.planner.layers import layer_graph, subgraph
+from tfpar.planner.layers import layer_graph, subgraphs
 from tfpar.planner.memory import RECOMPUTE, Techniques, recomputation
 from tfpar.planner.model_view import ModelView, sent_bytes, stage_units, timed
 from tfpar.planner.partition import StageCut, partition_stages
 from tfpar.planner.roofline import low_precision_speed_up
 from tfpar.planner.sharding import plan_sharding
 from tfpar.planner.sharding_costs import Mesh, Problem
-from tfpar.planner.stage_costs import stage_costs
+from tfpar.planner.stage_costs import stage_costs, stage_members
 from tfpar.planner.step_model import (KERNELS_PER_OP, LAUNCH_S, Setting, Space, StageModel,
                                       best_setting, kernel_counts, micro_batch_counts,
                                       technique_space)
@@ -199,9 +199,7 @@ class MeshCosting:
         ``p virtual`` (interleaved 1F1B when more than one)."""
         hardware, stages = self.hardware, self.stages_of(p * virtual).stages
         per_row = stage_costs(self.model, stages, p * virtual, 1.0, hardware)
-        members: List[List[int]] = [[] for _ in range(p * virtual)]
-        for i, stage in enumerate(stages):
-            members[stage].append(i)
+        members = stage_members(stages, p * virtual)
         models = [StageModel(3 * forward, 0.0, 0.0, self._launches(ops), params,
                              allreduce(d, params, hardware.bandwidth(d, p)),
                              **self._terms(ops, 1.0))
@@ -230,11 +228,10 @@ class MeshCosting:
         layers, hardware, model = self.layers, self.hardware, self.model
         op_stages = self.stages_of(p * virtual).stages
         stage_of = [op_stages[layer.ops[0]] for layer in layers.layers]  # non-decreasing
-        groups = [[i for i, stage in enumerate(stage_of) if stage == s]
-                  for s in range(p * virtual)]
+        groups = stage_members(stage_of, p * virtual)
         if not all(groups):
             return None
-        graphs = [subgraph(layers, members) for members in groups] if p > 1 else [layers]
+        graphs = subgraphs(layers, groups) if p > 1 else [layers]
         shapes = [self._shape(graph) for graph in graphs]
         op_stage = [0] * len(model.flops)
         for i, layer in enumerate(layers.layers):
@@ -394,3 +391,4 @@ def _as_kept(kept: Candidate, graphs) -> Tuple[List[Tuple[str, ...]], Optional[O
     by_scope = dict(kept.split_scopes)
     return ([tuple(by_scope[layer.scopes[0]] for layer in graph.layers) for graph in graphs],
             kept.sharding_search)
+

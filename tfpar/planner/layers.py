@@ -33,7 +33,7 @@ from tfpar.ir.contractions import CONTRACTIONS
 from tfpar.planner.memory import state_per_weight
 
 __all__ = ["HEAD_OPS", "KERAS_PROJECTIONS", "Layer", "LayerGraph", "attention_layers",
-           "critical_positions", "heads_units", "keras_attention", "layer_graph", "subgraph"]
+           "critical_positions", "heads_units", "keras_attention", "layer_graph", "subgraphs"]
 
 XENT = frozenset({"SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits"})
 LOOKUPS = frozenset({"GatherV2", "ResourceGather"})
@@ -216,22 +216,31 @@ def attention_layers(layers: Sequence[Layer], edges: Sequence[Tuple[int, int, fl
     return core
 
 
-def subgraph(graph: LayerGraph, members: Sequence[int]) -> LayerGraph:
-    """The layers ``members`` (in order) and the edges among them; edges from
+def subgraphs(graph: LayerGraph, groups: Sequence[Sequence[int]]) -> List[LayerGraph]:
+    """Per group of layers (each in order, the groups disjoint) its layers and
+    the edges among them, the edges read once for all groups; edges from
     other layers become model inputs of their consumer (a pipeline stage
     receives them from the previous stage, split by rows)."""
-    index = {m: k for k, m in enumerate(members)}
-    layers = [graph.layers[m] for m in members]
-    outside = collections.defaultdict(float)
-    edges = []
+    where = {m: (g, k) for g, members in enumerate(groups) for k, m in enumerate(members)}
+    edges: List[List[Tuple[int, int, float]]] = [[] for _ in groups]
+    outside: List[Dict[int, float]] = [collections.defaultdict(float) for _ in groups]
     for i, j, size in graph.edges:
-        if j in index and i in index:
-            edges.append((index[i], index[j], size))
-        elif j in index:
-            outside[index[j]] += size
-    layers = [dataclasses.replace(layer, input_bytes=layer.input_bytes + outside[k])
-              if outside[k] else layer for k, layer in enumerate(layers)]
-    return LayerGraph(tuple(layers), tuple(edges), graph.state_per_weight)
+        to = where.get(j)
+        if to is None:
+            continue
+        source = where.get(i)
+        if source is not None and source[0] == to[0]:
+            edges[to[0]].append((source[1], to[1], size))
+        else:
+            outside[to[0]][to[1]] += size
+
+    def receiving(g: int, k: int, layer: Layer) -> Layer:
+        extra = outside[g].get(k)
+        return dataclasses.replace(layer, input_bytes=layer.input_bytes + extra) if extra else layer
+
+    return [LayerGraph(tuple(receiving(g, k, graph.layers[m]) for k, m in enumerate(members)),
+                       tuple(edges[g]), graph.state_per_weight)
+            for g, members in enumerate(groups)]
 
 
 def critical_positions(count: int, edges: Sequence[Tuple[int, int, float]]) -> List[int]:

@@ -1,14 +1,14 @@
 """The cost model of a pipeline's stages from a model's ops: compute, weights,
 activations and the transfers between stages (no TensorFlow)."""
 import dataclasses
-from typing import Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 from tfpar.cluster.hardware import Hardware
 from tfpar.planner.comm import LATENCY_S
 from tfpar.planner.model_view import ModelView, sent_bytes, timed
 from tfpar.planner.memory import state_per_weight
 
-__all__ = ["StageCosts", "stage_costs"]
+__all__ = ["StageCosts", "stage_costs", "stage_members"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,3 +52,11 @@ def stage_costs(model: ModelView, stages: Sequence[int], num_stages: int, rows: 
     transfer = LATENCY_S + cut / max(num_stages - 1, 1) / bandwidth if num_stages > 1 else 0.0
     return StageCosts(tuple(forward), tuple(params), tuple(activations), transfer, cut,
                       model.optimizer_slots)
+
+
+def stage_members(stage_of: Sequence[int], num_stages: int) -> List[List[int]]:
+    """The items of each stage, in order, from each item's stage."""
+    members: List[List[int]] = [[] for _ in range(num_stages)]
+    for i, stage in enumerate(stage_of):
+        members[stage].append(i)
+    return members
