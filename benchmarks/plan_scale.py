@@ -44,17 +44,23 @@ row:
   * pinned: tfpar's estimate of the published configuration: its mesh, 1F1B,
     the memory techniques it ran (Megatron: full recomputation and mixed
     precision; Llama 3: BF16 with FSDP and no recomputation, sequence
-    parallelism where it pays, the fastest number of interleaved stages,
+    parallelism, the fastest number of interleaved stages,
     and its attention as FlashAttention runs it, ``flash_view``: the
     share of the estimate with TensorFlow's attention it saves is printed,
-    with what TensorFlow can run of the mesh), micro-batch count searched,
-    and its GiB per GPU by tfpar's memory model (TensorFlow's).
+    with what TensorFlow can run of the mesh), and its GiB per GPU by
+    tfpar's memory model (TensorFlow's). No run here publishes its
+    micro-batch size: where runs of one model, batch and mesh on several
+    numbers of GPUs tell it (MT-NLG's three, Llama 3's two), it is inferred
+    from how their steps scale (``inferred_micro_batch``: the bubble does
+    not shrink with the data-parallel degree) and the row also prints the
+    estimate with the fastest count; elsewhere the fastest count is taken.
 
 Targets per row (``--check``: PASS/FAIL per target, exit 1 when one is missed):
 pinned / published seconds a step within 15% in the fit and judged sets; the
-chosen plan at most 10% slower than the pinned one (``choice.TOLERANCE``:
-the chooser keeps the plan of fewer stages within that of a faster one;
-with FlashAttention, the pinned mesh as TensorFlow can run it); the
+chosen plan at most 10% slower than the published mesh as the search costs
+every mesh (``choice.TOLERANCE``: the chooser keeps the plan of fewer stages
+within that of a faster one; the fastest micro-batch count and, with
+FlashAttention, what TensorFlow can run of the mesh); the
 chosen plan fits 80 GB;
 plan s / build s <= 0.25.
 
@@ -112,7 +118,9 @@ class Run:
     ``flash_attention``: the run used FlashAttention, which TF 2.15 lacks:
     the pinned estimate costs its attention as FlashAttention runs it
     (``flash_view``), and the row says how much of the same configuration's
-    estimate with TensorFlow's attention it saves (``flash_share``)."""
+    estimate with TensorFlow's attention it saves (``flash_share``);
+    ``micro_batch``: its sequences a micro-batch as published (0: not
+    published; ``micro_batch_of`` then infers or searches it)."""
 
     @property
     def published_step_s(self):
@@ -140,6 +148,11 @@ class Run:
     interleaved: bool = False
     sequence_parallel: bool = False
     flash_attention: bool = False
+    micro_batch: int = 0
+
+    @property
+    def rows_per_replica(self):
+        return self.batch * self.tensor * self.pipeline // self.gpus
 
     @property
     def hardware(self):
@@ -168,7 +181,8 @@ TABLE = {"1.7B": Run("gpt", 24, 2304, 24, 1, 1, 32, 512, 137),
 # 121 and 113 TFLOP/s per GPU). Full recomputation: those TFLOP/s are Eq. 3's
 # count, which includes it, at those times. Vocabulary: GPT-2's, padded as
 # Megatron pads it for 8-way tensors (51200; the logits are 0.15% of the
-# step's FLOPs, V / 16lh). Micro-batch size not published: searched.
+# step's FLOPs, V / 16lh). Micro-batch size not published: inferred from how
+# the three steps scale (``micro_batch_of``).
 MT_NLG = dict(role="judged")
 TABLE.update({f"MT-NLG-{gpus}": Run("gpt", 105, 20480, 128, 8, 35, gpus, 1920, tflops,
                                     step_s=step_s, **MT_NLG)
@@ -265,7 +279,7 @@ def measure(name):
                                    time_limit_s=SEARCH_LIMIT_S, techniques=offered,
                                    split_heads=True), hardware)
     plan_s = view_s + time.perf_counter() - start
-    pinned, runnable, flash_share = pinned_estimates(run, view)
+    pinned, runnable, flash_share, fastest = pinned_estimates(run, view)
     pinned_tflops = step_flops(run) / (pinned.step_time_s * gpus) / 1e12
     return {"model": name, "set": run.role, "gpus": gpus,
             "batch": batch, "device": run.device, "seq": run.seq,
@@ -282,38 +296,97 @@ def measure(name):
             "pinned_tflops": pinned_tflops, "estimate": pinned.step_time_s / run.published_step_s,
             "runnable": runnable.describe(), "runnable_step_s": runnable.step_time_s,
             "chosen_pinned": chosen.step_time_s / runnable.step_time_s,
-            "flash_share": flash_share}
+            "flash_share": flash_share, "micro_batch": micro_batch_of(run),
+            "fastest_estimate": fastest and fastest.step_time_s / run.published_step_s}
 
 
 def pinned_estimates(run, view):
     """(the pinned estimate of ``run`` as it ran, the one chosen plans are
-    held to, FlashAttention's share of the first or None). Without
-    FlashAttention they are one. With it, the first costs the attention as
-    FlashAttention runs it (``flash_view``), its share is what the same
-    configuration with TensorFlow's attention takes longer, and chosen
-    plans, which TensorFlow runs, are held to the published mesh with
-    TensorFlow's attention and the recomputation it needs to fit."""
+    held to, FlashAttention's share of the first or None, the first with
+    the fastest micro-batch count where its size is known, else None).
+    Chosen plans are held to the published mesh as the search costs every
+    mesh: the fastest micro-batch count, and, with FlashAttention, which
+    TensorFlow lacks, TensorFlow's attention and the recomputation it needs
+    to fit. The first costs the attention as FlashAttention runs it
+    (``flash_view``); its share is what the same configuration with
+    TensorFlow's attention takes longer."""
+    size, _ = micro_batch_of(run)
+    ran = flash_view(view, run) if run.flash_attention else view
+    pinned = pinned_candidate(run, ran, size)
+    searched = pinned_candidate(run, ran, 0) if size else pinned
     if not run.flash_attention:
-        pinned = pinned_candidate(run, view)
-        return pinned, pinned, None
-    pinned = pinned_candidate(run, flash_view(view, run))
-    plain = pinned_candidate(run, view)
+        return pinned, searched, None, searched if size else None
+    plain = pinned_candidate(run, view, size)
     fitting = dataclasses.replace(run, techniques=tuple(
         Techniques(mode, zero, True) for mode in RECOMPUTE for zero in (0, 1, 2)))
-    return pinned, pinned_candidate(fitting, view), 1 - pinned.step_time_s / plain.step_time_s
+    return (pinned, pinned_candidate(fitting, view, 0),
+            1 - pinned.step_time_s / plain.step_time_s, searched if size else None)
 
 
-def pinned_candidate(run, view):
+def pinned_candidate(run, view, size):
     """tfpar's estimate of the published configuration: its mesh, 1F1B (the
     fastest number of virtual stages if the run interleaved), its memory
-    techniques (and sequence parallelism if it used it), micro-batches
-    searched."""
+    techniques (and sequence parallelism if it used it), micro-batches of
+    ``size`` sequences (0: the fastest count)."""
     techniques = run.techniques + (("sequence_parallel",) if run.sequence_parallel else ())
-    found = [c for c in search_all(view, run.gpus, run.hardware, run.batch, None,
+    found = [c for c in search_all(view, run.gpus, run.hardware, run.batch,
+                                   run.rows_per_replica // size if size else None,
                                    pipeline=run.pipeline, time_limit_s=SEARCH_LIMIT_S,
                                    techniques=techniques, split_heads=True, schedules=("1f1b",))
              if c.tensor == run.tensor]
     return min(found, key=lambda c: c.step_time_s) if run.interleaved else found[0]
+
+
+def micro_batch_of(run):
+    """(sequences a micro-batch of ``run``, how known): as "published"; else
+    "inferred" from the runs of its model, batch and mesh on other numbers
+    of GPUs where they tell it (``inferred_micro_batch``); else (0,
+    "searched": the fastest count)."""
+    if run.micro_batch:
+        return run.micro_batch, "published"
+    size = inferred_micro_batch(series_of(run))
+    return (size, "inferred") if size else (0, "searched")
+
+
+def series_of(run):
+    """Names of the runs of ``run``'s model, batch and mesh on any number of GPUs."""
+    return tuple(name for name, other in TABLE.items()
+                 if model_of(other) == model_of(run)
+                 and (other.tensor, other.pipeline) == (run.tensor, run.pipeline))
+
+
+@functools.lru_cache(maxsize=None)
+def inferred_micro_batch(series):
+    """The micro-batch size (of ``MICRO_BATCH_SIZES`` dividing every run's
+    rows a replica) whose pinned estimates of the runs ``series`` are most
+    alike as fractions of their measured steps (the least max / min), or 0
+    when there is one run or no size is alike by ``DECISIVE`` more than
+    every other. As the data-parallel degree d grows, a step's m + p - 1
+    micro-batch slots shrink to their bubble's p - 1, so the size shows in
+    how the measured steps scale with d, whatever the level of the
+    estimates: that level, ``hardware.EFFICIENCY``'s, is what the judged
+    target checks."""
+    runs = [TABLE[name] for name in series]
+    if len(runs) < 2:
+        return 0
+    view = build_view(model_of(runs[0]))[0]
+    view = flash_view(view, runs[0]) if runs[0].flash_attention else view
+
+    def spread(size):
+        ratios = [pinned_candidate(run, view, size).step_time_s / run.published_step_s
+                  for run in runs]
+        return max(ratios) / min(ratios)
+
+    spreads = sorted((spread(size), size) for size in MICRO_BATCH_SIZES
+                     if all(run.rows_per_replica % size == 0 for run in runs))
+    if len(spreads) < 2:
+        return 0
+    (best, size), (second, _) = spreads[0], spreads[1]
+    return size if second > best * (1 + DECISIVE) else 0
+
+
+MICRO_BATCH_SIZES = (1, 2, 4, 8)
+DECISIVE = 0.01  # published steps of 3 figures: 0.1-0.2%; TFLOP/s of 3: 0.1-0.4%
 
 
 def flash_view(view, run):
@@ -373,10 +446,22 @@ def print_row(r):
     print(f"  pinned     {r['pinned']}: {r['pinned_step_s']:.2f} s/step = "
           f"{r['estimate']:.2f} x measured, {r['pinned_tflops']:.0f} TFLOP/s"
           + f", {r['pinned_gib']:.0f} GiB per GPU"
+          + _micro_batch_words(r)
           + (f"\n             attention as FlashAttention runs it: {r['flash_share']:.0%} "
              "less than with TensorFlow's attention; what TensorFlow can run of the mesh: "
              f"{r['runnable']}, {r['runnable_step_s']:.2f} s/step"
              if r.get("flash_share") is not None else ""))
+
+
+def _micro_batch_words(r):
+    """How the pinned estimate's micro-batch size is known, in words."""
+    size, how = r.get("micro_batch", (0, "searched"))
+    if how == "searched":
+        return "; micro-batch count searched (not published)"
+    words = f"; micro-batches of {size} sequence{'s' * (size > 1)} ({how}"
+    if r.get("fastest_estimate") is None:
+        return words + ")"
+    return words + f"; with the fastest count {r['fastest_estimate']:.2f} x measured)"
 
 
 def print_table(rows, _found, _args):

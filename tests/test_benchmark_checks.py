@@ -1,8 +1,10 @@
 """``--check`` of the benchmarks exits 1 when a stated target is missed: the verdict
 and each benchmark's exit path, judged on fabricated rows (no benchmark runs)."""
 import argparse
+import math
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -168,6 +170,50 @@ def test_plan_scale_judges_llama_3_as_it_ran_and_says_what_flash_attention_saves
     assert "q: 2.50 s/step = 2.50 x measured, 1 TFLOP/s, 200 GiB per GPU" in out
     assert ("attention as FlashAttention runs it: 40% less than with TensorFlow's attention; "
             "what TensorFlow can run of the mesh: r, 3.00 s/step") in out
+
+
+def _series(monkeypatch, steps, level=0.9, stages=4):
+    """Runs of one model and batch (64 sequences) at data-parallel degrees
+    ``steps``' keys on ``stages``-stage pipelines, measured ``steps``' values,
+    and estimates ``level`` x what 1F1B takes with micro-batches of s rows at
+    a second a row and stage: (rows / s + p - 1) s."""
+    table = {f"S-{d}": plan_scale.Run("gpt", 4, 64, 4, 1, stages, d * stages, 64, 1.0,
+                                      step_s=step) for d, step in steps.items()}
+    monkeypatch.setattr(plan_scale, "TABLE", table)
+    monkeypatch.setattr(plan_scale, "build_view", lambda model: (None, 0.0, 0.0))
+    monkeypatch.setattr(plan_scale, "pinned_candidate", lambda run, view, size: SimpleNamespace(
+        step_time_s=level * (run.rows_per_replica / size + stages - 1) * size))
+    plan_scale.inferred_micro_batch.cache_clear()
+    return table
+
+
+def test_plan_scale_infers_an_unpublished_micro_batch_from_how_the_steps_scale(monkeypatch):
+    """Measured as 1F1B with 2 sequences a micro-batch: d = 2, 4, 8 replicas
+    of 32, 16 and 8 rows on 4 stages take (16 + 3) 2 = 38, 22 and 14 s. At
+    any level of the estimates (0.9 here), size 2 alone keeps them alike
+    (1 sequence: 31.5 / 38 = 0.83 down to 9.9 / 14 = 0.71); the level stays
+    for the judged target to check."""
+    table = _series(monkeypatch, {2: 38.0, 4: 22.0, 8: 14.0})
+    try:
+        assert [plan_scale.micro_batch_of(run) for run in table.values()] == [(2, "inferred")] * 3
+        published = plan_scale.dataclasses.replace(table["S-2"], micro_batch=4)
+        assert plan_scale.micro_batch_of(published) == (4, "published")
+    finally:
+        plan_scale.inferred_micro_batch.cache_clear()
+
+
+@pytest.mark.parametrize("steps", [
+    {2: 38.0},  # one run: nothing to tell the size by
+    # d = 4 over d = 2 between how sizes 1 (17.1 / 31.5) and 2 (19.8 / 34.2) scale:
+    # their spreads tie, so the runs do not tell them apart
+    {2: 38.0, 4: 38.0 * math.sqrt(17.1 / 31.5 * 19.8 / 34.2)},
+])
+def test_plan_scale_searches_a_micro_batch_the_runs_do_not_tell(monkeypatch, steps):
+    table = _series(monkeypatch, steps)
+    try:
+        assert {plan_scale.micro_batch_of(run) for run in table.values()} == {(0, "searched")}
+    finally:
+        plan_scale.inferred_micro_batch.cache_clear()
 
 
 def test_flash_view_keeps_the_scores_on_chip_and_recomputes_q_k_t():

@@ -83,7 +83,8 @@ def search_all(model: ModelView, num_devices: int, hardware: Hardware, global_ba
     with its best micro-batch count (``num_micro_batch``, or searched when
     None), memory techniques (of ``techniques``: "recompute", "zero",
     "mixed_precision"; or exactly the ``memory.Techniques`` settings it
-    lists, e.g. a published run's) and pipeline schedule (of ``schedules``,
+    lists, e.g. a published run's, with "sequence_parallel" beside them if
+    it ran so) and pipeline schedule (of ``schedules``,
     the plainest first; kFkB with ``group_size``, or searched when None).
     ``batch_known``: ``global_batch`` is the real one, not an assumed size,
     so meshes that leave a replica without rows are left out.

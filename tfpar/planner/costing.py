@@ -5,8 +5,8 @@ Sequence parallelism (``auto.memory_techniques`` "sequence_parallel"): a
 split mesh is sharded twice, the second search knowing its regions keep and
 compute 1/t (``sharding_costs``), and it is taken when its best setting is
 faster by more than ``TOLERANCE`` (it spares recomputation, or fits fewer
-micro-batches) or fits where the setting without it does not; otherwise
-not, so dropout masks stay one device's."""
+micro-batches) or fits where the setting without it does not (else not,
+so dropout masks stay one device's); beside pinned ``Techniques``, always."""
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -55,6 +55,7 @@ class MeshCosting:
         self.model, self.num_devices, self.hardware = model, num_devices, hardware
         self.global_batch, self.num_micro_batch = global_batch, num_micro_batch
         self.opt_level, self.techniques = opt_level, tuple(techniques)
+        self.pinned = any(isinstance(t, Techniques) for t in self.techniques)
         self.split_heads, self.precision = split_heads, precision
         self.schedules, self.group_size = schedules
         self.layers = layer_graph(model) if tensors else None
@@ -75,9 +76,15 @@ class MeshCosting:
     def allowed_names(self) -> Tuple[str, ...]:
         """The memory techniques the search may use, by name (all of them
         when it is given ``Techniques`` settings to use)."""
-        if any(isinstance(t, Techniques) for t in self.techniques):
+        if self.pinned:
             return ALL_TECHNIQUES
         return tuple(t for t in ALL_TECHNIQUES if t in self.techniques)
+
+    def sequence_space(self) -> Tuple[bool, ...]:
+        """Without and with sequence parallelism, as ``techniques`` allow or pin it."""
+        if "sequence_parallel" not in self.techniques:
+            return (False,)
+        return (True,) if self.pinned else (False, True)
 
     def stages_of(self, p: int) -> StageCut:
         """The stage cut of ``p`` stages (made once, with its share of the time limit)."""
@@ -239,8 +246,7 @@ class MeshCosting:
                 op_stage[op] = stage_of[i]
         cut = sent_bytes(model.edges, op_stage)
         best, faster, sequence, chosen, outcome = None, None, False, None, None
-        tried = ((kept.sequence_parallel,) if kept is not None
-                 else (False, True) if "sequence_parallel" in self.techniques else (False,))
+        tried = (kept.sequence_parallel,) if kept is not None else self.sequence_space()
         for sequence_parallel in tried:
             sharded = (self._sharded(shapes, graphs, t, p, d, sequence_parallel) if kept is None
                        else _as_kept(kept, graphs))
