@@ -4,9 +4,10 @@ stages cut, its layers sharded, every setting estimated (no TensorFlow).
 Sequence parallelism (``auto.memory_techniques`` "sequence_parallel"): a
 split mesh is sharded twice, the second search knowing its regions keep and
 compute 1/t (``sharding_costs``), and it is taken when its best setting is
-faster by more than ``TOLERANCE`` (it spares recomputation, or fits fewer
-micro-batches) or fits where the setting without it does not (else not,
-so dropout masks stay one device's); beside pinned ``Techniques``, always."""
+faster (by more than ``TOLERANCE`` where the step draws random numbers, so
+that dropout masks stay one device's unless it spares recomputation or
+micro-batches) or fits where the setting without it does not; beside
+pinned ``Techniques`` (a published run's), always."""
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -256,7 +257,8 @@ class MeshCosting:
                       for shape, graph, c in zip(shapes, graphs, sharded[0])]
             setting = self._setting(models, d, rows, counts, cut, _scattered(hardware, t, p),
                                     virtual)
-            if best is None or _relieves(setting[0], best, self.capacity):
+            if best is None or _relieves(setting[0], best, self.capacity,
+                                         TOLERANCE if model.draws_random_numbers else 0.0):
                 (best, faster), sequence, (chosen, outcome) = setting, sequence_parallel, sharded
         if best is None:
             return None
@@ -369,12 +371,10 @@ class MeshCosting:
 
 
 
-def _relieves(setting: Setting, plain: Setting, capacity: float) -> bool:
+def _relieves(setting: Setting, plain: Setting, capacity: float, tolerance: float) -> bool:
     """Whether ``setting`` (with sequence parallelism) beats ``plain``: a step
-    shorter by more than ``TOLERANCE`` (it spares recomputation or
-    micro-batches: the slices' own compute saving alone does not change
-    where dropout draws its masks), or it fits where ``plain`` does not."""
-    return (setting.step_time_s * (1 + TOLERANCE) < plain.step_time_s
+    shorter by more than ``tolerance``, or it fits where ``plain`` does not."""
+    return (setting.step_time_s * (1 + tolerance) < plain.step_time_s
             or plain.peak_memory > capacity >= setting.peak_memory)
 
 

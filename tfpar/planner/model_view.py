@@ -9,6 +9,11 @@ from tfpar.planner.roofline import timed_flops
 
 __all__ = ["ModelView", "sent_bytes", "stage_units", "timed"]
 
+# Op types (prefixes) that draw random numbers: RandomUniform,
+# StatelessRandomUniformV2, TruncatedNormal, ...
+RANDOM_OPS = ("Random", "StatelessRandom", "TruncatedNormal", "StatelessTruncatedNormal",
+              "ParameterizedTruncatedNormal", "Multinomial", "StatelessMultinomial")
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelView:
@@ -59,6 +64,11 @@ class ModelView:
         """Bytes per row each op keeps for the backward pass: ``kept_bytes``,
         else (unknown) every output."""
         return self.activation_bytes if self.kept_bytes is None else self.kept_bytes
+
+    @property
+    def draws_random_numbers(self) -> bool:
+        """Whether its forward draws random numbers (dropout's masks)."""
+        return any(t.startswith(RANDOM_OPS) for t in self.types or ())
 
 
 
