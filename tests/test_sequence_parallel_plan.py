@@ -112,6 +112,18 @@ def test_the_search_runs_sequence_parallel_where_it_pays():
     assert chosen.describe() == "data 1 x tensor 2 x pipeline 2, sequence parallel"
 
 
+@pytest.mark.parametrize("rate", [0.0, 0.1])
+def test_the_view_says_whether_the_step_draws_random_numbers(rate):
+    """Dropout as TF1 and Keras write it draws its masks in the step the
+    planner reads (``RandomUniform``): sequence parallelism then needs 10%."""
+    def make_loss():
+        h = v1.layers.dense(v1.placeholder(tf.float32, [8, 16]), 32, name="fc1")
+        h = tf.keras.layers.Dropout(rate)(tf.nn.dropout(h, rate=rate) if rate else h,
+                                          training=True)
+        return tf.reduce_mean(v1.layers.dense(h, 4, name="fc2") ** 2)
+    assert graph_view(make_loss)[1].draws_random_numbers == bool(rate)
+
+
 def test_a_published_run_that_ran_sequence_parallel_is_estimated_so():
     """Pinned ``Techniques`` (a published run's, as ``plan_scale`` gives
     them) with "sequence_parallel" beside them: the estimate runs it even
