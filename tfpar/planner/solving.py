@@ -26,14 +26,17 @@ def cp_solver(limit_s: float, deadline: Optional[float] = None, workers: int = 1
               presolve: bool = True) -> Optional[cp_model.CpSolver]:
     """A solver limited to ``limit_s`` (deterministic time on one worker,
     wall-clock on several) and to ``deadline``; None once it has passed.
-    ``presolve``: CP-SAT's presolve (off for many small models, where it
-    costs more than it saves)."""
+    ``presolve``: CP-SAT's presolve, probing and symmetry detection (off for
+    many small models, where they cost more than they save)."""
     left = left_s(deadline)
     if left <= 0:
         return None
     solver = cp_model.CpSolver()
     solver.parameters.num_search_workers = workers
     solver.parameters.cp_model_presolve = presolve
+    if not presolve:
+        solver.parameters.cp_model_probing_level = 0
+        solver.parameters.symmetry_level = 0
     if workers == 1:
         solver.parameters.max_deterministic_time = limit_s
         if left != float("inf"):
