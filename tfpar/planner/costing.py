@@ -57,6 +57,7 @@ class MeshCosting:
         self.global_batch, self.num_micro_batch = global_batch, num_micro_batch
         self.opt_level, self.techniques = opt_level, tuple(techniques)
         self.pinned = any(isinstance(t, Techniques) for t in self.techniques)
+        self.sequence_tolerance = TOLERANCE if model.draws_random_numbers else 0.0
         self.split_heads, self.precision = split_heads, precision
         self.schedules, self.group_size = schedules
         self.layers = layer_graph(model) if tensors else None
@@ -257,8 +258,7 @@ class MeshCosting:
                       for shape, graph, c in zip(shapes, graphs, sharded[0])]
             setting = self._setting(models, d, rows, counts, cut, _scattered(hardware, t, p),
                                     virtual)
-            if best is None or _relieves(setting[0], best, self.capacity,
-                                         TOLERANCE if model.draws_random_numbers else 0.0):
+            if best is None or _relieves(setting[0], best, self.capacity, self.sequence_tolerance):
                 (best, faster), sequence, (chosen, outcome) = setting, sequence_parallel, sharded
         if best is None:
             return None
@@ -397,4 +397,3 @@ def _as_kept(kept: Candidate, graphs) -> Tuple[List[Tuple[str, ...]], Optional[O
     by_scope = dict(kept.split_scopes)
     return ([tuple(by_scope[layer.scopes[0]] for layer in graph.layers) for graph in graphs],
             kept.sharding_search)
-
