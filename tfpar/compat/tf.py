@@ -80,6 +80,12 @@ def refinalize(graph) -> None:
     graph._finalized = True
 
 
+def placeholder_capture(container, graph, tensor, name: str):
+    """A placeholder of ``graph`` capturing ``tensor`` by value, as
+    ``capture_container`` makes one for a non-constant tensor."""
+    return container._create_placeholder_helper(graph, tensor, name)
+
+
 def raw_assert(condition, data, name=None):
     """An Assert op itself (``tf.debugging.Assert`` guards some data with a
     conditional, a function call per step)."""

@@ -68,8 +68,7 @@ def _wrap_capture_by_value(original):
             return original(self, graph, tensor, name)
         arguments, retracing.arguments = retracing.arguments, True
         try:
-            return self._create_placeholder_helper(  # pylint: disable=protected-access
-                graph, tensor, name or str(ops.uid()))
+            return internals.placeholder_capture(self, graph, tensor, name or str(ops.uid()))
         finally:
             retracing.arguments = arguments
     return capture_by_value
