@@ -33,11 +33,12 @@ from tfpar.compat.tf import (control_flow_ops, gen_resource_variable_ops, handle
 from tfpar.rewriters import graph_edit
 from tfpar.rewriters.replica_sync import assign_value, read_value
 from tfpar.analysis.op_kinds import VARIABLE_TYPES
+from tfpar.rewriters.rewrite_record import DataParallelRewrite
 
 __all__ = ["average_local_copies", "local_copy", "make_local_copies", "reroute_to_local_copies"]
 
 
-def make_local_copies(graph: ops.Graph, rw) -> None:
+def make_local_copies(graph: ops.Graph, rw: DataParallelRewrite) -> None:
     """A local copy of every averaged variable per version of its stage
     (``rw.local_copies``); the copy path reroutes version 0's ops to theirs
     (``reroute_to_local_copies``), later versions and function calls read
@@ -57,14 +58,14 @@ def make_local_copies(graph: ops.Graph, rw) -> None:
             rw.local_copies.setdefault((stage, v), {})[var.outputs[0]] = copy
 
 
-def local_copy(rw, handle: tensor_lib.Tensor, stage: int,
+def local_copy(rw: DataParallelRewrite, handle: tensor_lib.Tensor, stage: int,
                version: int) -> Optional[tensor_lib.Tensor]:
     """The local copy version ``version`` of ``stage`` uses where the script
     uses ``handle``, if ``handle`` is an averaged variable's; else None."""
     return rw.local_copies.get((stage, version), {}).get(handle)
 
 
-def reroute_to_local_copies(rw) -> None:
+def reroute_to_local_copies(rw: DataParallelRewrite) -> None:
     """The copy path's version 0 (the original ops) uses its local copies."""
     step = rw.selection.step_ops_set
     for var in rw.selection.averaged:
@@ -74,7 +75,8 @@ def reroute_to_local_copies(rw) -> None:
                 rw, handle, rw.placement.stage(op), 0))
 
 
-def average_local_copies(graph: ops.Graph, rw, reducer_for, control_readers) -> None:
+def average_local_copies(graph: ops.Graph, rw: DataParallelRewrite, reducer_for,
+                         control_readers) -> None:
     """Set every local copy before its version, and average them into the
     variable after (module docstring). ``control_readers``: op -> the ops
     the script made wait for it."""
@@ -116,7 +118,8 @@ def _downstream(writers, step, control_readers) -> List[ops.Operation]:
     return sorted(found, key=lambda op: op.name)
 
 
-def _run_on_copy(rw, var: ops.Operation, stage: int, version: int, j: int) -> tensor_lib.Tensor:
+def _run_on_copy(rw: DataParallelRewrite, var: ops.Operation, stage: int, version: int,
+                 j: int) -> tensor_lib.Tensor:
     """Set version ``version``'s copy of ``var`` from stage device ``j``'s
     mirror before the version uses it; return its value after."""
     copy = local_copy(rw, var.outputs[0], stage, version)
@@ -130,7 +133,7 @@ def _run_on_copy(rw, var: ops.Operation, stage: int, version: int, j: int) -> te
         return read_value(copy.op)
 
 
-def _assign_sums(rw, var: ops.Operation, stage: int, devices: List[str],
+def _assign_sums(rw: DataParallelRewrite, var: ops.Operation, stage: int, devices: List[str],
                  terms: List[List[tensor_lib.Tensor]], reducer) -> List[ops.Operation]:
     """Each stage device's mirror of ``var`` := the sum of every device's
     ``terms`` (``reducer`` across devices, and processes)."""

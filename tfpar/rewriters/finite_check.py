@@ -20,11 +20,12 @@ from tfpar.compat.tf import (array_ops, constant_op, device_lib, dtypes, gen_mat
 from tfpar.rewriters import graph_edit
 from tfpar.analysis.op_kinds import gradient_tensors
 from tfpar.analysis.stages import host_device
+from tfpar.rewriters.rewrite_record import DataParallelRewrite
 
 __all__ = ["check_gradients"]
 
 
-def check_gradients(graph: ops.Graph, rw) -> int:
+def check_gradients(graph: ops.Graph, rw: DataParallelRewrite) -> int:
     """Put a check (module docstring) between every version of every floating
     raw gradient of ``rw`` (``data_parallel.DataParallelRewrite``) and its
     readers; returns the number of checks made."""
@@ -38,7 +39,7 @@ def check_gradients(graph: ops.Graph, rw) -> int:
     return made
 
 
-def _check_versions(rw, t: tensor_lib.Tensor, var: ops.Operation,
+def _check_versions(rw: DataParallelRewrite, t: tensor_lib.Tensor, var: ops.Operation,
                     counters: Dict[str, tensor_lib.Tensor]) -> int:
     stage = rw.placement.stage(t.op)
     devices = range(len(rw.placement.stage_devices[stage]))

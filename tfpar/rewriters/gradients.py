@@ -14,11 +14,13 @@ from tfpar.ir.recorded import Recorded
 from tfpar.rewriters import graph_edit
 from tfpar.analysis.graph_index import GraphIndex
 from tfpar.analysis.op_kinds import gradient_tensors
+from tfpar.rewriters.rewrite_record import DataParallelRewrite
 
 __all__ = ["loss_weights", "reduce_gradients", "scale_seed", "scale_seeds"]
 
 
-def scale_seeds(rw, recorded: Recorded, index: GraphIndex) -> List[tensor_lib.Tensor]:
+def scale_seeds(rw: DataParallelRewrite, recorded: Recorded,
+                index: GraphIndex) -> List[tensor_lib.Tensor]:
     """Decide how each version's backprop is weighted by its batch share (n_u / N
     for a loss that is a mean over the rows; 1 for a sum: ``loss_weights``):
     returns the seeds to scale (``scale_seed``), whose backprop is linear in them.
@@ -54,7 +56,7 @@ def scale_seeds(rw, recorded: Recorded, index: GraphIndex) -> List[tensor_lib.Te
     return sorted(seeds - unweighted, key=lambda t: t.name)
 
 
-def scale_seed(rw, seed: tensor_lib.Tensor, versions) -> List[ops.Operation]:
+def scale_seed(rw: DataParallelRewrite, seed: tensor_lib.Tensor, versions) -> List[ops.Operation]:
     """Multiply ``seed`` by the batch share of each of its ``versions`` (what
     reads it in that version reads the product); returns the ops made."""
     stage = rw.placement.stage(seed.op)
@@ -73,7 +75,7 @@ def scale_seed(rw, seed: tensor_lib.Tensor, versions) -> List[ops.Operation]:
     return made
 
 
-def loss_weights(rw, recorded: Recorded) -> Set[int]:
+def loss_weights(rw: DataParallelRewrite, recorded: Recorded) -> Set[int]:
     """ids of the gradient calls whose losses are sums over the rows (each copy's
     gradient then weighs 1, not n_u / N; ``analysis.batch_reductions``).
 
@@ -109,7 +111,7 @@ def loss_weights(rw, recorded: Recorded) -> Set[int]:
     return summed
 
 
-def _device_terms(rw, t: tensor_lib.Tensor, device: int,
+def _device_terms(rw: DataParallelRewrite, t: tensor_lib.Tensor, device: int,
                   weigh: bool = True) -> List[tensor_lib.Tensor]:
     """Stage device ``device``'s versions of ``t`` (one per micro-batch), each
     weighted by its batch share if ``weigh`` and not weighted already."""
@@ -121,7 +123,7 @@ def _device_terms(rw, t: tensor_lib.Tensor, device: int,
     return [x * math_ops.cast(rw.bridges.weight(stage, v), t.dtype) for x, v in zip(terms, picks)]
 
 
-def reduce_gradients(rw, raw, reducer_for) -> None:
+def reduce_gradients(rw: DataParallelRewrite, raw, reducer_for) -> None:
     """Weighted sum over a stage device's micro-batches, then summed across the
     devices holding the same variable (a stage's devices; for a split stage,
     the same shard's devices) (IndexedSlices: values and indices concatenated,
@@ -148,7 +150,7 @@ def reduce_gradients(rw, raw, reducer_for) -> None:
                 rw.edits += 1
 
 
-def _reduce_group_gradients(rw, devices, grads, reducer) -> None:
+def _reduce_group_gradients(rw: DataParallelRewrite, devices, grads, reducer) -> None:
     fixed = [(g, var) for g, var in grads if _fixed_rows(g)]
     dense = [(g, var) for g, var in grads if not isinstance(g, indexed_slices.IndexedSlices)]
     sparse = [(g, var) for g, var in grads
@@ -190,7 +192,8 @@ def _fixed_rows(g) -> bool:
             and g.indices.shape[0] is not None)
 
 
-def _same_rows(rw, indices: tensor_lib.Tensor, devices: int, var) -> List[tensor_lib.Tensor]:
+def _same_rows(rw: DataParallelRewrite, indices: tensor_lib.Tensor, devices: int,
+               var) -> List[tensor_lib.Tensor]:
     """The rows of a fixed-row sparse gradient (``_fixed_rows``) on each of a
     stage's ``devices``: its first version's there, checked at run time to
     equal every other version's when they depend on the batch (which rows a

@@ -19,13 +19,14 @@ from tfpar.ir.recorded import Recorded
 from tfpar.rewriters import graph_edit
 from tfpar.analysis.graph_index import GraphIndex
 from tfpar.analysis.stages import backward_dependent
+from tfpar.rewriters.rewrite_record import DataParallelRewrite
 
 __all__ = ["lower_schedule", "order_tasks", "stage_tasks", "task_ops"]
 
 TaskKey = Tuple[int, int, str, int]  # (stage device j, stage, "F", "B" or "W", micro-batch)
 
 
-def lower_schedule(rw, recorded: Recorded, index: GraphIndex,
+def lower_schedule(rw: DataParallelRewrite, recorded: Recorded, index: GraphIndex,
                    schedule: Sequence[Sequence]) -> None:
     """Order every stage device's tasks as ``schedule`` says; fills
     ``rw.task_ops`` and ``rw.schedule_edges``.
@@ -75,7 +76,7 @@ def _device_orders(schedule: Sequence[Sequence], stage_devices: Sequence[Sequenc
             for device, keyed in lanes.values()]
 
 
-def stage_tasks(rw, recorded: Recorded, index: GraphIndex
+def stage_tasks(rw: DataParallelRewrite, recorded: Recorded, index: GraphIndex
                 ) -> Dict[Tuple[int, str], List[ops.Operation]]:
     """The original ops of every stage's forward ("F"), backward ("B") and,
     with ``rw.weight_tasks``, weight-gradient ("W") task, keyed (stage, kind),
@@ -92,7 +93,8 @@ def stage_tasks(rw, recorded: Recorded, index: GraphIndex
     return groups
 
 
-def _split_weight_gradients(rw, groups: Dict[Tuple[int, str], List[ops.Operation]]) -> None:
+def _split_weight_gradients(rw: DataParallelRewrite,
+                            groups: Dict[Tuple[int, str], List[ops.Operation]]) -> None:
     """Split each stage's backward task (zero-bubble schedules, Qi et al. 2024
     §2): B keeps what the stages before it wait for, the ops that what they
     read from it is computed from; W the rest, the weight gradients. Only data
@@ -126,7 +128,8 @@ def _split_weight_gradients(rw, groups: Dict[Tuple[int, str], List[ops.Operation
                 groups[(s, kind)] = ops_of_kind
 
 
-def task_ops(rw, recorded: Recorded, index: GraphIndex) -> Dict[TaskKey, List[ops.Operation]]:
+def task_ops(rw: DataParallelRewrite, recorded: Recorded,
+             index: GraphIndex) -> Dict[TaskKey, List[ops.Operation]]:
     """The ops of every task, keyed (stage device j, stage, kind, micro-batch)
     (a version made by a function call: the call)."""
     result = {}

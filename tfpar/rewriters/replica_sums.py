@@ -15,11 +15,12 @@ from tfpar.compat.tf import ops
 from tfpar.errors import PlanError
 from tfpar.ir.recorded import Recorded
 from tfpar.rewriters import graph_edit
+from tfpar.rewriters.rewrite_record import DataParallelRewrite
 
 __all__ = ["marked_sums", "sum_across_replicas"]
 
 
-def marked_sums(rw, recorded: Recorded) -> List[ops.Operation]:
+def marked_sums(rw: DataParallelRewrite, recorded: Recorded) -> List[ops.Operation]:
     """The step's marked identities, in graph order.
 
     Raises:
@@ -38,7 +39,7 @@ def marked_sums(rw, recorded: Recorded) -> List[ops.Operation]:
     return marks
 
 
-def sum_across_replicas(rw, marks: List[ops.Operation], reducer_for) -> None:
+def sum_across_replicas(rw: DataParallelRewrite, marks: List[ops.Operation], reducer_for) -> None:
     """Every version of every mark in ``marks`` reads the sum over its
     micro-batch's versions (module docstring)."""
     layout, placement = rw.layout, rw.placement

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Sequence, Set
 from tfpar.compat.tf import ops, tensor_lib
 from tfpar.rewriters import graph_edit
 from tfpar.rewriters.pipeline import order_tasks
+from tfpar.rewriters.rewrite_record import DataParallelRewrite
 
 __all__ = ["ScheduleVersion"]
 
@@ -35,7 +36,8 @@ class ScheduleVersion:
       task_ops: like ``rw.task_ops``, this version's.
     """
 
-    def __init__(self, graph: ops.Graph, rw, schedule: Sequence[Sequence], name: str) -> None:
+    def __init__(self, graph: ops.Graph, rw: DataParallelRewrite, schedule: Sequence[Sequence],
+                 name: str) -> None:
         self._graph = graph
         self._name = name
         self._skipped: Set[tuple] = set(rw.schedule_edges)

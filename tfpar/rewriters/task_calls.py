@@ -21,13 +21,15 @@ from tfpar.compat.tf import dtypes, gen_resource_variable_ops, gen_state_ops, op
 from tfpar.rewriters.averaged_variables import local_copy
 from tfpar.rewriters.gradients import scale_seed
 from tfpar.rewriters.task_functions import call_task, define_task, is_constant
+from tfpar.rewriters.rewrite_record import DataParallelRewrite
 
 __all__ = ["call_tasks", "task_order"]
 
 Key = Tuple[int, str]  # (stage, "F", "B" or "W")
 
 
-def task_order(rw, tasks: Dict[Key, List[ops.Operation]]) -> Tuple[Optional[List[Key]], str]:
+def task_order(rw: DataParallelRewrite,
+               tasks: Dict[Key, List[ops.Operation]]) -> Tuple[Optional[List[Key]], str]:
     """(the tasks in an order where each comes after every task it reads from
     (data or control), "") or, when they cannot be functions, (None, why,
     naming the culprit): a split stage (its ops span a device group), a
@@ -66,15 +68,15 @@ def task_order(rw, tasks: Dict[Key, List[ops.Operation]]) -> Tuple[Optional[List
                   "tensors flow one way between stages: forward to later stages, gradients back)")
 
 
-def _task_name(rw, key: Key) -> str:
+def _task_name(rw: DataParallelRewrite, key: Key) -> str:
     stage, kind = key
     what = {"F": "forward", "B": "backward", "W": "weight gradients"}[kind]
     return f"the {what} of TaskGraph '{rw.placement.task_graph_names[stage]}'"
 
 
-def call_tasks(graph: ops.Graph, rw, tasks: Dict[Key, List[ops.Operation]], order: List[Key],
-               seeds: Sequence[tensor_lib.Tensor], fetchable: Set[tensor_lib.Tensor],
-               optimize: bool = False) -> None:
+def call_tasks(graph: ops.Graph, rw: DataParallelRewrite, tasks: Dict[Key, List[ops.Operation]],
+               order: List[Key], seeds: Sequence[tensor_lib.Tensor],
+               fetchable: Set[tensor_lib.Tensor], optimize: bool = False) -> None:
     """Every version of every task as a call of its function (module doc), in
     ``order``, each optimizing its body when instantiated if ``optimize``.
     The originals are the template: their ``seeds`` are scaled by version 0's
@@ -126,7 +128,7 @@ def _marker(graph: ops.Graph, device: str, markers: Dict[str, ops.Operation]
     return [markers[device]]
 
 
-def _read_variables(graph: ops.Graph, rw) -> Set[ops.Operation]:
+def _read_variables(graph: ops.Graph, rw: DataParallelRewrite) -> Set[ops.Operation]:
     """The step's plain variable reads run outside the task functions, once per
     stage device (each version on it reads the value there), so that calls pass
     values, not variable handles: TensorFlow's placer inspects the body of
@@ -153,7 +155,7 @@ def _read_variables(graph: ops.Graph, rw) -> Set[ops.Operation]:
     return reads
 
 
-def _constants(rw) -> Set[ops.Operation]:
+def _constants(rw: DataParallelRewrite) -> Set[ops.Operation]:
     """The step's constants leave the tasks: every version reads the one
     constant, and a body that reads it holds a copy (``define_task``)."""
     constants = {op for op in rw.selection.step_ops if is_constant(op)}
@@ -165,7 +167,7 @@ def _constants(rw) -> Set[ops.Operation]:
     return constants
 
 
-def _counterpart(rw, x: tensor_lib.Tensor, stage: int, version: int,
+def _counterpart(rw: DataParallelRewrite, x: tensor_lib.Tensor, stage: int, version: int,
                  device: int) -> tensor_lib.Tensor:
     """What version ``version`` (on stage device ``device``) of a task of
     ``stage`` reads where version 0 reads ``x``."""
@@ -181,7 +183,7 @@ def _counterpart(rw, x: tensor_lib.Tensor, stage: int, version: int,
     return rw.variable_copies(stage, device).get(x, x) if rw.mirrored else x
 
 
-def _outside_controls(rw, members, inside) -> List[ops.Operation]:
+def _outside_controls(rw: DataParallelRewrite, members, inside) -> List[ops.Operation]:
     """The control inputs of ``members`` from outside the task, as the script
     built them."""
     found: Dict[ops.Operation, None] = {}
@@ -192,8 +194,8 @@ def _outside_controls(rw, members, inside) -> List[ops.Operation]:
     return list(found)
 
 
-def _call_controls(rw, outside: Sequence[ops.Operation], stage: int, version: int
-                   ) -> List[ops.Operation]:
+def _call_controls(rw: DataParallelRewrite, outside: Sequence[ops.Operation], stage: int,
+                   version: int) -> List[ops.Operation]:
     """What version ``version`` of a task of ``stage`` waits on: its
     ``outside`` control inputs, in that version."""
     step = rw.selection.step_ops_set

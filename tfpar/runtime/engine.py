@@ -197,11 +197,17 @@ def _train_ops(recorded: Recorded):
 def _parallelised(analysed: Analysed, rt: Runtime, plan: Plan, placement: Placement,
                   techniques, calls_optimized: bool):
     """The rewrite of the graph as ``plan`` places it (``rewriters.data_parallel``),
-    its gradients checked if ``check.finite_gradients``."""
+    its gradients checked if ``check.finite_gradients``: what it needs is
+    decided first, so that a refusal comes before the graph changes."""
     cfg = rt.config
     graph, recorded, index = analysed.graph, analysed.recorded, analysed.index
+    checked = cfg.get("check.finite_gradients")
+    if checked:
+        _refuse_loss_scaled_check(rt)
     reducer_for = _reducers(graph, rt)
     horovod = cfg.get("communication.backend") == "horovod"
+    zero = cfg.get("memory.zero") or _planned_zero(techniques, reducer_for,
+                                                   placement.stage_devices[0])
     # One micro-batch needs no schedule; otherwise the plan's was validated.
     schedule = [] if plan.num_micro_batch == 1 else plan.task_schedule()[0]
     with graph_edit.unfinalized(graph), recording_paused():
@@ -212,11 +218,12 @@ def _parallelised(analysed: Analysed, rt: Runtime, plan: Plan, placement: Placem
                             calls_optimized=calls_optimized,
                             shares=plan.batch_shares,
                             offload=cfg.get("memory.offload_optimizer") or techniques.offload,
-                            zero=cfg.get("memory.zero") or _planned_zero(
-                                techniques, reducer_for, placement.stage_devices[0]),
-                            precision=applied_option(cfg, rt.device_type))
-        if cfg.get("check.finite_gradients"):
-            _check_finite(graph, rewrite, rt)
+                            zero=zero, precision=applied_option(cfg, rt.device_type))
+        checks = check_gradients(graph, rewrite) if checked else 0
+    if checked:
+        fallback.note(f"tfpar: check.finite_gradients: {checks} gradient tensors (every "
+                      "replica's and micro-batch's) are checked for NaN and Inf before they "
+                      "are summed", graph)
     return rewrite
 
 
@@ -249,20 +256,18 @@ def _reducers(graph: ops.Graph, rt: Runtime):
     return reducer_for
 
 
-def _check_finite(graph: ops.Graph, rewrite, rt: Runtime) -> None:
-    """``check.finite_gradients`` (``rewriters.finite_check``), said in the plan.
+def _refuse_loss_scaled_check(rt: Runtime) -> None:
+    """``check.finite_gradients`` (``rewriters.finite_check``) is refused on a
+    loss-scaled graph (fp16).
 
     Raises:
-      PlanError: the graph is loss-scaled (fp16), where non-finite gradients
-        are expected and the step is skipped.
+      PlanError: the graph is loss-scaled, where non-finite gradients are
+        expected and the step is skipped.
     """
     if applied(rt.config, rt.device_type) == "fp16":
         raise PlanError("tfpar: check.finite_gradients would fail the steps fp16 loss scaling "
                         "skips on purpose (their gradients overflow, and the loss scale halves): "
                         "use one or the other")
-    checks = check_gradients(graph, rewrite)
-    fallback.note(f"tfpar: check.finite_gradients: {checks} gradient tensors (every replica's "
-                  "and micro-batch's) are checked for NaN and Inf before they are summed", graph)
 
 
 def _planned_zero(techniques, reducer_for, devices) -> int:

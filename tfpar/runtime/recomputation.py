@@ -21,7 +21,8 @@ def recompute_configured(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -
         return
     _check_recompute(rt)
     with graph_edit.unfinalized(graph), recording_paused():
-        capture.record_copies(recompute_scopes(graph, capture.recorded(), scopes))
+        copies = recompute_scopes(graph, capture.recorded(), scopes)
+    capture.record_copies(copies)
 
 
 def _check_recompute(rt: Runtime) -> None:
@@ -44,11 +45,12 @@ def recompute_planned(capture: GraphCapture, analysed: Analysed, mode: str) -> N
     order, view = analysed.view
     with graph_edit.unfinalized(graph), recording_paused():
         if mode == "full":
-            capture.record_copies(recompute_scopes(
-                graph, recorded, sorted({label for label in view.labels if label})))
-            return
-        groups: Dict[str, List[ops.Operation]] = {}
-        for op, unit in zip(order, recomputation(view).unit["selective"]):
-            if unit >= 0:
-                groups.setdefault(f"attention_core_{unit}", []).append(op)
-        capture.record_copies(recompute_ops(graph, recorded, groups))
+            copies = recompute_scopes(graph, recorded,
+                                      sorted({label for label in view.labels if label}))
+        else:
+            groups: Dict[str, List[ops.Operation]] = {}
+            for op, unit in zip(order, recomputation(view).unit["selective"]):
+                if unit >= 0:
+                    groups.setdefault(f"attention_core_{unit}", []).append(op)
+            copies = recompute_ops(graph, recorded, groups)
+    capture.record_copies(copies)
