@@ -21,8 +21,8 @@ from tfpar.analysis.analysed import Analysed
 from tfpar.analysis.graph_index import GraphIndex
 from tfpar.analysis.stages import Placement, canonical_device, split_op_devices
 from tfpar.runtime import tf2_functions
-from tfpar.runtime.automatic import (planned_techniques, refuse_planning_only, sharded_plan,
-                                     warn_unbuilt_sharding)
+from tfpar.runtime.automatic import (automatic_plan, planned_techniques, refuse_planning_only,
+                                     sharded_plan, warn_unbuilt_sharding)
 from tfpar.runtime.built_before_init import warn_unseen_training
 from tfpar.runtime.context import Runtime, active
 from tfpar.runtime.gc_paused import gc_paused
@@ -162,13 +162,9 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
     its ``GraphState`` (the plan, the rewrite's fetch translator, the tuner)."""
     state = state_of(graph)
     recompute_configured(graph, capture, rt)
-    made = planned(graph, capture, rt)
+    techniques, analysed = _memory_techniques(graph, capture, rt)
+    made = planned(graph, capture, rt, analysed)  # after recomputation: the copies' stages too
     automatic = state.searched()
-    refuse_planning_only(automatic, rt)
-    techniques = planned_techniques(automatic, rt)
-    if techniques.recompute != "none":
-        recompute_planned(capture, made.analysed, techniques.recompute)
-        made = planned(graph, capture, rt)  # copies' stages too
     plan, analysed = made.plan, made.analysed
     warn_unbuilt_sharding(automatic)
     check_forced_units(capture, rt)
@@ -186,6 +182,21 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
     state.retuner = _retuner(made, rt)
     state.predicted = made.predicted if measured.measures(rt) else None
     log.info("tfpar rewrote the graph:\n%s", plan.summary())
+
+
+def _memory_techniques(graph: ops.Graph, capture: GraphCapture, rt: Runtime):
+    """The memory techniques the plan that runs needs (the search's pick's, or
+    a pinned plan's; ``runtime.automatic``), refused when tfpar cannot apply
+    them, with its recomputation made: planned once, after it. Returns them
+    and the analysis planning reads (None when recomputation changed the graph)."""
+    analysed = Analysed(GraphIndex(graph), capture.recorded())
+    automatic = automatic_plan(analysed, capture, rt)
+    refuse_planning_only(automatic, rt)
+    techniques = planned_techniques(automatic, rt)
+    if techniques.recompute == "none":
+        return techniques, analysed
+    recompute_planned(capture, analysed, techniques.recompute)
+    return techniques, None
 
 
 def _train_ops(recorded: Recorded):

@@ -64,9 +64,12 @@ def plan_for(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> Plan:
     return made.plan
 
 
-def planned(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> Planned:
-    """The plan of ``graph`` as captured now, analysed once."""
-    analysed = Analysed(GraphIndex(graph), capture.recorded())
+def planned(graph: ops.Graph, capture: GraphCapture, rt: Runtime,
+            analysed: Optional[Analysed] = None) -> Planned:
+    """The plan of ``graph`` as captured now, analysed once (``analysed``: an
+    analysis of it as it stands, made before)."""
+    if analysed is None:
+        analysed = Analysed(GraphIndex(graph), capture.recorded())
     index, recorded = analysed.index, analysed.recorded
     automatic = automatic_plan(analysed, capture, rt)
     specs = task_graph_specs(capture, rt, automatic)
