@@ -175,6 +175,14 @@ def mean_xent(labels, logits):
                                                                          logits=logits))
 
 
+# Four blocks on one device of 60000 bytes: the search recomputes them all
+# (test_the_planner_recomputes_every_block_when_memory_forces_it).
+FULL_RECOMPUTE = {
+    "auto.auto_parallel": True, "cluster.num_devices": 1, "auto.global_batch": 512,
+    "pipeline.num_micro_batch": 2, "auto.memory_techniques": ["recompute"],
+    "cluster.hardware": [{"name": "small", "tflops": 1, "memory_gb": 60000 / 2 ** 30}]}
+
+
 def test_the_planner_recomputes_every_block_when_memory_forces_it():
     """Four blocks planned for one device of 60000 bytes, 2 micro-batches of
     256 rows (auto.global_batch 512). Without recomputation: 2 x 2348 bytes
@@ -185,9 +193,7 @@ def test_the_planner_recomputes_every_block_when_memory_forces_it():
     4696 + 256 x (3 x 32 + 12 + 64) = 48728, and the search chooses it. The plan trains, searched and
     pinned: the numbers of plain TF, and every block's copies ran."""
     build = blocks(4, loss=mean_xent)
-    config = {"auto.auto_parallel": True, "cluster.num_devices": 1, "auto.global_batch": 512,
-              "pipeline.num_micro_batch": 2, "auto.memory_techniques": ["recompute"],
-              "cluster.hardware": [{"name": "small", "tflops": 1, "memory_gb": 60000 / 2 ** 30}]}
+    config = FULL_RECOMPUTE
     plan = plan_of(build, config)
     assert (plan.estimate["memory_techniques"], plan.estimate["recompute"]) == (["recompute"],
                                                                               "full")
@@ -209,14 +215,34 @@ def test_the_estimate_counts_the_flops_recomputation_runs_again():
     The plan's hardware FLOPs count them, its model FLOPs (3 x forward) do
     not; before, no FLOPs were counted, and benchmarks printed Megatron's
     Eq. 3, which counts them whether a plan recomputes or not."""
-    config = {"auto.auto_parallel": True, "cluster.num_devices": 1, "auto.global_batch": 512,
-              "pipeline.num_micro_batch": 2, "auto.memory_techniques": ["recompute"],
-              "cluster.hardware": [{"name": "small", "tflops": 1, "memory_gb": 60000 / 2 ** 30}]}
+    config = FULL_RECOMPUTE
     est = plan_of(blocks(4, loss=mean_xent), config).estimate
     assert (est["recompute"], est["recomputed_flops_per_step"]) == ("full", 1120 * 512)
     assert est["hardware_tflops_per_device"] == pytest.approx(
         (est["flops_per_step"] + 1120 * 512) / est["step_time_s"] / 1e12)
     assert est["hardware_tflops_per_device"] > est["model_tflops_per_device"]
+
+
+def test_a_rewrite_that_recomputes_plans_once(monkeypatch):
+    """The plan above, run: the rewrite makes the search's recomputation
+    before planning, then plans once, reading the graph with the copies
+    (before, it planned, recomputed and planned again); the plan it runs
+    recomputes, and the numbers are plain TF's."""
+    from tfpar.runtime import engine  # pylint: disable=import-outside-toplevel
+    calls = []
+
+    def counted(*args, **kwargs):
+        made = planned(*args, **kwargs)
+        calls.append(made.plan)
+        return made
+    planned = engine.planned
+    monkeypatch.setattr(engine, "planned", counted)
+    build = blocks(4, loss=mean_xent)
+    assert_equivalent(train(build, DATA), train(build, DATA, FULL_RECOMPUTE), rtol=1e-6)
+    assert len(calls) == 1
+    assert calls[0].estimate["recompute"] == "full"
+    # Its ops are counted with the copies: more than the graph as built had.
+    assert calls[0].task_graphs[0].num_ops > plan_of(build, FULL_RECOMPUTE).task_graphs[0].num_ops
 
 
 def small_gpt(x, y):
