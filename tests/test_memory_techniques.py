@@ -229,13 +229,12 @@ def test_a_rewrite_that_recomputes_plans_once(monkeypatch):
     (before, it planned, recomputed and planned again); the plan it runs
     recomputes, and the numbers are plain TF's."""
     from tfpar.runtime import engine  # pylint: disable=import-outside-toplevel
-    calls = []
+    calls, planned = [], engine.planned
 
     def counted(*args, **kwargs):
         made = planned(*args, **kwargs)
         calls.append(made.plan)
         return made
-    planned = engine.planned
     monkeypatch.setattr(engine, "planned", counted)
     build = blocks(4, loss=mean_xent)
     assert_equivalent(train(build, DATA), train(build, DATA, FULL_RECOMPUTE), rtol=1e-6)

@@ -230,11 +230,11 @@ def _parallelised(analysed: Analysed, rt: Runtime, plan: Plan, placement: Placem
                             shares=plan.batch_shares,
                             offload=cfg.get("memory.offload_optimizer") or techniques.offload,
                             zero=zero, precision=applied_option(cfg, rt.device_type))
-        checks = check_gradients(graph, rewrite) if checked else 0
-    if checked:
-        fallback.note(f"tfpar: check.finite_gradients: {checks} gradient tensors (every "
-                      "replica's and micro-batch's) are checked for NaN and Inf before they "
-                      "are summed", graph)
+        if checked:
+            checks = check_gradients(graph, rewrite)
+            fallback.note(f"tfpar: check.finite_gradients: {checks} gradient tensors (every "
+                          "replica's and micro-batch's) are checked for NaN and Inf before "
+                          "they are summed", graph)
     return rewrite
 
 
