@@ -10,6 +10,8 @@ from proof import TRACER
 from test_cost_model import TRANSFORMER_MLP_LAYERS, deep_mlp_layers, hand_memory, planned_stages
 
 import tfpar as wh
+from tfpar.runtime.automatic import Automatic
+from tfpar.runtime.sharded import sharded_plan
 
 v1 = tf.compat.v1
 
@@ -270,3 +272,16 @@ def test_a_swiglu_mlp_is_planned_and_built_column_shards_row(style):
         ("Mul", [None, 32])] * 2
     assert sorted(op.inputs[0].op.device[-1] for op in down) == ["0", "1"]
     assert_equivalent(train(build, data), result)
+
+
+def test_a_plan_to_pin_is_made_only_when_the_pick_shards_a_graph_built_without():
+    """The one place that decides: the rewrite and current_plan() both ask
+    sharded_plan, which returns None unless the search's pick is not what runs."""
+    pick = object()
+    runs_the_pick = Automatic(order=(), param_bytes=(), stages=(), count=1, best=pick,
+                              runnable=pick)
+    runs_another = Automatic(order=(), param_bytes=(), stages=(), count=1, best=pick,
+                             runnable=object())
+    assert not runs_the_pick.shards_unbuilt and runs_another.shards_unbuilt
+    assert sharded_plan(None, None, None, None) is None
+    assert sharded_plan(runs_the_pick, None, None, None) is None

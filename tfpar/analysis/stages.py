@@ -36,13 +36,14 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from tfpar.analysis.graph_index import GraphIndex
 from tfpar.analysis.op_kinds import gradient_tensors, is_variable
+from tfpar.analysis.variables import trainable_variables
 from tfpar.compat.tf import device_lib, indexed_slices, ops
 from tfpar.errors import PlanError
 from tfpar.ir.recorded import Recorded
 from tfpar.ir.taskgraph import Phase
 
 __all__ = ["Placement", "assign_stages", "backward_dependent", "canonical_device",
-           "host_device", "split_op_devices", "stage_terms"]
+           "host_device", "split_op_devices", "stage_sizes", "stage_terms"]
 
 
 @dataclasses.dataclass
@@ -189,6 +190,20 @@ def _follow_variables(index: GraphIndex, recorded: Recorded, stage_of, by_name) 
                      if g is not None and var in stage_of and is_variable(var) else None)
             for op in found[1] if found else ():
                 stage_of[op] = stage_of[var]
+
+
+def stage_sizes(index: GraphIndex, stage_of: Dict[ops.Operation, int],
+                num_stages: int) -> Dict[str, List[int]]:
+    """Per stage: its ops (as placed: backward and updates with their forward
+    stage) and trainable bytes."""
+    num_ops = [0] * num_stages
+    for op in index.ops:
+        num_ops[stage_of.get(op, 0)] += 1
+    param_bytes = [0] * num_stages
+    for op, v in trainable_variables(index.graph):
+        if v.shape.is_fully_defined():
+            param_bytes[stage_of.get(op, 0)] += v.shape.num_elements() * v.dtype.size
+    return {"num_ops": num_ops, "param_bytes": param_bytes}
 
 
 def stage_terms(g, stage: Callable[[ops.Operation], int]

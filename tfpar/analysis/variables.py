@@ -12,7 +12,8 @@ from tfpar.analysis.op_kinds import (READ_ONLY_RESOURCE_TYPES, REF_READ_TYPES, i
 from tfpar.compat.tf import dtypes, handle_data_util, ops, tensor_lib, tensor_shape
 
 __all__ = ["Averaged", "all_variables", "averaged_variables", "declared_aggregations",
-           "variable_bytes", "variable_writers", "writers_of", "written_variables"]
+           "trainable_variables", "variable_bytes", "variable_writers", "writers_of",
+           "written_variables"]
 
 
 def variable_bytes(handle: tensor_lib.Tensor) -> int:
@@ -106,6 +107,16 @@ class Averaged(NamedTuple):
 
     why: str
     writers: Tuple[ops.Operation, ...]
+
+
+def trainable_variables(graph: ops.Graph) -> list:
+    """(op, variable) per trainable variable of ``graph``: its collection's, or
+    for a TF2 step, the variables it reads (their op: the handle it captured)."""
+    if not graph.building_function:
+        return [(v.op, v) for v in graph.get_collection(ops.GraphKeys.TRAINABLE_VARIABLES)]
+    inner = {id(outer): placeholder for outer, placeholder in graph.captures}
+    return [(inner[id(v.handle)].op, v) for v in graph.variables
+            if v.trainable and id(v.handle) in inner]
 
 
 def averaged_variables(step: Set[ops.Operation], excluded: Set[ops.Operation],

@@ -252,7 +252,7 @@ def constant_op(op: Any) -> bool:
     """A batch-free constant (``tf.nn.silu``'s ``beta``; an identity or cast
     of constants): it joins the run of planned split layers it is made in
     instead of ending it, as the plan's TaskGraphs count it
-    (``runtime.automatic.sharded_plan``)."""
+    (``runtime.sharded.sharded_plan``)."""
     return op.type == "Const" or (op.type in ("Identity", "Cast") and bool(op.inputs)
                                   and all(constant_op(t.op) for t in op.inputs))
 

@@ -1,39 +1,35 @@
 """The automatic plan of an unannotated model (``auto.auto_parallel``,
-``num_task_graph``): the search over the model view, the plan it gives a graph
-built before it (the best unsharded one), and the TaskGraphs a pinned one makes."""
+``num_task_graph``): the search over the model view, and the plan it gives a
+graph built before it (the best unsharded one; ``runtime.sharded`` makes the
+one that shards, to pin; ``runtime.techniques`` checks its memory techniques)."""
 import dataclasses
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from tfpar import fallback
 from tfpar.cluster.hardware import HOST_CPU, Hardware, default_node, device_hardware, slowest
 from tfpar.compat.tf import ops
 from tfpar.errors import ConfigError, PlanError
-from tfpar.hooks.capture import GraphCapture, constant_op, layer_of
+from tfpar.hooks.capture import GraphCapture
 from tfpar.ir.outcome import Outcome
 from tfpar.ir.plan import Plan, pinned_plan
-from tfpar.ir.taskgraph import Phase, Strategy, TaskGraphSpec
 from tfpar.planner.auto import search_all
 from tfpar.planner.balance import balance_stages
 from tfpar.planner.choice import choose
 from tfpar.planner.costing import STAGE_ILP_SHARE
-from tfpar.planner.from_annotations import plan_from_annotations
-from tfpar.planner.layers import heads_units
-from tfpar.planner.memory import Techniques, state_per_weight
+from tfpar.planner.memory import state_per_weight
 from tfpar.planner.partition import StageCut, partition_stages
 from tfpar.planner.step_model import in_flight
 from tfpar.analysis.analysed import Analysed
-from tfpar.analysis.graph_index import GraphIndex
 from tfpar.runtime.context import Runtime
 from tfpar.runtime.gc_paused import gc_paused
 from tfpar.runtime.graph_state import state_of
 from tfpar.runtime.precision import applied
 from tfpar.runtime.progress import progress
-from tfpar.runtime.stated import estimate_of, say_how_it_was_found, say_stage_cut
+from tfpar.runtime.stated import say_how_it_was_found, say_stage_cut
 
-__all__ = ["DEFAULT_BATCH", "Automatic", "automatic_plan", "cluster_hardware", "estimate_of",
-           "part_estimate", "pinned_sharding", "planned_config", "planned_techniques",
-           "planning_batch", "refuse_planning_only", "sharded_plan", "unapplied",
-           "warn_unbuilt_sharding", "with_stage_search"]
+__all__ = ["DEFAULT_BATCH", "Automatic", "automatic_plan", "chosen_pipeline", "cluster_hardware",
+           "part_estimate", "pinned_sharding", "planned_config", "planning_batch",
+           "with_stage_search"]
 
 DEFAULT_BATCH = 32  # neither auto.global_batch nor the model's inputs say
 
@@ -65,6 +61,11 @@ class Automatic:
     @property
     def tags(self) -> Dict[str, int]:
         return {op.name: s for op, s in zip(self.order, self.stages)}
+
+    @property
+    def shards_unbuilt(self) -> bool:
+        """The search's pick shards layers, which this graph was built without."""
+        return self.best is not self.runnable
 
 
 def automatic_plan(analysed: Analysed, capture: GraphCapture, rt: Runtime
@@ -240,64 +241,6 @@ def _described_nodes(devices: Sequence[Hardware]) -> Optional[int]:
     return node
 
 
-def sharded_plan(automatic: Automatic, rt: Runtime, index: GraphIndex,
-                  capture: GraphCapture) -> Plan:
-    """The search's pick when it shards layers, with the TaskGraphs a build
-    with it pinned makes. Without a pipeline: the ops built before the first
-    backward op (inputs and weights included), in creation order, cut into
-    runs in and out of the sharded layers (constants and ops nothing reads
-    stay in a split run: tf.nn.silu's beta, the dead identity of its result);
-    split runs over ``tensor`` devices, the others replicated on as many
-    (nested data parallelism). With one: a split TaskGraph per stage."""
-    best = automatic.best
-    layers = dict(best.split_scopes)
-    position = {op: i for i, op in enumerate(automatic.order)}
-    if best.split_stages:
-        runs = [(True, [op for op in automatic.order if best.stages[position[op]] == s])
-                for s in range(best.pipeline * best.virtual_stages)]
-    else:
-        runs: List[Tuple[bool, List[ops.Operation]]] = []
-        backward = next((i for i, op in enumerate(index.ops)
-                         if capture.op_phase.get(op.name) == Phase.BACKWARD), len(index.ops))
-        for op in index.ops[:backward]:
-            if op.name in capture.op_phase:
-                continue
-            split = layer_of(op.name, layers) is not None or bool(runs and runs[-1][0] and (
-                constant_op(op) or not any(t.consumers() for t in op.outputs)))
-            if not runs or runs[-1][0] != split:
-                runs.append((split, []))
-            runs[-1][1].append(op)
-    specs = [TaskGraphSpec(i, f"{'split' if split else 'default'}_{i}",
-                           Strategy.SPLIT if split else Strategy.REPLICATE, best.tensor,
-                           implicit=True) for i, (split, _) in enumerate(runs)]
-    stats = {"num_ops": [len(members) for _, members in runs],
-             "param_bytes": [int(sum(automatic.param_bytes[position[op]] for op in members
-                                     if op in position)) for _, members in runs]}
-    config = rt.config.replace({"plan": None, "cluster.colocate_split_and_replicate":
-                                not best.split_stages, **_chosen_pipeline(best)})
-    plan = plan_from_annotations(specs, rt.devices, config, stats,
-                                 virtual_stages=best.virtual_stages)
-    part_of = {automatic.order[i]: part for part in best.parts for i in part.ops}
-    task_graphs = tuple(
-        dataclasses.replace(
-            tg, patterns={scope: layers[scope] for scope in (layer_of(op.name, layers)
-                                                             for op in members if op in position)
-                          if scope is not None}
-            if split else {},
-            estimate=part_estimate({id(part_of[op]): part_of[op]
-                                     for op in members if op in part_of}.values()))
-        for tg, (split, members) in zip(plan.task_graphs, runs))
-    sharding = {"tensor_degree": best.tensor, "layers": layers}
-    if best.sequence_parallel:
-        sharding["sequence_parallel"] = True
-    if best.split_stages:
-        sharding["stages"] = {scope: stage for (scope, _), stage
-                              in zip(best.split_scopes, best.split_stages)}
-    return dataclasses.replace(plan, task_graphs=task_graphs,
-                               estimate=estimate_of(best, rt, automatic.candidates, task_graphs),
-                               sharding=sharding, notes=fallback.notes(index.graph))
-
-
 def part_estimate(parts) -> Dict[str, float]:
     """A TaskGraph's estimate: the sum of its parts' (stages' or layers')."""
     return {"time_s": sum(p.seconds for p in parts),
@@ -319,82 +262,10 @@ def planned_config(rt: Runtime, automatic: Optional[Automatic]):
     the search chose for the plan that runs."""
     if automatic is None or automatic.runnable is None:
         return rt.config
-    return rt.config.replace(_chosen_pipeline(automatic.runnable))
+    return rt.config.replace(chosen_pipeline(automatic.runnable))
 
 
-def _chosen_pipeline(candidate) -> Dict[str, Any]:
+def chosen_pipeline(candidate) -> Dict[str, Any]:
     """The pipeline keys of a search candidate."""
     return {"pipeline.num_micro_batch": candidate.micro_batches,
             "pipeline.schedule": candidate.schedule, "pipeline.group_size": candidate.group_size}
-
-
-def unapplied(techniques: Sequence[str], mixed_precision: bool = False) -> List[str]:
-    """Of memory ``techniques`` (``auto.memory_techniques`` names), those
-    tfpar cannot apply to the graph: none but mixed precision, unless the
-    graph computes in 16 bits (``mixed_precision``, ``runtime.precision``:
-    grappler's options are set when a session is made, before the search
-    runs; a plan pinned before the graph is built sets them)."""
-    return sorted(set(techniques) - {"offload", "recompute", "zero"} - (
-        {"mixed_precision"} if mixed_precision else set()))
-
-
-def planned_techniques(automatic: Optional[Automatic], rt: Runtime) -> Techniques:
-    """The memory techniques the plan that runs needs: the search's pick's, or
-    a pinned plan's (its estimate's: a plan the planning pass or ``tfpar
-    plan`` wrote)."""
-    if automatic is not None and automatic.runnable is not None:
-        return automatic.runnable.techniques
-    pinned = pinned_plan(rt.config)
-    estimate = pinned.estimate if pinned is not None else {}
-    names = estimate.get("memory_techniques", [])
-    return Techniques(recompute=estimate.get("recompute", "none"),
-                      zero=estimate.get("zero", int("zero" in names)),
-                      mixed_precision="mixed_precision" in names, offload="offload" in names)
-
-
-def refuse_planning_only(automatic: Optional[Automatic], rt: Runtime) -> None:
-    """A plan that needs memory techniques (``auto.memory_techniques``) tfpar
-    does not apply to the graph (``unapplied``) or splits attention heads
-    (``auto.split_heads``) outside keras MultiHeadAttention layers cannot
-    train here: raise, naming them; a pinned plan too."""
-    chosen = [c for c in (automatic.best, automatic.runnable) if c is not None] \
-        if automatic is not None else []
-    low = applied(rt.config, rt.device_type) is not None
-    needs = next((c for c in chosen if unapplied(c.techniques.names, low)), None)
-    if needs is not None:
-        raise PlanError(f"tfpar: the planner's plan ({needs.describe()}) needs "
-                        f"{needs.techniques.describe()}, which the graph's sessions were made "
-                        "without: set memory.mixed_precision, or let the planning pass "
-                        "(auto.planning_pass) pin the plan before the graph is built")
-    pinned = unapplied(planned_techniques(automatic, rt).names, low)
-    if pinned:
-        raise PlanError(f"tfpar: the pinned plan needs {', '.join(pinned)} (its estimate's "
-                        "memory_techniques), which tfpar cannot apply here")
-    heads = [scope for c in chosen for scope in heads_units(dict(c.split_scopes))[1]]
-    heads += heads_units(pinned_sharding(rt).get("layers", {}))[1]
-    if heads:
-        raise PlanError(f"tfpar: the planner's plan splits attention heads ({heads[0]}"
-                        f"{f' and {len(heads) - 1} more' if len(heads) > 1 else ''}), which "
-                        "tfpar cannot build yet outside keras MultiHeadAttention: "
-                        "auto.split_heads is for planning (tfpar plan); set it false to train")
-
-
-def warn_unbuilt_sharding(automatic: Optional[Automatic]) -> None:
-    """The search's pick (``automatic``) shards layers of a graph built
-    unsharded: run the best plan that does not (a fallback), or fail when
-    none fits."""
-    if automatic is None or automatic.best is automatic.runnable:
-        return
-    best = automatic.best
-    what = (f"the planner shards {', '.join(scope for scope, _ in best.split_scopes)} over "
-            f"{best.tensor} devices (estimated {best.step_time_s * 1e3:.3g} ms/step), but this "
-            "graph was built before the plan existed")
-    how = ("run the script itself (its planning pass pins the plan) or pin "
-           "wh.current_plan().to_json() as the config's 'plan'")
-    if automatic.runnable is None:
-        raise PlanError(f"tfpar: {what}, and no plan without sharding fits the devices' "
-                        f"memory; {how}")
-    fallback.fall_back(what, f"it runs the best plan without sharding "
-                       f"({automatic.runnable.describe()}, "
-                       f"{automatic.runnable.step_time_s * 1e3:.3g} ms/step)",
-                       f"To shard, {how}", automatic.order[0].graph)

@@ -21,8 +21,7 @@ from tfpar.analysis.analysed import Analysed
 from tfpar.analysis.graph_index import GraphIndex
 from tfpar.analysis.stages import Placement, canonical_device, split_op_devices
 from tfpar.runtime import tf2_functions
-from tfpar.runtime.automatic import (automatic_plan, planned_techniques, refuse_planning_only,
-                                     sharded_plan, warn_unbuilt_sharding)
+from tfpar.runtime.automatic import automatic_plan
 from tfpar.runtime.built_before_init import warn_unseen_training
 from tfpar.runtime.context import Runtime, active
 from tfpar.runtime.gc_paused import gc_paused
@@ -38,7 +37,9 @@ from tfpar.runtime.measured_calls import measured_call
 from tfpar.runtime.report_step import after_step, rewrite_report
 from tfpar.runtime.retune import GroupRetuner
 from tfpar.runtime.sessions import run_failed, run_options, session_config, session_target
+from tfpar.runtime.sharded import sharded_plan, warn_unbuilt_sharding
 from tfpar.runtime.split_contexts import check_forced_units, setup_capture
+from tfpar.runtime.techniques import planned_techniques, refuse_planning_only
 from tfpar.runtime.tf2_functions import function_gradients, retraces_relaxed
 
 # The seams, as ``hooks.seams`` documents them.
@@ -168,9 +169,8 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
     plan, analysed = made.plan, made.analysed
     warn_unbuilt_sharding(automatic)
     check_forced_units(capture, rt)
-    if automatic is not None and automatic.best is not automatic.runnable:
-        # What runs is unsharded; what current_plan() shows, to pin, is not.
-        state.sharded_plan = sharded_plan(automatic, rt, analysed.index, capture)
+    # What runs is unsharded; what current_plan() shows, to pin, is not.
+    state.sharded_plan = sharded_plan(automatic, rt, analysed.index, capture)
     placement = _placement(plan, analysed.index, made.stage_of)
     if state.calls_optimized is None:  # no session yet (see sessions._calls_optimize)
         state.calls_optimized = plan.num_micro_batch > 1

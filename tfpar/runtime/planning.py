@@ -13,14 +13,15 @@ from tfpar.planner.from_annotations import plan_from_annotations
 from tfpar.planner.grouper import tune_group_size
 from tfpar.analysis.analysed import Analysed
 from tfpar.analysis.graph_index import GraphIndex
-from tfpar.analysis.stages import assign_stages
-from tfpar.runtime.automatic import (Automatic, automatic_plan, cluster_hardware, estimate_of,
-                                     part_estimate, planned_config, planning_batch,
-                                     sharded_plan, with_stage_search)
+from tfpar.analysis.stages import assign_stages, stage_sizes
+from tfpar.runtime.automatic import (Automatic, automatic_plan, cluster_hardware, part_estimate,
+                                     planned_config, planning_batch, with_stage_search)
 from tfpar.runtime.balanced import batch_shares
 from tfpar.runtime.context import Runtime
 from tfpar.runtime.graph_state import state_of
 from tfpar.runtime.prediction import Predicted, costed, predict
+from tfpar.runtime.sharded import sharded_plan
+from tfpar.runtime.stated import estimate_of
 
 __all__ = ["Planned", "group_costs", "plan_for", "planned", "task_graph_specs"]
 
@@ -58,10 +59,8 @@ def plan_for(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> Plan:
     rewrite; a plan that shards layers even when this graph was built before
     it was known, so that it can be pinned)."""
     made = planned(graph, capture, rt)
-    automatic = state_of(graph).searched()
-    if automatic is not None and automatic.best is not automatic.runnable:
-        return sharded_plan(automatic, rt, made.analysed.index, capture)
-    return made.plan
+    return (sharded_plan(state_of(graph).searched(), rt, made.analysed.index, capture)
+            or made.plan)
 
 
 def planned(graph: ops.Graph, capture: GraphCapture, rt: Runtime,
@@ -76,8 +75,10 @@ def planned(graph: ops.Graph, capture: GraphCapture, rt: Runtime,
     stage_of = assign_stages(index, recorded, len(specs), [s.name for s in specs],
                              automatic.tags if automatic is not None else None)
     chosen = automatic.runnable if automatic is not None else None
-    plan = plan_from_annotations(specs, rt.devices, planned_config(rt, automatic),
-                                 _stats(graph, capture, index, stage_of, len(specs)),
+    stats = {**stage_sizes(index, stage_of, len(specs)),
+             "split": {i: (ctx.devices, ctx.decisions, ctx.shares)
+                       for i, ctx in capture.split_contexts.items()}}
+    plan = plan_from_annotations(specs, rt.devices, planned_config(rt, automatic), stats,
                                  graph, chosen.virtual_stages if chosen is not None else None)
     if automatic is not None and automatic.runnable is not None:
         runnable = automatic.runnable
@@ -115,27 +116,3 @@ def group_costs(analysed: Analysed, rt: Runtime, plan: Plan, stage_of):
     return costs, hardware.memory_gb * 2 ** 30
 
 
-def _stats(graph: ops.Graph, capture: GraphCapture, index: GraphIndex, stage_of,
-           num_task_graphs: int):
-    """Per TaskGraph: ops (as placed: backward and updates with their forward
-    TaskGraph) and trainable bytes."""
-    num_ops = [0] * num_task_graphs
-    for op in index.ops:
-        num_ops[stage_of.get(op, 0)] += 1
-    param_bytes = [0] * num_task_graphs
-    for op, v in _trainable_variables(graph):
-        if v.shape.is_fully_defined():
-            param_bytes[stage_of.get(op, 0)] += v.shape.num_elements() * v.dtype.size
-    split = {i: (ctx.devices, ctx.decisions, ctx.shares)
-             for i, ctx in capture.split_contexts.items()}
-    return {"num_ops": num_ops, "param_bytes": param_bytes, "split": split}
-
-
-def _trainable_variables(graph: ops.Graph) -> list:
-    """(op, variable) per trainable variable of ``graph``: its collection's, or
-    for a TF2 step, the variables it reads (their op: the handle it captured)."""
-    if not graph.building_function:
-        return [(v.op, v) for v in graph.get_collection(ops.GraphKeys.TRAINABLE_VARIABLES)]
-    inner = {id(outer): placeholder for outer, placeholder in graph.captures}
-    return [(inner[id(v.handle)].op, v) for v in graph.variables
-            if v.trainable and id(v.handle) in inner]

@@ -1,0 +1,64 @@
+"""The memory techniques of the plan that runs (the search's pick's, or a
+pinned plan's), and the plans tfpar cannot train here, refused by name."""
+from typing import List, Optional, Sequence
+
+from tfpar.errors import PlanError
+from tfpar.ir.plan import pinned_plan
+from tfpar.planner.layers import heads_units
+from tfpar.planner.memory import Techniques
+from tfpar.runtime.automatic import Automatic, pinned_sharding
+from tfpar.runtime.context import Runtime
+from tfpar.runtime.precision import applied
+
+__all__ = ["planned_techniques", "refuse_planning_only", "unapplied"]
+
+
+def unapplied(techniques: Sequence[str], mixed_precision: bool = False) -> List[str]:
+    """Of memory ``techniques`` (``auto.memory_techniques`` names), those
+    tfpar cannot apply to the graph: none but mixed precision, unless the
+    graph computes in 16 bits (``mixed_precision``, ``runtime.precision``:
+    grappler's options are set when a session is made, before the search
+    runs; a plan pinned before the graph is built sets them)."""
+    return sorted(set(techniques) - {"offload", "recompute", "zero"} - (
+        {"mixed_precision"} if mixed_precision else set()))
+
+
+def planned_techniques(automatic: Optional[Automatic], rt: Runtime) -> Techniques:
+    """The memory techniques the plan that runs needs: the search's pick's, or
+    a pinned plan's (its estimate's: a plan the planning pass or ``tfpar
+    plan`` wrote)."""
+    if automatic is not None and automatic.runnable is not None:
+        return automatic.runnable.techniques
+    pinned = pinned_plan(rt.config)
+    estimate = pinned.estimate if pinned is not None else {}
+    names = estimate.get("memory_techniques", [])
+    return Techniques(recompute=estimate.get("recompute", "none"),
+                      zero=estimate.get("zero", int("zero" in names)),
+                      mixed_precision="mixed_precision" in names, offload="offload" in names)
+
+
+def refuse_planning_only(automatic: Optional[Automatic], rt: Runtime) -> None:
+    """A plan that needs memory techniques (``auto.memory_techniques``) tfpar
+    does not apply to the graph (``unapplied``) or splits attention heads
+    (``auto.split_heads``) outside keras MultiHeadAttention layers cannot
+    train here: raise, naming them; a pinned plan too."""
+    chosen = [c for c in (automatic.best, automatic.runnable) if c is not None] \
+        if automatic is not None else []
+    low = applied(rt.config, rt.device_type) is not None
+    needs = next((c for c in chosen if unapplied(c.techniques.names, low)), None)
+    if needs is not None:
+        raise PlanError(f"tfpar: the planner's plan ({needs.describe()}) needs "
+                        f"{needs.techniques.describe()}, which the graph's sessions were made "
+                        "without: set memory.mixed_precision, or let the planning pass "
+                        "(auto.planning_pass) pin the plan before the graph is built")
+    pinned = unapplied(planned_techniques(automatic, rt).names, low)
+    if pinned:
+        raise PlanError(f"tfpar: the pinned plan needs {', '.join(pinned)} (its estimate's "
+                        "memory_techniques), which tfpar cannot apply here")
+    heads = [scope for c in chosen for scope in heads_units(dict(c.split_scopes))[1]]
+    heads += heads_units(pinned_sharding(rt).get("layers", {}))[1]
+    if heads:
+        raise PlanError(f"tfpar: the planner's plan splits attention heads ({heads[0]}"
+                        f"{f' and {len(heads) - 1} more' if len(heads) > 1 else ''}), which "
+                        "tfpar cannot build yet outside keras MultiHeadAttention: "
+                        "auto.split_heads is for planning (tfpar plan); set it false to train")
