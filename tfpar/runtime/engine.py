@@ -29,7 +29,7 @@ from tfpar.runtime.graph_state import GraphState, existing_state, state_of
 from tfpar.runtime.iterators import make_iterator
 from tfpar.runtime import online_tuning
 from tfpar.runtime.online_tuning import keep_group_size, made_callable
-from tfpar.runtime.planning import Planned, group_costs, planned
+from tfpar.runtime.planning import Planned, analysed_now, group_costs, planned
 from tfpar.runtime.precision import applied, applied_option
 from tfpar.runtime.recomputation import recompute_configured, recompute_planned
 from tfpar.runtime import measured
@@ -163,10 +163,9 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
     its ``GraphState`` (the plan, the rewrite's fetch translator, the tuner)."""
     state = state_of(graph)
     recompute_configured(graph, capture, rt)
-    techniques, analysed = _memory_techniques(graph, capture, rt)
-    made = planned(graph, capture, rt, analysed)  # after recomputation: the copies' stages too
-    automatic = state.searched()
-    plan, analysed = made.plan, made.analysed
+    techniques, analysed, automatic = _memory_techniques(graph, capture, rt)
+    made = planned(analysed, capture, rt, automatic)  # after recomputation: the copies' too
+    plan = made.plan
     warn_unbuilt_sharding(automatic)
     check_forced_units(capture, rt)
     # What runs is unsharded; what current_plan() shows, to pin, is not.
@@ -187,16 +186,17 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
 def _memory_techniques(graph: ops.Graph, capture: GraphCapture, rt: Runtime):
     """The memory techniques the plan that runs needs (the search's pick's, or
     a pinned plan's; ``runtime.automatic``), refused when tfpar cannot apply
-    them, with its recomputation made: planned once, after it. Returns them
-    and the analysis planning reads (None when recomputation changed the graph)."""
-    analysed = Analysed(GraphIndex(graph), capture.recorded())
+    them, with its recomputation made: planned once, after it. Returns them,
+    the analysis planning reads (made again when recomputation added copies)
+    and the search's result."""
+    analysed = analysed_now(graph, capture)
     automatic = automatic_plan(analysed, capture, rt)
     refuse_planning_only(automatic, rt)
     techniques = planned_techniques(automatic, rt)
-    if techniques.recompute == "none":
-        return techniques, analysed
-    recompute_planned(capture, analysed, techniques.recompute)
-    return techniques, None
+    if techniques.recompute != "none":
+        recompute_planned(capture, analysed, techniques.recompute)
+        analysed = analysed_now(graph, capture)
+    return techniques, analysed, automatic
 
 
 def _train_ops(recorded: Recorded):

@@ -47,10 +47,6 @@ class GraphState:
     samples: list = dataclasses.field(default_factory=list)
     variables_held: Optional[dict] = None
 
-    def searched(self) -> Any:
-        """The automatic plan cached by the planner (``runtime.automatic``), or None."""
-        return self.automatic[1] if self.automatic is not None else None
-
 
 _states: "weakref.WeakKeyDictionary[Any, GraphState]" = weakref.WeakKeyDictionary()
 

@@ -18,12 +18,11 @@ from tfpar.runtime.automatic import (Automatic, automatic_plan, cluster_hardware
                                      planned_config, planning_batch, with_stage_search)
 from tfpar.runtime.balanced import batch_shares
 from tfpar.runtime.context import Runtime
-from tfpar.runtime.graph_state import state_of
 from tfpar.runtime.prediction import Predicted, costed, predict
 from tfpar.runtime.sharded import sharded_plan
 from tfpar.runtime.stated import estimate_of
 
-__all__ = ["Planned", "group_costs", "plan_for", "planned", "task_graph_specs"]
+__all__ = ["Planned", "analysed_now", "group_costs", "plan_for", "planned", "task_graph_specs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,23 +53,26 @@ def task_graph_specs(capture: GraphCapture, rt: Runtime, automatic: Optional[Aut
     return [TaskGraphSpec(0, "replicate_all", Strategy.REPLICATE, None, implicit=True)]
 
 
+def analysed_now(graph: ops.Graph, capture: GraphCapture) -> Analysed:
+    """The analysis of ``graph`` as it stands, with what ``capture`` recorded."""
+    return Analysed(GraphIndex(graph), capture.recorded())
+
+
 def plan_for(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> Plan:
     """The plan for ``graph``: as annotated, or as the planner chose (no
     rewrite; a plan that shards layers even when this graph was built before
     it was known, so that it can be pinned)."""
-    made = planned(graph, capture, rt)
-    return (sharded_plan(state_of(graph).searched(), rt, made.analysed.index, capture)
-            or made.plan)
-
-
-def planned(graph: ops.Graph, capture: GraphCapture, rt: Runtime,
-            analysed: Optional[Analysed] = None) -> Planned:
-    """The plan of ``graph`` as captured now, analysed once (``analysed``: an
-    analysis of it as it stands, made before)."""
-    if analysed is None:
-        analysed = Analysed(GraphIndex(graph), capture.recorded())
-    index, recorded = analysed.index, analysed.recorded
+    analysed = analysed_now(graph, capture)
     automatic = automatic_plan(analysed, capture, rt)
+    made = planned(analysed, capture, rt, automatic)
+    return sharded_plan(automatic, rt, analysed.index, capture) or made.plan
+
+
+def planned(analysed: Analysed, capture: GraphCapture, rt: Runtime,
+            automatic: Optional[Automatic]) -> Planned:
+    """The plan of the graph ``analysed`` as it stands, with the search's
+    result (``runtime.automatic``) that it runs, if any."""
+    graph, index, recorded = analysed.graph, analysed.index, analysed.recorded
     specs = task_graph_specs(capture, rt, automatic)
     stage_of = assign_stages(index, recorded, len(specs), [s.name for s in specs],
                              automatic.tags if automatic is not None else None)
