@@ -21,7 +21,6 @@ from tfpar.analysis.analysed import Analysed
 from tfpar.analysis.graph_index import GraphIndex
 from tfpar.analysis.stages import Placement, canonical_device, split_op_devices
 from tfpar.runtime import tf2_functions
-from tfpar.runtime.automatic import automatic_plan
 from tfpar.runtime.built_before_init import warn_unseen_training
 from tfpar.runtime.context import Runtime, active
 from tfpar.runtime.gc_paused import gc_paused
@@ -29,9 +28,9 @@ from tfpar.runtime.graph_state import GraphState, existing_state, state_of
 from tfpar.runtime.iterators import make_iterator
 from tfpar.runtime import online_tuning
 from tfpar.runtime.online_tuning import keep_group_size, made_callable
-from tfpar.runtime.planning import Planned, analysed_now, group_costs, planned
+from tfpar.runtime.planning import Planned, group_costs, planned
 from tfpar.runtime.precision import applied, applied_option
-from tfpar.runtime.recomputation import recompute_configured, recompute_planned
+from tfpar.runtime.recomputation import recompute_configured
 from tfpar.runtime import measured
 from tfpar.runtime.measured_calls import measured_call
 from tfpar.runtime.report_step import after_step, rewrite_report
@@ -39,7 +38,7 @@ from tfpar.runtime.retune import GroupRetuner
 from tfpar.runtime.sessions import run_failed, run_options, session_config, session_target
 from tfpar.runtime.sharded import sharded_plan, warn_unbuilt_sharding
 from tfpar.runtime.split_contexts import check_forced_units, setup_capture
-from tfpar.runtime.techniques import planned_techniques, refuse_planning_only
+from tfpar.runtime.techniques import prepared
 from tfpar.runtime.tf2_functions import function_gradients, retraces_relaxed
 
 # The seams, as ``hooks.seams`` documents them.
@@ -163,17 +162,18 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
     its ``GraphState`` (the plan, the rewrite's fetch translator, the tuner)."""
     state = state_of(graph)
     recompute_configured(graph, capture, rt)
-    techniques, analysed, automatic = _memory_techniques(graph, capture, rt)
-    made = planned(analysed, capture, rt, automatic)  # after recomputation: the copies' too
-    plan = made.plan
-    warn_unbuilt_sharding(automatic)
+    ready = prepared(graph, capture, rt)
+    made = planned(ready.analysed, capture, rt, ready.automatic)  # the copies' stages too
+    plan, analysed = made.plan, made.analysed
+    warn_unbuilt_sharding(ready.automatic)
     check_forced_units(capture, rt)
     # What runs is unsharded; what current_plan() shows, to pin, is not.
-    state.sharded_plan = sharded_plan(automatic, rt, analysed.index, capture)
+    state.sharded_plan = sharded_plan(ready.automatic, rt, analysed.index, capture)
     placement = _placement(plan, analysed.index, made.stage_of)
     if state.calls_optimized is None:  # no session yet (see sessions._calls_optimize)
         state.calls_optimized = plan.num_micro_batch > 1
-    rewrite = _parallelised(analysed, rt, plan, placement, techniques, state.calls_optimized)
+    rewrite = _parallelised(analysed, rt, plan, placement, ready.techniques,
+                            state.calls_optimized)
     state.plan = dataclasses.replace(plan, notes=fallback.notes(graph))  # the rewrite's too
     state.rewritten_calls = len(capture.gradient_calls)
     state.rewrite = FetchTranslator(graph, rewrite, recording_paused, plan.group_size,
@@ -181,22 +181,6 @@ def _rewrite(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> None:
     state.retuner = _retuner(made, rt)
     state.predicted = made.predicted if measured.measures(rt) else None
     log.info("tfpar rewrote the graph:\n%s", plan.summary())
-
-
-def _memory_techniques(graph: ops.Graph, capture: GraphCapture, rt: Runtime):
-    """The memory techniques the plan that runs needs (the search's pick's, or
-    a pinned plan's; ``runtime.automatic``), refused when tfpar cannot apply
-    them, with its recomputation made: planned once, after it. Returns them,
-    the analysis planning reads (made again when recomputation added copies)
-    and the search's result."""
-    analysed = analysed_now(graph, capture)
-    automatic = automatic_plan(analysed, capture, rt)
-    refuse_planning_only(automatic, rt)
-    techniques = planned_techniques(automatic, rt)
-    if techniques.recompute != "none":
-        recompute_planned(capture, analysed, techniques.recompute)
-        analysed = analysed_now(graph, capture)
-    return techniques, analysed, automatic
 
 
 def _train_ops(recorded: Recorded):

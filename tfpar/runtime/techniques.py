@@ -1,16 +1,50 @@
 """The memory techniques of the plan that runs (the search's pick's, or a
-pinned plan's), and the plans tfpar cannot train here, refused by name."""
+pinned plan's), and the plans tfpar cannot train here, refused by name;
+what a rewrite pass prepares before it plans (``prepared``)."""
+import dataclasses
 from typing import List, Optional, Sequence
 
+from tfpar.compat.tf import ops
 from tfpar.errors import PlanError
+from tfpar.hooks.capture import GraphCapture
 from tfpar.ir.plan import pinned_plan
 from tfpar.planner.layers import heads_units
 from tfpar.planner.memory import Techniques
-from tfpar.runtime.automatic import Automatic, pinned_sharding
+from tfpar.analysis.analysed import Analysed
+from tfpar.runtime.automatic import Automatic, automatic_plan, pinned_sharding
 from tfpar.runtime.context import Runtime
+from tfpar.runtime.planning import analysed_now
 from tfpar.runtime.precision import applied
+from tfpar.runtime.recomputation import recompute_planned
 
-__all__ = ["planned_techniques", "refuse_planning_only", "unapplied"]
+__all__ = ["Prepared", "planned_techniques", "prepared", "refuse_planning_only", "unapplied"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """What a rewrite pass has before it plans: the analysis of the graph
+    (with the search's recomputation made), the search's result
+    (``runtime.automatic``; None for an annotated model) and the memory
+    techniques of the plan that runs."""
+
+    analysed: Analysed
+    automatic: Optional[Automatic]
+    techniques: Techniques
+
+
+def prepared(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> Prepared:
+    """The search's result and the memory techniques the plan that runs
+    needs (the search's pick's, or a pinned plan's), refused when tfpar
+    cannot apply them, with its recomputation made, so that the graph is
+    planned once, after it (and analysed again, the copies with it)."""
+    analysed = analysed_now(graph, capture)
+    automatic = automatic_plan(analysed, capture, rt)
+    refuse_planning_only(automatic, rt)
+    techniques = planned_techniques(automatic, rt)
+    if techniques.recompute != "none":
+        recompute_planned(capture, analysed, techniques.recompute)
+        analysed = analysed_now(graph, capture)
+    return Prepared(analysed, automatic, techniques)
 
 
 def unapplied(techniques: Sequence[str], mixed_precision: bool = False) -> List[str]:
