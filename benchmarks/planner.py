@@ -55,12 +55,12 @@ from tfpar.planner.layers import layer_graph  # noqa: E402
 from tfpar.planner.pruning import shared_blocks  # noqa: E402
 from tfpar.planner.sharding import critical_layers, plan_sharding  # noqa: E402
 from tfpar.planner.sharding_costs import Mesh  # noqa: E402
-from tfpar.analysis.analysed import Analysed  # noqa: E402
 from tfpar.analysis.graph_index import GraphIndex  # noqa: E402
 from tfpar.analysis.model_view import model_view  # noqa: E402
 from tfpar.models.gpt import gpt_train_op  # noqa: E402
 from tfpar.runtime.automatic import automatic_plan  # noqa: E402
 from tfpar.runtime.context import active  # noqa: E402
+from tfpar.runtime.planning import analysed_now  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_args import cell, meets, parse_sizes, verdict  # noqa: E402  (same directory)
@@ -131,7 +131,7 @@ def measure(layers, args):
 
 def analysed(graph):
     """``graph`` as tfpar analyses it at its first ``Session.run``."""
-    return Analysed(GraphIndex(graph), capture_for(graph).recorded())
+    return analysed_now(graph, capture_for(graph))
 
 
 def auto_config(args):

@@ -114,9 +114,13 @@ def trainable_variables(graph: ops.Graph) -> list:
     for a TF2 step, the variables it reads (their op: the handle it captured)."""
     if not graph.building_function:
         return [(v.op, v) for v in graph.get_collection(ops.GraphKeys.TRAINABLE_VARIABLES)]
+    return [(placeholder.op, v) for placeholder, v in _captured_variables(graph) if v.trainable]
+
+
+def _captured_variables(graph: ops.Graph) -> list:
+    """(placeholder of its handle, variable) per variable a tf.function's graph captured."""
     inner = {id(outer): placeholder for outer, placeholder in graph.captures}
-    return [(inner[id(v.handle)].op, v) for v in graph.variables
-            if v.trainable and id(v.handle) in inner]
+    return [(inner[id(v.handle)], v) for v in graph.variables if id(v.handle) in inner]
 
 
 def averaged_variables(step: Set[ops.Operation], excluded: Set[ops.Operation],
@@ -166,6 +170,5 @@ def declared_aggregations(graph: ops.Graph, recorded: Recorded) -> Dict[ops.Oper
     if not graph.building_function:
         return {graph.get_operation_by_name(name): kind
                 for name, kind in recorded.aggregations.items()}
-    inner = {id(outer): placeholder.op for outer, placeholder in graph.captures}
-    return {inner[id(v.handle)]: v.aggregation.name for v in graph.variables
-            if id(v.handle) in inner and v.aggregation.name != "NONE"}
+    return {placeholder.op: v.aggregation.name for placeholder, v in _captured_variables(graph)
+            if v.aggregation.name != "NONE"}
