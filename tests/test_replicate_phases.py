@@ -116,7 +116,9 @@ def test_update_ops_are_the_apply_phase_writers_cut_at_the_step(model):
     assert all(op.type != "AssignAddVariableOp" for op in update)  # the global step's
 
 
-def test_late_accumulator_reads_run_once_after_the_replicas():
+def test_accumulator_reads_and_writes_run_once_after_the_replicas():
+    """A tracker's update adds what one device adds (its merged value), once;
+    before, every replica added its own (a Mean tracker counted R steps)."""
     graph = tf.Graph()
     with graph.as_default():
         total = v1.get_variable("total", [], initializer=v1.zeros_initializer(),
@@ -127,10 +129,10 @@ def test_late_accumulator_reads_run_once_after_the_replicas():
     index = GraphIndex(graph)
     reads = [c for c in total.handle.consumers() if c.type == "ReadVariableOp"]
     step = {add, read.op, read.op.inputs[0].op, *reads}
-    late = select.late_accumulator_reads(index, step, needed=set(),
-                                         accumulators={total.handle.op})
-    assert late == step - {add}  # the read, and what reads its value
-    assert select.late_accumulator_reads(index, step, step, {total.handle.op}) == set()
+    late = select.late_accumulator_ops(index, step, needed=set(),
+                                       accumulators={total.handle.op})
+    assert late == step  # the write, the read, and what reads its value
+    assert select.late_accumulator_ops(index, step, step, {total.handle.op}) == set()
 
 
 def test_step_batch_inputs_are_the_fed_tensors_the_step_reads(model):

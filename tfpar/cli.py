@@ -34,8 +34,9 @@ from typing import List, Optional
 __all__ = ["main"]
 
 
-class _PlanReady(Exception):
-    """Raised inside the user's script once the plan is known."""
+class _PlanReady(BaseException):
+    """Raised inside the user's script once the plan is known (not an
+    Exception: neither the script nor tfpar's own handlers catch it)."""
 
 
 def _plan(args) -> int:

@@ -79,15 +79,13 @@ class BatchAxes:
 
     def _like_forward(self, t: tensor_lib.Tensor, forward: ops.Operation) -> Optional[int]:
         """The batch axis shared by ``forward``'s tensors shaped like ``t``
-        (exactly, else compatibly)."""
+        (exactly, else compatibly: a weight's gradient, shaped like the
+        weight, holds no rows however compatible it is with the output)."""
         tensors = [x for x in list(self._inputs_of(forward)) + list(forward.outputs)
                    if x.shape.rank == t.shape.rank and x.shape.is_compatible_with(t.shape)]
-        for candidates in ([x for x in tensors if x.shape.as_list() == t.shape.as_list()],
-                           tensors):
-            found = {self.axis(x) for x in candidates} - {None}
-            if found:
-                return found.pop() if len(found) == 1 else None
-        return None
+        exact = [x for x in tensors if x.shape.as_list() == t.shape.as_list()]
+        found = {self.axis(x) for x in exact or tensors} - {None}
+        return found.pop() if len(found) == 1 else None
 
     def _rule(self, t: tensor_lib.Tensor) -> Optional[int]:
         op = t.op

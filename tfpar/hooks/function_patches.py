@@ -5,6 +5,7 @@ before TensorFlow makes it a function; the runtime may measure its calls."""
 import threading
 
 from tfpar.compat import tf as internals
+from tfpar.errors import TfparError
 from tfpar.compat.tf import (capture_container, concrete_function, func_graph, ops,
                              tracing_compilation, transform)
 from tfpar.hooks import capture as cap_lib
@@ -38,7 +39,10 @@ def _wrap_create_concrete_function(original):
     with), or with a batch captured from eager code, is traced a second time
     with that dimension unknown, as graph-mode placeholders are made
     (``batch_shapes``): TensorFlow would otherwise build the full batch's
-    size into the step the replicas split."""
+    size into the step the replicas split. Where that trace fails (the script
+    reads its batch size as a Python number, ``x.shape[0]``, which it leaves
+    unknown; or tfpar fails), the first trace runs, on one device, and the
+    runtime says why (``retrace_failed``); tfpar's own refusals propagate."""
     def _create_concrete_function(function_type, type_context, func_graph, tracing_options):
         concrete = original(function_type, type_context, func_graph, tracing_options)
         if seams.runtime is None or not seams.runtime.retraces_relaxed(func_graph):
@@ -50,6 +54,12 @@ def _wrap_create_concrete_function(original):
         retracing.graph, retracing.arguments = relaxed, True
         try:
             again = original(function_type, type_context, relaxed, tracing_options)
+        except TfparError:
+            raise
+        except Exception as error:  # pylint: disable=broad-except
+            # The first trace runs as the script wrote it; the runtime says why.
+            seams.runtime.retrace_failed(func_graph, error)
+            return concrete
         finally:
             retracing.graph = None
         # Not rewritten (the step runs on one device): the first trace, as without tfpar.

@@ -33,6 +33,8 @@ It provides:
     at every call of a tf.function.
   retraces_relaxed: FuncGraph -> whether to trace its function again
     with the batch dimension of its arguments unknown.
+  retrace_failed: (FuncGraph, error) -> None, when that trace raised (the
+    first trace then runs; may raise).
   loss_scaled: graph -> whether its gradients are loss-scaled (fp16; may
     raise).
   sync_batch_norm: () -> whether every BatchNormalization layer made now

@@ -11,7 +11,8 @@ import collections
 import dataclasses
 from typing import List, Sequence
 
-__all__ = ["Task", "SCHEDULES", "build_schedule", "interleaved_schedule", "validate_schedule"]
+__all__ = ["Task", "SCHEDULES", "build_schedule", "in_rounds", "interleaved_schedule",
+           "round_kind", "task_round", "validate_schedule"]
 
 SCHEDULES = ("gpipe", "1f1b", "kfkb", "zero_bubble")
 
@@ -29,6 +30,31 @@ class Task:
 
     def __str__(self):
         return f"{self.kind}{self.micro_batch}"
+
+
+def round_kind(kind: str, step_round: int) -> str:
+    """The kind of a task of round ``step_round`` of a step that updates
+    variables, then reads them (``analysis.rounds``): ``kind`` in round 0,
+    ``"F" + "r1"`` in round 1."""
+    return f"{kind}r{step_round}" if step_round else kind
+
+
+def task_round(kind: str) -> tuple:
+    """(``"F"``, ``"B"`` or ``"W"``, round) of a task kind (``round_kind``)."""
+    base, _, step_round = kind.partition("r")
+    return base, int(step_round or 0)
+
+
+def in_rounds(schedule: Sequence[Sequence[Task]], rounds: int) -> List[List[Task]]:
+    """``schedule`` run once per round of the step, round after round: each
+    round's tasks wait on the update of the round before, which waits on every
+    backward task of that round."""
+    if rounds == 1:
+        return [list(stage) for stage in schedule]
+    span = 1 + max((task.slot for stage in schedule for task in stage), default=-1)
+    return [[Task(round_kind(task.kind, r), task.micro_batch,
+                  task.slot + r * span if task.slot >= 0 else -1)
+             for r in range(rounds) for task in stage] for stage in schedule]
 
 
 def build_schedule(kind: str, num_stages: int, num_micro_batch: int,

@@ -2,12 +2,12 @@
 micro-batches: whether they can be cut, and with ``io.shard_dataset`` in a
 cluster, what each worker's own iterator reads instead."""
 from tfpar.compat import tf as internals
-from tfpar.compat.tf import dtypes, nest, ops
+from tfpar.compat.tf import dtypes, nest, ops, tensor_util
 from tfpar.errors import PlanError
 from tfpar.ir.recorded import Recorded
 from tfpar.rewriters.select import Selection
 
-__all__ = ["refuse_unsplittable", "worker_sources"]
+__all__ = ["refuse_fixed_blocks", "refuse_unsplittable", "worker_sources"]
 
 
 def refuse_unsplittable(sel: Selection) -> None:
@@ -45,6 +45,35 @@ def refuse_unsplittable(sel: Selection) -> None:
                     "the data with tf.data instead (Dataset.from_tensor_slices(...).batch(n))"
                     if queue else "Create it after wh.init(), or with its batch dimension "
                     "unknown (placeholder([None, ...]))"))
+
+
+def refuse_fixed_blocks(sel: Selection, axis_of) -> None:
+    """A block of rows the step builds itself, concatenated along the batch
+    axis with the batch's rows (a GAN's fixed number of generated rows), would
+    be copied whole into every replica next to its share of the batch: each
+    would train on all of the block. Refuse it, naming the concatenation.
+
+    Args:
+      axis_of: the batch axis of a step tensor (``analysis.batch_axes``).
+
+    Raises:
+      PlanError: such a concatenation.
+    """
+    for op in sel.step_ops:
+        if op.type != "ConcatV2" or op in sel.backward or axis_of(op.outputs[0]) is None:
+            continue
+        dim = tensor_util.constant_value(op.inputs[-1])
+        rank = op.outputs[0].shape.rank
+        if dim is None or rank is None or int(dim) % rank != axis_of(op.outputs[0]):
+            continue
+        block = next((x for x in op.inputs[:-1] if axis_of(x) is None and x.shape.rank), None)
+        if block is not None:
+            raise PlanError(
+                f"tfpar: '{op.name}' joins the batch's rows with '{block.name}' "
+                f"{block.shape.as_list()}, a block of rows the step makes itself, not from the "
+                "batch: every replica would train on all of it beside its share of the batch. "
+                "Make the block as many rows as the batch (tf.shape(x)[0] rows: each replica "
+                "then makes its own), or pass it to the step with the batch")
 
 
 def worker_sources(recorded: Recorded, sel: Selection, num_pieces: int):

@@ -39,19 +39,21 @@ from tfpar import fallback
 from tfpar.analysis.batch_axes import BatchAxes
 from tfpar.analysis.graph_index import GraphIndex
 from tfpar.analysis.op_kinds import gradient_tensors
-from tfpar.analysis.stages import Placement, host_device
+from tfpar.analysis.stages import Placement
 from tfpar.compat.tf import ops
-from tfpar.errors import PlanError
 from tfpar.ir.recorded import Recorded
 from tfpar.rewriters import graph_edit
 from tfpar.rewriters.averaged_variables import (average_local_copies, make_local_copies,
                                                reroute_to_local_copies)
-from tfpar.rewriters.batch_sources import refuse_unsplittable, worker_sources
+from tfpar.rewriters.batch_sources import (refuse_fixed_blocks, refuse_unsplittable,
+                                           worker_sources)
 from tfpar.rewriters.batch_split import split_batch, split_sources
 from tfpar.rewriters.bridge import Bridges
 from tfpar.rewriters.gradients import reduce_gradients, scale_seed, scale_seeds
 from tfpar.rewriters.layout import Layout
-from tfpar.rewriters.mirrored import clone_variables, copy_updates, owner_inputs
+from tfpar.rewriters.mirrored import (clone_variables, copy_updates, owner_inputs,
+                                      wait_for_earlier_rounds)
+from tfpar.rewriters.offload import offload_optimizer
 from tfpar.rewriters.pipeline import lower_schedule, stage_tasks, task_ops
 from tfpar.rewriters.replica_sums import marked_sums, sum_across_replicas
 from tfpar.rewriters.replica_sync import add_replica_sync
@@ -61,7 +63,7 @@ from tfpar.rewriters.task_calls import call_tasks, task_order
 from tfpar.rewriters.tied_weights import reduce_per_stage
 from tfpar.rewriters.zero import plan_sharding, refuse_unshardable, shard_updates
 
-__all__ = ["offload_optimizer", "replicate"]
+__all__ = ["replicate"]
 
 
 class BuiltEdges(NamedTuple):
@@ -120,6 +122,7 @@ def replicate(graph: ops.Graph, recorded: Recorded, index: GraphIndex, placement
     edges = _built_edges(rw, index)
     with graph.as_default(), ops.name_scope(None), ops.name_scope("tfpar"):
         _split_batch(recorded, rw, shares)
+        refuse_fixed_blocks(rw.selection, rw.batch_axes.axis)
         _reroute_batch_inputs(rw)
         if rw.mirrored:
             clone_variables(graph, rw)
@@ -272,6 +275,7 @@ def _reduce_and_update(graph: ops.Graph, rw: DataParallelRewrite, edges: BuiltEd
     average_local_copies(graph, rw, reducer_for, edges.control_readers)
     if rw.mirrored:
         copy_updates(graph, rw)
+        wait_for_earlier_rounds(rw)
     if rw.zero is not None:
         shard_updates(graph, rw, functools.partial(owner_inputs, rw))
 
@@ -288,32 +292,6 @@ def _rewire_readers(rw: DataParallelRewrite, edges: BuiltEdges) -> None:
     if rw.synced:
         for writer in rw.selection.sync_writers:
             add_replica_sync(rw, writer, edges.control_readers[writer])
-
-
-def offload_optimizer(graph: ops.Graph, rw: DataParallelRewrite) -> None:
-    """``memory.offload_optimizer`` (ZeRO-Offload, Ren et al. 2021, keeps the
-    optimizer on the host): the variables and the update ops run on the host
-    CPU of their stage's device. An update op must run where every variable it
-    writes lives, so the weights move with their slots; the step reads them
-    (one copy to the device), and sends its summed gradients to the host once.
-
-    Raises:
-      PlanError: mirrored variables (a copy per device would mean a copy per
-        device on the host) or a tf.function's variables (made before the
-        rewrite, where they stay).
-    """
-    if rw.mirrored:
-        raise PlanError("tfpar: memory.offload_optimizer keeps one copy of each variable on "
-                        "the host, but this plan mirrors variables on every device of a stage "
-                        "(communication.backend 'collective', several processes or GPUs): "
-                        "use it with pipelines, or with data parallelism on the CPU devices "
-                        "of one process")
-    if graph.building_function:
-        raise PlanError("tfpar: memory.offload_optimizer cannot move the variables of a "
-                        "tf.function step: they were made before tfpar rewrote the step; "
-                        "build the model in a graph (TF1 style or Keras in graph mode)")
-    for op in rw.selection.update_ops + rw.selection.variables:
-        graph_edit.set_device(op, host_device(rw.placement.device(op)))
 
 
 def _reroute_batch_inputs(rw: DataParallelRewrite) -> None:

@@ -7,11 +7,13 @@ import collections
 from typing import List, Set
 
 from tfpar import fallback
-from tfpar.analysis.batch_reductions import loss_scaling
+from tfpar.analysis.batch_reductions import is_reduction, loss_scaling
+from tfpar.analysis.normalizers import reductions_into_rows, whole_batch
 from tfpar.compat.tf import array_ops, check_ops, indexed_slices, math_ops, ops, tensor_lib
 from tfpar.errors import PlanError
 from tfpar.ir.recorded import Recorded
 from tfpar.rewriters import graph_edit
+from tfpar.rewriters.normalizers import read_whole_batch
 from tfpar.analysis.graph_index import GraphIndex
 from tfpar.analysis.op_kinds import gradient_tensors
 from tfpar.rewriters.rewrite_record import DataParallelRewrite
@@ -77,30 +79,34 @@ def scale_seed(rw: DataParallelRewrite, seed: tensor_lib.Tensor, versions) -> Li
 
 def loss_weights(rw: DataParallelRewrite, recorded: Recorded) -> Set[int]:
     """ids of the gradient calls whose losses are sums over the rows (each copy's
-    gradient then weighs 1, not n_u / N; ``analysis.batch_reductions``).
+    gradient then weighs 1, not n_u / N; ``analysis.batch_reductions``). A
+    loss's normalizers (``analysis.normalizers``) are first read whole-batch
+    by every copy (``normalizers.read_whole_batch``).
 
     Raises:
       PlanError: a loss no weighting of copies reproduces (a batch sum plus a
-        term independent of the batch). A loss of unknown kind is taken for a
+        term independent of the batch; a count it divides by that cannot be
+        computed on the whole batch). A loss of unknown kind is taken for a
         mean, with a warning naming the op.
     """
-    summed = set()
+    sel = rw.selection
+    sources = set(sel.batch_inputs)
+    args = (sel.batch_dependent, rw.batch_axes.holds_rows, rw.built_inputs)
+
+    def computable(t: tensor_lib.Tensor) -> str:
+        return whole_batch(t, sources, sel.batch_dependent, rw.built_inputs,
+                           rw.batch_axes.axis)[1]
+
+    summed, normalizers = set(), {}
     for call in recorded.gradient_calls:
         kinds = set()
         for y in call.ys:
-            scaling = loss_scaling(y, rw.selection.batch_dependent, rw.batch_axes.holds_rows,
-                                   rw.built_inputs)
-            if scaling.mixed:
-                raise PlanError(
-                    f"tfpar: the loss '{y.name}' cannot be split over replicas / micro-batches: "
-                    f"{scaling.culprit}. Make it a mean over the batch (divide the sum by the "
-                    "batch size) or make the other term a sum over the rows too")
-            if scaling.kind is None:
-                fallback.fall_back(
-                    f"the loss '{y.name}' split over replicas / micro-batches", "tfpar cannot "
-                    f"tell whether it is a mean or a sum over the batch ({scaling.culprit}), and "
-                    "weights its replicas as for a mean", "Write it as a reduce_mean or "
-                    "reduce_sum over the rows", y.graph)
+            scaling = loss_scaling(y, *args, computable)
+            _refuse_or_say(y, scaling)
+            normalizers.update(dict.fromkeys(scaling.normalizers))
+            normalizers.update(dict.fromkeys(
+                t for t in reductions_into_rows(y, *args, sel.backward)
+                if is_reduction(t, *args) and not computable(t)))
             kinds.add(scaling.kind or "mean")
         if kinds == {"sum"}:
             summed.add(id(call))
@@ -108,7 +114,32 @@ def loss_weights(rw: DataParallelRewrite, recorded: Recorded) -> Set[int]:
             raise PlanError(f"tfpar: one tf.gradients call differentiates both a batch mean and "
                             f"a batch sum ({[y.name for y in call.ys]}); add them into one loss "
                             "of one kind")
+    read_whole_batch(rw, list(normalizers), bool(recorded.worker_iterators))
     return summed
+
+
+def _refuse_or_say(y: tensor_lib.Tensor, scaling) -> None:
+    """Refuse a loss no weighting of copies reproduces; say that one of
+    unknown kind is weighted as a mean.
+
+    Raises:
+      PlanError: ``scaling.mixed``, or a normalizer that cannot be read
+        whole-batch.
+    """
+    if scaling.mixed or scaling.unnormalized:
+        raise PlanError(
+            f"tfpar: the loss '{y.name}' cannot be split over replicas / micro-batches: "
+            f"{scaling.culprit}. " + (
+                "Make it a mean over the batch (divide the sum by the batch size) or make the "
+                "other term a sum over the rows too" if scaling.mixed else
+                "Compute the count from the batch inputs alone (a mask of the tokens or a "
+                "weights feature), or fetch it once per step and feed it"))
+    if scaling.kind is None:
+        fallback.fall_back(
+            f"the loss '{y.name}' split over replicas / micro-batches", "tfpar cannot "
+            f"tell whether it is a mean or a sum over the batch ({scaling.culprit}), and "
+            "weights its replicas as for a mean", "Write it as a reduce_mean or "
+            "reduce_sum over the rows", y.graph)
 
 
 def _device_terms(rw: DataParallelRewrite, t: tensor_lib.Tensor, device: int,
@@ -129,16 +160,19 @@ def reduce_gradients(rw: DataParallelRewrite, raw, reducer_for) -> None:
     the same shard's devices) (IndexedSlices: values and indices concatenated,
     then gathered; duplicates are summed by the optimizer, as for any
     IndexedSlices gradient). With ZeRO-2 a dense gradient is summed on its
-    variable's owner only (``zero``)."""
+    variable's owner only (``zero``). A step of several rounds
+    (``analysis.rounds``) reduces each round's gradients on their own, round
+    after round: a round's update waits on its sums only."""
     consumers = {t: [(c, k) for c in t.consumers() for k, x in enumerate(c.inputs) if x is t]
                  for t in raw}
     groups = collections.defaultdict(list)
     for g, var in rw.selection.raw_grads:
         op = gradient_tensors(g)[0].op
         slots = range(len(rw.placement.stage_devices[rw.placement.stage(op)]))
-        groups[tuple(rw.placement.device(op, j) for j in slots)].append((g, var))
+        groups[(rw.selection.rounds.of.get(op, 0),
+                tuple(rw.placement.device(op, j) for j in slots))].append((g, var))
     reducers = {}
-    for devices, grads in groups.items():
+    for (_, devices), grads in sorted(groups.items(), key=lambda item: item[0][0]):
         if devices not in reducers:
             reducers[devices] = reducer_for(list(devices))
         _reduce_group_gradients(rw, list(devices), grads, reducers[devices])

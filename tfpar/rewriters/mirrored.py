@@ -2,14 +2,15 @@
 stage): stage device j > 0 holds its own copy of its stage's variables and
 runs its own copy of the update ops on the reduced gradients (device 0: the
 originals)."""
+import collections
 import functools
 from typing import Dict
 
-from tfpar.compat.tf import ops
+from tfpar.compat.tf import control_flow_ops, ops
 from tfpar.rewriters import graph_edit
 from tfpar.rewriters.rewrite_record import DataParallelRewrite
 
-__all__ = ["clone_variables", "copy_updates", "owner_inputs"]
+__all__ = ["clone_variables", "copy_updates", "owner_inputs", "wait_for_earlier_rounds"]
 
 
 def clone_variables(graph: ops.Graph, rw: DataParallelRewrite) -> None:
@@ -64,3 +65,23 @@ def owner_inputs(rw: DataParallelRewrite, stage: int, j: int):
     imap, copies = _device_inputs(rw, stage, j), rw.device_maps[stage][j]
     return lambda t: (copies[t.op].outputs[t.value_index] if t.op in copies
                       else imap.get(t, t))
+
+
+def wait_for_earlier_rounds(rw: DataParallelRewrite) -> None:
+    """In a step of several rounds (``analysis.rounds``: it updates variables,
+    then reads them), every version of an op where a round starts waits on
+    every stage device's copy of the round before's updates, not only on the
+    originals the script made it wait on: each device reads its own copy of
+    the variables, which its own copy of the updates writes."""
+    rounds = rw.selection.rounds
+    updates = collections.defaultdict(list)
+    for op in rw.selection.update_ops:
+        updates[rounds.of.get(op, 0)] += rw.replica_versions(op)[1:]
+    barriers = {}
+    for gate in sorted(rounds.gates, key=lambda op: op.name):
+        earlier = rounds.of[gate] - 1
+        if earlier not in barriers:
+            with ops.name_scope(None), ops.control_dependencies(updates[earlier]):
+                barriers[earlier] = control_flow_ops.no_op(name=f"tfpar/round_{earlier}_updated")
+        for version in dict.fromkeys(rw.versions(gate)):
+            graph_edit.add_control_input(version, barriers[earlier])

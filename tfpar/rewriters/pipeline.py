@@ -15,6 +15,7 @@ earlier one). With one micro-batch there is nothing to order.
 from typing import Dict, List, Sequence, Set, Tuple
 
 from tfpar.compat.tf import control_flow_ops, ops
+from tfpar.ir.schedule import in_rounds, round_kind, task_round
 from tfpar.ir.recorded import Recorded
 from tfpar.rewriters import graph_edit
 from tfpar.analysis.graph_index import GraphIndex
@@ -37,18 +38,20 @@ def lower_schedule(rw: DataParallelRewrite, recorded: Recorded, index: GraphInde
     """
     rw.task_ops = task_ops(rw, recorded, index)
     if rw.num_micro_batch > 1:
-        rw.schedule_edges = order_tasks(rw.task_ops, schedule, rw.placement.stage_devices)
+        rw.schedule_edges = order_tasks(rw.task_ops, schedule, rw.placement.stage_devices,
+                                        rounds=rw.selection.rounds.count)
 
 
 def order_tasks(tasks: Dict[TaskKey, List[ops.Operation]], schedule: Sequence[Sequence],
-                stage_devices: Sequence[Sequence[str]], scope: str = "pipeline"
-                ) -> Set[Tuple[ops.Operation, ops.Operation]]:
-    """Chain the ``tasks`` of every stage device in ``schedule`` order
-    (barriers named ``scope/before_...``); with interleaved stages (tasks
-    with a ``slot``), the tasks of every stage a device runs, in slot order.
-    Returns the control edges added, (op, the op it now waits for)."""
+                stage_devices: Sequence[Sequence[str]], scope: str = "pipeline",
+                rounds: int = 1) -> Set[Tuple[ops.Operation, ops.Operation]]:
+    """Chain the ``tasks`` of every stage device in ``schedule`` order, once
+    per round of the step (``ir.schedule.in_rounds``; barriers named
+    ``scope/before_...``); with interleaved stages (tasks with a ``slot``),
+    the tasks of every stage a device runs, in slot order. Returns the
+    control edges added, (op, the op it now waits for)."""
     edges: Set[Tuple[ops.Operation, ops.Operation]] = set()
-    for device, keys in _device_orders(schedule, stage_devices):
+    for device, keys in _device_orders(in_rounds(schedule, rounds), stage_devices):
         previous = None
         for (j, s, kind, m) in keys:
             members = tasks.get((j, s, kind, m))
@@ -79,14 +82,17 @@ def _device_orders(schedule: Sequence[Sequence], stage_devices: Sequence[Sequenc
 def stage_tasks(rw: DataParallelRewrite, recorded: Recorded, index: GraphIndex
                 ) -> Dict[Tuple[int, str], List[ops.Operation]]:
     """The original ops of every stage's forward ("F"), backward ("B") and,
-    with ``rw.weight_tasks``, weight-gradient ("W") task, keyed (stage, kind),
-    in graph order; computed once per rewrite (``rw.stage_tasks``)."""
+    with ``rw.weight_tasks``, weight-gradient ("W") task of each round of the
+    step (``ir.schedule.round_kind``), keyed (stage, kind), in graph order;
+    computed once per rewrite (``rw.stage_tasks``)."""
     if rw.stage_tasks:
         return rw.stage_tasks
     backward = backward_dependent(rw.selection.step_ops, recorded, index)
     groups: Dict[Tuple[int, str], List[ops.Operation]] = {}
+    rounds = rw.selection.rounds.of
     for op in rw.selection.step_ops:
-        groups.setdefault((rw.placement.stage(op), "B" if op in backward else "F"), []).append(op)
+        kind = round_kind("B" if op in backward else "F", rounds.get(op, 0))
+        groups.setdefault((rw.placement.stage(op), kind), []).append(op)
     if rw.weight_tasks:
         _split_weight_gradients(rw, groups)
     rw.stage_tasks = groups
@@ -107,8 +113,9 @@ def _split_weight_gradients(rw: DataParallelRewrite,
     read_across = {src for c in rw.selection.step_ops
                    for src in [t.op for t in rw.built_inputs(c)] + rw.built_controls(c)
                    if src in step and stage(src) != stage(c)}
-    for s in range(rw.placement.num_stages):
-        backward = groups.pop((s, "B"), [])
+    for s, kind in [key for key in groups if task_round(key[1])[0] == "B"]:
+        backward = groups.pop((s, kind))
+        step_round = task_round(kind)[1]
         members = set(backward)
         needed: set = set()
         stack = [op for op in backward if op in read_across]
@@ -122,10 +129,10 @@ def _split_weight_gradients(rw: DataParallelRewrite,
             for gate in [p for p in rw.built_controls(op) if p in members and p not in needed]:
                 graph_edit.remove_control_input(op, gate)
                 rw.original_controls[op] = [p for p in rw.built_controls(op) if p is not gate]
-        for kind, ops_of_kind in (("B", [op for op in backward if op in needed]),
+        for base, ops_of_kind in (("B", [op for op in backward if op in needed]),
                                   ("W", [op for op in backward if op not in needed])):
             if ops_of_kind:
-                groups[(s, kind)] = ops_of_kind
+                groups[(s, round_kind(base, step_round))] = ops_of_kind
 
 
 def task_ops(rw: DataParallelRewrite, recorded: Recorded,

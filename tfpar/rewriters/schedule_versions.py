@@ -47,7 +47,8 @@ class ScheduleVersion:
         self._copy(sorted(self._tasks, key=lambda op: op.name))
         self.task_ops = {key: [self.copies[op] for op in members]
                          for key, members in rw.task_ops.items()}
-        order_tasks(self.task_ops, schedule, rw.placement.stage_devices, f"{name}/pipeline")
+        order_tasks(self.task_ops, schedule, rw.placement.stage_devices, f"{name}/pipeline",
+                    rw.selection.rounds.count)
 
     def element(self, fetch: Any) -> Any:
         """This version's op or tensor for ``fetch`` (an op or tensor of version

@@ -8,6 +8,7 @@ import functools
 from typing import Dict, List, NamedTuple, Set, Tuple
 
 from tfpar.analysis.graph_index import GraphIndex, ancestors
+from tfpar.analysis.rounds import Rounds, step_rounds
 from tfpar.analysis.op_kinds import (AUX_TYPES, INPUT_TYPES, READ_ONLY_RESOURCE_TYPES,
                                      REF_READ_TYPES, SPARSE_READER_TYPES, TABLE_TYPES,
                                      VARIABLE_TYPES, gradient_tensors, is_input, is_variable)
@@ -48,6 +49,9 @@ class Selection:
         step ops writing it (``averaged_variables``): every version of the
         step updates a local copy, averaged into the variable once per step
         (``rewriters.averaged_variables``). Mirrored like trained ones.
+      rounds: the round of every step and update op (``analysis.rounds``: a
+        step that updates variables, then reads them, as a GAN's does, runs
+        in rounds; 0 for every op of a step of one round).
     """
 
     step_ops: List[ops.Operation]
@@ -60,6 +64,7 @@ class Selection:
     backward: Set[ops.Operation] = dataclasses.field(default_factory=set)
     sparse_inputs: List[tuple] = dataclasses.field(default_factory=list)
     averaged: Dict[ops.Operation, Averaged] = dataclasses.field(default_factory=dict)
+    rounds: Rounds = dataclasses.field(default_factory=Rounds)
 
     @functools.cached_property
     def step_ops_set(self) -> Set[ops.Operation]:
@@ -105,7 +110,7 @@ def select_replication(graph: ops.Graph, recorded: Recorded, index: GraphIndex,
                                   declared_aggregations(graph, recorded))
     accumulators = {v for op in step for v in written_variables(op)} - global_step_ops - set(
         averaged)
-    step -= late_accumulator_reads(index, step, needed, accumulators)
+    step -= late_accumulator_ops(index, step, needed, accumulators)
     update = update_ops(graph, recorded, index, step | raw_grad_ops, global_step_ops)
     copied = step | update
     used_vars = {t.op for op in copied for t in op.inputs if is_variable(t.op)}
@@ -123,7 +128,8 @@ def select_replication(graph: ops.Graph, recorded: Recorded, index: GraphIndex,
         variables=variables, batch_inputs=batch_inputs, raw_grads=raw_grads,
         sync_writers=sorted(sync_writers, key=order.get), batch_dependent=sources.dependent,
         backward={op for op in step if recorded.op_phase.get(op.name) == Phase.BACKWARD},
-        sparse_inputs=sparse_inputs, averaged=averaged)
+        sparse_inputs=sparse_inputs, averaged=averaged,
+        rounds=step_rounds(index.ops, step, update))
 
 
 def training_roots(recorded: Recorded, global_step_ops: Set[ops.Operation]
@@ -169,16 +175,21 @@ def step_ops(recorded: Recorded, index: GraphIndex, needed: Set[ops.Operation],
             and not is_frozen(op) and op not in sources.sparse_readers}
 
 
-def late_accumulator_reads(index: GraphIndex, step: Set[ops.Operation],
-                           needed: Set[ops.Operation], accumulators: Set[ops.Operation]
-                           ) -> Set[ops.Operation]:
-    """Step ops that run once, after every replica, not per replica: reads of
-    accumulators (streaming metrics: keras' total / count, variables the step
-    writes by adding what does not depend on them; every replica adds to the
-    one shared copy) that the losses do not need (the metric's value), and
-    what depends on them."""
-    late = {op for op in step - needed if op.type in READ_ONLY_RESOURCE_TYPES | REF_READ_TYPES
-            and any(t.op in accumulators for t in op.inputs)}
+def late_accumulator_ops(index: GraphIndex, step: Set[ops.Operation],
+                         needed: Set[ops.Operation], accumulators: Set[ops.Operation]
+                         ) -> Set[ops.Operation]:
+    """Step ops that run once, after every replica, not per replica: what
+    the losses do not need of the accumulators (streaming metrics: keras'
+    total / count, variables the step writes by adding what does not depend
+    on them), their reads (the metric's value) and their writes (a tracker's
+    ``update_state``: it adds what one device adds, the merged value of what
+    it read, recomputed on the whole batch's rows), and what depends on them.
+    A write that something the losses need waits for stays per replica."""
+    late = {op for op in step - needed
+            if (op.type in READ_ONLY_RESOURCE_TYPES | REF_READ_TYPES
+                and any(t.op in accumulators for t in op.inputs))
+            or any(v in accumulators for v in written_variables(op))}
+    late = {op for op in late if not index.descendants([op], control=True) & needed}
     return late | index.descendants(late, control=True)
 
 

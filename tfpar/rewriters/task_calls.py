@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 import networkx as nx
 from tfpar.analysis.op_kinds import is_resource_variable
 from tfpar.compat.tf import dtypes, gen_resource_variable_ops, gen_state_ops, ops, tensor_lib
+from tfpar.ir.schedule import task_round
 from tfpar.rewriters.averaged_variables import local_copy
 from tfpar.rewriters.gradients import scale_seed
 from tfpar.rewriters.task_functions import call_task, define_task, is_constant
@@ -70,8 +71,10 @@ def task_order(rw: DataParallelRewrite,
 
 def _task_name(rw: DataParallelRewrite, key: Key) -> str:
     stage, kind = key
-    what = {"F": "forward", "B": "backward", "W": "weight gradients"}[kind]
-    return f"the {what} of TaskGraph '{rw.placement.task_graph_names[stage]}'"
+    base, step_round = task_round(kind)
+    what = {"F": "forward", "B": "backward", "W": "weight gradients"}[base]
+    return (f"the {what} of TaskGraph '{rw.placement.task_graph_names[stage]}'"
+            + (f" in round {step_round} of the step" if step_round else ""))
 
 
 def call_tasks(graph: ops.Graph, rw: DataParallelRewrite, tasks: Dict[Key, List[ops.Operation]],
@@ -98,7 +101,7 @@ def call_tasks(graph: ops.Graph, rw: DataParallelRewrite, tasks: Dict[Key, List[
             if seed.op in inside:
                 members += scale_seed(rw, seed, [0])
         fn = define_task(graph, members, f"tfpar_stage_{stage}_{kind}",
-                         rw.batch_axes.holds_rows if kind == "F" else
+                         rw.batch_axes.holds_rows if task_round(kind)[0] == "F" else
                          (lambda t: t in fetchable or t.op not in rw.selection.backward))
         outside = _outside_controls(rw, members, inside)
         for v in range(layout.num_versions(stage)):

@@ -15,7 +15,7 @@ from tfpar.runtime.graph_state import state_of
 from tfpar.runtime.measured_calls import taken_over
 from tfpar.runtime.planning import plan_for
 
-__all__ = ["function_gradients", "retraces_relaxed", "rewrite_function"]
+__all__ = ["function_gradients", "retrace_failed", "retraces_relaxed", "rewrite_function"]
 
 log = logging.getLogger("tfpar")
 
@@ -126,6 +126,24 @@ def retraces_relaxed(graph: ops.Graph) -> bool:
     batch size: it is traced again with its arguments' batch dimension unknown."""
     capture = existing_capture(graph)
     return capture is not None and capture.retrace
+
+
+def retrace_failed(graph: ops.Graph, error: Exception) -> None:
+    """tfpar's trace of the step ``graph`` with its batch dimension unknown
+    raised ``error``: the first trace runs, on one device, as without tfpar;
+    say so, and what would let it be split."""
+    rt = active()
+    if rt is None:
+        raise error
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    said = lines[-1].rstrip(".") if lines else ""  # TensorFlow says "in user code:" first
+    if not said.startswith(type(error).__name__):
+        said = f"{type(error).__name__}: {said}"
+    train_on_one_device(
+        rt, graph, "tracing it again with the batch dimension unknown, as tfpar splits it, "
+        f"raised {said}",
+        "Read the batch size with tf.shape(x)[0], not x.shape[0] (a Python number, which is "
+        "unknown in that trace, as for a placeholder([None, ...]))")
 
 
 def _static_batch_inputs(graph: ops.Graph) -> list:
