@@ -210,7 +210,7 @@ head = tf.keras.layers.Dense(4, name="head")
 split_step(head, tf.keras.optimizers.legacy.Adam())(tf.constant(X))
 """)
     assert "checkpoints of legacy optimizer 'Adam' to hold its slots ('m') of split weight " \
-        "'kernel': it keeps them by shard, and checkpoints do not save them" in out
+        "'head/kernel:0': it keeps them by shard, and checkpoints do not save them" in out
 
 
 def _split_step(make_head):

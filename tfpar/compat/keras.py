@@ -4,7 +4,7 @@ reaches, each behind a function named for what it does."""
 
 # IMPORTS (every keras.src name tfpar uses)
 from keras.src import backend, constraints, initializers as keras_initializers, regularizers
-from keras.src.engine import base_layer, functional, training_v1
+from keras.src.engine import base_layer, functional, training, training_v1
 from keras.src.layers.attention import multi_head_attention as keras_attention
 from keras.src.layers.core import dense as keras_dense, einsum_dense as keras_einsum_dense
 from keras.src.layers.normalization import batch_normalization, layer_normalization
@@ -12,6 +12,7 @@ from keras.src.layers.regularization import dropout as keras_dropout
 from keras.src.legacy_tf_layers import base as legacy_layers
 from keras.src.optimizers import optimizer as keras_optimizer
 from keras.src.optimizers.legacy import optimizer_v2 as keras_optimizer_v2
+from keras.src.saving.legacy import hdf5_format
 # END IMPORTS
 
 
@@ -48,6 +49,18 @@ def layer_weight_list(layer) -> list:
     return layer._trainable_weights if layer.trainable else layer._non_trainable_weights
 
 
+def own_weights(layer) -> list:
+    """``layer``'s own weights (not its sublayers'), trainable ones first, as
+    Keras' v3 files (``.weights.h5``, ``.keras``) number them."""
+    return layer._trainable_weights + layer._non_trainable_weights
+
+
 def attention_equation(layer) -> str:
     """The einsum equation a ``MultiHeadAttention`` layer takes q.k with."""
     return layer._dot_product_equation
+
+
+def h5_weight_lister():
+    """(module, name) of the function Keras' h5 files list a layer's weights
+    with, saving and loading (its trainable weights, then the others)."""
+    return hdf5_format, "_legacy_weights"

@@ -8,6 +8,7 @@ import threading
 
 from tfpar.compat import tf as internals
 from tfpar.compat.tf import array_ops, backprop, func_graph, gradients_util, nest, ops, tensor_lib
+from tfpar.errors import PlanError
 from tfpar.hooks import capture as cap_lib
 from tfpar.hooks import seams
 from tfpar.hooks.patching import PatchSet
@@ -15,6 +16,7 @@ from tfpar.hooks.recording import handle_in, loss_scale, recorded
 from tfpar.hooks.step_graphs import is_step_function
 from tfpar.ir.recorded import GradientCall
 from tfpar.ir.taskgraph import Phase
+from tfpar.patterns.split_weights import SplitWeight
 
 __all__ = ["add_gradient_patches"]
 
@@ -37,6 +39,7 @@ _seeds = threading.local()
 
 def _wrap_gradients(original):
     def _GradientsHelper(ys, xs, *args, **kwargs):  # pylint: disable=invalid-name
+        _check_sources(xs)
         graph = ops.get_default_graph()
         if not recorded(graph):
             if (seams.runtime is not None and type(graph) is func_graph.FuncGraph
@@ -69,6 +72,19 @@ def _wrap_gradients(original):
     return _GradientsHelper
 
 
+def _check_sources(sources) -> None:
+    """A split weight as ``model.weights`` shows it (whole, as one device holds
+    it) is no variable to differentiate: its shards are."""
+    split = next((x for x in nest.flatten(sources) if isinstance(x, SplitWeight)), None)
+    if split is not None:
+        raise PlanError(
+            f"tfpar: gradients asked of split weight '{split.name}' (of shape "
+            f"{split.shape.as_list()}, split by wh.split into {len(split)} shard variables): "
+            "model.weights shows each split weight whole, as one device holds it, for reading "
+            "and setting; a step differentiates and updates its shards. Take gradients of "
+            "model.trainable_variables (or trainable_weights), which hold the shards")
+
+
 def _backward_of(args, kwargs) -> bool:
     """Whether a ``_GradientsHelper`` call (arguments after ``ys, xs``) builds
     TensorFlow's own backward of a function, loop or branch graph (it passes
@@ -91,6 +107,7 @@ def _wrap_default_grad_ys(original):
 def _wrap_tape_gradient(original):
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=backprop.UnconnectedGradients.NONE):
+        _check_sources(sources)
         graph = ops.get_default_graph()
         if seams.runtime is None or not is_step_function(graph):
             if seams.runtime is not None:

@@ -159,7 +159,8 @@ def _eager_weight(ctx, layer, name, shape, dtype, initializer, axis, regularizer
             "checkpoint, restore it before the first step (the restore waits for the slots)")
     with ops.init_scope():
         initial = (existing if existing is not None else initializer(shape, dtype=dtype)).numpy()
-    weight = split_weight(ctx, name, initial, axis, dtype, layer.trainable, constraint)
+    weight = split_weight(ctx, name, initial, axis, dtype, layer.trainable, constraint,
+                          whole_name=getattr(existing, "name", None))
     attribute = "_trainable_weights" if layer.trainable else "_non_trainable_weights"
     weights = getattr(layer, attribute)
     position = next((i for i, w in enumerate(weights) if w is existing), len(weights))

@@ -48,6 +48,8 @@ thing, and calls the runtime through ``seams``.
   weights are numbered as for the whole weight (``optimizer_slots``);
   checkpoint restores, which learn that a whole weight became split
   (``checkpoint_bindings``).
+* keras ``Layer.weights`` / ``Model.weights`` and the weight lists of h5
+  files: a split weight shows whole, as one device holds it (``keras_weights``).
 """
 from typing import Any
 
@@ -61,6 +63,7 @@ from tfpar.hooks.function_patches import add_function_patches
 from tfpar.hooks.gradient_patches import add_gradient_patches
 from tfpar.hooks.keras_patches import add_keras_patches
 from tfpar.hooks.keras_scopes import add_keras_scope_patches
+from tfpar.hooks.keras_weights import add_keras_weight_patches
 from tfpar.hooks.op_patches import add_op_patches
 from tfpar.hooks.optimizer_patches import add_optimizer_patches
 from tfpar.hooks.optimizer_slots import add_optimizer_slot_patches
@@ -96,6 +99,7 @@ def install(runtime: Any) -> None:
     add_split_patches(_patches)
     add_keras_patches(_patches, lambda: seams.runtime is not None)
     add_keras_scope_patches(_patches)
+    add_keras_weight_patches(_patches)
     add_optimizer_slot_patches(_patches)
     add_checkpoint_binding_patches(_patches)
     add_variable_aggregation_patches(_patches)

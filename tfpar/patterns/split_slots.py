@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from tfpar.compat.tf import trackable
 from tfpar.patterns.sharded import SplitContext
-from tfpar.patterns.split_weights import SplitWeight, split_weight_of
+from tfpar.patterns.split_weights import SplitWeight, split_weight_of, unsplit_name
 
 __all__ = ["SlotList", "has_split_slots", "record_slot"]
 
@@ -34,7 +34,7 @@ class _Group:
 
     def complete(self) -> Optional[SplitWeight]:
         if self.whole is None and all(slot is not None for slot in self.slots):
-            self.whole = SplitWeight(f"{self.kind}/{self.weight.name}", self.slots,
+            self.whole = SplitWeight(unsplit_name(self.slots[0]), self.slots,
                                      self.weight.axis, self.weight.shape)
         return self.whole
 
