@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 from equivalence import assert_equivalent, dense, make_data, train
+from proof import assert_parallel
 
 import tfpar as wh
 
@@ -125,3 +126,37 @@ def test_a_count_of_what_the_model_computes_is_refused_by_name():
         return loss, v1.train.GradientDescentOptimizer(0.1).minimize(loss)
     with pytest.raises(wh.PlanError, match="whole batch.*out/add.*a variable.s value"):
         train(build, DATA, {"cluster.num_devices": 2})
+
+
+def keras_masked_fit(config):
+    """Keras in graph mode: an Embedding's padding mask reaches the compiled
+    sparse cross-entropy; 10-row batches (uneven on 4 devices)."""
+    rng = np.random.RandomState(0)
+    tokens = rng.randint(1, 12, size=(20, 5))
+    tokens[np.arange(5)[None, :] >= rng.randint(1, 6, size=20)[:, None]] = 0
+    targets = np.roll(tokens, -1, axis=1)
+    graph = tf.Graph()
+    with graph.as_default():
+        if config:
+            wh.init(config)
+        tf.keras.utils.set_random_seed(3)
+        model = tf.keras.Sequential([tf.keras.Input((5,), dtype="int64"),
+                                     tf.keras.layers.Embedding(12, 8, mask_zero=True),
+                                     tf.keras.layers.Dense(8, "relu"), tf.keras.layers.Dense(12)])
+        model.compile(tf.keras.optimizers.legacy.Adam(0.01),
+                      tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        history = model.fit(tokens, targets, batch_size=10, epochs=2, shuffle=False,
+                            verbose=0).history
+        weights = model.get_weights()
+    if config:
+        wh.reset()
+    return history["loss"], weights
+
+
+def test_a_keras_masked_loss_in_graph_mode_is_one_devices():
+    (losses, weights), (got, got_weights) = (keras_masked_fit(None),
+                                             keras_masked_fit({"cluster.num_devices": 4}))
+    assert_parallel()
+    np.testing.assert_allclose(got, losses, rtol=1e-5)
+    for a, b in zip(weights, got_weights):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
