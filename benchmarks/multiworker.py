@@ -11,6 +11,17 @@ its two runs (this machine is noisy). ``--check`` also verifies that all
 three reach the same final loss. Without Horovod (``make horovod`` builds it)
 setup C is skipped with a message.
 
+And a TF2 Keras ``fit`` step of the same MLP (Adam-free SGD, same global batch)
+on one cluster of 2 worker processes x 2 logical CPUs (``tfpar launch``), run as
+  D. tfpar (``wh.init()``: 4 replicas, the chief's eager context reaching the
+     other worker's devices),
+  E. ``MultiWorkerMirroredStrategy`` (TensorFlow's own; one CPU replica per
+     worker, collectives between them),
+in the order D E E D; ``--check`` holds D to at most 1.0x E (no slower) and
+checks that D reaches the final loss of the same ``fit`` on one device, without
+tfpar (setup F, once; E's logged loss is its own: the chief's log of 2
+replicas, twice F's here).
+
     python benchmarks/multiworker.py [--quick] [--check] [--json]
 """
 import json
@@ -20,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 
-from bench_args import parse_sizes  # same directory
+from bench_args import parse_sizes, verdict  # same directory
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -64,6 +75,66 @@ if rank == "0":
 '''
 
 
+# The TF2 timed script: D under tfpar, E under MultiWorkerMirroredStrategy.
+WORKLOAD_TF2 = r'''
+import json, os, sys, time
+import numpy as np
+import tensorflow as tf
+out, steps, width, batch, engine = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+if engine == "tfpar":
+    import tfpar as wh
+    wh.init({"measure.after_steps": 0})
+    scope = None
+else:
+    scope = tf.distribute.MultiWorkerMirroredStrategy().scope()
+rng = np.random.RandomState(0)
+x_np = rng.randn(batch * (steps + 3), width).astype(np.float32)
+y_np = rng.randint(0, 10, batch * (steps + 3)).astype(np.int64)
+def build():
+    layers = [tf.keras.layers.Dense(width, "relu", kernel_initializer=tf.keras.initializers.GlorotUniform(seed=i)) for i in range(3)]
+    model = tf.keras.Sequential([tf.keras.Input((width,))] + layers + [tf.keras.layers.Dense(10, kernel_initializer=tf.keras.initializers.GlorotUniform(seed=9))])
+    model.compile(tf.keras.optimizers.SGD(0.05), tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+if scope is None:
+    model = build()
+else:
+    with scope:
+        model = build()
+class Timer(tf.keras.callbacks.Callback):
+    times = []
+    def on_train_batch_begin(self, batch, logs=None):
+        self.start = time.perf_counter()
+    def on_train_batch_end(self, batch, logs=None):
+        self.times.append(time.perf_counter() - self.start)
+        self.loss = float(logs["loss"])
+timer = Timer()
+data = tf.data.Dataset.from_tensor_slices((x_np, y_np)).batch(batch)
+if scope is not None:
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    data = data.with_options(options)
+model.fit(data, epochs=1, verbose=0, callbacks=[timer], shuffle=False)
+if json.loads(os.environ.get("TF_CONFIG", '{"task": {"index": 0}}'))["task"]["index"] == 0:
+    with open(out, "w") as f:
+        json.dump({"step_s": float(np.median(timer.times[3:])), "final_loss": timer.loss}, f)
+'''
+
+
+def run_tf2_setup(name, script, out, args):
+    """Setup D or E on 2 workers x 2 logical CPUs (``tfpar launch``), or F."""
+    sizes = [str(args.steps), str(args.width), str(args.batch)]
+    engine = {"D": "tfpar", "E": "mirrored", "F": "plain"}[name]
+    command = [sys.executable, "-m", "tfpar.cli", "launch", "--workers", "2",
+               "--devices-per-worker", "2"] if name != "F" else []
+    command += [script, out, *sizes, engine] if name != "F" else [sys.executable, script, out,
+                                                                     *sizes, engine]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"setup {name} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+    with open(out) as f:
+        return json.load(f)
+
+
 def run_setup(name, script, out, args):
     sizes = [str(args.steps), str(args.width), str(args.batch)]
     python = sys.executable
@@ -87,6 +158,8 @@ def run_setup(name, script, out, args):
 
 LABELS = {"A": "2 TF_CONFIG workers x 1 CPU", "B": "1 process x 2 logical CPUs",
           "C": "2 Horovod processes x 1 CPU"}
+TF2_LABELS = {"D": "TF2 fit, tfpar, 2 workers x 2 CPUs",
+              "E": "TF2 fit, MultiWorkerMirroredStrategy", "F": "TF2 fit, one device, plain"}
 
 
 def run_order():
@@ -98,35 +171,68 @@ def run_order():
     return "ABBA"
 
 
-def main(argv=None):
-    _, args = parse_sizes(__doc__.split("\n")[0], SIZES, argv,
-                          "check that all reach the same loss")
-    order = run_order()
-    runs = {name: [] for name in LABELS if name in order}
-    with tempfile.TemporaryDirectory() as tmp:
-        script = os.path.join(tmp, "workload.py")
-        with open(script, "w") as f:
-            f.write(WORKLOAD)
-        for i, name in enumerate(order):
-            runs[name].append(run_setup(name, script, os.path.join(tmp, f"{name}{i}.json"), args))
+def timed(order, labels, run, args, tmp):
+    """{setup: its results} of running each setup of ``order`` (a run per
+    letter) with ``run(name, out, args)``."""
+    runs = {name: [] for name in labels if name in order}
+    for i, name in enumerate(order):
+        runs[name].append(run(name, os.path.join(tmp, f"{name}{i}.json"), args))
+    return runs
+
+
+def table_rows(runs, labels, base):
+    """Rows of ``runs``: median step, ratio to setup ``base``, final loss; and
+    whether every setup reached ``base``'s final loss."""
     step = {name: statistics.median(r["step_s"] for r in results) for name, results in runs.items()}
     losses = {name: results[-1]["final_loss"] for name, results in runs.items()}
-    rows = [{"setup": LABELS[n], "step_ms": 1e3 * step[n], "ratio_to_B": step[n] / step["B"],
+    rows = [{"setup": labels[n], "step_ms": 1e3 * step[n], f"ratio_to_{base}": step[n] / step[base],
              "final_loss": losses[n]} for n in runs]
-    same = all(abs(losses[n] - losses["B"]) <= 1e-4 * abs(losses["B"]) for n in runs)
+    return rows, all(abs(losses[n] - losses[base]) <= 1e-4 * abs(losses[base]) for n in runs)
+
+
+def print_table(title, rows, base):
+    print(title)
+    print(f"{'setup':<40}{'step':>10}{'vs ' + base:>8}{'final loss':>12}")
+    for r in rows:
+        print(f"{r['setup']:<40}{r['step_ms']:>7.1f} ms{r[f'ratio_to_{base}']:>8.2f}"
+              f"{r['final_loss']:>12.6f}")
+
+
+def main(argv=None):
+    _, args = parse_sizes(__doc__.split("\n")[0], SIZES, argv,
+                          "check that all reach the same loss, and TF2 D <= 1.0x E")
+    order = run_order()
+    with tempfile.TemporaryDirectory() as tmp:
+        scripts = {}
+        for name, text in (("graph", WORKLOAD), ("tf2", WORKLOAD_TF2)):
+            scripts[name] = os.path.join(tmp, f"{name}.py")
+            with open(scripts[name], "w") as f:
+                f.write(text)
+        runs = timed(order, LABELS, lambda n, o, a: run_setup(n, scripts["graph"], o, a),
+                     args, tmp)
+        tf2_runs = timed("DEEDF", TF2_LABELS,
+                         lambda n, o, a: run_tf2_setup(n, scripts["tf2"], o, a), args, tmp)
+    rows, same = table_rows(runs, LABELS, "B")
+    tf2_rows, _ = table_rows(tf2_runs, TF2_LABELS, "E")
+    tf2_same = abs(tf2_rows[0]["final_loss"] - tf2_rows[2]["final_loss"]) <= 1e-4 * abs(
+        tf2_rows[2]["final_loss"])
+    target = ("TF2 fit on 2 workers x 2 CPUs: tfpar / MultiWorkerMirroredStrategy",
+              tf2_rows[0]["ratio_to_E"], 1.0)
     if args.json:
         print(json.dumps({"config": {k: getattr(args, k) for k in SIZES}, "results": rows,
-                          "same_loss": same}, indent=2))
+                          "same_loss": same, "tf2_results": tf2_rows, "tf2_same_loss": tf2_same,
+                          "targets": [dict(zip(("target", "value", "limit"), target))]},
+                         indent=2))
     else:
-        print(f"tfpar multi-worker overhead (one host; MLP 3x{args.width}, global batch "
-              f"{args.batch}; medians of {args.steps} steps, each setup run twice, {order})")
-        print(f"{'setup':<32}{'step':>10}{'vs B':>8}{'final loss':>12}")
-        for r in rows:
-            print(f"{r['setup']:<32}{r['step_ms']:>7.1f} ms{r['ratio_to_B']:>8.2f}"
-                  f"{r['final_loss']:>12.6f}")
+        print_table(f"tfpar multi-worker overhead (one host; MLP 3x{args.width}, global batch "
+                    f"{args.batch}; medians of {args.steps} steps, each setup run twice, {order})",
+                    rows, "B")
+        print_table("\nTF2 fit on one cluster of 2 workers x 2 logical CPUs (DEED, then F)",
+                    tf2_rows, "E")
         if args.check:
-            print(f"check: same final loss in every setup: {'ok' if same else 'FAILED'}")
-    return 0 if same or not args.check else 1
+            print(f"check: same final loss in every graph-mode setup, and tfpar's TF2 fit as "
+                  f"one device's: {'ok' if same and tf2_same else 'FAILED'}")
+    return verdict([target], args, same and tf2_same)
 
 
 if __name__ == "__main__":

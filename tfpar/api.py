@@ -99,6 +99,7 @@ def _cluster(previous, cfg: Config, device_type: str, per_worker: int):
       PlanError: under ``strict``, a server open to whoever reaches this host
         (``_open_server``).
     """
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
     from tfpar.runtime.cluster import from_tf_config  # pylint: disable=import-outside-toplevel
 
     if previous is not None and previous.cluster is not None:
@@ -112,7 +113,8 @@ def _cluster(previous, cfg: Config, device_type: str, per_worker: int):
         if not trusted:
             _open_server(cluster)
         timeout = cfg.get("communication.timeout_s")
-        cluster.start(cluster.server_config(device_type, per_worker, timeout), timeout)
+        cluster.start(cluster.server_config(device_type, per_worker, timeout), timeout,
+                      eager=tf.executing_eagerly())
     return cluster
 
 

@@ -97,6 +97,14 @@ def eager_context_initialized() -> bool:
     return context.context()._initialized
 
 
+def connect_eager_to_cluster(cluster_spec, job: str, task: int) -> None:
+    """This process's eager context joins ``cluster_spec`` as ``job``'s task
+    ``task``, serving on that task's port: its tf.functions then place ops on
+    every task's devices by name (TensorFlow's eager remote context)."""
+    _tf.config.experimental_connect_to_cluster(cluster_spec, job_name=job, task_index=task,
+                                               protocol="grpc")
+
+
 def graph_of_inputs(inputs):
     """The graph ``inputs`` belong to (the default graph if none)."""
     return ops._get_graph_from_inputs(inputs)

@@ -16,8 +16,9 @@ def add_dataset_patches(patches: PatchSet) -> None:
 def _wrap_eager_iter(original):
     def __iter__(self):
         if seams.runtime is not None and context.executing_eagerly():
-            # A tf.function that reads it (keras fit) sees its batch unknown.
-            return original(batch_shapes.relaxed_dataset(self)[0])
+            # A tf.function that reads it (keras fit) sees its batch unknown;
+            # with io.shard_dataset a Horovod process reads its shard.
+            return original(seams.runtime.eager_dataset(batch_shapes.relaxed_dataset(self)[0]))
         return original(self)
     return __iter__
 

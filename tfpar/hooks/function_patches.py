@@ -103,9 +103,12 @@ def _wrap_func_graph_transforms(original):
 
 
 def _wrap_call_flat(original):
-    """A call of a tf.function the runtime measures (``measured_call``) runs
-    through it; every other call as it is."""
+    """A call of a tf.function is announced to the runtime (``before_call``);
+    one the runtime measures (``measured_call``) runs through it, every other
+    as it is."""
     def _call_flat(self, tensor_inputs, captured_inputs):
+        if seams.runtime is not None:
+            seams.runtime.before_call(self.graph)
         measure = None if seams.runtime is None else seams.runtime.measured_call(self.graph)
         if measure is None:
             return original(self, tensor_inputs, captured_inputs)

@@ -19,6 +19,8 @@ It provides:
   ran_before_rewrite: (graph, number of variables carried) -> whether a
     session that ran the graph before its rewrite must be reopened
     (called after the rewrite; may raise).
+  eager_dataset: dataset -> the dataset eager code iterates over (a
+    Horovod process's shard with io.shard_dataset).
   make_iterator: (dataset, make) -> iterator, where ``make(dataset)`` is
     TensorFlow's; may shard the dataset or make more iterators.
   setup_capture: prepares the capture of each new graph (a pinned plan's
@@ -28,6 +30,8 @@ It provides:
     does not record.
   rewrite_function: called with each tf.function traced from eager code,
     before TensorFlow makes it a function (it may rewrite the graph).
+  before_call: FuncGraph -> None, before each call of a tf.function from
+    eager code (a Horovod job's first call of a step broadcasts its variables).
   measured_call: FuncGraph -> None, or ``measure(call, tensor_inputs)``
     that runs a call of its function (``call()``) and measures it; asked
     at every call of a tf.function.

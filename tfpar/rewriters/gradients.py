@@ -114,7 +114,8 @@ def loss_weights(rw: DataParallelRewrite, recorded: Recorded) -> Set[int]:
             raise PlanError(f"tfpar: one tf.gradients call differentiates both a batch mean and "
                             f"a batch sum ({[y.name for y in call.ys]}); add them into one loss "
                             "of one kind")
-    read_whole_batch(rw, list(normalizers), bool(recorded.worker_iterators))
+    sharded = bool(recorded.worker_iterators) or getattr(rw.processes, "shard_dataset", False)
+    read_whole_batch(rw, list(normalizers), sharded)
     return summed
 
 

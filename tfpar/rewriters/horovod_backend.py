@@ -49,6 +49,11 @@ class HorovodProcesses:
     def broadcast(t):
         return _hvd().broadcast(t, root_rank=0)
 
+    @staticmethod
+    def broadcast_variables(variables) -> None:
+        """Set ``variables`` (eager ones) to rank 0's values, in every process."""
+        _hvd().broadcast_variables(list(variables), root_rank=0)
+
 
 class HorovodReducer:
     """The local reducer's sums across this process's devices, then Horovod's

@@ -25,6 +25,7 @@ import time
 from typing import Dict, List, Mapping, Optional
 
 from tfpar.cluster.devices import device_names
+from tfpar.compat import tf as internals
 from tfpar.compat.tf import (config_pb2, data_flow_ops, dtypes, ops, server_lib, tf_errors,
                              tf_session)
 from tfpar.errors import ClusterError, ConfigError
@@ -76,16 +77,28 @@ class Cluster:
         config.experimental.collective_group_leader = f"/job:{JOB}/replica:0/task:0"
         return config
 
-    def start(self, config: config_pb2.ConfigProto, timeout_s: float) -> None:
+    def start(self, config: config_pb2.ConfigProto, timeout_s: float, eager: bool) -> None:
         """Serve this task; on the chief wait for every worker, elsewhere serve
-        until released, then exit the process."""
+        until released, then exit the process. An ``eager`` chief (a TF2
+        script) joins the cluster with its eager context instead of a server
+        of its own, so that its tf.functions reach every worker's devices."""
         spec = server_lib.ClusterSpec({JOB: self.workers})
+        if self.is_chief and eager:
+            self.wait_for_workers(timeout_s)
+            internals.connect_eager_to_cluster(spec, JOB, self.task)
+            atexit.register(self.release_workers, timeout_s)
+            return
         self.server = server_lib.Server(spec, job_name=JOB, task_index=self.task, config=config)
         if self.is_chief:
             self.wait_for_workers(timeout_s)
             atexit.register(self.release_workers, timeout_s)
         else:
             self._serve_until_released(timeout_s)
+
+    @property
+    def target(self) -> str:
+        """The chief's session target: its server's, or the eager context's."""
+        return self.server.target if self.server is not None else f"grpc://{self.workers[0]}"
 
     def missing_workers(self, timeout_s: float) -> List[int]:
         """Tasks whose server does not accept a connection within ``timeout_s``."""
@@ -141,8 +154,7 @@ class Cluster:
             only_live = config_pb2.ConfigProto(device_filters=[
                 f"/job:{JOB}/task:{t}" for t in [0] + live])
             try:
-                with tf_session.Session(self.server.target, graph=graph,
-                                        config=only_live) as sess:
+                with tf_session.Session(self.target, graph=graph, config=only_live) as sess:
                     sess.run(ops_, options=options)
             except (tf_errors.UnavailableError, tf_errors.DeadlineExceededError,
                     tf_errors.CancelledError) as gone:

@@ -25,7 +25,7 @@ from tfpar.runtime.built_before_init import warn_unseen_training
 from tfpar.runtime.context import Runtime, active
 from tfpar.runtime.gc_paused import gc_paused
 from tfpar.runtime.graph_state import GraphState, existing_state, state_of
-from tfpar.runtime.iterators import make_iterator
+from tfpar.runtime.iterators import eager_dataset, make_iterator
 from tfpar.runtime import online_tuning
 from tfpar.runtime.online_tuning import keep_group_size, made_callable
 from tfpar.runtime.planning import Planned, group_costs, planned
@@ -39,10 +39,11 @@ from tfpar.runtime.sessions import run_failed, run_options, session_config, sess
 from tfpar.runtime.sharded import sharded_plan, warn_unbuilt_sharding
 from tfpar.runtime.split_contexts import check_forced_units, setup_capture
 from tfpar.runtime.techniques import prepared
-from tfpar.runtime.tf2_functions import function_gradients, retrace_failed, retraces_relaxed
+from tfpar.runtime.tf2_functions import (before_call, function_gradients, retrace_failed,
+                                         retraces_relaxed)
 
 # The seams, as ``hooks.seams`` documents them.
-__all__ = ["after_run", "before_run", "function_gradients", "loss_scaled", "made_callable",
+__all__ = ["after_run", "before_call", "before_run", "eager_dataset", "function_gradients", "loss_scaled", "made_callable",
            "make_iterator", "measured_call", "ran_before_rewrite", "retrace_failed",
            "retraces_relaxed",
            "rewrite_function", "rewrites_next", "rewritten", "run_failed", "run_options",
@@ -243,7 +244,8 @@ def _reducers(graph: ops.Graph, rt: Runtime):
 
     def reducer_for(devices):
         if graph.building_function:  # variables live outside: no mirrors in it
-            return LocalReducer(list(devices))
+            local = LocalReducer(list(devices))
+            return HorovodReducer(local) if horovod else local
         local = make_reducer("auto" if horovod else cfg.get("communication.backend"),
                              devices, rt.device_type, keys,
                              fusion_bytes=cfg.get("communication.fusion_mb") * 2 ** 20,

@@ -32,6 +32,8 @@ class GraphState:
       samples: per traced step measured, per TaskGraph (seconds, bytes).
       variables_held: bytes of variables per device (short name), read at the
         first step measured.
+      broadcast: a TF2 step of a Horovod job had its variables set to rank
+        0's before its first call (``tf2_functions.before_call``).
     """
 
     plan: Optional[Plan] = None
@@ -46,6 +48,7 @@ class GraphState:
     training_steps: int = 0
     samples: list = dataclasses.field(default_factory=list)
     variables_held: Optional[dict] = None
+    broadcast: bool = False
 
 
 _states: "weakref.WeakKeyDictionary[Any, GraphState]" = weakref.WeakKeyDictionary()

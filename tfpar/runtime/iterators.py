@@ -7,7 +7,7 @@ from tfpar.hooks.batch_shapes import relaxed_dataset
 from tfpar.hooks.capture import capture_for
 from tfpar.runtime.context import Runtime, active
 
-__all__ = ["make_iterator"]
+__all__ = ["eager_dataset", "make_iterator"]
 
 
 def make_iterator(ds, make):
@@ -26,6 +26,28 @@ def make_iterator(ds, make):
         capture = capture_for(ops.get_default_graph())
         capture.declared_batch[internals.iterator_resource(iterator).op.name] = declared * shards
     return iterator
+
+
+def eager_dataset(ds):
+    """The dataset eager code iterates over (a TF2 custom loop, Keras fit):
+    with ``io.shard_dataset`` in a Horovod job, this process's shard (whole
+    elements); in a TF_CONFIG cluster the chief's eager code feeds every
+    step, so it reads the whole dataset, said."""
+    rt = active()
+    if rt is None or not rt.config.get("io.shard_dataset"):
+        return ds
+    if rt.config.get("communication.backend") == "horovod":
+        import horovod.tensorflow as hvd  # pylint: disable=import-outside-toplevel
+        return ds.shard(hvd.size(), hvd.rank())
+    if "io.shard_dataset" in rt.warned_one_device:  # said once
+        return ds
+    rt.warned_one_device.add("io.shard_dataset")
+    fallback.fall_back(
+        "io.shard_dataset", "a TF2 script's steps are fed by its eager code, which reads the "
+        "whole dataset on the chief (the other workers serve their devices)", "Use Horovod "
+        "(communication.backend 'horovod') for each process to read its own shard, or a "
+        "graph-mode script", None)
+    return ds
 
 
 def _sharded_iterator(rt: Runtime, ds, make):

@@ -82,7 +82,7 @@ def session_target(target: str) -> str:
     """Sessions without a target run on the cluster's chief server."""
     rt = active()
     if rt is not None and rt.cluster is not None and not target:
-        return rt.cluster.server.target
+        return rt.cluster.target
     return target
 
 

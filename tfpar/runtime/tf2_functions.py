@@ -11,11 +11,13 @@ from tfpar.rewriters.function_outputs import rewire_outputs
 from tfpar.analysis.op_kinds import is_input, reads_as_batch
 from tfpar.runtime.captured_batches import captured_batch, unsplittable
 from tfpar.runtime.context import Runtime, active
-from tfpar.runtime.graph_state import state_of
+from tfpar.rewriters.horovod_backend import HorovodProcesses
+from tfpar.runtime.graph_state import existing_state, state_of
 from tfpar.runtime.measured_calls import taken_over
 from tfpar.runtime.planning import plan_for
 
-__all__ = ["function_gradients", "retrace_failed", "retraces_relaxed", "rewrite_function"]
+__all__ = ["before_call", "function_gradients", "retrace_failed", "retraces_relaxed",
+           "rewrite_function"]
 
 log = logging.getLogger("tfpar")
 
@@ -126,6 +128,24 @@ def retraces_relaxed(graph: ops.Graph) -> bool:
     batch size: it is traced again with its arguments' batch dimension unknown."""
     capture = existing_capture(graph)
     return capture is not None and capture.retrace
+
+
+def before_call(graph: ops.Graph) -> None:
+    """A call of the tf.function traced into ``graph``: in a Horovod job,
+    before the first call of a step tfpar rewrote, every variable it reads
+    takes rank 0's value (Horovod's broadcast), as graph-mode steps are
+    synchronised after initializers and restores: however each process made
+    or restored its variables (unseeded initializers, a checkpoint only rank 0
+    read), they start equal."""
+    rt = active()
+    if (rt is None or rt.config.get("communication.backend") != "horovod"
+            or not context.executing_eagerly()):
+        return
+    state = existing_state(graph)
+    if state is None or state.rewrite is None or state.broadcast:
+        return
+    state.broadcast = True
+    HorovodProcesses.broadcast_variables(graph.variables)
 
 
 def retrace_failed(graph: ops.Graph, error: Exception) -> None:
