@@ -264,9 +264,10 @@ def test_synchronized_batch_norm_gives_one_devices_numbers(config):
     """``batch_norm.sync``: statistics over every replica's rows, their
     gradients summed over the replicas too; losses, weights, statistics and
     slots are one device's. A layer asked to be fused computes unfused, as
-    Keras' synchronized layers do (its moving variance is then the batch's
-    variance, not the fused kernel's n / (n - 1) times it)."""
-    reference = train(keras_batch_norm(1, fused=False), None)
+    Keras' synchronized layers do, and keeps the fused kernel's moving
+    variance (n / (n - 1) times the batch's, n over all replicas' rows; it
+    kept the batch's, 16/15 times less than one device's movement)."""
+    reference = train(keras_batch_norm(1, fused=True), None)
     assert_equivalent(reference, train(keras_batch_norm(1, fused=True), config))
 
 
@@ -294,3 +295,4 @@ def test_synchronized_batch_norm_with_micro_batches_is_refused():
     with pytest.raises(wh.PlanError, match="need pipeline.num_micro_batch 1, not 2"):
         train(synchronized, {"cluster.num_devices": 2, "pipeline.num_micro_batch": 2})
     wh.reset()
+
