@@ -24,6 +24,7 @@ from tensorflow.python import pywrap_tfe
 from tensorflow.python.checkpoint import checkpoint
 from tensorflow.python.client import pywrap_tf_session as c_session, session as tf_session
 from tensorflow.python.data.ops import dataset_ops
+from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.eager import backprop, context
 from tensorflow.python.eager.polymorphic_function import (concrete_function, tracing_compilation,
                                                          transform)

@@ -7,7 +7,12 @@ tf.function fixes it when traced: the tensors it returns
 dependencies collect). After the rewrite the original step ops are the
 template of their versions and no longer run, so both lists are translated
 like fetches: a returned step tensor becomes its value merged over replicas
-and micro-batches, a step op to run becomes every version of it.
+and micro-batches, a step op to run becomes every version of it, and a writer
+the rewrite completes (``DataParallelRewrite.sync_ops``: a moving average's
+copies averaged into the variable, a mirrored variable copied to its
+replicas) becomes that completion, which runs its versions too. A step that
+returns nothing (Horovod's synthetic benchmark) runs only its control
+outputs: without the completion, BatchNorm's moving statistics never moved.
 """
 from typing import Dict
 
@@ -29,6 +34,9 @@ def rewire_outputs(graph, translate) -> None:
     step = rw.selection.step_ops_set
     controls: Dict[ops.Operation, None] = {}
     for op in graph.control_outputs:
+        if op in rw.sync_ops:
+            controls.setdefault(rw.sync_ops[op])
+            continue
         for version in (rw.versions(op) if op in step else [op]):
             controls.setdefault(version)
     graph.control_outputs = list(controls)

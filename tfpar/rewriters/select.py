@@ -111,6 +111,7 @@ def select_replication(graph: ops.Graph, recorded: Recorded, index: GraphIndex,
     accumulators = {v for op in step for v in written_variables(op)} - global_step_ops - set(
         averaged)
     step -= late_accumulator_ops(index, step, needed, accumulators)
+    averaged = once_written_left_out(averaged, step)
     update = update_ops(graph, recorded, index, step | raw_grad_ops, global_step_ops)
     copied = step | update
     used_vars = {t.op for op in copied for t in op.inputs if is_variable(t.op)}
@@ -173,6 +174,21 @@ def step_ops(recorded: Recorded, index: GraphIndex, needed: Set[ops.Operation],
     side = sources.dependent - index.descendants(raw_grad_ops, control=True)
     return {op for op in needed | side if phase.get(op.name, Phase.FORWARD) != Phase.APPLY
             and not is_frozen(op) and op not in sources.sparse_readers}
+
+
+def once_written_left_out(averaged: Dict[ops.Operation, Averaged], step: Set[ops.Operation]
+                          ) -> Dict[ops.Operation, Averaged]:
+    """``averaged`` without the variables whose writers all run once per
+    step, after every replica (``late_accumulator_ops``: Keras'
+    ``_train_counter``, declared ONLY_FIRST_REPLICA, incremented after the
+    metrics): no version writes a copy of them, so there is nothing to average,
+    and averaging the unwritten copies would overwrite the one write."""
+    kept = {}
+    for var, found in averaged.items():
+        writers = tuple(w for w in found.writers if w in step)
+        if writers:
+            kept[var] = Averaged(found.why, writers)
+    return kept
 
 
 def late_accumulator_ops(index: GraphIndex, step: Set[ops.Operation],
