@@ -53,6 +53,8 @@ def test_pinned_plan_is_followed():
     plan = _plan({"cluster.num_devices": 4}).to_dict()
     plan["task_graphs"][0]["replicas"] = [[d] for d in plan["task_graphs"][0]["devices"][2:]]
     plan["task_graphs"][0]["devices"] = plan["task_graphs"][0]["devices"][2:]
+    plan["task_graphs"][0]["device_count"] = 2  # the VirtualDevice: both devices
+    plan["data_parallel_degree"] = 2  # copies of the model (else refused: test_pinned_plans)
     pinned = _plan({"cluster.num_devices": 4, "plan": plan})
     assert pinned.data_parallel_degree == 2
     assert [d[-5:] for d in pinned.task_graphs[0].devices] == ["CPU:2", "CPU:3"]
@@ -66,6 +68,7 @@ def test_pinned_plan_with_unknown_device():
     plan = _plan({"cluster.num_devices": 2}).to_dict()
     plan["task_graphs"][0]["devices"] = ["/job:localhost/replica:0/task:0/device:CPU:7"]
     plan["task_graphs"][0]["replicas"] = [plan["task_graphs"][0]["devices"]]
+    plan["task_graphs"][0]["device_count"], plan["data_parallel_degree"] = 1, 1
     with pytest.raises(wh.PlanError, match="CPU:7"):
         _plan({"cluster.num_devices": 2, "plan": plan})
 
