@@ -1,7 +1,7 @@
 """The plan of a captured graph: its TaskGraphs, as annotated or as the
 planner chose, with Ada-Grouper's k and the batch shares of mixed devices."""
 import dataclasses
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 from tfpar import fallback
 from tfpar.compat.tf import ops
@@ -23,7 +23,8 @@ from tfpar.runtime.prediction import Predicted, costed, predict
 from tfpar.runtime.sharded import sharded_plan
 from tfpar.runtime.stated import estimate_of
 
-__all__ = ["Planned", "analysed_now", "group_costs", "plan_for", "planned", "task_graph_specs"]
+__all__ = ["Planned", "analysed_now", "group_costs", "plan_for", "planned", "plans_for",
+           "task_graph_specs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,10 +95,18 @@ def plan_for(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> Plan:
     """The plan for ``graph``: as annotated, or as the planner chose (no
     rewrite; a plan that shards layers even when this graph was built before
     it was known, so that it can be pinned)."""
+    runs, pick = plans_for(graph, capture, rt)
+    return pick or runs
+
+
+def plans_for(graph: ops.Graph, capture: GraphCapture,
+              rt: Runtime) -> Tuple[Plan, Optional[Plan]]:
+    """(the plan ``graph`` runs as built, the search's plan to pin when it
+    shards layers this graph was built without, else None); no rewrite."""
     analysed = analysed_now(graph, capture)
     automatic = automatic_plan(analysed, capture, rt)
     made = planned(analysed, capture, rt, automatic)
-    return sharded_plan(automatic, rt, analysed.index, capture) or made.plan
+    return made.plan, sharded_plan(automatic, rt, analysed.index, capture)
 
 
 def planned(analysed: Analysed, capture: GraphCapture, rt: Runtime,
