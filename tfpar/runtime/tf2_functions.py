@@ -1,7 +1,6 @@
 """TF2 training steps: a tf.function traced from eager code is planned and
 rewritten like a graph, traced again with its batch relaxed, or left to
 train on one device, saying why."""
-import logging
 from typing import Any, Callable, Optional
 
 from tfpar import fallback
@@ -17,8 +16,6 @@ from tfpar.runtime.measured_calls import taken_over
 from tfpar.runtime.planning import plan_for
 
 __all__ = ["function_gradients", "retraces_relaxed", "rewrite_function"]
-
-log = logging.getLogger("tfpar")
 
 _PASS_THE_BATCH = ("Pass the batch to the step as arguments (step(x, y)), or read it from a "
                    "tf.data iterator in the step, for tfpar to split it")
@@ -48,6 +45,14 @@ def rewrite_function(graph: ops.Graph, rewrite: Callable[[ops.Graph], Optional[A
     if why:
         train_on_one_device(rt, graph, why, remedy)
         return
+    if capture.batch_captured:
+        fallback.fall_back(
+            f"the tf.function {graph.name!r}, data parallel over {len(rt.devices)} devices, "
+            "reading no batch through its arguments or iterators", "tfpar takes the tensors "
+            "its losses read that it captures from eager code (shapes "
+            + ", ".join(str(t.shape.as_list()) for t in capture.batch_captured)
+            + ") for its batch, and splits their rows over the replicas", _PASS_THE_BATCH,
+            graph)
     with graph.as_default():
         translate = rewrite(graph)
         if translate is not None:
@@ -67,10 +72,6 @@ def _traced_again(rt: Runtime, graph: ops.Graph, capture: GraphCapture) -> bool:
     if why:
         train_on_one_device(rt, graph, why, _PASS_THE_BATCH)
         return True
-    if captured:
-        log.info("tfpar: the tf.function %r reads its batch from tensors captured from "
-                 "eager code (shapes %s): their rows are split over the replicas",
-                 graph.name, ", ".join(str(t.shape.as_list()) for t in captured))
     if static or captured:
         capture.batch_captured = captured
         capture.retrace = True  # traced again, batch relaxed; that trace is rewritten
