@@ -263,6 +263,19 @@ def test_a_split_scope_with_nothing_to_shard_is_replicated_with_one_devices_numb
         plan_of(make(True), {**config, "strict": True}, shape=(None, 48))
 
 
+def test_a_split_scope_that_only_makes_a_split_variable_stays_split():
+    """A get_variable in a split scope is made in shards (read whole outside
+    it): something is sharded, so the scope is not replicated, and nothing
+    is said (a FallbackWarning would fail this test)."""
+    def build(x, y):
+        with wh.split(2):
+            w = v1.get_variable("w", initializer=np.ones((6, 3), np.float32))
+        loss = v1.losses.sparse_softmax_cross_entropy(y, tf.matmul(x, w))
+        return loss, v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+    plan = plan_of(build, {"cluster.num_devices": 2})
+    assert [tg.strategy for tg in plan.task_graphs] == ["split"] and not plan.notes
+
+
 def test_graphs_built_before_init_and_gradients_built_after_the_rewrite_under_strict():
     """Both run as built, on one device: refused under strict."""
     with tf.Graph().as_default():

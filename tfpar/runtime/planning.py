@@ -67,7 +67,7 @@ def _replicated_if_unsharded(capture: GraphCapture, spec: TaskGraphSpec) -> Task
     replicated on its devices instead of whole on the first: said
     (``fall_back``), refused under ``strict``. Other TaskGraphs as they are."""
     ctx = capture.split_contexts.get(spec.index)
-    if ctx is None or spec.implicit or ctx.decisions:
+    if ctx is None or spec.implicit or ctx.decisions or ctx.made_shards:
         return spec
     graph = ctx.graph
     kinds = sorted({graph.get_operation_by_name(name).type
