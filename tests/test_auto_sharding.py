@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from equivalence import (assert_equivalent, deep_mlp, dense, initialized, layer, make_data,
-                         plan_of, train)
+from equivalence import (assert_equivalent, deep_mlp, dense, fed_graph, initialized, layer,
+                         make_data, plan_of, train)
 from proof import TRACER
 from test_cost_model import TRANSFORMER_MLP_LAYERS, deep_mlp_layers, hand_memory, planned_stages
 
@@ -55,16 +55,30 @@ def test_the_split_head_plan_trains_like_one_device():
 
 
 @pytest.mark.filterwarnings("ignore:.*built before the plan existed:tfpar.FallbackWarning")
-def test_current_plan_after_the_first_run_is_the_one_to_pin():
+def test_current_plan_after_the_first_run_is_what_runs_and_to_pin_the_one_to_pin():
     """In a test or notebook (no planning pass) the graph runs the best unsharded
-    plan; after its first run current_plan() must still be the sharded plan the
-    warning says to pin (before: the unsharded fallback, pinning built nothing
-    split)."""
+    plan. Issue 64 item 3: after its first run current_plan() returned the
+    sharded plan it does not run; now it returns what runs, and
+    current_plan(to_pin=True) the sharded plan the warning says to pin
+    (pinned, it builds the head split). Before the first run, current_plan()
+    is the search's plan, with a note saying what the graph will run."""
     build, config = classifier(8000), {"auto.auto_parallel": True, "cluster.num_devices": 4}
-    with initialized(build, config):
-        after_run = wh.current_plan()
-    assert after_run.sharding["layers"]["logits"] == "column"
-    built = plan_of(build, {**config, "plan": after_run.to_dict()})
+    with fed_graph(config) as (_, x, y):
+        build(x, y)
+        before = wh.current_plan()
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            runs, to_pin = wh.current_plan(), wh.current_plan(to_pin=True)
+    assert before.sharding["layers"]["logits"] == "column"
+    assert any(note.startswith("tfpar: this is the search's plan, to pin: it shards layers this "
+                               "graph was built without, so the graph, as built, will run the "
+                               "best plan without sharding ('replicate_all': replicate on 4 "
+                               "devices; data_parallel_degree 4)") for note in before.notes)
+    assert not runs.sharding and runs.data_parallel_degree == 4
+    assert [(tg.strategy, len(tg.devices)) for tg in runs.task_graphs] == [("replicate", 4)]
+    assert any("it runs the best plan without sharding" in note for note in runs.notes)
+    assert to_pin.sharding["layers"]["logits"] == "column"
+    built = plan_of(build, {**config, "plan": to_pin.to_dict()})
     assert built.task_graphs[1].patterns["logits"] == "column"
 
 
@@ -80,7 +94,8 @@ def test_running_unsharded_what_the_planner_shards_is_a_fallback():
             notes = wh.current_plan().notes
     assert len(notes) == 1 and notes[0].startswith("tfpar: the planner shards logits, ")
     assert notes[0].endswith("To shard, run the script itself (its planning pass pins the "
-                             "plan) or pin wh.current_plan().to_json() as the config's 'plan'")
+                             "plan) or pin wh.current_plan(to_pin=True).to_json() as the config's "
+                             "'plan'")
     with pytest.raises(wh.PlanError, match="was built before the plan existed"):
         with initialized(build, {**config, "strict": True}):
             pass

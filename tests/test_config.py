@@ -18,7 +18,7 @@ from tfpar.ir.taskgraph import Strategy, TaskGraphSpec
 from tfpar.planner import plan_from_annotations
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# The smallest plan the contract allows (DESIGN.md's plan JSON).
+# The smallest plan the contract allows (docs/plan-json.md).
 PLAN = {"data_parallel_degree": 1, "task_graphs": [
     {"name": "all", "strategy": "replicate", "device_count": 1, "devices": ["/cpu:0"]}]}
 

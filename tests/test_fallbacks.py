@@ -12,7 +12,7 @@ import tensorflow as tf
 from tensorflow.python.eager import context
 
 import tfpar as wh
-from equivalence import dense, fed_graph
+from equivalence import assert_equivalent, dense, fed_graph, make_data, plan_of, train
 
 v1 = tf.compat.v1
 
@@ -165,7 +165,17 @@ def _one_head_attention(x, y):
     return loss, v1.train.GradientDescentOptimizer(0.1).minimize(loss)
 
 
+def _split_layer_norm(x, y):
+    """A split scope holding nothing tfpar shards: a LayerNormalization alone."""
+    with wh.split(2):
+        h = tf.keras.layers.LayerNormalization(name="norm")(x)
+    loss = v1.losses.sparse_softmax_cross_entropy(y, dense(h, 3, "logits", 2))
+    return loss, v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+
+
 FALLBACKS = {
+    "split with nothing to shard": (_split_layer_norm, {"cluster.num_devices": 2},
+                                    "nothing in it is a layer or op tfpar shards"),
     "loss kind": (_unreadable_loss, {"cluster.num_devices": 2},
                   "cannot tell whether it is a mean or a sum"),
     "recompute": (_recomputed_scope_without_gradient,
@@ -205,6 +215,65 @@ def test_each_fallback_is_warned_noted_and_refused_under_strict(case):
     with pytest.raises(wh.PlanError, match=f".*{said}.*strict: true makes this an error"):
         _build_and_run(build, {**config, "strict": True})
     wh.reset()
+
+
+def unshardable(block, tfpar):
+    """build(x, y): ``block(x)`` in ``wh.split(4)`` (``tfpar``; else no
+    scope), then a dense head."""
+    def build(x, y):
+        with wh.split(4) if tfpar else contextlib.nullcontext():
+            h = block(x)
+        loss = v1.losses.sparse_softmax_cross_entropy(y, dense(h, 3, "logits", 2))
+        return loss, v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+    return build
+
+
+def conv_and_pooling(x):
+    """A Conv2D (numpy initial values) and max pooling on x seen as 4x4x3 images."""
+    kernel = np.random.RandomState(1).randn(3, 3, 3, 4).astype(np.float32) * 0.3
+    h = tf.keras.layers.Conv2D(4, 3, padding="same", name="conv",
+                               kernel_initializer=tf.constant_initializer(kernel))(
+                                   tf.reshape(x, [-1, 4, 4, 3]))
+    return tf.reshape(tf.keras.layers.MaxPooling2D()(h), [-1, 16])
+
+
+@pytest.mark.parametrize("block", [lambda: conv_and_pooling,
+                                   lambda: tf.keras.layers.LayerNormalization(name="norm")],
+                         ids=["conv_pooling", "layer_norm"])
+def test_a_split_scope_with_nothing_to_shard_is_replicated_with_one_devices_numbers(
+        block, fallbacks):
+    """Issue 64 item 1: before, wh.split(4) around a Conv2D and pooling, or a
+    LayerNormalization alone, trained at data-parallel degree 1 on 4 devices
+    (the whole model on the first), silently, even under strict. Now what it
+    holds is replicated over its devices (the plan says so, and strict
+    refuses it), with the numbers of one device."""
+    def make(tfpar):
+        return unshardable(block(), tfpar)
+    config = {"cluster.num_devices": 4}
+    data = make_data(steps=3, batch=8, features=48)
+    assert_equivalent(train(make(False), data), train(make(True), data, config))
+    plan = plan_of(make(True), config, shape=(None, 48))
+    assert [(tg.strategy, len(tg.replicas)) for tg in plan.task_graphs] == [("replicate", 4)]
+    assert plan.data_parallel_degree == 4
+    assert any("'split_0', to shard its layers over 4 devices: nothing in it is a layer or op "
+               "tfpar shards" in note and "it is replicated instead" in note
+               for note in plan.notes), plan.notes
+    assert "it is replicated instead" in fallbacks.getvalue()
+    with pytest.raises(wh.PlanError, match="nothing in it is a layer or op tfpar shards"):
+        plan_of(make(True), {**config, "strict": True}, shape=(None, 48))
+
+
+def test_a_split_scope_that_only_makes_a_split_variable_stays_split():
+    """A get_variable in a split scope is made in shards (read whole outside
+    it): something is sharded, so the scope is not replicated, and nothing
+    is said (a FallbackWarning would fail this test)."""
+    def build(x, y):
+        with wh.split(2):
+            w = v1.get_variable("w", initializer=np.ones((6, 3), np.float32))
+        loss = v1.losses.sparse_softmax_cross_entropy(y, tf.matmul(x, w))
+        return loss, v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+    plan = plan_of(build, {"cluster.num_devices": 2})
+    assert [tg.strategy for tg in plan.task_graphs] == ["split"] and not plan.notes
 
 
 def test_graphs_built_before_init_and_gradients_built_after_the_rewrite_under_strict():

@@ -49,6 +49,47 @@ def test_a_pinned_plan_missing_a_field_is_refused_naming_it(path, value, message
     wh.reset()
 
 
+@pytest.mark.parametrize("path, value, message", [
+    (("data_parallel_degree",), 4, "plan.data_parallel_degree must be 2, the copies of the "
+                                   "model its TaskGraphs' replicas make"),
+    (("task_graphs", 0, "device_count"), 4,
+     "plan.task_graphs[0].device_count must be a divisor of its 2 devices"),
+    (("task_graphs", 0, "replicas"), [["/cpu:0", "/cpu:1"]],
+     "plan.task_graphs[0].replicas must be one device each"),
+    (("task_graphs", 0), {"name": "all", "strategy": "split", "device_count": 2,
+                          "replicas": [["/cpu:0"], ["/cpu:1"]]},
+     "plan.task_graphs[0].device_count must be the devices of each of its replicas"),
+    (("pipeline", "num_micro_batch"), 0, "plan.pipeline.num_micro_batch must be an int >= 1, "
+                                         "not 0"),
+    (("pipeline", "group_size"), 0, "plan.pipeline.group_size must be an int >= 1 or 'auto'"),
+    (("task_graphs", 0, "device_count"), -1,
+     "plan.task_graphs[0].device_count must be an int >= 1")])
+def test_a_pinned_plan_contradicting_its_devices_is_refused_naming_the_field(path, value,
+                                                                               message):
+    """Issue 64 item 2: before, a data_parallel_degree or device_count that
+    contradicts the devices and replicas was silently ignored (the devices
+    decided), and num_micro_batch 0 was a bare ValueError of ir/schedule.py
+    at the first run. Now wh.init refuses each, naming the field."""
+    escaped = message.replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")
+    with pytest.raises(wh.PlanError, match=r"tfpar: the pinned plan's " + escaped
+                       + r".*docs/plan-json\.md"):
+        wh.init({"cluster.num_devices": 2, "plan": broken(path, value)})
+    wh.reset()
+
+
+def test_a_pinned_replicate_task_graph_without_replicas_has_one_device_each():
+    """Without "replicas" (the contract's shape), a replicate TaskGraph's
+    devices are one replica each, as to_dict writes them; before, they were
+    cut in groups of device_count, and replicate(2) on 4 devices ran 2
+    replicas, on the first device of each pair."""
+    plan = broken(("task_graphs", 0, "device_count"), 2)
+    plan["task_graphs"][0]["devices"] = [f"/cpu:{i}" for i in range(4)]
+    plan["data_parallel_degree"] = 4
+    read = wh.Plan.from_dict(plan)
+    assert read.task_graphs[0].replicas == tuple((f"/cpu:{i}",) for i in range(4))
+    assert read.data_parallel_degree == 4
+
+
 def two_blocks(x, y):
     """Two residual MLP blocks whose layers have the same names in two
     variable scopes (block0/fc1, block1/fc1...)."""

@@ -1,6 +1,9 @@
 """The plan is visible before any session runs, serialisable, and pinnable."""
+import copy
 import dataclasses
 import json
+import pathlib
+import re
 
 import pytest
 import tensorflow as tf
@@ -53,6 +56,8 @@ def test_pinned_plan_is_followed():
     plan = _plan({"cluster.num_devices": 4}).to_dict()
     plan["task_graphs"][0]["replicas"] = [[d] for d in plan["task_graphs"][0]["devices"][2:]]
     plan["task_graphs"][0]["devices"] = plan["task_graphs"][0]["devices"][2:]
+    plan["task_graphs"][0]["device_count"] = 2  # the VirtualDevice: both devices
+    plan["data_parallel_degree"] = 2  # copies of the model (else refused: test_pinned_plans)
     pinned = _plan({"cluster.num_devices": 4, "plan": plan})
     assert pinned.data_parallel_degree == 2
     assert [d[-5:] for d in pinned.task_graphs[0].devices] == ["CPU:2", "CPU:3"]
@@ -66,6 +71,7 @@ def test_pinned_plan_with_unknown_device():
     plan = _plan({"cluster.num_devices": 2}).to_dict()
     plan["task_graphs"][0]["devices"] = ["/job:localhost/replica:0/task:0/device:CPU:7"]
     plan["task_graphs"][0]["replicas"] = [plan["task_graphs"][0]["devices"]]
+    plan["task_graphs"][0]["device_count"], plan["data_parallel_degree"] = 1, 1
     with pytest.raises(wh.PlanError, match="CPU:7"):
         _plan({"cluster.num_devices": 2, "plan": plan})
 
@@ -154,3 +160,102 @@ def test_the_summary_says_what_an_estimate_assumes_and_how_the_plan_was_found():
         "balanced cut (balanced partition: the stage ILP found no assignment within its time "
         "limit); sharding optimal (O2 segments)"]
     assert Plan.from_dict(json.loads(plan.to_json())) == plan
+
+
+# --- the plan JSON's page (issue 64 item 5) -----------------------------------------
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PLAN_PAGE = ROOT / "docs" / "plan-json.md"
+
+
+def documented_fields():
+    """{field path: its "required" cell} of docs/plan-json.md's table."""
+    rows = re.findall(r"^\| `([^`]+)` \| [^|]+ \| ([^|]+) \|", PLAN_PAGE.read_text(), re.M)
+    return {path: required.strip() for path, required in rows}
+
+
+def documented_example():
+    """The page's example plan (the block marked ``readme-test: plan json``)."""
+    text = PLAN_PAGE.read_text()
+    block = re.search(r"<!-- readme-test: plan json -->\n```\n(.*?)\n```", text, re.S)
+    return json.loads(block.group(1))
+
+
+def field_paths(data):
+    """The paths of a plan dict's fields as the page names them."""
+    paths = set(data) | {f"pipeline.{key}" for key in data.get("pipeline", {})}
+    return paths | {f"task_graphs[].{key}" for tg in data["task_graphs"] for key in tg}
+
+
+def without(data, path):
+    """A copy of plan dict ``data`` without field ``path`` (in every TaskGraph)."""
+    data = copy.deepcopy(data)
+    *parents, last = path.replace("[]", "").split(".")
+    nodes = [data]
+    for key in parents:
+        nodes = [n for node in nodes for n in (node[key] if isinstance(node[key], list)
+                                               else [node[key]])]
+    for node in nodes:
+        node.pop(last, None)
+    return data
+
+
+def test_the_plan_json_page_lists_every_field_plan_writes_and_reads():
+    """docs/plan-json.md's table is the fields to_dict writes (a pipeline of
+    virtual stages writes them all), no more; a field it says is required
+    is refused by from_dict when absent, naming it; one it says is not is
+    read without it. Before, errors cited a design document that is not
+    in the repository."""
+    fields = documented_fields()
+    plan = _plan({"cluster.num_devices": 4})
+    written = field_paths(dataclasses.replace(plan, virtual_stages=2).to_dict())
+    assert set(fields) == written, (sorted(set(fields) - written), sorted(written - set(fields)))
+    example = documented_example()
+    for path, required in fields.items():
+        if required.startswith("yes, unless"):  # devices, when replicas are given
+            with_replicas = copy.deepcopy(example)
+            for tg in with_replicas["task_graphs"]:
+                width = tg["device_count"] if tg["strategy"] == "split" else 1
+                tg["replicas"] = [tg["devices"][i:i + width]
+                                  for i in range(0, len(tg["devices"]), width)]
+            Plan.from_dict(without(with_replicas, path))
+        if required.startswith("yes"):
+            name = "plan." + path.replace("[]", "[0]")
+            with pytest.raises(wh.PlanError, match=re.escape(f"the pinned plan's {name} must")):
+                Plan.from_dict(without(example, path))
+        else:
+            assert Plan.from_dict(without(example, path)).task_graphs
+
+
+def test_the_plan_json_pages_example_pins_whale_example_2():
+    """The page's example is a plan: pinned, a model of Whale's Example 2
+    (a replicated backbone, a split head) on 4 devices runs it."""
+    example = documented_example()
+    assert field_paths(example) <= set(documented_fields())
+    with tf.Graph().as_default():
+        wh.init({"cluster.num_devices": 4, "plan": example})
+        x = tf.compat.v1.placeholder(tf.float32, [None, 6])
+        y = tf.compat.v1.placeholder(tf.int64, [None])
+        with wh.replicate(4):
+            h = tf.compat.v1.layers.dense(x, 8, tf.nn.relu)
+        with wh.split(4):
+            loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(
+                y, tf.compat.v1.layers.dense(h, 16))
+        tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        plan = wh.current_plan()
+    assert [(tg.strategy, len(tg.replicas), tg.devices) for tg in plan.task_graphs] == [
+        (tg["strategy"], 4 if tg["strategy"] == "replicate" else 1, tg["devices"])
+        for tg in example["task_graphs"]]
+    assert plan.data_parallel_degree == example["data_parallel_degree"] == 1
+    assert plan.task_graphs[1].patterns == example["task_graphs"][1]["patterns"]
+
+
+def test_nothing_cites_a_design_document_the_repository_lacks():
+    """Issue 64 item 5: error messages and docstrings cited a design
+    document that is not in the repository; they cite docs/ now."""
+    missing = "DESIGN" + ".md"
+    citing = [str(path.relative_to(ROOT)) for folder in ("tfpar", "docs", "tests", "examples",
+                                                           "benchmarks")
+              for path in sorted((ROOT / folder).rglob("*"))
+              if path.suffix in (".py", ".md") and missing in path.read_text()]
+    assert not (ROOT / missing).exists() and not citing, citing

@@ -8,8 +8,9 @@ The pages are found on disk, so a new docs/*.md is checked as soon as it
 exists. Every fenced block of a page carries a marker comment on the line above it:
 ``<!-- readme-test: run FIXTURE -->`` (a Python snippet completed by
 ``FIXTURES[FIXTURE]``), ``<!-- readme-test: commands -->`` (one command per
-line) or ``<!-- readme-test: output of `COMMAND` -->`` (what COMMAND prints,
-numbers and ``...`` standing for anything). The docstrings of examples/ and
+line), ``<!-- readme-test: output of `COMMAND` -->`` (what COMMAND prints,
+numbers and ``...`` standing for anything) or ``<!-- readme-test: plan json
+-->`` (a plan JSON, which ``test_plan.py`` reads and pins). The docstrings of examples/ and
 benchmarks/ give their usage lines, checked like the pages' commands.
 """
 import dataclasses
@@ -31,7 +32,8 @@ README_MAX_LINES = 260
 BIN = os.path.dirname(sys.executable)
 ENV = dict(os.environ, PATH=BIN + os.pathsep + os.environ.get("PATH", ""),
            TF_CPP_MIN_LOG_LEVEL="2")
-MARKER = re.compile(r"<!-- readme-test: (run (?P<fixture>\w+)|commands|output of `(?P<of>[^`]+)`) -->")
+MARKER = re.compile(r"<!-- readme-test: (run (?P<fixture>\w+)|commands|output of `(?P<of>[^`]+)`"
+                    r"|plan json) -->")
 COMMAND_WORDS = ("python ", "tfpar ", "make ", "horovodrun ", "TEST_REWRITE_OFF=1 ")
 
 

@@ -20,6 +20,7 @@ import tensorflow as tf
 from tensorflow.python.eager import context
 
 import tfpar as wh
+from tfpar.runtime.context import active
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tf2_script.py")
 RNG = np.random.RandomState(0)
@@ -293,10 +294,15 @@ def test_get_variable_in_a_split_scope_of_a_tf2_step_is_refused_by_name():
 
 
 def test_wh_init_after_the_first_op_trains_on_one_device_and_says_why():
+    """Issue 64 item 3: wh.current_plan() then said that no training step had
+    been traced yet; it now returns the plan that ran: one device, and why."""
     got, log = run_script("tape_adam", 2, late_init=True)
     assert_same_training(plain("tape_adam"), got)
     assert "the tf.function 'step', data parallel over 2 devices: it trains on one device" in log
     assert "Call wh.init() before the script runs its first TensorFlow op" in log
+    assert got["strategies"] == [["replicate", 1]], got["strategies"]
+    assert got["planned"] == ["/job:localhost/replica:0/task:0/device:CPU:0"]
+    assert any("it trains on one device" in note for note in got["notes"]), got["notes"]
 
 
 def _trained_w(train_w, config):
@@ -317,14 +323,24 @@ def _assert_trains_as_without_tfpar(train_w):
 
 
 def test_eager_gradients_outside_functions_train_as_without_tfpar_and_say_so(fallbacks):
+    """And wh.current_plan() says what ran: one device (issue 64 item 3:
+    before, "no training step ... has been traced yet")."""
+    plans = []
+
     def train_w(w, opt):
         for _ in range(3):
             with tf.GradientTape() as tape:
                 loss = tf.reduce_mean(tf.square(tf.matmul(X, w) - Y))
             opt.apply_gradients([(tape.gradient(loss, w), w)])
+        if active() is not None:  # under tfpar
+            plans.append(wh.current_plan())
     _assert_trains_as_without_tfpar(train_w)
     assert "eager code, data parallel over 2 devices: it trains on one device" in \
         fallbacks.getvalue()
+    assert [(tg.strategy, len(tg.devices)) for tg in plans[0].task_graphs] == [("replicate", 1)]
+    assert plans[0].data_parallel_degree == 1
+    assert any("eager code, data parallel over 2 devices: it trains on one device" in note
+               for note in plans[0].notes), plans[0].notes
 
 
 def test_a_dataset_loop_inside_a_step_trains_as_without_tfpar_and_says_so(fallbacks):

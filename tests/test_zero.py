@@ -10,7 +10,8 @@ import pytest
 import tensorflow as tf
 
 from equivalence import (assert_equivalent, assert_same_variables, checkpoint_session, fed_graph,
-                         make_data, plan_of, traced_first_step, train, variable_values)
+                         initialized, make_data, plan_of, traced_first_step, train,
+                         variable_values)
 import tfpar as wh
 from test_expert_plans import gpt_loss
 from test_memory_techniques import adam, blocks
@@ -228,6 +229,32 @@ def test_zero_without_mirrored_variables_is_refused(config, why):
     with pytest.raises(wh.PlanError, match=why):
         train(blocks(1, adam), DATA, {**config, "memory.zero": 1})
     wh.reset()
+
+
+class DecayedAdam(v1.train.AdamOptimizer):
+    """Adam with a weight decay written as an op of its own before each update."""
+
+    def _resource_apply_dense(self, grad, var):
+        with tf.control_dependencies([var.assign_sub(0.01 * var)]):
+            return super()._resource_apply_dense(grad, var)
+
+
+def test_a_variable_another_update_op_writes_keeps_its_state_mirrored_and_says_so(fallbacks):
+    """Issue 64 item 4: before, such variables kept their optimizer state on
+    every replica without a word (ZeRO's owner alone would run an update the
+    other write must follow). The numbers are plain TF's; a FallbackWarning
+    and a plan note name them; strict refuses."""
+    build, config = blocks(1, lambda: DecayedAdam(0.05)), {**MIRRORED, "memory.zero": 1}
+    assert_equivalent(train(build, DATA), train(build, DATA, config))
+    said = ("ZeRO-1 (memory.zero, or the plan's), to shard the optimizer state of every "
+            "trainable variable over its replicas: 6 variable(s) keep their optimizer state "
+            "mirrored on every replica ('block0/inner/bias', ")
+    assert said in fallbacks.getvalue()
+    assert "(writers: AssignSubVariableOp; a weight decay" in fallbacks.getvalue()
+    with initialized(build, config):
+        assert any(said in note for note in wh.current_plan().notes)
+    with pytest.raises(wh.PlanError, match=r"keep their optimizer state mirrored .*strict: true"):
+        train(build, DATA, {**config, "strict": True})
 
 
 def test_the_planner_shards_the_optimizer_when_memory_forces_it(caplog):

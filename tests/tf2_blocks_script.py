@@ -7,8 +7,8 @@ CPU devices only before its first op).
 DEVICES 0 runs the script plainly; otherwise ``wh.init({"cluster.num_devices":
 DEVICES})`` comes first. Prints one JSON line: per phase of the script, the
 numbers it trained to (losses and metrics), the devices that ran work in the
-functions of that phase (TensorFlow's partition graphs) and the devices of
-``wh.current_plan()`` then; and every variable at the end (weights, optimizer
+functions of that phase (TensorFlow's partition graphs) and the devices and
+notes of ``wh.current_plan()`` then; and every variable at the end (weights, optimizer
 slots and iterations, metric totals). tfpar's log (INFO) goes to stderr.
 
 Scenarios:
@@ -48,18 +48,21 @@ _TFPAR = []  # [True] under wh.init()
 
 def phase(numbers) -> dict:
     """The numbers of a phase, the devices its functions ran work on (the run
-    metadata collected since the last phase) and the devices planned."""
+    metadata collected since the last phase), and the devices and notes of
+    the plan of its last step traced."""
     metadata = context.context().export_run_metadata()  # and clears it
     devices = sorted({node.device for function in metadata.function_graphs
                       for graph in function.partition_graphs for node in graph.node
                       if node.op not in _PLUMBING})
-    planned = []
+    planned, notes = [], []
     if _TFPAR:
         try:
-            planned = sorted({d for tg in wh.current_plan().task_graphs for d in tg.devices})
+            plan = wh.current_plan()
+            planned = sorted({d for tg in plan.task_graphs for d in tg.devices})
+            notes = list(plan.notes)
         except wh.PlanError:
-            pass  # no step rewritten yet
-    return {"numbers": numbers, "devices": devices, "planned": planned}
+            pass  # no step traced yet
+    return {"numbers": numbers, "devices": devices, "planned": planned, "notes": notes}
 
 
 def values(*objects) -> list:

@@ -249,8 +249,9 @@ def main(scenario: str, devices: int, late_init: bool, directory: str,
             "shard_widths": [[int(shard.shape[-1]) for shard in layer.kernel]
                              for layer in dense(net) if not isinstance(layer.kernel, tf.Variable)],
             "devices": working_devices(context.context().export_run_metadata()),
-            "planned": planned_devices() if devices and not late_init else [],
-            "strategies": strategies() if devices and not late_init else [],
+            "planned": planned_devices() if devices else [],
+            "strategies": strategies() if devices else [],
+            "notes": notes() if devices else [],
             "measured": measured() if devices and not late_init else {}}
 
 
@@ -283,12 +284,20 @@ def restore(net, directory: str) -> list:
 
 def strategies() -> list:
     """(strategy, device count) of each TaskGraph of ``wh.current_plan()`` (none
-    when no step was rewritten)."""
+    when no step was traced)."""
     try:
         plan = wh.current_plan()
     except wh.PlanError:
         return []
     return [[tg.strategy, len(tg.devices)] for tg in plan.task_graphs]
+
+
+def notes() -> list:
+    """``wh.current_plan().notes`` (none when no step was traced)."""
+    try:
+        return list(wh.current_plan().notes)
+    except wh.PlanError:
+        return []
 
 
 def measured() -> dict:
@@ -300,7 +309,7 @@ def measured() -> dict:
 
 
 def planned_devices() -> list:
-    """Devices of ``wh.current_plan()`` (none when no step was rewritten)."""
+    """Devices of ``wh.current_plan()`` (none when no step was traced)."""
     try:
         plan = wh.current_plan()
     except wh.PlanError:

@@ -292,19 +292,28 @@ def set_default_strategy(scope: _Scope) -> None:
     capture_for(tf.compat.v1.get_default_graph()).default_strategy = strategy
 
 
-def current_plan() -> Plan:
-    """The plan for the current default graph (works before any session runs);
-    in eager code, the plan of the last ``tf.function`` step tfpar rewrote.
+def current_plan(to_pin: bool = False) -> Plan:
+    """The plan of the current default graph: once it has run its first
+    training step, the plan it runs; before, the plan tfpar chose for it
+    (works before any session runs). In eager code, the plan of the last
+    ``tf.function`` step traced: rewritten, or on one device as traced.
+
+    The automatic search's plan may shard layers a graph was built without
+    (no planning pass: tests, notebooks): the graph then runs the best plan
+    without sharding, which ``current_plan()`` returns after its first
+    run (before, the search's plan, with a note saying what will run).
+    ``to_pin=True`` returns the search's plan in every case: pinned
+    (``wh.init({"plan": ...})``), a graph built with it shards those layers.
 
     Raises:
       PlanError: the graph trains but was built before ``wh.init`` (tfpar will
         not parallelise it, so no plan describes what runs); in eager code, no
-        step has been traced yet.
+        training step has been traced yet.
     """
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     from tfpar.hooks.capture import capture_for  # pylint: disable=import-outside-toplevel
     from tfpar.runtime.graph_state import state_of  # pylint: disable=import-outside-toplevel
-    from tfpar.runtime.planning import plan_for  # pylint: disable=import-outside-toplevel
+    from tfpar.runtime.planning import plans_for  # pylint: disable=import-outside-toplevel
 
     from tfpar.runtime.built_before_init import built_before_init_message, unseen_training  # pylint: disable=import-outside-toplevel
 
@@ -314,11 +323,22 @@ def current_plan() -> Plan:
             raise PlanError("tfpar: no training step of this eager script has been traced yet; "
                             "call the tf.function step (or model.fit) once, then "
                             "wh.current_plan() returns its plan")
-        return rt.function_plan
+        return (rt.function_pick if to_pin else None) or rt.function_plan
     graph = tf.compat.v1.get_default_graph()
     unseen = unseen_training(graph)
     if unseen is not None:
         raise PlanError(built_before_init_message(unseen))
     state = state_of(graph)
-    plan = state.sharded_plan or state.plan or plan_for(graph, capture_for(graph), rt)
-    return dataclasses.replace(plan, notes=fallback.notes(graph))  # said since, too
+    if state.plan is not None:  # what runs, and the search's plan to pin if it differs
+        runs, pick = state.plan, state.sharded_plan
+    else:
+        runs, pick = plans_for(graph, capture_for(graph), rt)
+    if pick is None or (state.plan is not None and not to_pin):
+        return dataclasses.replace(runs, notes=fallback.notes(graph))  # said since, too
+    ahead = () if to_pin or state.plan is not None else (
+        "tfpar: this is the search's plan, to pin: it shards layers this graph was built "
+        "without, so the graph, as built, will run the best plan without sharding ("
+        + ", ".join(f"'{tg.name}': {tg.strategy} on {len(tg.devices)} devices"
+                    for tg in runs.task_graphs)
+        + f"; data_parallel_degree {runs.data_parallel_degree})",)
+    return dataclasses.replace(pick, notes=fallback.notes(graph) + ahead)

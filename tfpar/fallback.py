@@ -1,4 +1,4 @@
-"""Saying what tfpar did instead of what was asked (DESIGN.md "Fallbacks").
+"""Saying what tfpar did instead of what was asked (``docs/fallbacks.md``).
 
 Wherever tfpar runs something other than what the script or config asked,
 it calls ``fall_back``: the text (what was asked, what runs instead, how to

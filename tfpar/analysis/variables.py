@@ -126,10 +126,10 @@ def _captured_variables(graph: ops.Graph) -> list:
 def averaged_variables(step: Set[ops.Operation], excluded: Set[ops.Operation],
                        declared: Dict[ops.Operation, str]) -> Dict[ops.Operation, Averaged]:
     """The variables ``step`` writes (but ``excluded``: the global step and
-    what gradients train) whose versions' updates are averaged, not
-    summed (DESIGN.md; MirroredStrategy's rule for Keras' ON_READ variables),
-    each with why: declared MEAN (or ONLY_FIRST_REPLICA: the first version's
-    update is kept), or undeclared and written from its own value (an
+    what gradients train) whose versions' updates are averaged, not summed
+    (``docs/semantics.md``; MirroredStrategy's rule for Keras' ON_READ
+    variables), each with why: declared MEAN (or ONLY_FIRST_REPLICA: the
+    first version's update is kept), or undeclared and written from its own value (an
     exponential moving average, ``assign_sub((v - batch_mean) * decay)``, or
     a whole value assigned: the fused BatchNorm kernel's running mean), or
     written inside an op tfpar cannot look into (a ``tf.cond``): a guess the

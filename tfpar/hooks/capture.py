@@ -1,7 +1,8 @@
 """Side tables recording, per tf.Graph, the TaskGraph and phase of every op.
 
-Hooks only record here; rewriters read these tables later (DESIGN.md:
-replica / phase identity lives in side tables, not in op names).
+Hooks only record here; analysis and the rewriters read these tables later,
+as one read-only ``Recorded`` (``docs/how-it-works.md``): an op's TaskGraph,
+phase and replica identity live in side tables, never parsed from op names.
 """
 import contextlib
 import dataclasses

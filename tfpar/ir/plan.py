@@ -1,23 +1,25 @@
 """Plan: the parallel program tfpar will run, as data the user can read and pin.
 
-The JSON layout is a contract (DESIGN.md "Plan JSON"): fields may be added,
+The JSON layout is a contract (``docs/plan-json.md``): fields may be added,
 never removed.
 """
 import dataclasses
 import json
-import re
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import math
+from typing import Any, Dict, List, Optional, Tuple
 
 from tfpar.errors import PlanError
-from tfpar.ir.compact import device_ranges, numbered
-from tfpar.ir.measured import human_bytes as _human_bytes, table as _measured_table
-from tfpar.ir.outcome import Outcome
+from tfpar.ir.compact import device_ranges
+from tfpar.ir.plan_summary import summary
 from tfpar.ir.report import write_report
 from tfpar.ir.schedule import build_schedule, interleaved_schedule
 from tfpar.ir.simulate import simulate as simulate_schedule
 from tfpar.ir.trace import chrome_trace, write_chrome_trace
 
-__all__ = ["Plan", "TaskGraphPlan", "pinned_plan"]
+__all__ = ["PLAN_JSON", "Plan", "TaskGraphPlan", "pinned_plan"]
+
+# Where the plan JSON's fields are described: cited by every error about one.
+PLAN_JSON = "docs/plan-json.md describes each field; wh.current_plan().to_json() writes a plan"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +105,7 @@ class Plan:
     measured: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, Any]:
-        """The plan as the JSON-ready dict of DESIGN.md."""
+        """The plan as the JSON-ready dict ``docs/plan-json.md`` describes."""
         return {
             "data_parallel_degree": self.data_parallel_degree,
             "pipeline": {
@@ -144,39 +146,25 @@ class Plan:
         """Inverse of :meth:`to_dict` (unknown extra fields are ignored).
 
         Raises:
-          PlanError: a field of the contract (DESIGN.md "Plan JSON") is
-            missing or of the wrong kind, named by its path
+          PlanError: a field of the contract (``docs/plan-json.md``) is
+            missing, of the wrong kind or out of range, named by its path
             (``plan.task_graphs[1].strategy``).
         """
         read = _Reader(data, "plan")
         pipeline = read.get("pipeline", dict, {})
-        tgs = []
-        for i, raw in enumerate(read.get("task_graphs", list)):
-            tg = _Reader(raw, f"plan.task_graphs[{i}]")
-            count = tg.get("device_count", int)
-            strategy = tg.get("strategy", str)
-            if strategy not in ("replicate", "split"):
-                tg.fail("strategy", f"'replicate' or 'split', not {strategy!r}")
-            replicas = tg.get("replicas", list, None)
-            if replicas is None:
-                devs = tg.get("devices", list)
-                replicas = [devs[i:i + count] for i in range(0, len(devs), count)]
-            tgs.append(TaskGraphPlan(
-                name=tg.get("name", str), strategy=strategy, device_count=count,
-                replicas=tuple(tuple(r) for r in replicas),
-                patterns=dict(tg.get("patterns", dict, {})),
-                shard_shares=tuple(tg.get("shard_shares", list, ())),
-                num_ops=tg.get("num_ops", int, 0), param_bytes=tg.get("param_bytes", int, 0),
-                estimate=dict(tg.get("estimate", dict, {}))))
+        tgs = [_task_graph(raw, f"plan.task_graphs[{i}]")
+               for i, raw in enumerate(read.get("task_graphs", list))]
         if not tgs:
             read.fail("task_graphs", "at least one TaskGraph")
         steps = _Reader(pipeline, "plan.pipeline")
+        group_size = steps.get("group_size", (int, str), 1)
+        if group_size != "auto" and (not isinstance(group_size, int) or group_size < 1):
+            steps.fail("group_size", f"an int >= 1 or 'auto', not {group_size!r}")
         return cls(task_graphs=tuple(tgs),
-                   data_parallel_degree=read.get("data_parallel_degree", int),
-                   num_micro_batch=steps.get("num_micro_batch", int, 1),
-                   schedule=steps.get("schedule", str, "1f1b"),
-                   group_size=steps.get("group_size", (int, str), 1),
-                   virtual_stages=steps.get("virtual_stages", int, 1),
+                   data_parallel_degree=read.positive("data_parallel_degree"),
+                   num_micro_batch=steps.positive("num_micro_batch", 1),
+                   schedule=steps.get("schedule", str, "1f1b"), group_size=group_size,
+                   virtual_stages=steps.positive("virtual_stages", 1),
                    estimate=dict(read.get("estimate", dict, {})),
                    sharding=dict(read.get("sharding", dict, {})),
                    batch_shares=tuple(read.get("batch_shares", list, ())),
@@ -225,65 +213,41 @@ class Plan:
         return write_report(self, path, traced)
 
     def summary(self) -> str:
-        """A human-readable table of the plan."""
-        lines = [
-            f"tfpar plan: data_parallel_degree={self.data_parallel_degree} "
-            f"num_micro_batch={self.num_micro_batch} schedule={self.schedule}"
-            + (f" virtual_stages={self.virtual_stages} (interleaved)"
-               if self.virtual_stages > 1 else ""),
-        ]
-        estimated = any(tg.estimate for tg in self.task_graphs)
-        header = ("TaskGraph", "strategy", "devices", "ops", "params", "placement") + (
-            ("est. time", "memory/dev", "comm") if estimated else ())
-        rows = [header]
-        groups = _alike(self.task_graphs, estimated)
-        for name, group in groups:
-            columns = _columns(group[0], estimated)
-            placement = device_ranges([d for tg in group for d in tg.devices])
-            rows.append((name,) + columns[:4] + (placement,) + columns[4:])
-        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-        for i, row in enumerate(rows):
-            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
-            if i == 0:
-                lines.append("  ".join("-" * w for w in widths))
-        for name, group in groups:
-            lines += [f"  {name}: {line}" for line in numbered(
-                [f"{unit} -> {pattern}" for tg in group
-                 for unit, pattern in sorted(tg.patterns.items())])]
-        if self.sharding:
-            sequence = ", sequence parallel" if self.sharding.get("sequence_parallel") else ""
-            lines.append(f"sharded layers (tensor degree {self.sharding['tensor_degree']}"
-                         f"{sequence}): "
-                         + ", ".join(numbered([f"{scope} -> {how}" for scope, how
-                                               in self.sharding["layers"].items()])))
-        for tg in self.task_graphs:
-            if tg.shard_shares:
-                lines.append(f"{tg.name} shards per device (hardware-aware, Whale §3.3.1): "
-                             + _percentages(tg.shard_shares))
-        if self.batch_shares:
-            lines.append("batch rows per replica (hardware-aware, Whale §3.3.1): "
-                         + _percentages(self.batch_shares))
-        est = self.estimate
-        if est:
-            step = est.get("step_time_s")
-            mem = est.get("memory_bytes_per_device") or [0]
-            lines.append(
-                "estimate: step_time=" + ("none" if step is None else f"{step * 1e3:.2f} ms")
-                + f"  peak memory/device={_human_bytes(max(mem))}"
-                + f"  comm/step={_human_bytes(est.get('comm_bytes', 0))}"
-                + ("  needs: " + ", ".join(est["memory_techniques"])
-                   if est.get("memory_techniques") else ""))
-            if step is None:
-                lines.append("  (not costed: tfpar costs the plans it makes for a graph)")
-            lines += _stated(est)
-        lines += _logical_devices(self)
-        lines += [_measured_table(self.measured)] if self.measured else []
-        lines += [f"note: {note}" for note in self.notes]
-        return "\n".join(lines)
+        """A human-readable table of the plan (``ir.plan_summary``)."""
+        return summary(self)
 
     def __str__(self) -> str:
         """``print(plan)`` shows :meth:`summary`."""
         return self.summary()
+
+
+def _task_graph(raw: Any, path: str) -> TaskGraphPlan:
+    """One TaskGraph of a plan's JSON. Without ``replicas``, its ``devices``
+    make them: groups of ``device_count`` for split, one device each for
+    replicate (as ``to_dict`` writes them)."""
+    tg = _Reader(raw, path)
+    count = tg.positive("device_count")
+    strategy = tg.get("strategy", str)
+    if strategy not in ("replicate", "split"):
+        tg.fail("strategy", f"'replicate' or 'split', not {strategy!r}")
+    replicas = tg.get("replicas", list, None)
+    devices = tg.get("devices", list, None) if replicas is not None else tg.get("devices", list)
+    if not (replicas or devices):
+        tg.fail("devices", "at least one device")
+    if replicas is None:
+        width = count if strategy == "split" else 1
+        replicas = [devices[i:i + width] for i in range(0, len(devices), width)]
+    elif not all(isinstance(r, list) for r in replicas):
+        tg.fail("replicas", f"a list of lists of devices, not {replicas!r}")
+    elif devices is not None and devices != [d for r in replicas for d in r]:
+        tg.fail("devices", f"the devices of its replicas in order ({replicas}), not {devices}")
+    return TaskGraphPlan(
+        name=tg.get("name", str), strategy=strategy, device_count=count,
+        replicas=tuple(tuple(r) for r in replicas),
+        patterns=dict(tg.get("patterns", dict, {})),
+        shard_shares=tuple(tg.get("shard_shares", list, ())),
+        num_ops=tg.get("num_ops", int, 0), param_bytes=tg.get("param_bytes", int, 0),
+        estimate=dict(tg.get("estimate", dict, {})))
 
 
 class _Reader:
@@ -294,8 +258,8 @@ class _Reader:
     def __init__(self, data: Any, path: str) -> None:
         self.path = path
         if not isinstance(data, dict):
-            raise PlanError(f"tfpar: {path} must be a JSON object, not {type(data).__name__} "
-                            "(a plan is what wh.current_plan().to_json() writes)")
+            raise PlanError(f"tfpar: the pinned plan's {path} must be a JSON object, not "
+                            f"{type(data).__name__} ({PLAN_JSON})")
         self.data = data
 
     def get(self, key: str, kind, default: Any = _MISSING) -> Any:
@@ -310,90 +274,57 @@ class _Reader:
             self.fail(key, f"of type {names}, not {value!r}")
         return value
 
+    def positive(self, key: str, default: Any = _MISSING) -> int:
+        """``data[key]``, an int >= 1; ``default`` when absent (else an error)."""
+        value = self.get(key, int, default)
+        if value < 1:
+            self.fail(key, f"an int >= 1, not {value!r}")
+        return value
+
     def fail(self, key: str, what: str) -> None:
         raise PlanError(f"tfpar: the pinned plan's {self.path}.{key} must be {what} "
-                        "(DESIGN.md's plan JSON; wh.current_plan().to_json() writes one)")
-
-
-def _columns(tg: TaskGraphPlan, estimated: bool) -> Tuple[str, ...]:
-    """A TaskGraph's summary columns but its name and placement."""
-    est = tg.estimate
-    return (tg.strategy, str(len(tg.devices)), str(tg.num_ops), _human_bytes(tg.param_bytes)) + ((
-        f"{est.get('time_s', 0) * 1e3:.3f} ms", _human_bytes(est.get("memory_bytes", 0)),
-        _human_bytes(est.get("comm_bytes", 0))) if estimated else ())
-
-
-def _alike(task_graphs: Sequence[TaskGraphPlan], estimated: bool
-           ) -> List[Tuple[str, List[TaskGraphPlan]]]:
-    """Runs of consecutive TaskGraphs with equal columns whose names differ
-    in one number (a pipeline's middle stages), each as (its name written
-    once, ``stage_{2..61}``, its TaskGraphs); any other TaskGraph alone."""
-    runs: List[List[TaskGraphPlan]] = []
-    for tg in task_graphs:
-        if runs and _columns(runs[-1][-1], estimated) == _columns(tg, estimated):
-            runs[-1].append(tg)
-        else:
-            runs.append([tg])
-    groups = []
-    for run in runs:
-        names = numbered([tg.name for tg in run])
-        groups += [(names[0], run)] if len(names) == 1 else [(tg.name, [tg]) for tg in run]
-    return groups
-
-
-def _logical_devices(plan: "Plan") -> List[str]:
-    """The line saying the plan's devices are logical CPU devices, and for a
-    described cluster (``cluster.hardware``) what they stand in for."""
-    logical = sorted({d for tg in plan.task_graphs for d in tg.devices
-                      if re.search(r"/device:CPU:[1-9]", d)},
-                     key=lambda d: (d.rsplit(":", 1)[0], int(d.rsplit(":", 1)[1])))
-    if not logical:  # one process has one CPU device; the others are TensorFlow's logical ones
-        return []
-    described = ((plan.estimate or {}).get("assumptions") or {}).get("device")
-    what = (f"standing in for the {described} devices described"
-            if described is not None and not described.startswith("host-CPU")
-            else "sharing its cores (no GPU is visible)")
-    return [f"devices: logical CPU devices of one host, {what}, e.g. {device_ranges(logical)}"]
-
-
-def _stated(est: Dict[str, Any]) -> List[str]:
-    """Summary lines of what an estimate assumes and how its plan was found."""
-    lines, said = [], est.get("assumptions")
-    if said:
-        node = f", {said['devices_per_node']} a node" if said.get("devices_per_node") else ""
-        dtype, peak = said["compute_dtype"], said["peak_dtype"]
-        why = {"tf32": " (float32 matmuls as TF32, TensorFlow's default on Ampere and later)",
-               "fp16": " (mixed precision)"}.get(dtype, "") if dtype == peak else (
-            f" ({said['device']} runs {dtype} at its {peak} peak)")
-        lines.append(f"assumes: {said['devices']} x {said['device']}{node}; {dtype} at "
-                     f"{said['peak_tflops']:g} TFLOP/s peak x efficiency "
-                     f"{said['efficiency']:g}{why}; batch {said['global_batch']} "
-                     f"({said['batch_from']})")
-    if "flops_per_step" in est:
-        again = est["recomputed_flops_per_step"]
-        lines.append(f"FLOPs: {est['flops_per_step']:.3g} a step (model FLOPs: 3 x forward), "
-                     f"{est['model_tflops_per_device']:.3g} TFLOP/s per device" + (
-                         f"; {est['hardware_tflops_per_device']:.3g} with the {again:.3g} "
-                         "recomputation adds (hardware FLOPs)" if again else ""))
-    found = []
-    if "search" in est:
-        search = est["search"]
-        skipped = len(search["not_searched"])
-        found.append(f"{search['planned']} of {search['meshes']} meshes planned in "
-                     f"{search['seconds']:.1f} s (limit {search['time_limit_s']:g} s"
-                     + (f", {skipped} not searched" if skipped else "") + ")")
-    for key, what in (("stage_search", "stages"), ("sharding_search", "sharding")):
-        if key in est:
-            found.append(f"{what} {Outcome.from_dict(est[key]).describe()}")
-    return lines + (["search: " + "; ".join(found)] if found else [])
-
-
-def _percentages(shares: Sequence[int]) -> str:
-    return " ".join(f"{share / sum(shares):.1%}" for share in shares)
+                        f"({PLAN_JSON})")
 
 
 def pinned_plan(config) -> Optional[Plan]:
     """The plan ``config`` pins (key ``plan``), or None: the one reader of a
-    pinned plan's JSON (``Plan.from_dict`` checks it; ``wh.init`` reads it
-    first, so a broken one is refused there)."""
-    return None if config.plan is None else Plan.from_dict(config.plan)
+    pinned plan's JSON (``Plan.from_dict`` checks each field, ``_consistent``
+    that they agree; ``wh.init`` reads it first, so a broken one is refused
+    there)."""
+    return None if config.plan is None else _consistent(Plan.from_dict(config.plan))
+
+
+def _consistent(plan: Plan) -> Plan:
+    """``plan``, whose device counts agree with its devices, as the planner
+    makes them: a split TaskGraph's replicas have ``device_count`` devices
+    each, a replicate TaskGraph's one each, in VirtualDevices of
+    ``device_count``; ``data_parallel_degree`` is the copies of the model
+    they make (the greatest common divisor of their replica counts).
+
+    Raises:
+      PlanError: a field contradicts the devices, named by its path.
+    """
+    for i, tg in enumerate(plan.task_graphs):
+        path = f"plan.task_graphs[{i}]"
+        widths = sorted({len(r) for r in tg.replicas})
+        if tg.strategy == "split" and widths != [tg.device_count]:
+            _contradicts(path, "device_count", f"the devices of each of its replicas (they have "
+                         f"{' or '.join(map(str, widths))})", tg.device_count)
+        if tg.strategy == "replicate" and widths != [1]:
+            _contradicts(path, "replicas", "one device each (a replicate TaskGraph's)",
+                         [list(r) for r in tg.replicas])
+        if tg.strategy == "replicate" and len(tg.devices) % tg.device_count:
+            _contradicts(path, "device_count", f"a divisor of its {len(tg.devices)} devices "
+                         "(the size of each VirtualDevice they form)", tg.device_count)
+    copies = math.gcd(*(len(tg.replicas) for tg in plan.task_graphs))
+    if plan.data_parallel_degree != copies:
+        _contradicts("plan", "data_parallel_degree", f"{copies}, the copies of the model its "
+                     "TaskGraphs' replicas make (replicas per TaskGraph: "
+                     f"{', '.join(str(len(tg.replicas)) for tg in plan.task_graphs)})",
+                     plan.data_parallel_degree)
+    return plan
+
+
+def _contradicts(path: str, key: str, what: str, value: Any) -> None:
+    raise PlanError(f"tfpar: the pinned plan's {path}.{key} must be {what}, not {value!r} "
+                    f"({PLAN_JSON})")

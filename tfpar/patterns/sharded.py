@@ -60,6 +60,8 @@ class SplitContext:
         to build as planned (``forced_pattern``).
       sequence_parallel: ``split.sequence_parallel``; ``sequence_regions``
         counts the tensors built split along the sequence.
+      made_shards: how many sharded tensors and variables it made (none, and
+        no ``decisions``: nothing of the TaskGraph is sharded).
       graph: the graph it was made in.
     """
 
@@ -79,6 +81,7 @@ class SplitContext:
         self.followed: Set[str] = set()
         self.sequence_parallel = sequence_parallel
         self.sequence_regions = 0
+        self.made_shards = 0
         self.graph = ops.get_default_graph()  # the one its fallbacks are noted in
         self._gathered: Dict = {}
         self._sharded = registry if registry is not None else {}
@@ -174,6 +177,7 @@ class SplitContext:
         self._sharded[full.ref()] = (
             self.devices, ShardedTensor(list(shards), axis % full.shape.rank, full, sequence))
         self.sequence_regions += bool(sequence)
+        self.made_shards += 1
         return full
 
     def cut(self, x, axis: int, widths: Sequence[int]) -> List[tensor_lib.Tensor]:
@@ -204,6 +208,7 @@ class SplitContext:
         split along ``axis``, the variable-store hook (``hooks.split_patches``)
         builds slice i on device i and records it (``shard_being_created``)."""
         creation = ShardCreation(self, shape, axis)
+        self.made_shards += 1
         _creations.append(creation)
         try:
             yield creation

@@ -24,6 +24,7 @@ import collections
 import dataclasses
 from typing import Dict, List, Set
 
+from tfpar import fallback
 from tfpar.compat.tf import ops
 from tfpar.errors import PlanError
 from tfpar.rewriters import graph_edit
@@ -121,8 +122,31 @@ def plan_sharding(sel: Selection, placement: Placement, stage: int) -> Sharding:
         group = _owned(var, var_slots, feeding[var], updates_set)
         if group is not None:
             groups[var] = group
+    _say_mirrored([var for var in by_var if var not in groups], updates_set, set(slots), stage)
     owner = _owners(groups, by_var, placement)
     return Sharding(stage, owner, {s: v for s, v in slots.items() if v in owner}, groups)
+
+
+def _say_mirrored(mirrored: List[ops.Operation], updates_set: Set[ops.Operation],
+                  slots: Set[ops.Operation], stage: int) -> None:
+    """Say (``fall_back``) that ``mirrored`` variables, which an update op
+    reading none of their ``slots`` writes too, keep their optimizer state on
+    every replica: ZeRO shards the others'."""
+    if not mirrored:
+        return
+    names = [var.name for var in sorted(mirrored, key=lambda op: op.name)]
+    writes = sorted({w.type for var in mirrored for w in variable_writers(var)
+                     if w in updates_set and not any(t.op in slots for t in w.inputs)})
+    fallback.fall_back(
+        f"ZeRO-{stage} (memory.zero, or the plan's), to shard the optimizer state of every "
+        "trainable variable over its replicas", f"{len(names)} variable(s) keep their optimizer "
+        "state mirrored on every replica ("
+        + ", ".join(f"'{name}'" for name in names[:6]) + (", ..." if len(names) > 6 else "")
+        + "): an update op besides their optimizer's writes them (writers: "
+        + ", ".join(writes) + "; a weight decay applied as an op of its own, say), and "
+        "ZeRO's owner alone runs a variable's update", "Fold that write into the optimizer's "
+        "update (its slots' readers), or make it outside apply_gradients; memory.zero 0 keeps "
+        "every optimizer state mirrored", mirrored[0].graph)
 
 
 def _owned(var, var_slots, feeding, updates_set):

@@ -1,6 +1,6 @@
 """The process-wide tfpar runtime set up by ``wh.init``."""
 import dataclasses
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from tfpar.config import Config
 from tfpar.ir.taskgraph import Strategy
@@ -21,9 +21,13 @@ class Runtime:
         when no scope exists".
       cluster: the multi-worker cluster (``runtime.cluster.Cluster``) or None.
       devices_per_worker: devices of one worker (all of them without a cluster).
-      warned_one_device: functions said to train on one device (None: eager code).
-      function_plan: the plan of the last tf.function step tfpar rewrote (eager
-        scripts: what ``wh.current_plan()`` returns).
+      warned_one_device: functions said to train on one device (None: eager
+        code), each with what was said.
+      function_plan: the plan of the last tf.function step tfpar traced: the
+        one it runs, rewritten or on one device (eager scripts: what
+        ``wh.current_plan()`` returns).
+      function_pick: that step's plan to pin when the search's pick shards
+        layers it was built without (``wh.current_plan(to_pin=True)``), else None.
       measured_steps: tf.function name -> the plan whose ``measured`` its calls
         filled (``runtime.measured_calls``; a trace of it for another batch
         takes it over, not measured again).
@@ -38,8 +42,9 @@ class Runtime:
     default_strategy: Optional[Tuple[Strategy, Optional[int]]] = None
     cluster: Any = None
     devices_per_worker: int = 0
-    warned_one_device: Set[Optional[str]] = dataclasses.field(default_factory=set)
+    warned_one_device: Dict[Optional[str], str] = dataclasses.field(default_factory=dict)
     function_plan: Any = None
+    function_pick: Any = None
     measured_steps: Dict[str, Any] = dataclasses.field(default_factory=dict)
     searches: Dict[Any, Any] = dataclasses.field(default_factory=dict)
 

@@ -1,7 +1,7 @@
 """The plan of a captured graph: its TaskGraphs, as annotated or as the
 planner chose, with Ada-Grouper's k and the batch shares of mixed devices."""
 import dataclasses
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 from tfpar import fallback
 from tfpar.compat.tf import ops
@@ -12,6 +12,7 @@ from tfpar.planner.stage_costs import stage_costs
 from tfpar.planner.from_annotations import plan_from_annotations
 from tfpar.planner.grouper import tune_group_size
 from tfpar.analysis.analysed import Analysed
+from tfpar.analysis.op_kinds import READ_ONLY_RESOURCE_TYPES, VARIABLE_TYPES
 from tfpar.analysis.graph_index import GraphIndex
 from tfpar.analysis.stages import assign_stages, stage_sizes
 from tfpar.runtime.automatic import (Automatic, automatic_plan, cluster_hardware, part_estimate,
@@ -22,7 +23,8 @@ from tfpar.runtime.prediction import Predicted, costed, predict
 from tfpar.runtime.sharded import sharded_plan
 from tfpar.runtime.stated import estimate_of
 
-__all__ = ["Planned", "analysed_now", "group_costs", "plan_for", "planned", "task_graph_specs"]
+__all__ = ["Planned", "analysed_now", "group_costs", "plan_for", "planned", "plans_for",
+           "task_graph_specs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +45,7 @@ def task_graph_specs(capture: GraphCapture, rt: Runtime, automatic: Optional[Aut
     """The graph's TaskGraphs; the whole model is one when nothing is annotated,
     or the automatic partition's one-device stages."""
     if capture.task_graphs:
-        return list(capture.task_graphs)
+        return [_replicated_if_unsharded(capture, spec) for spec in capture.task_graphs]
     if automatic is not None and automatic.count > 1:
         return [TaskGraphSpec(i, f"stage_{i}", Strategy.REPLICATE, 1, implicit=True)
                 for i in range(automatic.count)]
@@ -51,6 +53,37 @@ def task_graph_specs(capture: GraphCapture, rt: Runtime, automatic: Optional[Aut
         strategy, count = rt.default_strategy
         return [TaskGraphSpec(0, "default", strategy, count, implicit=True)]
     return [TaskGraphSpec(0, "replicate_all", Strategy.REPLICATE, None, implicit=True)]
+
+
+# Ops that hold, read or reshape data without computing on it.
+_PLUMBING = frozenset({"Const", "Identity", "IdentityN", "NoOp", "Shape", "Reshape", "Squeeze",
+                       "ExpandDims", "StridedSlice", "Pack", "Unpack", "ConcatV2", "Cast",
+                       "Fill", "Transpose", "AssignVariableOp", "Assign"}) | VARIABLE_TYPES | READ_ONLY_RESOURCE_TYPES
+
+
+def _replicated_if_unsharded(capture: GraphCapture, spec: TaskGraphSpec) -> TaskGraphSpec:
+    """A ``wh.split`` scope the script opened in which nothing was sharded
+    (no ShardingUnit: convolutions, pooling, normalization alone) runs
+    replicated on its devices instead of whole on the first: said
+    (``fall_back``), refused under ``strict``. Other TaskGraphs as they are."""
+    ctx = capture.split_contexts.get(spec.index)
+    if ctx is None or spec.implicit or ctx.decisions or ctx.made_shards:
+        return spec
+    graph = ctx.graph
+    kinds = sorted({graph.get_operation_by_name(name).type
+                    for name, index in capture.op_task_graph.items()
+                    if index == spec.index and name not in capture.op_phase
+                    and "Initializer/" not in name} - _PLUMBING)
+    fallback.fall_back(
+        f"wh.split TaskGraph '{spec.name}', to shard its layers over {ctx.size} devices",
+        "nothing in it is a layer or op tfpar shards (Dense, EinsumDense, MultiHeadAttention, "
+        "an embedding lookup, a matmul or einsum of split weights, a softmax cross-entropy; "
+        f"its ops: {', '.join(kinds[:8]) + (', ...' if len(kinds) > 8 else '') or 'none'}), "
+        f"so it is replicated instead: data parallel over its devices, with one device's "
+        "numbers", f"Put a layer tfpar shards in the scope, or make it "
+        f"wh.replicate({spec.device_count if spec.device_count is not None else ''}) to "
+        "silence this", graph)
+    return dataclasses.replace(spec, strategy=Strategy.REPLICATE)
 
 
 def analysed_now(graph: ops.Graph, capture: GraphCapture) -> Analysed:
@@ -62,10 +95,18 @@ def plan_for(graph: ops.Graph, capture: GraphCapture, rt: Runtime) -> Plan:
     """The plan for ``graph``: as annotated, or as the planner chose (no
     rewrite; a plan that shards layers even when this graph was built before
     it was known, so that it can be pinned)."""
+    runs, pick = plans_for(graph, capture, rt)
+    return pick or runs
+
+
+def plans_for(graph: ops.Graph, capture: GraphCapture,
+              rt: Runtime) -> Tuple[Plan, Optional[Plan]]:
+    """(the plan ``graph`` runs as built, the search's plan to pin when it
+    shards layers this graph was built without, else None); no rewrite."""
     analysed = analysed_now(graph, capture)
     automatic = automatic_plan(analysed, capture, rt)
     made = planned(analysed, capture, rt, automatic)
-    return sharded_plan(automatic, rt, analysed.index, capture) or made.plan
+    return made.plan, sharded_plan(automatic, rt, analysed.index, capture)
 
 
 def planned(analysed: Analysed, capture: GraphCapture, rt: Runtime,
@@ -79,7 +120,8 @@ def planned(analysed: Analysed, capture: GraphCapture, rt: Runtime,
     chosen = automatic.runnable if automatic is not None else None
     stats = {**stage_sizes(index, stage_of, len(specs)),
              "split": {i: (ctx.devices, ctx.decisions, ctx.shares)
-                       for i, ctx in capture.split_contexts.items()}}
+                       for i, ctx in capture.split_contexts.items()
+                       if specs[i].strategy == Strategy.SPLIT}}
     plan = plan_from_annotations(specs, rt.devices, planned_config(rt, automatic), stats,
                                  graph, chosen.virtual_stages if chosen is not None else None)
     if automatic is not None and automatic.runnable is not None:

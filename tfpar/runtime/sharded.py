@@ -99,7 +99,7 @@ def warn_unbuilt_sharding(automatic: Optional[Automatic]) -> None:
             f"{best.tensor} devices (estimated {best.step_time_s * 1e3:.3g} ms/step), but this "
             "graph was built before the plan existed")
     how = ("run the script itself (its planning pass pins the plan) or pin "
-           "wh.current_plan().to_json() as the config's 'plan'")
+           "wh.current_plan(to_pin=True).to_json() as the config's 'plan'")
     if automatic.runnable is None:
         raise PlanError(f"tfpar: {what}, and no plan without sharding fits the devices' "
                         f"memory; {how}")

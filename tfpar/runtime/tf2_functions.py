@@ -1,12 +1,12 @@
 """TF2 training steps: a tf.function traced from eager code is planned and
 rewritten like a graph, traced again with its batch relaxed, or left to
 train on one device, saying why."""
-import logging
 from typing import Any, Callable, Optional
 
 from tfpar import fallback
 from tfpar.compat.tf import context, ops
 from tfpar.hooks.capture import GraphCapture, existing_capture
+from tfpar.ir.plan import Plan, TaskGraphPlan
 from tfpar.rewriters.function_outputs import rewire_outputs
 from tfpar.analysis.op_kinds import is_input, reads_as_batch
 from tfpar.runtime.captured_batches import captured_batch, unsplittable
@@ -18,8 +18,6 @@ from tfpar.runtime.planning import plan_for
 
 __all__ = ["before_call", "function_gradients", "retrace_failed", "retraces_relaxed",
            "rewrite_function"]
-
-log = logging.getLogger("tfpar")
 
 _PASS_THE_BATCH = ("Pass the batch to the step as arguments (step(x, y)), or read it from a "
                    "tf.data iterator in the step, for tfpar to split it")
@@ -41,7 +39,7 @@ def rewrite_function(graph: ops.Graph, rewrite: Callable[[ops.Graph], Optional[A
         return
     if _plan_changes_nothing(rt):  # the step as traced is the plan: not retraced nor rewritten
         with graph.as_default():
-            rt.function_plan = plan_for(graph, capture, rt)
+            rt.function_plan, rt.function_pick = plan_for(graph, capture, rt), None
         return
     if not capture.relaxed and _traced_again(rt, graph, capture):
         return
@@ -49,12 +47,21 @@ def rewrite_function(graph: ops.Graph, rewrite: Callable[[ops.Graph], Optional[A
     if why:
         train_on_one_device(rt, graph, why, remedy)
         return
+    if capture.batch_captured:
+        fallback.fall_back(
+            f"the tf.function {graph.name!r}, data parallel over {len(rt.devices)} devices, "
+            "reading no batch through its arguments or iterators", "tfpar takes the tensors "
+            "its losses read that it captures from eager code (shapes "
+            + ", ".join(str(t.shape.as_list()) for t in capture.batch_captured)
+            + ") for its batch, and splits their rows over the replicas", _PASS_THE_BATCH,
+            graph)
     with graph.as_default():
         translate = rewrite(graph)
         if translate is not None:
             rewire_outputs(graph, translate)
             taken_over(graph)
             rt.function_plan = state_of(graph).plan
+            rt.function_pick = state_of(graph).sharded_plan
 
 
 def _traced_again(rt: Runtime, graph: ops.Graph, capture: GraphCapture) -> bool:
@@ -67,10 +74,6 @@ def _traced_again(rt: Runtime, graph: ops.Graph, capture: GraphCapture) -> bool:
     if why:
         train_on_one_device(rt, graph, why, _PASS_THE_BATCH)
         return True
-    if captured:
-        log.info("tfpar: the tf.function %r reads its batch from tensors captured from "
-                 "eager code (shapes %s): their rows are split over the replicas",
-                 graph.name, ", ".join(str(t.shape.as_list()) for t in captured))
     if static or captured:
         capture.batch_captured = captured
         capture.retrace = True  # traced again, batch relaxed; that trace is rewritten
@@ -101,17 +104,30 @@ def _unsplit_why(rt: Runtime, graph: ops.Graph, capture: GraphCapture):
 def train_on_one_device(rt: Runtime, graph: Optional[ops.Graph], why: str,
                         remedy: str) -> None:
     """Say, once per function (``graph``; None: eager code), that its step
-    runs as traced, on one device."""
+    runs as traced, on one device: the plan ``wh.current_plan()`` returns."""
     name = graph.name if graph is not None else None
-    if name in rt.warned_one_device:
-        return
-    rt.warned_one_device.add(name)
-    where = "eager code" if name is None else f"the tf.function {name!r}"
-    unchecked = (" (and check.finite_gradients does not check its gradients)"
-                 if rt.config.get("check.finite_gradients") else "")
-    fallback.fall_back(f"{where}, data parallel over {len(rt.devices)} devices",
-                       f"it trains on one device, as it would without tfpar{unchecked}: {why}",
-                       remedy, graph)
+    said = rt.warned_one_device.get(name)
+    if said is None:
+        where = "eager code" if name is None else f"the tf.function {name!r}"
+        unchecked = (" (and check.finite_gradients does not check its gradients)"
+                     if rt.config.get("check.finite_gradients") else "")
+        rt.warned_one_device[name] = fallback.fall_back(
+            f"{where}, data parallel over {len(rt.devices)} devices",
+            f"it trains on one device, as it would without tfpar{unchecked}: {why}", remedy,
+            graph)
+    else:  # a trace of it for another batch: said of its plan too
+        fallback.note(said, graph)
+    rt.function_plan, rt.function_pick = _as_traced(rt, graph), None
+
+
+def _as_traced(rt: Runtime, graph: Optional[ops.Graph]) -> Plan:
+    """The plan of a step that trains as traced, on one device (eager code's:
+    ``graph`` None): what ``wh.current_plan()`` shows, with what was said."""
+    name = "eager_code" if graph is None else graph.name
+    return Plan(task_graphs=(TaskGraphPlan(
+        name=name, strategy="replicate", device_count=1, replicas=((rt.devices[0],),),
+        num_ops=len(graph.get_operations()) if graph is not None else 0),),
+        data_parallel_degree=1, notes=fallback.notes(graph))
 
 
 def _plan_changes_nothing(rt: Runtime) -> bool:
