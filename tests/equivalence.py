@@ -77,7 +77,7 @@ def make_data(steps, batch, features=6, classes=3, seed=0):
 
 
 def train(build, data, tfpar_config=None, use_dataset=False, session="plain",
-          scope=None, static_batch=False):
+          scope=None, static_batch=False, timelines=None):
     """Train for len(data[0]) steps; return (losses, {var name: value}).
 
     ``data`` is (xs, ys): ``xs[step]`` is the batch fed to ``x`` (any dtype and
@@ -90,6 +90,8 @@ def train(build, data, tfpar_config=None, use_dataset=False, session="plain",
       scope: optional callable returning a context manager around the model.
       static_batch: declare the batch size in the graph (placeholders of shape
         ``[B, ...]``, ``batch(B, drop_remainder=True)``).
+      timelines: a list; each step of a graph tfpar rewrote appends its
+        ``wh.step_timeline`` (the tasks each stage device ran, in order).
     """
     xs, ys = data
     graph = tf.Graph()
@@ -117,18 +119,34 @@ def train(build, data, tfpar_config=None, use_dataset=False, session="plain",
         if session == "monitored":
             with tf.compat.v1.train.MonitoredTrainingSession() as sess:
                 for feed in feeds:
-                    losses.append(sess.run([loss, train_op], feed)[0])
+                    losses.append(_step(sess, [loss, train_op], feed, timelines))
                 values = variable_values(sess, variables)
         else:
             init = tf.compat.v1.global_variables_initializer()
             with tf.compat.v1.Session() as sess:
                 sess.run(init)
                 for feed in feeds:
-                    losses.append(sess.run([loss, train_op], feed)[0])
+                    losses.append(_step(sess, [loss, train_op], feed, timelines))
                 values = variable_values(sess, variables)
     if tfpar_config is not None:
         wh.reset()
     return np.array(losses), values
+
+
+def _step(sess, fetches, feed, timelines):
+    """The loss of one step (``fetches``: loss, train op); with ``timelines``,
+    the step traced and, if tfpar rewrote the graph, its timeline appended
+    (a graph left alone appends nothing: ``assert_equivalent`` says so)."""
+    if timelines is None:
+        return sess.run(fetches, feed)[0]
+    metadata = tf.compat.v1.RunMetadata()
+    loss = sess.run(fetches, feed, run_metadata=metadata, options=tf.compat.v1.RunOptions(
+        trace_level=tf.compat.v1.RunOptions.FULL_TRACE))[0]
+    try:
+        timelines.append(wh.step_timeline(metadata))
+    except wh.PlanError:
+        pass
+    return loss
 
 
 def checkpoint_session(build, path_in, path_out, config, data, saver_after_first_run=False):

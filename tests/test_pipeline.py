@@ -53,12 +53,35 @@ def test_whale_example_1(two_stage_reference):
     assert_equivalent(two_stage_reference, train(mlp_stages(2, True), DATA, config))
 
 
-@pytest.mark.parametrize("schedule,group_size", [("gpipe", 1), ("1f1b", 1), ("kfkb", 2),
-                                                 ("kfkb", 4), ("zero_bubble", 1)])
+# What each of 2 stage devices runs, 4 micro-batches, by hand: GPipe all
+# forwards, then all backwards; 1F1B warms stage s up with p - s - 1 = 1, 0
+# forwards, then alternates; kFkB is 1F1B over groups of k ({0, 1}, {2, 3}
+# for k = 2; one group, GPipe, for k = 4); zero-bubble (ZB-H1) keeps 1F1B's
+# F and B and puts each W m just before F m+2 (p = 2 in flight), a W after
+# each B once the forwards are done; stage 0 sends no gradient, so its
+# backward is W alone.
+SCHEDULES_RUN = {
+    ("gpipe", 1): ["F0 F1 F2 F3 B0 B1 B2 B3", "F0 F1 F2 F3 B0 B1 B2 B3"],
+    ("1f1b", 1): ["F0 F1 B0 F2 B1 F3 B2 B3", "F0 B0 F1 B1 F2 B2 F3 B3"],
+    ("kfkb", 2): ["F0 F1 F2 F3 B0 B1 B2 B3", "F0 F1 B0 B1 F2 F3 B2 B3"],
+    ("kfkb", 4): ["F0 F1 F2 F3 B0 B1 B2 B3", "F0 F1 F2 F3 B0 B1 B2 B3"],
+    ("zero_bubble", 1): ["F0 F1 W0 F2 W1 F3 W2 W3", "F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3"],
+}
+
+
+@pytest.mark.parametrize("schedule,group_size", list(SCHEDULES_RUN))
 def test_every_schedule(schedule, group_size, two_stage_reference):
+    """Each schedule computes the single-device numbers, and in every step
+    each stage device ran its tasks in the schedule's order (kFkB with a
+    fixed k too), one after another."""
     config = {"pipeline.num_micro_batch": 4, "cluster.num_devices": 2,
               "pipeline.schedule": schedule, "pipeline.group_size": group_size}
-    assert_equivalent(two_stage_reference, train(mlp_stages(2, True), DATA, config))
+    timelines = []
+    assert_equivalent(two_stage_reference,
+                      train(mlp_stages(2, True), DATA, config, timelines=timelines))
+    assert len(timelines) == len(DATA[0]), "a step has no timeline"
+    for result in timelines:
+        assert_follows(result, [stage.split() for stage in SCHEDULES_RUN[schedule, group_size]])
 
 
 def test_ada_grouper_tunes_k(two_stage_reference):
@@ -191,10 +214,13 @@ def traced_step(config, path=None, num_stages=2):
 
 
 def assert_follows(result, schedule):
-    """Every stage device ran its tasks in ``schedule`` order, one after another."""
+    """Every stage device ran its tasks in ``schedule`` order (tasks or their
+    names, ``"F0"``), one after another."""
     for s, tasks in enumerate(schedule):
         ran = [t for t in result.tasks if t.stage == s]
-        assert [str(t.task) for t in ran] == [str(t) for t in tasks]
+        assert [str(t.task) for t in ran] == [str(t) for t in tasks], (
+            f"stage {s} ran {' '.join(str(t.task) for t in ran)}; "
+            f"the schedule says {' '.join(map(str, tasks))}")
         for before, after in zip(ran, ran[1:]):
             assert before.end <= after.start, f"stage {s}: {after.task} overlaps {before.task}"
 
