@@ -99,8 +99,21 @@ def test_built_schedules_are_valid(kind, p, m):
 
 
 def test_1f1b_and_gpipe_ignore_group_size():
-    assert build_schedule("1f1b", 2, 4, group_size=3) == build_schedule("1f1b", 2, 4)
-    assert build_schedule("gpipe", 2, 4, group_size=0) == build_schedule("gpipe", 2, 4)
+    """group_size is kFkB's alone: given k = 3 (or 0, which kFkB refuses),
+    1F1B, GPipe and zero-bubble run their own orders (by hand: 1F1B warms
+    stage 0 up with one forward; ZB-H1 puts W m before F m+2), while kFkB
+    runs groups {0, 1, 2}, {3}."""
+    expected = {  # (kind, group_size): each stage's tasks
+        ("1f1b", 3): ["F0 F1 B0 F2 B1 F3 B2 B3", "F0 B0 F1 B1 F2 B2 F3 B3"],
+        ("gpipe", 0): ["F0 F1 F2 F3 B0 B1 B2 B3", "F0 F1 F2 F3 B0 B1 B2 B3"],
+        ("zero_bubble", 3): ["F0 F1 B0 W0 F2 B1 W1 F3 B2 W2 B3 W3",
+                             "F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3"],
+        ("kfkb", 3): ["F0 F1 F2 F3 B0 B1 B2 B3", "F0 F1 F2 B0 B1 B2 F3 B3"],
+    }
+    for (kind, k), stages in expected.items():
+        assert as_text(build_schedule(kind, 2, 4, group_size=k)) == stages, f"{kind}, k = {k}"
+    with pytest.raises(ValueError, match="group_size must be an int >= 1, got 0"):
+        build_schedule("kfkb", 2, 4, group_size=0)
 
 
 @pytest.mark.parametrize("bad,match", [
