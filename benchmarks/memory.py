@@ -1,7 +1,8 @@
 """tfpar memory: peak memory of a training step measured by TensorFlow's
 allocator, with and without a memory technique, next to the planner's estimate.
 
-A GPT (``planner.gpt_train_op``: pre-LN blocks ``layer_0``.., Adam) on one
+A GPT (``tfpar.models.gpt.gpt_train_op``: pre-LN blocks ``layer_0``.., 16
+heads, Adam) on one
 device, float32. Per row, one step after a warm-up step (variables and Adam's
 slots already allocated): "measured" is the allocator's peak during the step
 minus what it held before (TensorFlow's BFC allocator on the CPU,
@@ -90,11 +91,11 @@ from tfpar.runtime.precision import onednn_computes_bf16  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_args import cell, meets, parse_sizes, report  # noqa: E402
-from planner import gpt_train_op  # noqa: E402
+from tfpar.models.gpt import gpt_train_op  # noqa: E402
 
 v1 = tf.compat.v1
 SIZES = {"layers": (4, 2, "GPT blocks"), "batch": (8, 4, "sequences a step")}
-HIDDEN, SEQ, VOCAB = 256, 256, 2048
+HIDDEN, SEQ, VOCAB, HEADS = 256, 256, 2048, 16
 MIB = 2 ** 20
 TOLERANCE = 0.25
 ROWS = (("plain", False, None), ("recompute", True, None), ("bf16", False, "bf16"))
@@ -109,7 +110,7 @@ def measure(layers, batch, recompute, precision=None):
     with graph.as_default():
         wh.init({"cluster.num_devices": 1, "memory.mixed_precision": precision,
                  "memory.recompute": [f"layer_{i}" for i in range(layers)] if recompute else []})
-        train_op = gpt_train_op(layers, HIDDEN, SEQ, VOCAB, batch=batch)
+        train_op = gpt_train_op(layers, HIDDEN, SEQ, VOCAB, HEADS, batch=batch)
         _, view = model_view(GraphIndex(graph), capture_for(graph))
         ids = np.random.RandomState(0).randint(0, VOCAB, size=(batch, SEQ)).astype(np.int32)
         feed = {graph.get_tensor_by_name("ids:0"): ids, graph.get_tensor_by_name("labels:0"): ids}
@@ -137,7 +138,7 @@ def measure_zero(layers, batch, zero):
     with graph.as_default():
         wh.init({"cluster.num_devices": 2, "communication.backend": "collective",
                  "memory.zero": zero})
-        train_op = gpt_train_op(layers, HIDDEN, SEQ, VOCAB)
+        train_op = gpt_train_op(layers, HIDDEN, SEQ, VOCAB, HEADS)
         weights = sum(variable_bytes(v.op.outputs[0]) for v in v1.trainable_variables())
         ids = np.random.RandomState(0).randint(0, VOCAB, size=(batch, SEQ)).astype(np.int32)
         feed = {graph.get_tensor_by_name("ids:0"): ids, graph.get_tensor_by_name("labels:0"): ids}
