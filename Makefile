@@ -1,12 +1,17 @@
 # `make demo` and `make test` work on a fresh machine: they create .venv/ and install
 # everything (tensorflow-cpu 2.15.1, tensorflow-estimator 2.15.0, numpy<2, ortools,
-# networkx, pytest; `make test` also builds Horovod 0.28.1) before running.
+# networkx, pytest, pytest-xdist; `make test` also builds Horovod 0.28.1) before running.
+# The suite runs in PYTEST_WORKERS processes (pytest-xdist, a test file per process at a
+# time: files share their expensive fixtures), then the multi-process tests (marked slow)
+# one at a time.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 HOROVOD_STAMP := $(VENV)/.horovod-stamp
 PYTEST_ARGS ?=
+PYTEST_WORKERS ?= 2
+PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile
 
 .PHONY: demo test test-fast bench horovod chromium clean
 
@@ -23,11 +28,12 @@ demo: $(STAMP)
 
 # The full suite includes the Horovod backend's tests: Horovod is built first.
 test: $(STAMP) $(HOROVOD_STAMP) chromium
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests $(PARALLEL) -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest tests -m slow $(PYTEST_ARGS)
 
 # Everything but the tests marked slow (multi-process ones) or horovod (no Horovod needed).
 test-fast: $(STAMP) chromium
-	$(PY) -m pytest tests -m "not slow and not horovod" $(PYTEST_ARGS)
+	$(PY) -m pytest tests $(PARALLEL) -m "not slow and not horovod" $(PYTEST_ARGS)
 
 bench: $(STAMP) $(HOROVOD_STAMP)
 	$(PY) benchmarks/overhead.py --check

@@ -16,6 +16,6 @@ setup(
         "networkx",
     ],
     extras_require={"cpu": ["tensorflow-cpu==2.15.1"], "gpu": ["tensorflow==2.15.1"],
-                    "test": ["pytest", "pytest-timeout"]},
+                    "test": ["pytest", "pytest-timeout", "pytest-xdist"]},
     entry_points={"console_scripts": ["tfpar=tfpar.cli:main"]},
 )

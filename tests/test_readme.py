@@ -14,6 +14,7 @@ numbers and ``...`` standing for anything) or ``<!-- readme-test: plan json
 benchmarks/ give their usage lines, checked like the pages' commands.
 """
 import dataclasses
+import functools
 import os
 import re
 import shlex
@@ -335,6 +336,14 @@ def all_commands():
             for c in commands if not c.startswith("make ")]
 
 
+@functools.lru_cache(maxsize=None)
+def help_of(command: tuple) -> subprocess.CompletedProcess:
+    """What ``command`` (a ``--help``) printed, run once per process (59 usage
+    lines name 24 commands)."""
+    return subprocess.run(list(command), cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=120)
+
+
 @pytest.mark.parametrize("command", all_commands())
 def test_command_exists_with_the_flags_it_names(command):
     words = concrete(command)
@@ -343,8 +352,7 @@ def test_command_exists_with_the_flags_it_names(command):
             assert os.path.exists(os.path.join(ROOT, word)), f"{command}: no {word}"
     for name in re.findall(r"^(\w+)=", command):
         assert subprocess.run(["git", "grep", "-q", name, "--", "tests", "tfpar"], cwd=ROOT).returncode == 0, name
-    done = subprocess.run(help_command(words), cwd=ROOT, env=ENV, capture_output=True, text=True,
-                          timeout=120)
+    done = help_of(tuple(help_command(words)))
     assert done.returncode == 0, f"{command}:\n{done.stderr[-2000:]}"
     missing = [f for f in usage_flags(command) if f not in done.stdout]
     assert not missing, f"{command}: its --help does not know {missing}"

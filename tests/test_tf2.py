@@ -40,12 +40,33 @@ def run_script(scenario: str, devices: int, late_init: bool = False, directory=N
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 
 
+PARALLEL = [
+    ("tape_adam", 2), ("tape_adam", 4), ("tape_legacy_adam", 2), ("gradients_adam", 4),
+    ("pipeline", 2), ("pipeline", 4), ("pipeline_fit", 2), ("pipeline_fit", 4),
+    ("fit", 2), ("fit", 4), ("next_in_step", 2), ("split", 2), ("split", 4),
+    ("split_gradients", 2), ("split_fit", 2), ("split_fit", 4),
+    ("functional_pipeline_fit", 2), ("functional_pipeline_fit", 4), ("functional_split_fit", 2),
+    ("split_mixed_fit", 2), ("made_in_stages", 4), ("pipeline_interleaved", 2)]
+
+
 @functools.lru_cache(maxsize=None)
+def batch(devices: int) -> dict:
+    """scenario -> {"plain", "tfpar"} of every scenario of ``PARALLEL`` on
+    ``devices`` CPUs, trained plainly and with tfpar in one process
+    (``tf2_script.py --batch``: a process per scenario cost ~4 s each)."""
+    scenarios = [s for s, d in PARALLEL if d == devices]
+    done = subprocess.run([sys.executable, SCRIPT, "--batch", str(devices), *scenarios],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    runs = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return {run["scenario"]: run for run in runs}
+
+
 def plain(scenario: str):
     """The scenario without tfpar (a pipeline's or an automatic plan's: the same
-    loop without scopes or config)."""
-    return run_script("tape_adam" if scenario in ("pipeline", "pipeline_interleaved", "auto")
-                      else scenario, 0)[0]
+    loop without scopes or config), from the 2-device batch."""
+    alike = "tape_adam" if scenario in ("pipeline", "pipeline_interleaved", "auto") else scenario
+    return batch(2)[alike]["plain"]
 
 
 def assert_same_training(expected, got):
@@ -66,20 +87,14 @@ def assert_parallelised(got, devices: int) -> list:
     return planned
 
 
-@pytest.mark.parametrize("scenario,devices", [
-    ("tape_adam", 2), ("tape_adam", 4), ("tape_legacy_adam", 2), ("gradients_adam", 4),
-    ("pipeline", 2), ("pipeline", 4), ("pipeline_fit", 2), ("pipeline_fit", 4),
-    ("fit", 2), ("fit", 4), ("next_in_step", 2), ("split", 2), ("split", 4),
-    ("split_gradients", 2), ("split_fit", 2), ("split_fit", 4),
-    ("functional_pipeline_fit", 2), ("functional_pipeline_fit", 4), ("functional_split_fit", 2),
-    ("split_mixed_fit", 2), ("made_in_stages", 4), ("pipeline_interleaved", 2)])
+@pytest.mark.parametrize("scenario,devices", PARALLEL)
 def test_a_tf2_step_trains_in_parallel_with_the_single_device_numbers(scenario, devices):
     """Before: wh.init() switched TensorFlow to graph mode, every step(x, y)
     returned a symbolic tensor and nothing trained, without a word. A split
     head in a TF2 step was refused, and so was a scope around building a
     model in eager code."""
-    got, _ = run_script(scenario, devices)
-    assert_same_training(plain(scenario), got)
+    got = batch(devices)[scenario]["tfpar"]
+    assert_same_training(batch(devices)[scenario]["plain"], got)
     planned = assert_parallelised(got, devices)
     if scenario == "pipeline_interleaved":  # both stages on one group, copied on each device
         assert got["strategies"] == [["replicate", devices]] * 2, got["strategies"]

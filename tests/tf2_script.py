@@ -4,11 +4,13 @@ test suite itself runs in graph mode.
 
     python tf2_script.py SCENARIO DEVICES [--late-init] [--dir DIR] [--restore DIR]
                          [--resume DIR]
+    python tf2_script.py --batch DEVICES SCENARIO [SCENARIO ...]
 
 DEVICES 0 runs the script plainly; otherwise ``wh.init({"cluster.num_devices":
 DEVICES, ...})`` comes first (``--late-init``: after the script ran its first
 op). ``--dir``: where checkpoints and logs go (custom loops save a
 ``tf.train.Checkpoint`` of the model and optimizer there at the end).
+``--batch``: each scenario plainly and with tfpar in one process (``batch``).
 Prints one JSON line: the losses, the final weights, and the devices that ran
 work in the training step's placed graphs (TensorFlow's partition graphs of
 every function run, collected from the first step on) and the plan's predicted
@@ -231,7 +233,8 @@ def working_devices(metadata) -> list:
 
 def main(scenario: str, devices: int, late_init: bool, directory: str,
          restore_from: str = "") -> dict:
-    logging.getLogger("tfpar").addHandler(logging.StreamHandler(sys.stderr))
+    if not logging.getLogger("tfpar").handlers:
+        logging.getLogger("tfpar").addHandler(logging.StreamHandler(sys.stderr))
     if late_init:
         tf.constant(0.0) + 1.0  # TensorFlow makes its devices here
     if devices:
@@ -317,8 +320,43 @@ def planned_devices() -> list:
     return sorted({d for tg in plan.task_graphs for d in tg.devices})
 
 
+def batch(devices: int, scenarios) -> None:
+    """Each of ``scenarios`` trained plainly (no tfpar) and with tfpar on
+    ``devices`` logical CPUs, in this one process (``wh.reset()`` between):
+    one JSON line per scenario, {"scenario", "plain", "tfpar"}. TensorFlow makes
+    its logical devices at the first op, so they are made first."""
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * devices)
+    plain_runs = {}
+    for scenario in scenarios:
+        alike = "tape_adam" if scenario in ("pipeline", "pipeline_interleaved", "auto") else scenario
+        if alike not in plain_runs:
+            plain_runs[alike] = _fresh(lambda: main(alike, 0, False, tempfile.mkdtemp()))
+        context.context().export_run_metadata()  # forget the plain runs' graphs
+        got = _fresh(lambda: main(scenario, devices, False, tempfile.mkdtemp()))
+        wh.reset()
+        print(json.dumps({"scenario": scenario, "plain": plain_runs[alike], "tfpar": got}),
+              flush=True)
+
+
+def _fresh(run):
+    """``run()`` with the script's own state of a run reset before and after."""
+    for state in (_TFPAR, _OPTIMIZERS):
+        state.clear()
+    tf.keras.backend.clear_session()
+    try:
+        return run()
+    finally:
+        for state in (_TFPAR, _OPTIMIZERS):
+            state.clear()
+
+
 if __name__ == "__main__":
     args = sys.argv[1:]
+    if args[0] == "--batch":
+        batch(int(args[1]), args[2:])
+        sys.exit(0)
     out = args[args.index("--dir") + 1] if "--dir" in args else tempfile.mkdtemp()
     source = args[args.index("--restore") + 1] if "--restore" in args else ""
     _RESUME.extend(args[args.index("--resume") + 1:][:1] if "--resume" in args else [])
