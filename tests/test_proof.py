@@ -11,7 +11,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # One of each kind: DP (feeds, tf.data, both backends), gradient accumulation,
 # schedules, nested DP, bridges, Whale Examples 1 and 4, split heads, Estimator,
 # Keras, MonitoredTrainingSession, checkpoints, fetch merging, an example script,
-# TF2 steps (a tf.function loop, eager keras fit).
+# TF2 steps (a tf.function loop, eager keras fit); real training steps (a GAN,
+# a masked loss, metric trackers).
 SUBSET = [
     "tests/test_data_parallel.py::test_dp_matches_single_device[feed_dict-4-auto]",
     "tests/test_data_parallel.py::test_dp_matches_single_device[tf.data-2-collective]",
@@ -32,6 +33,9 @@ SUBSET = [
     "tests/test_tf2.py::test_a_tf2_step_trains_in_parallel_with_the_single_device_numbers"
     "[tape_adam-2]",
     "tests/test_tf2.py::test_a_tf2_step_trains_in_parallel_with_the_single_device_numbers[fit-4]",
+    "tests/test_real_steps.py::test_a_gan_step_updates_then_reads_the_updated_discriminator[dp4]",
+    "tests/test_real_steps.py::test_a_masked_loss_is_one_devices[dp4-mask_sum]",
+    "tests/test_real_steps_tf2.py::test_trackers_count_one_step_per_step[vae_uneven]",
 ]
 
 

@@ -44,8 +44,10 @@ def assert_one_devices_numbers(scenario: str) -> dict:
     for i, (a, b) in enumerate(zip(plain["variables"], got["variables"])):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6,
                                    err_msg=f"{scenario}: variable {i} differs")
-    assert set(got["planned"]) == set(PLANNED), got["planned"]
-    assert set(PLANNED) <= set(got["devices"]), f"the step ran on {got['devices']} only"
+    assert set(got["planned"]) == set(PLANNED), (
+        f"the step was never parallelised: the plan's devices are {got['planned']}")
+    assert set(PLANNED) <= set(got["devices"]), (
+        f"the step was never parallelised: it ran on {got['devices']} only")
     return got
 
 
