@@ -244,7 +244,7 @@ def test_versions_as_copies_copies_the_step_on_the_second_device(model):
 def test_mirrored_variables_and_updates_are_copied_per_device(model):
     rw, edges = _split(model, MirroringReducer)
     with model.graph.as_default():
-        clone_variables(model.graph, rw)
+        rw.device_maps = clone_variables(model.graph, rw)
         dp._versions_as_copies(model.graph, rw, edges, [], MirroringReducer)
         dp._reduce_and_update(model.graph, rw, edges, MirroringReducer)
     w1 = rw.device_maps[0][1][model["w"]]
