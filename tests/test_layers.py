@@ -1,7 +1,8 @@
 """The house's walls, read from disk: which folder of tfpar may import which
 (docs/how-it-works.md, "The layout"), where TensorFlow's internals may be
-reached, who may edit graphs, and how long a module or a function may grow.
-Every rule is checked on every module file, so new files are covered."""
+reached, who may edit graphs, who may record what the data-parallel rewrite
+made, and how long a module or a function may grow. Every rule is checked on
+every module file, so new files are covered."""
 import ast
 import os
 import pathlib
@@ -36,6 +37,11 @@ GRAPH_EDITS = {"update_input", "add_control_input", "set_control_inputs", "set_d
 # Python's own underscored functions, documented for use.
 PYTHON_PRIVATE_OK = {("os", "_exit"), ("sys", "_getframe")}
 MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 60
+# The modules that assign to the rewrite's builder (rewriters.rewrite_record.RewriteBuilder):
+# the driver, recording what each pass returns, and the builder's own memo.
+RECORDERS = {"rewriters/data_parallel.py", "rewriters/rewrite_record.py"}
+MUTATORS = {"append", "extend", "insert", "update", "setdefault", "add", "discard", "remove",
+            "pop", "popitem", "clear"}
 
 
 def _layer(path: pathlib.Path) -> str:
@@ -167,6 +173,55 @@ def test_only_rewriters_edit_graphs():
                                           isinstance(node, ast.alias)):
                 found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {called}")
     assert not found, "\n".join(found)
+
+
+def _builder_names(function: ast.AST, cls) -> set:
+    """The names a function holds the rewrite's builder (or record) in: ``rw``,
+    its parameters annotated ``RewriteBuilder``, and ``self`` in that class."""
+    args = function.args.posonlyargs + function.args.args + function.args.kwonlyargs
+    return {"rw"} | {a.arg for a in args if a.annotation is not None
+                     and "RewriteBuilder" in ast.unparse(a.annotation)} | (
+        {"self"} if cls == "RewriteBuilder" else set())
+
+
+def _written_part(node: ast.AST, names: set) -> bool:
+    """``node`` is a part of a builder: ``rw.field``, ``rw.field[k]``, ``rw.field.x``..."""
+    attribute = False
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        attribute |= isinstance(node, ast.Attribute)
+        node = node.value
+    return attribute and isinstance(node, ast.Name) and node.id in names
+
+
+def _builder_writes(tree: ast.AST):
+    """(line, code) of every assignment to a part of the rewrite's builder, and
+    every call changing one in place (``rw.x.update(...)``, ``setattr(rw, ...)``)."""
+    classes = {f: c.name for c in ast.walk(tree) if isinstance(c, ast.ClassDef)
+               for f in c.body if isinstance(f, ast.FunctionDef)}
+    for function in [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]:
+        names = _builder_names(function, classes.get(function))
+        for node in ast.walk(function):
+            targets = (node.targets if isinstance(node, ast.Assign) else
+                       [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            targets = [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                targets += [node.func.value] if node.func.attr in MUTATORS else []
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in (
+                    "setattr", "object.__setattr__") and node.args:
+                targets.append(ast.Attribute(node.args[0], "_", ast.Load()))
+            if any(_written_part(t, names) for t in targets):
+                yield node.lineno, ast.unparse(node).splitlines()[0]
+
+
+def test_only_the_driver_records_what_the_rewrite_made():
+    """Passes of the data-parallel rewrite read the builder and return what they
+    made; only ``RECORDERS`` assign to it (issue 62)."""
+    found = [f"{path.relative_to(PACKAGE)}:{line}: {code}" for path in _modules()
+             if str(path.relative_to(PACKAGE)) not in RECORDERS
+             for line, code in _builder_writes(ast.parse(path.read_text()))]
+    assert not found, "\n".join(found)
+    assert all(list(_builder_writes(ast.parse((PACKAGE / module).read_text())))
+               for module in RECORDERS), "a recorder that records nothing: drop it from RECORDERS"
 
 
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))

@@ -17,6 +17,7 @@ from tfpar.rewriters import select
 from tfpar.rewriters.allreduce import LocalReducer
 from tfpar.rewriters.batch_sources import refuse_unsplittable, worker_sources
 from tfpar.rewriters.mirrored import clone_variables
+from tfpar.rewriters.rewrite_record import DataParallelRewrite
 
 v1 = tf.compat.v1
 CPU = [canonical_device(f"/job:localhost/replica:0/task:0/device:CPU:{j}") for j in range(2)]
@@ -244,7 +245,7 @@ def test_versions_as_copies_copies_the_step_on_the_second_device(model):
 def test_mirrored_variables_and_updates_are_copied_per_device(model):
     rw, edges = _split(model, MirroringReducer)
     with model.graph.as_default():
-        clone_variables(model.graph, rw)
+        rw.device_maps = clone_variables(model.graph, rw)
         dp._versions_as_copies(model.graph, rw, edges, [], MirroringReducer)
         dp._reduce_and_update(model.graph, rw, edges, MirroringReducer)
     w1 = rw.device_maps[0][1][model["w"]]
@@ -293,3 +294,20 @@ def test_versions_as_calls_make_one_call_per_task_and_version(model):
     backward = rw.version_maps[0][1][model["grad"].op]
     assert backward.name == "tfpar/replica_1/micro_0/B" and calls[1] in {
         t.op for t in backward.inputs}
+
+
+def test_replicate_returns_a_frozen_record(model):
+    """What the rewrite made does not change after it: no field can be set, and
+    its mappings, lists and sets are read-only."""
+    rw = dp.replicate(model.graph, model.capture, GraphIndex(model.graph), _placement(model),
+                      1, LocalReducer, [], functions=True)
+    assert isinstance(rw, DataParallelRewrite)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rw.edits = 0
+    loss = model["loss"].outputs[0]
+    for mapping in (rw.merged, rw.version_maps[0][1], rw.sync_ops, rw.reduced, rw.task_ops):
+        with pytest.raises(TypeError):
+            mapping[loss] = loss
+    assert isinstance(rw.version_maps, tuple) and isinstance(rw.version_maps[0], tuple)
+    assert isinstance(rw.seed_weighted, frozenset) and isinstance(rw.outside_tasks, frozenset)
+    assert all(isinstance(values, tuple) for values in rw.reduced.values())

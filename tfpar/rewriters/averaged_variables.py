@@ -25,7 +25,7 @@ too far on R versions, and racing where the update assigns.
   waited for a writer of the variable also wait for that, and fetching a
   writer runs it.
 """
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from tfpar import fallback
 from tfpar.compat.tf import (control_flow_ops, gen_resource_variable_ops, handle_data_util,
@@ -33,16 +33,19 @@ from tfpar.compat.tf import (control_flow_ops, gen_resource_variable_ops, handle
 from tfpar.rewriters import graph_edit
 from tfpar.rewriters.replica_sync import assign_value, read_value
 from tfpar.analysis.op_kinds import VARIABLE_TYPES
-from tfpar.rewriters.rewrite_record import DataParallelRewrite
+from tfpar.rewriters.rewrite_record import RewriteBuilder
 
 __all__ = ["average_local_copies", "local_copy", "make_local_copies", "reroute_to_local_copies"]
 
 
-def make_local_copies(graph: ops.Graph, rw: DataParallelRewrite) -> None:
-    """A local copy of every averaged variable per version of its stage
-    (``rw.local_copies``); the copy path reroutes version 0's ops to theirs
+def make_local_copies(graph: ops.Graph, rw: RewriteBuilder
+                      ) -> Dict[Tuple[int, int], Dict[tensor_lib.Tensor, tensor_lib.Tensor]]:
+    """A local copy of every averaged variable per version of its stage:
+    (stage, version) -> variable handle -> its copy's (``rw.local_copies``);
+    the copy path reroutes version 0's ops to theirs
     (``reroute_to_local_copies``), later versions and function calls read
     them through ``local_copy``."""
+    copies: Dict[Tuple[int, int], Dict[tensor_lib.Tensor, tensor_lib.Tensor]] = {}
     for var, averaged in rw.selection.averaged.items():
         if averaged.why.startswith("written inside"):
             fallback.fall_back(
@@ -55,31 +58,37 @@ def make_local_copies(graph: ops.Graph, rw: DataParallelRewrite) -> None:
             j, m = rw.layout.slot(stage, v)
             copy = _new_variable(graph, var, f"{rw.prefix(stage, j)}/micro_{m}/local",
                                  rw.placement.device(var, j))
-            rw.local_copies.setdefault((stage, v), {})[var.outputs[0]] = copy
+            copies.setdefault((stage, v), {})[var.outputs[0]] = copy
+    return copies
 
 
-def local_copy(rw: DataParallelRewrite, handle: tensor_lib.Tensor, stage: int,
+def local_copy(rw: RewriteBuilder, handle: tensor_lib.Tensor, stage: int,
                version: int) -> Optional[tensor_lib.Tensor]:
     """The local copy version ``version`` of ``stage`` uses where the script
     uses ``handle``, if ``handle`` is an averaged variable's; else None."""
     return rw.local_copies.get((stage, version), {}).get(handle)
 
 
-def reroute_to_local_copies(rw: DataParallelRewrite) -> None:
-    """The copy path's version 0 (the original ops) uses its local copies."""
+def reroute_to_local_copies(rw: RewriteBuilder) -> int:
+    """The copy path's version 0 (the original ops) uses its local copies;
+    returns the in-place edits made."""
     step = rw.selection.step_ops_set
+    edits = 0
     for var in rw.selection.averaged:
         handle = var.outputs[0]
         for op in [c for c in handle.consumers() if c in step]:
-            rw.edits += graph_edit.reroute(op, handle, local_copy(
+            edits += graph_edit.reroute(op, handle, local_copy(
                 rw, handle, rw.placement.stage(op), 0))
+    return edits
 
 
-def average_local_copies(graph: ops.Graph, rw: DataParallelRewrite, reducer_for,
-                         control_readers) -> None:
+def average_local_copies(graph: ops.Graph, rw: RewriteBuilder, reducer_for,
+                         control_readers) -> Dict[ops.Operation, ops.Operation]:
     """Set every local copy before its version, and average them into the
     variable after (module docstring). ``control_readers``: op -> the ops
-    the script made wait for it."""
+    the script made wait for it. Returns, per writer of an averaged
+    variable, the op that runs its versions and the average after them."""
+    syncs: Dict[ops.Operation, ops.Operation] = {}
     for var, averaged in rw.selection.averaged.items():
         stage = rw.placement.stage(var)
         devices = [rw.placement.device(var, j)
@@ -95,7 +104,7 @@ def average_local_copies(graph: ops.Graph, rw: DataParallelRewrite, reducer_for,
         assigns = _assign_sums(rw, var, stage, devices, terms, reducer_for(devices))
         done = control_flow_ops.group(*assigns, name="averaged")
         for writer in averaged.writers:
-            rw.sync_ops[writer] = control_flow_ops.group(
+            syncs[writer] = control_flow_ops.group(
                 done, *rw.versions(writer), name="averaged_writes")
         step = rw.selection.step_ops_set
         for op in _downstream(averaged.writers, step, control_readers):
@@ -103,6 +112,7 @@ def average_local_copies(graph: ops.Graph, rw: DataParallelRewrite, reducer_for,
                 if reader not in step:
                     for reader_j in rw.replica_versions(reader):
                         graph_edit.add_control_input(reader_j, done)
+    return syncs
 
 
 def _downstream(writers, step, control_readers) -> List[ops.Operation]:
@@ -118,7 +128,7 @@ def _downstream(writers, step, control_readers) -> List[ops.Operation]:
     return sorted(found, key=lambda op: op.name)
 
 
-def _run_on_copy(rw: DataParallelRewrite, var: ops.Operation, stage: int, version: int,
+def _run_on_copy(rw: RewriteBuilder, var: ops.Operation, stage: int, version: int,
                  j: int) -> tensor_lib.Tensor:
     """Set version ``version``'s copy of ``var`` from stage device ``j``'s
     mirror before the version uses it; return its value after."""
@@ -133,7 +143,7 @@ def _run_on_copy(rw: DataParallelRewrite, var: ops.Operation, stage: int, versio
         return read_value(copy.op)
 
 
-def _assign_sums(rw: DataParallelRewrite, var: ops.Operation, stage: int, devices: List[str],
+def _assign_sums(rw: RewriteBuilder, var: ops.Operation, stage: int, devices: List[str],
                  terms: List[List[tensor_lib.Tensor]], reducer) -> List[ops.Operation]:
     """Each stage device's mirror of ``var`` := the sum of every device's
     ``terms`` (``reducer`` across devices, and processes)."""

@@ -32,15 +32,15 @@ a pipeline replica (``layout.Layout``, ``stages.Placement``):
     every version reads the original variables and the update ops run once;
   * ops outside the step that read step tensors (summaries) read merged values.
 """
+import dataclasses
 import functools
-from typing import List, NamedTuple, Optional
+from typing import Dict, List, Optional, Tuple
 
-from tfpar import fallback
 from tfpar.analysis.batch_axes import BatchAxes
 from tfpar.analysis.graph_index import GraphIndex
 from tfpar.analysis.op_kinds import gradient_tensors
 from tfpar.analysis.stages import Placement
-from tfpar.compat.tf import ops
+from tfpar.compat.tf import ops, tensor_lib
 from tfpar.ir.recorded import Recorded
 from tfpar.rewriters import graph_edit
 from tfpar.rewriters.averaged_variables import (average_local_copies, make_local_copies,
@@ -49,42 +49,24 @@ from tfpar.rewriters.batch_sources import (refuse_fixed_blocks, refuse_unsplitta
                                            worker_sources)
 from tfpar.rewriters.batch_split import split_batch, split_sources
 from tfpar.rewriters.bridge import Bridges
+from tfpar.rewriters.built_edges import BuiltEdges, built_edges
 from tfpar.rewriters.gradients import reduce_gradients, scale_seed, scale_seeds
 from tfpar.rewriters.layout import Layout
+from tfpar.rewriters.merge import merge_step_tensor
 from tfpar.rewriters.mirrored import (clone_variables, copy_updates, owner_inputs,
                                       wait_for_earlier_rounds)
 from tfpar.rewriters.offload import offload_optimizer
 from tfpar.rewriters.pipeline import lower_schedule, stage_tasks, task_ops
 from tfpar.rewriters.replica_sums import marked_sums, sum_across_replicas
 from tfpar.rewriters.replica_sync import add_replica_sync
-from tfpar.rewriters.rewrite_record import DataParallelRewrite
+from tfpar.rewriters.rewrite_record import DataParallelRewrite, RewriteBuilder
 from tfpar.rewriters.select import Selection, select_replication
-from tfpar.rewriters.task_calls import call_tasks, task_order
+from tfpar.rewriters.task_calls import (Versions, call_markers, call_versions, outside_tasks,
+                                       task_order)
 from tfpar.rewriters.tied_weights import reduce_per_stage
 from tfpar.rewriters.zero import plan_sharding, refuse_unshardable, shard_updates
 
 __all__ = ["replicate"]
-
-
-class BuiltEdges(NamedTuple):
-    """The edges around the copied ops as the script built them, read before
-    the rewrite adds ops of its own.
-
-    Attributes:
-      copied: step and update ops.
-      raw: the raw gradients' tensors.
-      outside_readers: (step tensor, op outside ``copied`` reading it, input index).
-      control_readers: step, update or sync-writer op -> the ops waiting on it.
-      crossing: (step op, input index, step tensor of another stage it reads).
-      crossing_controls: (step op, step op of another stage it waits on).
-    """
-
-    copied: set
-    raw: set
-    outside_readers: list
-    control_readers: dict
-    crossing: list
-    crossing_controls: list
 
 
 def replicate(graph: ops.Graph, recorded: Recorded, index: GraphIndex, placement: Placement,
@@ -92,7 +74,9 @@ def replicate(graph: ops.Graph, recorded: Recorded, index: GraphIndex, placement
               processes=None, functions: bool = True, calls_optimized: bool = False, shares=(),
               offload: bool = False, zero: int = 0,
               precision: Optional[str] = None) -> DataParallelRewrite:
-    """Rewrite ``graph`` (see module docstring).
+    """Rewrite ``graph`` (see module docstring); returns what the rewrite made.
+    Each pass reads the ``RewriteBuilder`` and returns what it made, which
+    this module alone records in the builder.
 
     Args:
       index: ``GraphIndex(graph)``, the one ``placement`` was computed on.
@@ -116,8 +100,9 @@ def replicate(graph: ops.Graph, recorded: Recorded, index: GraphIndex, placement
                       precision)
     _place(graph, rw, zero, offload)
     if rw.trivial:
-        rw.task_ops = task_ops(rw, recorded, index)
-        return rw
+        _stage_tasks(rw, recorded, index)
+        rw.task_ops = task_ops(rw)
+        return rw.freeze()
     refuse_unsplittable(rw.selection)
     edges = _built_edges(rw, index)
     with graph.as_default(), ops.name_scope(None), ops.name_scope("tfpar"):
@@ -125,25 +110,25 @@ def replicate(graph: ops.Graph, recorded: Recorded, index: GraphIndex, placement
         refuse_fixed_blocks(rw.selection, rw.batch_axes.axis)
         _reroute_batch_inputs(rw)
         if rw.mirrored:
-            clone_variables(graph, rw)
-        make_local_copies(graph, rw)
-        tasks = stage_tasks(rw, recorded, index)
+            rw.device_maps = clone_variables(graph, rw)
+        rw.local_copies = make_local_copies(graph, rw)
+        tasks = _stage_tasks(rw, recorded, index)
         marks = marked_sums(rw, recorded)
-        order = _task_order_or_say(graph, rw, tasks, marks) if functions else None
-        seeds = scale_seeds(rw, recorded, index)
+        order = task_order(graph, rw, tasks, marks) if functions else None
+        seeds = _weigh(rw, recorded, index)
         if order is not None:
             _versions_as_calls(graph, rw, recorded, tasks, order, seeds,
                                calls_optimized and not graph.building_function)
-            lower_schedule(rw, recorded, index, schedule)
+            rw.task_ops, rw.schedule_edges = lower_schedule(rw, schedule)
             _updates_read_version_0(rw, edges.raw)
         else:
             _versions_as_copies(graph, rw, edges, marks, reducer_for)
-            lower_schedule(rw, recorded, index, schedule)
+            rw.task_ops, rw.schedule_edges = lower_schedule(rw, schedule)
             for seed in seeds:
-                scale_seed(rw, seed, range(len(rw.versions(seed.op))))
+                rw.edits += scale_seed(rw, seed, range(len(rw.versions(seed.op)))).edits
         _reduce_and_update(graph, rw, edges, reducer_for)
         _rewire_readers(rw, edges)
-    return rw
+    return rw.freeze()
 
 
 def _selection(graph: ops.Graph, recorded: Recorded, index: GraphIndex) -> Selection:
@@ -157,15 +142,15 @@ def _selection(graph: ops.Graph, recorded: Recorded, index: GraphIndex) -> Selec
 
 
 def _new_rewrite(sel: Selection, placement: Placement, num_micro_batch: int, reducer_for,
-                 schedule, processes, precision: Optional[str]) -> DataParallelRewrite:
-    """The empty record: gradients summed across stages split into their
+                 schedule, processes, precision: Optional[str]) -> RewriteBuilder:
+    """The builder, empty: gradients summed across stages split into their
     stages' terms (``tied_weights``), one version map per version of each
     stage and one device map per stage device; variables mirrored when the
     reducer mirrors them and some stage has several devices."""
     sel, terms = reduce_per_stage(sel, placement.stage)
     layout = Layout(placement.num_replicas, num_micro_batch, placement.widths)
     stages = range(placement.num_stages)
-    return DataParallelRewrite(
+    return RewriteBuilder(
         placement=placement, layout=layout, selection=sel,
         version_maps=[[{} for _ in range(layout.num_versions(s))] for s in stages],
         device_maps=[[{} for _ in placement.stage_devices[s]] for s in stages],
@@ -175,7 +160,7 @@ def _new_rewrite(sel: Selection, placement: Placement, num_micro_batch: int, red
         precision=precision, gradient_terms=terms)
 
 
-def _place(graph: ops.Graph, rw: DataParallelRewrite, zero: int, offload: bool) -> None:
+def _place(graph: ops.Graph, rw: RewriteBuilder, zero: int, offload: bool) -> None:
     """The originals move to their stage's device 0 (a tf.function's
     variable stays where it was made); ZeRO's sharding is planned, and the
     optimizer offloaded, if asked."""
@@ -190,28 +175,15 @@ def _place(graph: ops.Graph, rw: DataParallelRewrite, zero: int, offload: bool) 
         offload_optimizer(graph, rw)
 
 
-def _built_edges(rw: DataParallelRewrite, index: GraphIndex) -> BuiltEdges:
-    """The edges as the script built them (``BuiltEdges``), also kept in the
-    record (``original_inputs``, ``original_controls``)."""
-    sel, stage_of = rw.selection, rw.placement.stage
-    step = sel.step_ops_set
-    rw.original_inputs = {op: list(op.inputs) for op in sel.step_ops}
-    rw.original_controls = {op: list(op.control_inputs) for op in sel.step_ops}
-    copied = step | set(sel.update_ops)
-    return BuiltEdges(
-        copied=copied, raw={t for g, _ in sel.raw_grads for t in gradient_tensors(g)},
-        outside_readers=[(t, c, k) for op in sel.step_ops for t in op.outputs
-                         for c in t.consumers() if c not in copied
-                         for k, x in enumerate(c.inputs) if x is t],
-        control_readers={op: list(index.control_consumers.get(op, ()))
-                         for op in sel.step_ops + sel.update_ops + sel.sync_writers},
-        crossing=[(c, k, t) for c in sel.step_ops for k, t in enumerate(c.inputs)
-                  if t.op in step and stage_of(t.op) != stage_of(c)],
-        crossing_controls=[(c, p) for c in sel.step_ops for p in c.control_inputs
-                           if p in step and stage_of(p) != stage_of(c)])
+def _built_edges(rw: RewriteBuilder, index: GraphIndex) -> BuiltEdges:
+    """The edges as the script built them (``built_edges``), whose inputs and
+    control inputs the record keeps (``original_inputs``, ``original_controls``)."""
+    edges = built_edges(rw.selection, rw.placement, index)
+    rw.original_inputs, rw.original_controls = dict(edges.inputs), dict(edges.controls)
+    return edges
 
 
-def _split_batch(recorded: Recorded, rw: DataParallelRewrite, shares) -> None:
+def _split_batch(recorded: Recorded, rw: RewriteBuilder, shares) -> None:
     """Cut the batch inputs into the layout's pieces (each worker's own
     reads with ``io.shard_dataset``), find the batch axis of every step
     tensor and make the bridges that hand each version its rows."""
@@ -232,20 +204,54 @@ def _split_batch(recorded: Recorded, rw: DataParallelRewrite, shares) -> None:
                          rw.batch_axes.axis)
 
 
-def _versions_as_calls(graph: ops.Graph, rw: DataParallelRewrite, recorded: Recorded,
+def _stage_tasks(rw: RewriteBuilder, recorded: Recorded, index: GraphIndex
+                 ) -> Dict[Tuple[int, str], List[ops.Operation]]:
+    """The original ops of every stage's tasks (``pipeline.stage_tasks``),
+    keyed (stage, kind); the control inputs they keep become the built ones."""
+    tasks = stage_tasks(rw, recorded, index)
+    rw.stage_tasks = tasks.groups
+    rw.original_controls.update(tasks.controls)
+    return tasks.groups
+
+
+def _weigh(rw: RewriteBuilder, recorded: Recorded,
+           index: GraphIndex) -> List[tensor_lib.Tensor]:
+    """How each version weighs its gradients (``gradients.scale_seeds``);
+    returns the seeds to scale."""
+    weighting = scale_seeds(rw, recorded, index)
+    rw.seed_weighted, rw.summed_grads = weighting.seed_weighted, weighting.summed_grads
+    rw.edits += weighting.edits
+    return weighting.seeds
+
+
+def _versions_as_calls(graph: ops.Graph, rw: RewriteBuilder, recorded: Recorded,
                        tasks, order: list, seeds, optimized: bool) -> None:
     """Every version of every task is a call of its function
-    (``task_functions``)."""
-    rw.functions = True
+    (``task_calls``), tasks in ``order``, each one's calls recorded before
+    later tasks read them; variable reads and constants stay outside."""
+    outside = outside_tasks(graph, rw)
+    rw.functions, rw.outside_tasks = True, outside.members
     rw.version_values = [[{} for _ in range(rw.layout.num_versions(s))]
                          for s in range(rw.placement.num_stages)]
-    call_tasks(graph, rw, tasks, order, seeds,
-               {t for call in recorded.gradient_calls for g in call.grads
-                if g is not None for t in gradient_tensors(g)},
-               optimized)
+    _record_versions(rw, outside.versions)
+    fetchable = {t for call in recorded.gradient_calls for g in call.grads
+                 if g is not None for t in gradient_tensors(g)}
+    markers = call_markers(graph, rw, order)
+    for key in order:
+        made = call_versions(graph, rw, key, tasks[key], seeds, fetchable, markers, optimized)
+        _record_versions(rw, made)
 
 
-def _updates_read_version_0(rw: DataParallelRewrite, raw: set) -> None:
+def _record_versions(rw: RewriteBuilder, made: Versions) -> None:
+    """Keep what versions run and compute for original ops (``made``)."""
+    for (stage, v), ops_of in made.maps.items():
+        rw.version_maps[stage][v].update(ops_of)
+    for (stage, v), values in made.values.items():
+        rw.version_values[stage][v].update(values)
+    rw.edits += made.edits
+
+
+def _updates_read_version_0(rw: RewriteBuilder, raw: set) -> None:
     """With task functions, the update ops read version 0's values of step
     tensors (not the template's, which no longer runs), but raw gradients."""
     step = rw.selection.step_ops_set
@@ -255,46 +261,51 @@ def _updates_read_version_0(rw: DataParallelRewrite, raw: set) -> None:
                 graph_edit.update_input(op, k, rw.version_tensor(t, 0))
 
 
-def _versions_as_copies(graph: ops.Graph, rw: DataParallelRewrite, edges: BuiltEdges,
+def _versions_as_copies(graph: ops.Graph, rw: RewriteBuilder, edges: BuiltEdges,
                         marks: List[ops.Operation], reducer_for) -> None:
     """Versions 1.. of every stage are copies of its ops, reading their local
     copies of averaged variables, other stages' tensors through bridges and
     the replicas' sums of ``marks``."""
     for s in range(rw.placement.num_stages):
         _clone_stage(graph, rw, s)
-    reroute_to_local_copies(rw)
+    rw.edits += reroute_to_local_copies(rw)
     _connect_stages(rw, edges.crossing, edges.crossing_controls)
-    sum_across_replicas(rw, marks, reducer_for)
+    rw.edits += sum_across_replicas(rw, marks, reducer_for)
 
 
-def _reduce_and_update(graph: ops.Graph, rw: DataParallelRewrite, edges: BuiltEdges,
+def _reduce_and_update(graph: ops.Graph, rw: RewriteBuilder, edges: BuiltEdges,
                        reducer_for) -> None:
     """Reduce the gradients and the averaged variables' local copies, then
     copy the update ops to the mirrors and shard them (ZeRO)."""
-    reduce_gradients(rw, edges.raw, reducer_for)
-    average_local_copies(graph, rw, reducer_for, edges.control_readers)
+    reduced = reduce_gradients(rw, edges.raw, reducer_for)
+    rw.reduced, rw.edits = reduced.tensors, rw.edits + reduced.edits
+    rw.sync_ops.update(average_local_copies(graph, rw, reducer_for, edges.control_readers))
     if rw.mirrored:
-        copy_updates(graph, rw)
+        for (stage, j), copies in copy_updates(graph, rw).items():
+            rw.device_maps[stage][j].update(copies)
         wait_for_earlier_rounds(rw)
     if rw.zero is not None:
-        shard_updates(graph, rw, functools.partial(owner_inputs, rw))
+        copies = shard_updates(graph, rw, functools.partial(owner_inputs, rw))
+        rw.zero = dataclasses.replace(rw.zero, copies=copies)
 
 
-def _rewire_readers(rw: DataParallelRewrite, edges: BuiltEdges) -> None:
+def _rewire_readers(rw: RewriteBuilder, edges: BuiltEdges) -> None:
     """Ops outside the step wait on every version and read merged values
     (raw gradients stay: they were reduced); writes of mirrored variables
     outside the step are copied to the replicas."""
     _wire_control_edges(rw, edges.control_readers, rw.selection.step_ops_set, edges.copied)
     for t, c, k in edges.outside_readers:
         if t not in edges.raw:
-            graph_edit.update_input(c, k, rw.merged_tensor(t))
+            if t not in rw.merged:
+                rw.merged[t] = merge_step_tensor(rw, t)
+            graph_edit.update_input(c, k, rw.merged[t])
             rw.edits += 1
     if rw.synced:
         for writer in rw.selection.sync_writers:
-            add_replica_sync(rw, writer, edges.control_readers[writer])
+            rw.sync_ops[writer] = add_replica_sync(rw, writer, edges.control_readers[writer])
 
 
-def _reroute_batch_inputs(rw: DataParallelRewrite) -> None:
+def _reroute_batch_inputs(rw: RewriteBuilder) -> None:
     """The originals (version 0 of each stage) read their stage's first rows."""
     step = rw.selection.step_ops_set
     for i, t in enumerate(rw.selection.batch_inputs):
@@ -303,7 +314,7 @@ def _reroute_batch_inputs(rw: DataParallelRewrite) -> None:
                 rw.edits += graph_edit.reroute(c, t, rw.bridges.batch_input(i, rw.placement.stage(c), 0))
 
 
-def _clone_stage(graph: ops.Graph, rw: DataParallelRewrite, stage: int) -> None:
+def _clone_stage(graph: ops.Graph, rw: RewriteBuilder, stage: int) -> None:
     """Versions 1.. of ``stage``'s step ops on their stage devices; inputs from
     other stages are connected later."""
     sel, layout, placement = rw.selection, rw.layout, rw.placement
@@ -320,27 +331,7 @@ def _clone_stage(graph: ops.Graph, rw: DataParallelRewrite, stage: int) -> None:
             functools.partial(placement.device, index=j), imap)
 
 
-def _task_order_or_say(graph: ops.Graph, rw: DataParallelRewrite, tasks,
-                       marks: List[ops.Operation]) -> Optional[list]:
-    """The order to define the task functions in (``task_calls.task_order``);
-    where tasks cannot be functions (also with ``marks``, sums over the
-    replicas: ``replica_sums``), None, said (``fallback``) when copies grow
-    with micro-batches (with one micro-batch a copy per replica costs what a
-    call per replica does)."""
-    order, why = task_order(rw, tasks)
-    if marks:
-        order, why = None, (f"'{marks[0].name}' sums batch statistics over the replicas "
-                            "(synchronized batch norm), between the calls of one task")
-    if order is None and rw.num_micro_batch > 1:
-        fallback.fall_back(
-            "pipeline.task_functions: each replica and micro-batch of a TaskGraph as a call of "
-            "its task functions",
-            f"they are copies of its ops (graph size and start-up grow with them), because {why}",
-            "To ask for copies (and silence this), set pipeline.task_functions to false", graph)
-    return order
-
-
-def _connect_stages(rw: DataParallelRewrite, crossing, crossing_controls) -> None:
+def _connect_stages(rw: RewriteBuilder, crossing, crossing_controls) -> None:
     """Every version reads other stages' tensors for its own rows (bridges) and
     waits on their ops of its own unit."""
     stage_of = rw.placement.stage
@@ -358,7 +349,7 @@ def _connect_stages(rw: DataParallelRewrite, crossing, crossing_controls) -> Non
                 graph_edit.add_control_input(c_v, producer_versions[source])
 
 
-def _wire_control_edges(rw: DataParallelRewrite, control_readers, step, copied) -> None:
+def _wire_control_edges(rw: RewriteBuilder, control_readers, step, copied) -> None:
     """An op waiting on a copied op also waits on every copy of it (on every
     call of its task instead, with functions: the template no longer runs)."""
     for x in rw.selection.step_ops:

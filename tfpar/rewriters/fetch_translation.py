@@ -1,10 +1,12 @@
 """Translate what the user fetches into what the parallel graph computes."""
 import collections
 import contextlib
-from typing import Any, Callable, ContextManager, Dict, FrozenSet, Optional
+import types
+from typing import Any, Callable, ContextManager, Dict, FrozenSet, Mapping, Optional
 
 from tfpar.compat.tf import control_flow_ops, ops, tensor_lib
 from tfpar.rewriters import graph_edit
+from tfpar.rewriters.merge import merge_step_tensor
 from tfpar.rewriters.rewrite_record import DataParallelRewrite
 from tfpar.rewriters.replica_sync import sync_new_writers
 from tfpar.rewriters.schedule_versions import ScheduleVersion
@@ -23,7 +25,9 @@ class FetchTranslator:
 
     Ops the user builds after the rewrite (between runs) are adopted first: those
     writing mirrored variables get replica syncs, and those reading step tensors
-    or raw gradients read the merged / reduced ones instead.
+    or raw gradients read the merged / reduced ones instead. What it builds
+    (merged tensors, syncs, groups) it keeps itself: the rewrite's record
+    does not change after the rewrite.
 
     A pipeline may run another kFkB group size than the rewrite's
     (``use_group_size``): fetches then go to that version's copies.
@@ -46,6 +50,9 @@ class FetchTranslator:
         self._update = set(rewrite.selection.update_ops)
         self._train_ops = train_ops
         self._groups: Dict[ops.Operation, ops.Operation] = {}
+        # Step tensor -> merged tensor; writer -> its sync: the rewrite's, then ours.
+        self._merged: Dict[tensor_lib.Tensor, tensor_lib.Tensor] = dict(rewrite.merged)
+        self._syncs: Dict[ops.Operation, ops.Operation] = dict(rewrite.sync_ops)
         self._known_ops = len(graph.get_operations())
         self._version = graph.version
         self.versions: Dict[Optional[int], Optional[ScheduleVersion]] = {group_size: None}
@@ -82,6 +89,12 @@ class FetchTranslator:
         """The pipeline tasks that run now (``DataParallelRewrite.task_ops``)."""
         return self._current.task_ops if self._current else self.rewrite.task_ops
 
+    @property
+    def sync_ops(self) -> Mapping[ops.Operation, ops.Operation]:
+        """Writer -> the op that runs it and completes it (``DataParallelRewrite.sync_ops``,
+        and the syncs of writers built after the rewrite)."""
+        return types.MappingProxyType(self._syncs)
+
     def copied_ops(self) -> Dict[ops.Operation, ops.Operation]:
         """Copy -> op of the rewrite, over every version built."""
         return {copy: op for version in self.versions.values() if version is not None
@@ -114,12 +127,18 @@ class FetchTranslator:
             if fetch in self.rewrite.reduced:
                 return self.rewrite.reduced[fetch][0]
             if fetch.op in self._step:
-                return self.rewrite.merged_tensor(fetch)
+                return self._merged_tensor(fetch)
         return fetch
 
+    def _merged_tensor(self, t: tensor_lib.Tensor) -> tensor_lib.Tensor:
+        """``t`` (a step tensor) merged over versions (``merge``), built on first use."""
+        if t not in self._merged:
+            self._merged[t] = merge_step_tensor(self.rewrite, t)
+        return self._merged[t]
+
     def _translate_op(self, op: ops.Operation) -> ops.Operation:
-        if op in self.rewrite.sync_ops:
-            return self.rewrite.sync_ops[op]
+        if op in self._syncs:
+            return self._syncs[op]
         if op in self._step or op in self._update:
             if op not in self._groups:
                 versions = (self.rewrite.versions(op) if op in self._step
@@ -130,13 +149,13 @@ class FetchTranslator:
         return op
 
     def _adopt(self, new_ops) -> None:
-        sync_new_writers(self._graph, self.rewrite, new_ops)
+        self._syncs.update(sync_new_writers(self._graph, self.rewrite, new_ops, self._syncs))
         for op in new_ops:
             for k, t in enumerate(op.inputs):
                 if t in self.rewrite.reduced:
                     graph_edit.update_input(op, k, self.rewrite.reduced[t][0])
                 elif t.op in self._step:
-                    graph_edit.update_input(op, k, self.rewrite.merged_tensor(t))
+                    graph_edit.update_input(op, k, self._merged_tensor(t))
 
 
 def _map_fetches(fn, fetches):

@@ -8,7 +8,7 @@ dependencies collect). After the rewrite the original step ops are the
 template of their versions and no longer run, so both lists are translated
 like fetches: a returned step tensor becomes its value merged over replicas
 and micro-batches, a step op to run becomes every version of it, and a writer
-the rewrite completes (``DataParallelRewrite.sync_ops``: a moving average's
+the rewrite completes (the translator's ``sync_ops``: a moving average's
 copies averaged into the variable, a mirrored variable copied to its
 replicas) becomes that completion, which runs its versions too. A step that
 returns nothing (Horovod's synthetic benchmark) runs only its control
@@ -30,12 +30,12 @@ def rewire_outputs(graph, translate) -> None:
     graph.outputs = list(new)
     graph.structured_outputs = nest.map_structure(
         lambda t: merged.get(id(t), t), graph.structured_outputs, expand_composites=True)
-    rw = translate.rewrite
+    rw, syncs = translate.rewrite, translate.sync_ops
     step = rw.selection.step_ops_set
     controls: Dict[ops.Operation, None] = {}
     for op in graph.control_outputs:
-        if op in rw.sync_ops:
-            controls.setdefault(rw.sync_ops[op])
+        if op in syncs:
+            controls.setdefault(syncs[op])
             continue
         for version in (rw.versions(op) if op in step else [op]):
             controls.setdefault(version)

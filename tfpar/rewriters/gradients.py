@@ -4,7 +4,7 @@ batch (through its seeds, or its gradients for higher-order gradients), summed
 over a device's micro-batches, then across the devices holding the same
 variable by the reducer of ``allreduce`` (or Horovod's)."""
 import collections
-from typing import List, Set
+from typing import Dict, List, NamedTuple, Set, Tuple
 
 from tfpar import fallback
 from tfpar.analysis.batch_reductions import is_reduction, loss_scaling
@@ -16,28 +16,70 @@ from tfpar.rewriters import graph_edit
 from tfpar.rewriters.normalizers import read_whole_batch
 from tfpar.analysis.graph_index import GraphIndex
 from tfpar.analysis.op_kinds import gradient_tensors
-from tfpar.rewriters.rewrite_record import DataParallelRewrite
+from tfpar.rewriters.rewrite_record import RewriteBuilder
 
-__all__ = ["loss_weights", "reduce_gradients", "scale_seed", "scale_seeds"]
+__all__ = ["Reduced", "Scaled", "Weighting", "loss_weights", "reduce_gradients", "scale_seed",
+           "scale_seeds"]
+
+Tensor = tensor_lib.Tensor
 
 
-def scale_seeds(rw: DataParallelRewrite, recorded: Recorded,
-                index: GraphIndex) -> List[tensor_lib.Tensor]:
+class Weighting(NamedTuple):
+    """How each version's backprop is weighted by its batch share (``scale_seeds``).
+
+    Attributes:
+      seeds: the seeds to scale (``scale_seed``), whose backprop is linear in
+        them; none when gradients are weighted instead.
+      seed_weighted: every step op downstream of a scaled seed, whose versions
+        equal the global-batch backprop restricted to their rows.
+      summed_grads: raw gradients of batch-sum losses, whose versions weigh 1
+        (when gradients are weighted).
+      edits: in-place edits of original ops (normalizers read whole-batch).
+    """
+
+    seeds: List[Tensor]
+    seed_weighted: Set[ops.Operation]
+    summed_grads: Set[Tensor]
+    edits: int
+
+
+class Scaled(NamedTuple):
+    """A seed scaled per version (``scale_seed``): the ops ``made``, and the
+    ``edits`` of original ops (their readers rerouted to the product)."""
+
+    made: List[ops.Operation]
+    edits: int
+
+
+class Reduced(NamedTuple):
+    """The gradients reduced (``reduce_gradients``).
+
+    Attributes:
+      tensors: raw gradient tensor -> its reduced value per stage device.
+      edits: in-place edits of original ops (their readers outside the step
+        rerouted to the reduced values).
+    """
+
+    tensors: Dict[Tensor, List[Tensor]]
+    edits: int
+
+
+def scale_seeds(rw: RewriteBuilder, recorded: Recorded, index: GraphIndex) -> Weighting:
     """Decide how each version's backprop is weighted by its batch share (n_u / N
     for a loss that is a mean over the rows; 1 for a sum: ``loss_weights``):
-    returns the seeds to scale (``scale_seed``), whose backprop is linear in them.
+    the seeds to scale (``scale_seed``), whose backprop is linear in them.
 
-    Sets ``rw.seed_weighted``: every step op downstream of a seed, whose
-    versions then equal the global-batch backprop restricted to their rows (so
-    fetched gradients merge by concatenation or plain sums). Leaves it empty,
-    returns no seed, and gradients are weighted instead, when a seed is
-    unknown or a differentiated tensor depends on a seed (higher-order
+    ``seed_weighted``: every step op downstream of a seed, whose versions then
+    equal the global-batch backprop restricted to their rows (so fetched
+    gradients merge by concatenation or plain sums). Empty, with no seed, and
+    gradients are weighted instead (``summed_grads`` weighing 1), when a seed
+    is unknown or a differentiated tensor depends on a seed (higher-order
     gradients, where the backprop is no longer linear in the seed).
 
     Raises:
       PlanError: higher-order gradients across stages of different widths.
     """
-    summed = loss_weights(rw, recorded)
+    summed, edits = loss_weights(rw, recorded)
     seeds = {s for call in recorded.gradient_calls for s in call.seeds}
     step = rw.selection.step_ops_set
     seed_ops = {s.op for s in seeds if isinstance(s, tensor_lib.Tensor) and s.op in step}
@@ -48,22 +90,20 @@ def scale_seeds(rw: DataParallelRewrite, recorded: Recorded,
         if len(set(rw.layout.widths)) > 1:
             raise PlanError("tfpar: higher-order gradients are not supported across bridged "
                             f"TaskGraphs of different widths {rw.layout.widths}")
-        rw.summed_grads = {t for call in recorded.gradient_calls if id(call) in summed
-                           for g in call.grads if g is not None for t in gradient_tensors(g)}
-        rw.summed_grads |= {t for t, whole in rw.gradient_terms.items()
-                            if whole in rw.summed_grads}
-        return []
-    rw.seed_weighted = downstream
+        grads = {t for call in recorded.gradient_calls if id(call) in summed
+                 for g in call.grads if g is not None for t in gradient_tensors(g)}
+        grads |= {t for t, whole in rw.gradient_terms.items() if whole in grads}
+        return Weighting([], set(), grads, edits)
     unweighted = {s for call in recorded.gradient_calls if id(call) in summed for s in call.seeds}
-    return sorted(seeds - unweighted, key=lambda t: t.name)
+    return Weighting(sorted(seeds - unweighted, key=lambda t: t.name), downstream, set(), edits)
 
 
-def scale_seed(rw: DataParallelRewrite, seed: tensor_lib.Tensor, versions) -> List[ops.Operation]:
+def scale_seed(rw: RewriteBuilder, seed: tensor_lib.Tensor, versions) -> Scaled:
     """Multiply ``seed`` by the batch share of each of its ``versions`` (what
-    reads it in that version reads the product); returns the ops made."""
+    reads it in that version reads the product)."""
     stage = rw.placement.stage(seed.op)
     everything = {x for op in rw.selection.step_ops for x in rw.versions(op)}
-    made = []
+    made, edits = [], 0
     for v in versions:
         seed_v = rw.versions(seed.op)[v].outputs[seed.value_index]
         readers = [c for c in seed_v.consumers() if c in everything]
@@ -73,15 +113,16 @@ def scale_seed(rw: DataParallelRewrite, seed: tensor_lib.Tensor, versions) -> Li
             scaled = seed_v * math_ops.cast(weight, seed.dtype)
         made += seed.graph.get_operations()[known:]
         for c in readers:
-            rw.edits += graph_edit.reroute(c, seed_v, scaled)
-    return made
+            edits += graph_edit.reroute(c, seed_v, scaled)
+    return Scaled(made, edits)
 
 
-def loss_weights(rw: DataParallelRewrite, recorded: Recorded) -> Set[int]:
+def loss_weights(rw: RewriteBuilder, recorded: Recorded) -> Tuple[Set[int], int]:
     """ids of the gradient calls whose losses are sums over the rows (each copy's
-    gradient then weighs 1, not n_u / N; ``analysis.batch_reductions``). A
-    loss's normalizers (``analysis.normalizers``) are first read whole-batch
-    by every copy (``normalizers.read_whole_batch``).
+    gradient then weighs 1, not n_u / N; ``analysis.batch_reductions``), and the
+    edits of original ops made reading a loss's normalizers
+    (``analysis.normalizers``) whole-batch in every copy first
+    (``normalizers.read_whole_batch``).
 
     Raises:
       PlanError: a loss no weighting of copies reproduces (a batch sum plus a
@@ -115,8 +156,7 @@ def loss_weights(rw: DataParallelRewrite, recorded: Recorded) -> Set[int]:
                             f"a batch sum ({[y.name for y in call.ys]}); add them into one loss "
                             "of one kind")
     sharded = bool(recorded.worker_iterators) or getattr(rw.processes, "shard_dataset", False)
-    read_whole_batch(rw, list(normalizers), sharded)
-    return summed
+    return summed, read_whole_batch(rw, list(normalizers), sharded)
 
 
 def _refuse_or_say(y: tensor_lib.Tensor, scaling) -> None:
@@ -143,7 +183,7 @@ def _refuse_or_say(y: tensor_lib.Tensor, scaling) -> None:
             "reduce_sum over the rows", y.graph)
 
 
-def _device_terms(rw: DataParallelRewrite, t: tensor_lib.Tensor, device: int,
+def _device_terms(rw: RewriteBuilder, t: tensor_lib.Tensor, device: int,
                   weigh: bool = True) -> List[tensor_lib.Tensor]:
     """Stage device ``device``'s versions of ``t`` (one per micro-batch), each
     weighted by its batch share if ``weigh`` and not weighted already."""
@@ -155,7 +195,7 @@ def _device_terms(rw: DataParallelRewrite, t: tensor_lib.Tensor, device: int,
     return [x * math_ops.cast(rw.bridges.weight(stage, v), t.dtype) for x, v in zip(terms, picks)]
 
 
-def reduce_gradients(rw: DataParallelRewrite, raw, reducer_for) -> None:
+def reduce_gradients(rw: RewriteBuilder, raw, reducer_for) -> Reduced:
     """Weighted sum over a stage device's micro-batches, then summed across the
     devices holding the same variable (a stage's devices; for a split stage,
     the same shard's devices) (IndexedSlices: values and indices concatenated,
@@ -172,20 +212,25 @@ def reduce_gradients(rw: DataParallelRewrite, raw, reducer_for) -> None:
         slots = range(len(rw.placement.stage_devices[rw.placement.stage(op)]))
         groups[(rw.selection.rounds.of.get(op, 0),
                 tuple(rw.placement.device(op, j) for j in slots))].append((g, var))
-    reducers = {}
+    reducers, reduced = {}, {}
     for (_, devices), grads in sorted(groups.items(), key=lambda item: item[0][0]):
         if devices not in reducers:
             reducers[devices] = reducer_for(list(devices))
-        _reduce_group_gradients(rw, list(devices), grads, reducers[devices])
+        reduced.update(_reduce_group_gradients(rw, list(devices), grads, reducers[devices]))
     step = rw.selection.step_ops_set
+    edits = 0
     for t in raw:
         for c, k in consumers[t]:
             if c not in step:
-                graph_edit.update_input(c, k, rw.reduced[t][0])
-                rw.edits += 1
+                graph_edit.update_input(c, k, reduced[t][0])
+                edits += 1
+    return Reduced(reduced, edits)
 
 
-def _reduce_group_gradients(rw: DataParallelRewrite, devices, grads, reducer) -> None:
+def _reduce_group_gradients(rw: RewriteBuilder, devices, grads,
+                            reducer) -> Dict[Tensor, List[Tensor]]:
+    """One group's gradients reduced (``reduce_gradients``): raw gradient
+    tensor -> its reduced value per device."""
     fixed = [(g, var) for g, var in grads if _fixed_rows(g)]
     dense = [(g, var) for g, var in grads if not isinstance(g, indexed_slices.IndexedSlices)]
     sparse = [(g, var) for g, var in grads
@@ -208,14 +253,16 @@ def _reduce_group_gradients(rw: DataParallelRewrite, devices, grads, reducer) ->
         dense_local = _across_devices(devices, dense_local, dense_owners, reducer.sum, _sum)
         sparse_local = _across_devices(devices, sparse_local, sparse_owners * 2, reducer.gather,
                                        _concat)
+    reduced = {}
     for i, (g, _) in enumerate(dense):
-        rw.reduced[g] = [local[i] for local in dense_local]
+        reduced[g] = [local[i] for local in dense_local]
     for i, (g, _) in enumerate(fixed):
-        rw.reduced[g.values] = [local[len(dense) + i] for local in dense_local]
-        rw.reduced[g.indices] = [local[i] for local in fixed_indices]
+        reduced[g.values] = [local[len(dense) + i] for local in dense_local]
+        reduced[g.indices] = [local[i] for local in fixed_indices]
     for i, (g, _) in enumerate(sparse):
-        rw.reduced[g.values] = [local[i] for local in sparse_local]
-        rw.reduced[g.indices] = [local[len(sparse) + i] for local in sparse_local]
+        reduced[g.values] = [local[i] for local in sparse_local]
+        reduced[g.indices] = [local[len(sparse) + i] for local in sparse_local]
+    return reduced
 
 
 def _fixed_rows(g) -> bool:
@@ -227,7 +274,7 @@ def _fixed_rows(g) -> bool:
             and g.indices.shape[0] is not None)
 
 
-def _same_rows(rw: DataParallelRewrite, indices: tensor_lib.Tensor, devices: int,
+def _same_rows(rw: RewriteBuilder, indices: tensor_lib.Tensor, devices: int,
                var) -> List[tensor_lib.Tensor]:
     """The rows of a fixed-row sparse gradient (``_fixed_rows``) on each of a
     stage's ``devices``: its first version's there, checked at run time to

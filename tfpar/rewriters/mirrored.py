@@ -4,43 +4,50 @@ runs its own copy of the update ops on the reduced gradients (device 0: the
 originals)."""
 import collections
 import functools
-from typing import Dict
+from typing import Dict, List, Tuple
 
 from tfpar.compat.tf import control_flow_ops, ops
 from tfpar.rewriters import graph_edit
-from tfpar.rewriters.rewrite_record import DataParallelRewrite
+from tfpar.rewriters.rewrite_record import RewriteBuilder
 
 __all__ = ["clone_variables", "copy_updates", "owner_inputs", "wait_for_earlier_rounds"]
 
+Copies = Dict[ops.Operation, ops.Operation]  # original op -> its copy on one device
 
-def clone_variables(graph: ops.Graph, rw: DataParallelRewrite) -> None:
-    """Mirrored: a copy of each stage's variables on its stage devices 1.."""
+
+def clone_variables(graph: ops.Graph, rw: RewriteBuilder) -> List[List[Copies]]:
+    """Mirrored: a copy of each stage's variables on its stage devices 1..;
+    the device maps (``rw.device_maps``): ``[s][j]``, stage s's variables'
+    copies on its device j (j = 0, the originals: empty)."""
     placement = rw.placement
+    device_maps: List[List[Copies]] = []
     for stage, devices in enumerate(placement.stage_devices):
         variables = [v for v in rw.selection.variables if placement.stage(v) == stage
                      and len(rw.replica_versions(v)) > 1]  # not a ZeRO slot
-        for j in range(1, len(devices)):
-            rw.device_maps[stage][j] = graph_edit.clone_ops(
-                graph, variables, rw.prefix(stage, j) + "/variables",
-                functools.partial(placement.device, index=j), {})
+        device_maps.append([{}] + [graph_edit.clone_ops(
+            graph, variables, rw.prefix(stage, j) + "/variables",
+            functools.partial(placement.device, index=j), {}) for j in range(1, len(devices))])
+    return device_maps
 
 
-def copy_updates(graph: ops.Graph, rw: DataParallelRewrite) -> None:
+def copy_updates(graph: ops.Graph, rw: RewriteBuilder) -> Dict[Tuple[int, int], Copies]:
     """Stage device j > 0 runs its own copy of the update ops of its stage on the
     reduced gradients and its copies of the variables (all but ZeRO's owned
-    updates)."""
+    updates); returns (stage, j) -> those copies."""
     owned = rw.zero.owned_ops if rw.zero is not None else set()
+    copies: Dict[Tuple[int, int], Copies] = {}
     for stage, devices in enumerate(rw.placement.stage_devices):
         update_ops = [op for op in rw.selection.update_ops
                       if rw.placement.stage(op) == stage and op not in owned]
         for j in range(1, len(devices)) if update_ops else ():
-            rw.device_maps[stage][j].update(graph_edit.clone_ops(
+            copies[(stage, j)] = graph_edit.clone_ops(
                 graph, update_ops, rw.prefix(stage, j) + "/update",
                 functools.partial(rw.placement.device, index=j),
-                _device_inputs(rw, stage, j)))
+                _device_inputs(rw, stage, j))
+    return copies
 
 
-def _device_inputs(rw: DataParallelRewrite, stage: int, j: int) -> Dict:
+def _device_inputs(rw: RewriteBuilder, stage: int, j: int) -> Dict:
     """Tensor an update op of ``stage`` reads from outside the update ops ->
     the one stage device j's copy reads: its variables, its peers' reduced
     gradients and step tensors."""
@@ -59,7 +66,7 @@ def _device_inputs(rw: DataParallelRewrite, stage: int, j: int) -> Dict:
     return imap
 
 
-def owner_inputs(rw: DataParallelRewrite, stage: int, j: int):
+def owner_inputs(rw: RewriteBuilder, stage: int, j: int):
     """Tensor an original update op of ``stage`` reads -> the one stage device
     j's copies read (``zero.shard_updates``)."""
     imap, copies = _device_inputs(rw, stage, j), rw.device_maps[stage][j]
@@ -67,7 +74,7 @@ def owner_inputs(rw: DataParallelRewrite, stage: int, j: int):
                       else imap.get(t, t))
 
 
-def wait_for_earlier_rounds(rw: DataParallelRewrite) -> None:
+def wait_for_earlier_rounds(rw: RewriteBuilder) -> None:
     """In a step of several rounds (``analysis.rounds``: it updates variables,
     then reads them), every version of an op where a round starts waits on
     every stage device's copy of the round before's updates, not only on the

@@ -17,16 +17,17 @@ from tfpar.analysis.normalizers import whole_batch
 from tfpar.compat.tf import tensor_lib
 from tfpar.errors import PlanError
 from tfpar.rewriters import graph_edit
-from tfpar.rewriters.rewrite_record import DataParallelRewrite
+from tfpar.rewriters.rewrite_record import RewriteBuilder
 
 __all__ = ["read_whole_batch"]
 
 
-def read_whole_batch(rw: DataParallelRewrite, normalizers: Sequence[tensor_lib.Tensor],
-                     sharded: bool) -> None:
+def read_whole_batch(rw: RewriteBuilder, normalizers: Sequence[tensor_lib.Tensor],
+                     sharded: bool) -> int:
     """Reroute the step's readers of each of ``normalizers`` to its value on the
-    whole batch (module doc). ``sharded``: each worker reads its own rows
-    (``io.shard_dataset``), so no worker holds the whole batch.
+    whole batch (module doc); returns the in-place edits of original ops.
+    ``sharded``: each worker reads its own rows (``io.shard_dataset``), so no
+    worker holds the whole batch.
 
     Raises:
       PlanError: ``sharded``.
@@ -38,6 +39,7 @@ def read_whole_batch(rw: DataParallelRewrite, normalizers: Sequence[tensor_lib.T
                         "io.shard_dataset off (every worker then reads the global batch)")
     sel = rw.selection
     step = sel.step_ops_set
+    edits = 0
     for t in normalizers:
         region, _ = whole_batch(t, set(sel.batch_inputs), sel.batch_dependent, rw.built_inputs,
                                 rw.batch_axes.axis)
@@ -47,4 +49,5 @@ def read_whole_batch(rw: DataParallelRewrite, normalizers: Sequence[tensor_lib.T
         whole = copies[t.op].outputs[t.value_index]
         for c in list(t.consumers()):
             if c in step:
-                rw.edits += graph_edit.reroute(c, t, whole)
+                edits += graph_edit.reroute(c, t, whole)
+    return edits

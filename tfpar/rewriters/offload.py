@@ -4,12 +4,12 @@ from tfpar.analysis.stages import host_device
 from tfpar.compat.tf import ops
 from tfpar.errors import PlanError
 from tfpar.rewriters import graph_edit
-from tfpar.rewriters.rewrite_record import DataParallelRewrite
+from tfpar.rewriters.rewrite_record import RewriteBuilder
 
 __all__ = ["offload_optimizer"]
 
 
-def offload_optimizer(graph: ops.Graph, rw: DataParallelRewrite) -> None:
+def offload_optimizer(graph: ops.Graph, rw: RewriteBuilder) -> None:
     """``memory.offload_optimizer`` (ZeRO-Offload, Ren et al. 2021, keeps the
     optimizer on the host): the variables and the update ops run on the host
     CPU of their stage's device. An update op must run where every variable it

@@ -12,7 +12,7 @@ task's sources wait for, so every op of a task runs after every op of the one
 before it (tasks that are one function call each: the later call waits on the
 earlier one). With one micro-batch there is nothing to order.
 """
-from typing import Dict, List, Sequence, Set, Tuple
+from typing import Dict, List, NamedTuple, Sequence, Set, Tuple
 
 from tfpar.compat.tf import control_flow_ops, ops
 from tfpar.ir.schedule import in_rounds, round_kind, task_round
@@ -20,26 +20,53 @@ from tfpar.ir.recorded import Recorded
 from tfpar.rewriters import graph_edit
 from tfpar.analysis.graph_index import GraphIndex
 from tfpar.analysis.stages import backward_dependent
-from tfpar.rewriters.rewrite_record import DataParallelRewrite
+from tfpar.rewriters.rewrite_record import RewriteBuilder
 
-__all__ = ["lower_schedule", "order_tasks", "stage_tasks", "task_ops"]
+__all__ = ["Lowered", "StageTasks", "lower_schedule", "order_tasks", "stage_tasks", "task_ops"]
 
 TaskKey = Tuple[int, int, str, int]  # (stage device j, stage, "F", "B" or "W", micro-batch)
+Edge = Tuple[ops.Operation, ops.Operation]  # (op, the op it waits for)
 
 
-def lower_schedule(rw: DataParallelRewrite, recorded: Recorded, index: GraphIndex,
-                   schedule: Sequence[Sequence]) -> None:
-    """Order every stage device's tasks as ``schedule`` says; fills
-    ``rw.task_ops`` and ``rw.schedule_edges``.
+class StageTasks(NamedTuple):
+    """The original ops of every stage's tasks (``stage_tasks``).
+
+    Attributes:
+      groups: (stage, kind) -> the task's original ops, in graph order.
+      controls: step op -> its control inputs as built, less the gates the
+        split of a backward into B and W dropped (its new built controls).
+    """
+
+    groups: Dict[Tuple[int, str], List[ops.Operation]]
+    controls: Dict[ops.Operation, List[ops.Operation]]
+
+
+class Lowered(NamedTuple):
+    """A schedule lowered to control edges (``lower_schedule``).
+
+    Attributes:
+      task_ops: (stage device j, stage, kind, micro-batch) -> the ops of that
+        task (``task_ops``).
+      schedule_edges: the control edges added (``order_tasks``).
+    """
+
+    task_ops: Dict[TaskKey, List[ops.Operation]]
+    schedule_edges: Set[Edge]
+
+
+def lower_schedule(rw: RewriteBuilder, schedule: Sequence[Sequence]) -> Lowered:
+    """Order every stage device's tasks as ``schedule`` says.
 
     Args:
-      rw: the ``DataParallelRewrite`` after its units were cloned.
+      rw: the rewrite after its versions were made (``rw.stage_tasks`` too).
       schedule: ``schedule[s]``: stage s's tasks (``kind``, ``micro_batch``).
     """
-    rw.task_ops = task_ops(rw, recorded, index)
+    tasks = task_ops(rw)
+    edges: Set[Edge] = set()
     if rw.num_micro_batch > 1:
-        rw.schedule_edges = order_tasks(rw.task_ops, schedule, rw.placement.stage_devices,
-                                        rounds=rw.selection.rounds.count)
+        edges = order_tasks(tasks, schedule, rw.placement.stage_devices,
+                            rounds=rw.selection.rounds.count)
+    return Lowered(tasks, edges)
 
 
 def order_tasks(tasks: Dict[TaskKey, List[ops.Operation]], schedule: Sequence[Sequence],
@@ -79,40 +106,37 @@ def _device_orders(schedule: Sequence[Sequence], stage_devices: Sequence[Sequenc
             for device, keyed in lanes.values()]
 
 
-def stage_tasks(rw: DataParallelRewrite, recorded: Recorded, index: GraphIndex
-                ) -> Dict[Tuple[int, str], List[ops.Operation]]:
+def stage_tasks(rw: RewriteBuilder, recorded: Recorded, index: GraphIndex) -> StageTasks:
     """The original ops of every stage's forward ("F"), backward ("B") and,
     with ``rw.weight_tasks``, weight-gradient ("W") task of each round of the
-    step (``ir.schedule.round_kind``), keyed (stage, kind), in graph order;
-    computed once per rewrite (``rw.stage_tasks``)."""
-    if rw.stage_tasks:
-        return rw.stage_tasks
+    step (``ir.schedule.round_kind``), keyed (stage, kind), in graph order
+    (``StageTasks``); made once per rewrite (it edits the graph)."""
     backward = backward_dependent(rw.selection.step_ops, recorded, index)
     groups: Dict[Tuple[int, str], List[ops.Operation]] = {}
     rounds = rw.selection.rounds.of
     for op in rw.selection.step_ops:
         kind = round_kind("B" if op in backward else "F", rounds.get(op, 0))
         groups.setdefault((rw.placement.stage(op), kind), []).append(op)
-    if rw.weight_tasks:
-        _split_weight_gradients(rw, groups)
-    rw.stage_tasks = groups
-    return groups
+    controls = _split_weight_gradients(rw, groups) if rw.weight_tasks else {}
+    return StageTasks(groups, controls)
 
 
-def _split_weight_gradients(rw: DataParallelRewrite,
-                            groups: Dict[Tuple[int, str], List[ops.Operation]]) -> None:
+def _split_weight_gradients(rw: RewriteBuilder, groups: Dict[Tuple[int, str], List[ops.Operation]]
+                            ) -> Dict[ops.Operation, List[ops.Operation]]:
     """Split each stage's backward task (zero-bubble schedules, Qi et al. 2024
     §2): B keeps what the stages before it wait for, the ops that what they
     read from it is computed from; W the rest, the weight gradients. Only data
     inputs link a B op to W: ``tf.gradients``' gates (a NoOp every gradient of
     an op waits on, GATE_OP) order but compute nothing, and B ops stop waiting
     on a gate left in W. Any other control input from W moves into B, with
-    what it reads."""
+    what it reads. Returns the control inputs of the ops that stopped
+    waiting on gates."""
     step = rw.selection.step_ops_set
     stage = rw.placement.stage
     read_across = {src for c in rw.selection.step_ops
                    for src in [t.op for t in rw.built_inputs(c)] + rw.built_controls(c)
                    if src in step and stage(src) != stage(c)}
+    controls: Dict[ops.Operation, List[ops.Operation]] = {}
     for s, kind in [key for key in groups if task_round(key[1])[0] == "B"]:
         backward = groups.pop((s, kind))
         step_round = task_round(kind)[1]
@@ -126,21 +150,24 @@ def _split_weight_gradients(rw: DataParallelRewrite,
                 stack += [t.op for t in rw.built_inputs(op) if t.op in members]
                 stack += [p for p in rw.built_controls(op) if p in members and p.type != "NoOp"]
         for op in needed:
-            for gate in [p for p in rw.built_controls(op) if p in members and p not in needed]:
+            built = rw.built_controls(op)
+            gates = [p for p in built if p in members and p not in needed]
+            for gate in gates:
                 graph_edit.remove_control_input(op, gate)
-                rw.original_controls[op] = [p for p in rw.built_controls(op) if p is not gate]
+            if gates:
+                controls[op] = [p for p in built if not any(p is gate for gate in gates)]
         for base, ops_of_kind in (("B", [op for op in backward if op in needed]),
                                   ("W", [op for op in backward if op not in needed])):
             if ops_of_kind:
                 groups[(s, round_kind(base, step_round))] = ops_of_kind
+    return controls
 
 
-def task_ops(rw: DataParallelRewrite, recorded: Recorded,
-             index: GraphIndex) -> Dict[TaskKey, List[ops.Operation]]:
-    """The ops of every task, keyed (stage device j, stage, kind, micro-batch)
-    (a version made by a function call: the call)."""
+def task_ops(rw: RewriteBuilder) -> Dict[TaskKey, List[ops.Operation]]:
+    """The ops of every task of ``rw.stage_tasks``, keyed (stage device j,
+    stage, kind, micro-batch) (a version made by a function call: the call)."""
     result = {}
-    for (s, kind), originals in stage_tasks(rw, recorded, index).items():
+    for (s, kind), originals in rw.stage_tasks.items():
         for v, version_map in enumerate(rw.version_maps[s]):
             j, m = rw.layout.slot(s, v)
             members = [version_map.get(op, op) for op in originals if op not in rw.outside_tasks]

@@ -15,12 +15,12 @@ from tfpar.compat.tf import ops
 from tfpar.errors import PlanError
 from tfpar.ir.recorded import Recorded
 from tfpar.rewriters import graph_edit
-from tfpar.rewriters.rewrite_record import DataParallelRewrite
+from tfpar.rewriters.rewrite_record import RewriteBuilder
 
 __all__ = ["marked_sums", "sum_across_replicas"]
 
 
-def marked_sums(rw: DataParallelRewrite, recorded: Recorded) -> List[ops.Operation]:
+def marked_sums(rw: RewriteBuilder, recorded: Recorded) -> List[ops.Operation]:
     """The step's marked identities, in graph order.
 
     Raises:
@@ -39,10 +39,12 @@ def marked_sums(rw: DataParallelRewrite, recorded: Recorded) -> List[ops.Operati
     return marks
 
 
-def sum_across_replicas(rw: DataParallelRewrite, marks: List[ops.Operation], reducer_for) -> None:
+def sum_across_replicas(rw: RewriteBuilder, marks: List[ops.Operation], reducer_for) -> int:
     """Every version of every mark in ``marks`` reads the sum over its
-    micro-batch's versions (module docstring)."""
+    micro-batch's versions (module docstring); returns the in-place edits of
+    original ops."""
     layout, placement = rw.layout, rw.placement
+    edits = 0
     for mark in marks:
         stage = placement.stage(mark)
         devices = [placement.device(mark, j) for j in range(len(placement.stage_devices[stage]))]
@@ -51,4 +53,5 @@ def sum_across_replicas(rw: DataParallelRewrite, marks: List[ops.Operation], red
         sums = reducer_for(devices).sum([[versions[v].inputs[0]] for v in picks])
         for v, (total,) in zip(picks, sums):
             graph_edit.update_input(versions[v], 0, total)
-            rw.edits += 1 if v == 0 else 0
+            edits += 1 if v == 0 else 0
+    return edits

@@ -2,6 +2,8 @@
 variable (initializer, ``Saver.restore``, ``assign``), its value is copied to
 the other stage devices' mirrored copies and, in a Horovod job, broadcast from
 rank 0 (see ``data_parallel``)."""
+from typing import Dict, Mapping
+
 from tfpar.compat.tf import (array_ops, control_flow_ops, dtypes, gen_resource_variable_ops,
                              handle_data_util, ops, state_ops, tensor_lib)
 from tfpar.rewriters import graph_edit
@@ -29,9 +31,10 @@ def assign_value(var: ops.Operation, value: tensor_lib.Tensor) -> ops.Operation:
     return state_ops.assign(var.outputs[0], value).op
 
 
-def add_replica_sync(rw, writer: ops.Operation, readers) -> None:
+def add_replica_sync(rw, writer: ops.Operation, readers) -> ops.Operation:
     """After ``writer`` changes a mirrored variable, copy it to every stage device
-    (and, in a Horovod job, from rank 0 to every process)."""
+    (and, in a Horovod job, from rank 0 to every process); ``readers`` wait
+    for that. Returns the op running ``writer`` and the copies."""
     assigns = []
     for var in (t.op for t in writer.inputs if t.op in set(rw.selection.variables)):
         copies = rw.replica_versions(var)
@@ -48,25 +51,30 @@ def add_replica_sync(rw, writer: ops.Operation, readers) -> None:
     sync = control_flow_ops.group(writer, *assigns, name="sync")
     for reader in readers:
         graph_edit.add_control_input(reader, sync)
-    rw.sync_ops[writer] = sync
+    return sync
 
 
-def sync_new_writers(graph: ops.Graph, rw, new_ops) -> None:
+def sync_new_writers(graph: ops.Graph, rw, new_ops,
+                     syncs: Mapping[ops.Operation, ops.Operation]
+                     ) -> Dict[ops.Operation, ops.Operation]:
     """Add replica syncs for mirrored-variable writers among ``new_ops`` (ops
-    built after the rewrite, e.g. a Saver made after the first run), and make
-    new ops waiting on a writer wait on its sync."""
+    built after the rewrite ``rw``, e.g. a Saver made after the first run),
+    and make new ops waiting on a writer wait on its sync (``syncs``: the
+    writers synced so far). Returns the syncs made, writer -> sync."""
+    made: Dict[ops.Operation, ops.Operation] = {}
     if not rw.synced or not new_ops:
-        return
+        return made
     fresh = set(new_ops)
     index = GraphIndex(graph)
     with graph.as_default():
         for var in rw.selection.variables:
             for writer in variable_writers(var):
-                if writer in fresh and writer not in rw.sync_ops:
+                if writer in fresh and writer not in syncs and writer not in made:
                     readers = [c for c in index.control_consumers.get(writer, ()) if c in fresh]
-                    add_replica_sync(rw, writer, readers)
+                    made[writer] = add_replica_sync(rw, writer, readers)
     for op in new_ops:  # new ops waiting on an old writer (Keras' initializer group)
         for dep in op.control_inputs:
-            sync = rw.sync_ops.get(dep)
+            sync = made.get(dep, syncs.get(dep))
             if sync is not None and sync is not op:
                 graph_edit.add_control_input(op, sync)
+    return made

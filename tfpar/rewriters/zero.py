@@ -38,7 +38,7 @@ from tfpar.analysis.stages import Placement
 __all__ = ["Sharding", "plan_sharding", "refuse_unshardable", "shard_updates"]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Sharding:
     """Which device owns each trainable variable's optimizer state.
 
@@ -49,7 +49,7 @@ class Sharding:
       slots: slot variable op -> its trainable variable op.
       updates: trainable variable op -> the update ops only its owner runs.
       copies: trainable variable op -> the ops copying the owner's new value
-        to the other devices (filled by ``shard_updates``).
+        to the other devices (made by ``shard_updates``; empty before).
     """
 
     stage: int
@@ -188,14 +188,15 @@ def _owners(groups, by_var, placement: Placement) -> Dict[ops.Operation, int]:
     return owner
 
 
-def shard_updates(graph: ops.Graph, rw, input_map) -> None:
+def shard_updates(graph: ops.Graph, rw, input_map) -> Dict[ops.Operation, List[ops.Operation]]:
     """Run each sharded variable's update on its owner only (its original
     ops, moved there and reading the owner's inputs: ``input_map(stage, j)``
     maps a tensor the original update ops read to stage device j's), then
     copy the new value to the other devices. Ops waiting on the update wait
-    on the copies too."""
+    on the copies too. Returns the copies (``Sharding.copies``)."""
     zero, placement = rw.zero, rw.placement
     owned = zero.owned_ops
+    copied: Dict[ops.Operation, List[ops.Operation]] = {}
     remaps = {}  # (stage, owner) -> input_map(stage, owner), one per device
     waiting = [op for op in graph.get_operations() if op not in owned
                and any(dep in owned for dep in op.control_inputs)]
@@ -221,16 +222,17 @@ def shard_updates(graph: ops.Graph, rw, input_map) -> None:
         with ops.name_scope("zero"):
             with ops.device(device), ops.control_dependencies(group):
                 value = read_value(copies[o])
-            zero.copies[var] = []
+            copied[var] = []
             for j, copy in enumerate(copies):
                 if j != o:
                     with ops.device(placement.device(var, j)):
-                        zero.copies[var].append(assign_value(copy, value))
+                        copied[var].append(assign_value(copy, value))
         members = set(group)
         for op in waiting:
             if any(dep in members for dep in op.control_inputs):
-                for copy in zero.copies[var]:
+                for copy in copied[var]:
                     graph_edit.add_control_input(op, copy)
+    return copied
 
 
 def _move(op: ops.Operation, device: str) -> None:
