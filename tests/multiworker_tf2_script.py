@@ -71,9 +71,9 @@ def model(stages: bool = False, split_head: bool = False) -> tf.keras.Model:
         return tf.keras.Model(inputs, tf.keras.layers.Dense(4 if split_head else 3)(hidden))
 
 
-def loop(args, stages: bool = False, split_head: bool = False):
-    net, optimizer = model(stages, split_head), tf.keras.optimizers.Adam(0.01)
-    tracker = tf.keras.metrics.Mean()
+def train_step(net, optimizer, tracker=None):
+    """A ``tf.function`` step of ``net`` (cross-entropy, ``optimizer``):
+    returns the loss, and ``tracker``'s mean of the losses if given."""
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     @tf.function
@@ -82,8 +82,17 @@ def loop(args, stages: bool = False, split_head: bool = False):
             loss = loss_fn(y, net(x))
         grads = tape.gradient(loss, net.trainable_variables)
         optimizer.apply_gradients(zip(grads, net.trainable_variables))
+        if tracker is None:
+            return loss
         tracker.update_state(loss)
         return loss, tracker.result()
+    return step
+
+
+def loop(args, stages: bool = False, split_head: bool = False):
+    net, optimizer = model(stages, split_head), tf.keras.optimizers.Adam(0.01)
+    tracker = tf.keras.metrics.Mean()
+    step = train_step(net, optimizer, tracker)
 
     checkpoint = tf.train.Checkpoint(model=net, optimizer=optimizer, tracker=tracker,
                                      step=tf.Variable(0, dtype=tf.int64))
@@ -111,16 +120,7 @@ def shards(args):
     ``io.shard_dataset`` each Horovod process reads alternate batches, the two
     together one 8-row batch; plainly, 8-row batches."""
     net, optimizer = model(), tf.keras.optimizers.Adam(0.01)
-    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, net(x))
-        grads = tape.gradient(loss, net.trainable_variables)
-        optimizer.apply_gradients(zip(grads, net.trainable_variables))
-        return loss
-
+    step = train_step(net, optimizer)
     batch = BATCH if args.plain else BATCH // 2
     dataset = tf.data.Dataset.from_tensor_slices((ROWS, LABELS)).batch(batch)
     return [float(step(x, y)) for x, y in dataset], net.variables + optimizer.variables()

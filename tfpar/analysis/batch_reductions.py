@@ -17,6 +17,7 @@ import dataclasses
 import enum
 from typing import Callable, List, Optional, Set, Tuple
 
+from tfpar.analysis.graph_index import post_order
 from tfpar.compat import tf as internals
 from tfpar.compat.tf import ops, tensor_lib, tensor_util
 
@@ -54,32 +55,26 @@ def reduction_region(t: tensor_lib.Tensor, batch_dependent: Set[ops.Operation],
     an op on the way is stateful or not ``allowed`` (backward ops, whose copies
     carry weights of their own). ``inputs_of(op)``: the inputs of ``op`` as
     the script built them."""
-    order: List[ops.Operation] = []
     frontier: List[tensor_lib.Tensor] = []
-    seen: Set[ops.Operation] = set()
-    stack: List[Tuple[ops.Operation, bool]] = [(t.op, False)]
-    while stack:
-        op, expanded = stack.pop()
-        if expanded:
-            order.append(op)
-            continue
-        if op in seen:
-            continue
-        seen.add(op)
+
+    def expand(op: ops.Operation):
         stateful = internals.is_stateful(op) and op.type not in _PURE
         if stateful or not allowed(op):
             why = "is stateful" if stateful else "is part of the backward pass"
             return None, f"'{op.name}' ({op.type}) {why}"
-        stack.append((op, True))
+        before = []
         for x in inputs_of(op):
             if x.op not in batch_dependent:
                 continue
             if is_rows(x):
                 if x not in frontier:
                     frontier.append(x)
-            elif x.op not in seen:
-                stack.append((x.op, False))
-    return Region(order, frontier), ""
+            else:
+                before.append(x.op)
+        return before, ""
+
+    order, why = post_order(t.op, expand)
+    return (Region(order, frontier), "") if order is not None else (None, why)
 
 
 class Kind(enum.Enum):

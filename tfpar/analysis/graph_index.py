@@ -1,11 +1,11 @@
 """Walks of a captured graph: consumers (data and control) built once per
 pass, descendants and ancestors. Nothing here mutates."""
 import collections
-from typing import Dict, Iterable, List, Set
+from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from tfpar.compat.tf import ops
 
-__all__ = ["GraphIndex", "ancestors", "data_ancestors"]
+__all__ = ["GraphIndex", "ancestors", "data_ancestors", "post_order"]
 
 
 class GraphIndex:
@@ -65,3 +65,27 @@ def data_ancestors(roots: Iterable[ops.Operation], within) -> Set[ops.Operation]
             found.add(op)
             stack.extend(t.op for t in op.inputs if within(t.op))
     return found
+
+
+def post_order(start: ops.Operation, expand) -> Tuple[Optional[List[ops.Operation]], str]:
+    """The ops reached from ``start`` along what ``expand(op)`` names, each
+    after those it names (a topological order), without recursion (deep
+    models): ``expand(op)`` returns (the ops to visit before it, "") or
+    (None, why) to stop the walk, which then returns (None, why)."""
+    order: List[ops.Operation] = []
+    seen: Set[ops.Operation] = set()
+    stack: List[Tuple[ops.Operation, bool]] = [(start, False)]
+    while stack:
+        op, expanded = stack.pop()
+        if expanded:
+            order.append(op)
+            continue
+        if op in seen:
+            continue
+        seen.add(op)
+        before, why = expand(op)
+        if before is None:
+            return None, why
+        stack.append((op, True))
+        stack += [(x, False) for x in before if x not in seen]
+    return order, ""

@@ -13,6 +13,7 @@ finds those ops. Nothing here mutates.
 import dataclasses
 from typing import Callable, Dict, List, Optional, Set
 
+from tfpar.analysis.graph_index import post_order
 from tfpar.analysis.op_kinds import READ_ONLY_RESOURCE_TYPES, REF_READ_TYPES, is_variable
 from tfpar.compat import tf as internals
 from tfpar.compat.tf import ops, tensor_lib
@@ -57,21 +58,14 @@ def whole_batch(t: tensor_lib.Tensor, sources: Set[tensor_lib.Tensor],
     """(``WholeBatch`` of ``t``, "") or (None, why it is not computed from the
     batch inputs ``sources`` and constants alone: the stateful op on the way,
     a variable's read)."""
-    def within(op: ops.Operation) -> bool:
-        return op in batch_dependent and op not in {x.op for x in sources}
+    source_ops = {x.op for x in sources}
 
-    order: List[ops.Operation] = []
+    def within(op: ops.Operation) -> bool:
+        return op in batch_dependent and op not in source_ops
+
     partners: Dict[ops.Operation, tensor_lib.Tensor] = {}
-    seen: Set[ops.Operation] = set()
-    stack = [(t.op, False)]
-    while stack:
-        op, expanded = stack.pop()
-        if expanded:
-            order.append(op)
-            continue
-        if op in seen:
-            continue
-        seen.add(op)
+
+    def expand(op: ops.Operation):
         inputs = inputs_of(op)
         if op.type in SHAPE_ONLY and inputs and _model_computed(inputs[0], within, inputs_of):
             partner = _partner(op, inputs[0], inputs_of, axis_of)
@@ -86,10 +80,10 @@ def whole_batch(t: tensor_lib.Tensor, sources: Set[tensor_lib.Tensor],
         if read is not None:
             return None, (f"'{op.name}' ({op.type}) reads '{read.name}', a variable's value "
                           "(the count depends on the model)")
-        stack.append((op, True))
-        stack += [(x.op, False) for x in inputs if x not in sources and within(x.op)
-                  and x.op not in seen]
-    return WholeBatch(order, partners), ""
+        return [x.op for x in inputs if x not in sources and within(x.op)], ""
+
+    order, why = post_order(t.op, expand)
+    return (WholeBatch(order, partners), "") if order is not None else (None, why)
 
 
 def _reads_variable(op: ops.Operation) -> bool:
