@@ -332,8 +332,9 @@ def test_horovods_benchmark_step_with_synchronized_batch_norm_gives_one_devices_
 
 @pytest.mark.slow
 def test_mobilenet_v2_in_horovods_benchmark_step_with_synchronized_batch_norm():
-    """Issue 60 item 7: keras.applications' MobileNetV2 (52 BatchNorm layers)
-    at 32x32 in the same step, in float64: every variable is one device's.
+    """Issue 60 item 7: keras.applications' MobileNetV2 (52 BatchNorm layers;
+    width multiplier 0.35) at 32x32 in the same step, in float64: every
+    variable is one device's.
     (In float32 one device's numbers are out of reach for any other order of
     sums: a ReLU6 input within rounding of 0 takes or drops its gradient, and
     one such flip, in plain TensorFlow with an input 1 ulp away, moved most
