@@ -3,6 +3,9 @@ whose step updates the discriminator, then trains the generator through the
 updated discriminator; metric accumulators fed a step's mean; losses
 normalised by a data-dependent count (a mask's sum). Each trained plainly and
 with tfpar, every loss and variable compared, the plan proven."""
+import contextlib
+import functools
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -16,20 +19,21 @@ v1 = tf.compat.v1
 DATA = make_data(steps=3, batch=10)
 
 
-def gan(x, y):
+def gan(x, y, scope=contextlib.nullcontext):
     """Discriminator step, then a generator step reading the updated
     discriminator (``tf.control_dependencies``), as one train op; the
     latent vectors are a function of the rows (random draws differ per
-    replica). Returns the generator's loss and the train op."""
+    replica). Each call of the generator or the discriminator is made in
+    ``scope()``. Returns both losses and the train op."""
     del y
     noise = tf.tanh(x[:, :4])
 
     def generator(z):
-        with v1.variable_scope("generator", reuse=v1.AUTO_REUSE):
+        with scope(), v1.variable_scope("generator", reuse=v1.AUTO_REUSE):
             return dense(dense(z, 8, "hidden", 1, tf.nn.relu), 6, "out", 2)
 
     def discriminator(rows):
-        with v1.variable_scope("discriminator", reuse=v1.AUTO_REUSE):
+        with scope(), v1.variable_scope("discriminator", reuse=v1.AUTO_REUSE):
             return dense(dense(rows, 8, "hidden", 3, tf.nn.relu), 1, "out", 4)
 
     def xent(labels, logits):
@@ -61,6 +65,15 @@ def test_a_gan_step_updates_then_reads_the_updated_discriminator(config):
     reference = train(gan, DATA)
     assert not np.isclose(reference[0][0][0], reference[0][1][0]), "nothing trained"
     assert_equivalent(reference, train(gan, DATA, config), rtol=1e-5)
+
+
+def test_a_gan_in_pipeline_stages_keeps_its_rounds():
+    """Each call of the generator and the discriminator a pipeline stage (4
+    stages on 4 devices), 2 micro-batches: both rounds run every micro-batch
+    through the stages, the discriminator's update between them."""
+    stages = functools.partial(gan, scope=lambda: wh.replicate(1))
+    assert_equivalent(train(gan, DATA), train(stages, DATA, {
+        "cluster.num_devices": 4, "pipeline.num_micro_batch": 2}), rtol=1e-5)
 
 
 def tracked(x, y):
