@@ -10,6 +10,8 @@ the ``PlanError`` tfpar raised.
 
 Scenarios: ``loop`` (a tf.function step with tf.GradientTape and a Keras 3
 Adam on a Sequential model, over batches of 16, the last one of 8);
+``keras_loss`` (``loop`` with Keras 3's SparseCategoricalCrossentropy, which
+divides the sum by the size of the per-example losses it computes);
 ``stages`` (that step calling its two layers in two ``wh.replicate(1)``
 scopes, 2 micro-batches); refused with a ``PlanError``: ``eager_scope`` (a
 layer made in ``wh.replicate(1)`` in eager code), ``split`` (the head called
@@ -52,6 +54,7 @@ def train(scenario: str, devices: int):
                     tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         return net.fit(x_all, y_all, batch_size=16, epochs=2, verbose=0).history["loss"], net
     opt = tf.keras.optimizers.Adam(0.01)
+    keras_loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     @tf.function
     def step(x, y):
@@ -60,7 +63,8 @@ def train(scenario: str, devices: int):
                 hidden = body(x)
             with scope(scenario, devices):
                 logits = head(hidden)
-                loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+                loss = (keras_loss(y, logits) if scenario == "keras_loss" else tf.reduce_mean(
+                    tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits)))
         grads = tape.gradient(loss, net.trainable_variables)
         opt.apply_gradients(zip(grads, net.trainable_variables))
         return loss

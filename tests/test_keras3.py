@@ -1,6 +1,6 @@
 """Keras 3 (tf.keras on TensorFlow 2.16+, issue 63): a tf.function custom loop
-with Keras 3 layers and optimizers trains data parallel and in a pipeline with
-one device's numbers; what tfpar does not do with Keras 3 yet (scopes around
+with Keras 3 layers, optimizers and losses trains data parallel and in a
+pipeline with one device's numbers; what tfpar does not do with Keras 3 yet (scopes around
 building layers in eager code, ``wh.split`` of a Keras 3 layer, ``Model.fit``)
 is a ``PlanError`` naming the layer or model and the Keras version, never a
 scope that silently does nothing.
@@ -30,12 +30,15 @@ def run(scenario: str, devices: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("scenario,devices", [("loop", 2), ("loop", 4), ("stages", 2)])
+@pytest.mark.parametrize("scenario,devices", [("loop", 2), ("loop", 4), ("stages", 2),
+                                               ("keras_loss", 4)])
 def test_a_keras_3_custom_loop_trains_in_parallel_with_the_single_device_numbers(
         scenario, devices):
     """Before: the Keras 3 optimizer's variables, made in the step's first trace,
     lost their initializers when tfpar dropped that trace
-    ("'Operation' object has no attribute '_inputs_val'")."""
+    ("'Operation' object has no attribute '_inputs_val'"); and a Keras 3 loss
+    object, which divides by the size of the per-example losses it computes, was
+    refused (its labels now stand in for their rows)."""
     plain, got = run("loop", 0), run(scenario, devices)
     assert got["keras"].startswith("3."), got["keras"]
     np.testing.assert_allclose(got["losses"], plain["losses"], rtol=1e-5, atol=1e-6)
