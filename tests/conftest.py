@@ -1,3 +1,4 @@
+import importlib.util
 import io
 import logging
 import warnings
@@ -11,15 +12,37 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfpar as wh  # noqa: E402
+from tfpar.compat.keras import KERAS_2_PACKAGE, TF_KERAS_IS_KERAS_3  # noqa: E402
+from tfpar.config_rules import ENV_NOT_CONFIG  # noqa: E402
 
 tf.compat.v1.disable_eager_execution()
+
+# What a test needs that only some TensorFlow versions have (pytest.ini's markers): the
+# reason it is skipped elsewhere, or None where it runs.
+_NEEDS = {
+    "estimator": None if importlib.util.find_spec("tensorflow_estimator") else (
+        f"needs tf.estimator (TensorFlow 2.15 only; this is {tf.__version__})"),
+    "keras2": (f"needs Keras 2 as tf.keras (TensorFlow 2.15, or 2.16+ with "
+               f"TF_USE_LEGACY_KERAS=1; this is {tf.__version__} with Keras 3)"
+               if TF_KERAS_IS_KERAS_3 else None),
+    "keras3": None if KERAS_2_PACKAGE == "tf_keras" else (
+        f"needs Keras 3 (TensorFlow 2.16+; this is {tf.__version__})"),
+}
+
+
+def pytest_collection_modifyitems(config, items):  # pylint: disable=unused-argument
+    for item in items:
+        for name, reason in _NEEDS.items():
+            if reason and item.get_closest_marker(name):
+                item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(autouse=True)
 def _clean_tfpar(monkeypatch):
-    """Every test starts and ends with tfpar removed and no TFPAR_* variables."""
+    """Every test starts and ends with tfpar removed and no TFPAR_* variables (but the
+    TensorFlow version gate's, which a run on an untested TensorFlow needs)."""
     for key in list(os.environ):
-        if key.startswith("TFPAR_"):
+        if key.startswith("TFPAR_") and key not in ENV_NOT_CONFIG:
             monkeypatch.delenv(key)
     wh.reset()
     yield

@@ -86,6 +86,7 @@ def tfpar_on(mode):
             wh.reset()
 
 
+@pytest.mark.estimator
 @pytest.mark.parametrize("mode", MODES)
 def test_estimator_train_evaluate_predict(mode, tmp_path):
     runs = {}
@@ -112,6 +113,7 @@ def checkpoint_steps(model_dir):
                   for p in glob.glob(str(model_dir / "model.ckpt-*.index")))
 
 
+@pytest.mark.estimator
 @pytest.mark.parametrize("mode", ["dp", "split"])
 def test_estimator_checkpoints_interchange(mode, tmp_path):
     """A checkpoint written in parallel evaluates in a plain Estimator, and a plain
@@ -134,6 +136,7 @@ def test_estimator_checkpoints_interchange(mode, tmp_path):
     assert_same_variables(expected, got)
 
 
+@pytest.mark.estimator
 def test_train_and_evaluate(tmp_path):
     results = {}
     for name, mode in (("plain", None), ("tfpar", "dp")):
@@ -264,6 +267,7 @@ def test_monitored_training_session_hooks(mode, tmp_path):
     assert tf.train.latest_checkpoint(str(tmp_path / "tfpar")).endswith("-3")
 
 
+@pytest.mark.estimator
 def test_estimator_session_config_is_honoured(tmp_path, monkeypatch):
     """RunConfig.session_config reaches the session with tfpar's devices added."""
     from tfpar.runtime import engine

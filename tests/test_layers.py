@@ -30,7 +30,7 @@ MAY_IMPORT = {
     "compat": set(),
     "base": set(),
 }
-INTERNALS = ("tensorflow.python", "tensorflow.core", "keras.src")
+INTERNALS = ("tensorflow.python", "tensorflow.core", "keras.src", "tf_keras.src")
 # compat.tf functions that edit a graph: only rewriters/ may call them.
 GRAPH_EDITS = {"update_input", "add_control_input", "set_control_inputs", "set_device",
                "clear_attr", "unfinalize", "refinalize"}

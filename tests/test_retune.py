@@ -217,6 +217,7 @@ def test_tfpar_traces_the_steps_it_profiles(session, retuners):
     np.testing.assert_allclose(losses, train(mlp_stages(2, False), DATA)[0], rtol=1e-5)
 
 
+@pytest.mark.estimator
 def test_an_estimator_is_tuned_online(retuners, tmp_path):
     """Estimator.train runs Session.run steps: they are profiled (steps 2 and
     4 of 4), and train, evaluate and predict give the plain numbers

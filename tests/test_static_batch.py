@@ -58,6 +58,7 @@ def test_monitored_training_session_with_static_batch():
                             static_batch=True))
 
 
+@pytest.mark.estimator
 def test_estimator_with_drop_remainder_input_fn(tmp_path, monkeypatch):
     """The canonical Estimator input_fn batches with drop_remainder=True."""
     monkeypatch.setattr(entry, "input_fn", lambda: tf.data.Dataset.from_tensor_slices(

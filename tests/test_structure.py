@@ -135,8 +135,9 @@ def assert_ran(stdout, task_graphs):
 @pytest.mark.parametrize("script,mode,task_graphs", [
     ("examples/keras_fit.py", "dp", {"replicate_all": ["CPU:0", "CPU:1"]}),
     ("examples/keras_fit.py", "split", {"split_0": ["CPU:0", "CPU:1"]}),
-    ("examples/estimator_classifier.py", "pipeline", {"replicate_0": ["CPU:0"],
-                                                      "replicate_1": ["CPU:1"]})])
+    pytest.param("examples/estimator_classifier.py", "pipeline",
+                 {"replicate_0": ["CPU:0"], "replicate_1": ["CPU:1"]},
+                 marks=pytest.mark.estimator)])
 def test_entry_point_examples_run_and_are_equivalent(script, mode, task_graphs, tmp_path):
     args = ["--mode", mode] + (["--model-dir", str(tmp_path)] if "estimator" in script
                                else ["--graph"])

@@ -46,7 +46,8 @@ PARALLEL = [
     ("fit", 2), ("fit", 4), ("next_in_step", 2), ("split", 2), ("split", 4),
     ("split_gradients", 2), ("split_fit", 2), ("split_fit", 4),
     ("functional_pipeline_fit", 2), ("functional_pipeline_fit", 4), ("functional_split_fit", 2),
-    ("split_mixed_fit", 2), ("made_in_stages", 4), ("pipeline_interleaved", 2)]
+    ("split_mixed_fit", 2), ("made_in_stages", 4), ("pipeline_interleaved", 2),
+    ("made_in_first_trace", 2)]
 
 
 @functools.lru_cache(maxsize=None)

@@ -22,8 +22,8 @@ optimizer, over a dataset iterated in Python, two steps per batch, the last
 batch smaller), ``pipeline`` (``tape_adam`` with its two layers in two
 ``wh.replicate(1)`` scopes and 4 micro-batches; ``pipeline_interleaved``: the
 two stages as virtual stages of one device group), ``fit`` (compile, fit with
-validation data and the ModelCheckpoint, EarlyStopping and TensorBoard
-callbacks, evaluate, predict); ``split`` / ``split_gradients`` (a custom loop
+validation data and the ModelCheckpoint, EarlyStopping and TensorBoard (where
+installed) callbacks, evaluate, predict); ``split`` / ``split_gradients`` (a custom loop
 with tf.GradientTape / tf.gradients whose 8-class head and cross-entropy are
 called in ``wh.split()``), ``split_fit`` (``fit`` on a subclassed model calling
 its head in ``wh.split()``; ``split_mixed_fit`` on a V100 and a P100, shards
@@ -35,7 +35,10 @@ Models built in eager code inside scopes: ``functional_pipeline_fit`` /
 ``functional_split_fit`` (``fit`` on a functional model calling its layers in
 two ``wh.replicate(1)`` scopes, 4 micro-batches / its head in ``wh.split()``),
 ``made_in_stages`` (``tape_adam`` on a Sequential model of layers made in two
-``wh.replicate(1)`` scopes, 4 micro-batches).
+``wh.replicate(1)`` scopes, 4 micro-batches). ``made_in_first_trace``
+(``tape_adam`` whose step makes a step counter in its first trace, as Keras 3's
+optimizers make their variables: tfpar's relaxed retrace must keep that trace
+alive, or TensorFlow empties its graph and the counter's initializer with it).
 
 ``--restore DIR``: after training, the model of DIR's latest checkpoint is
 restored and its weights printed too. ``--resume DIR``: a custom loop first
@@ -44,6 +47,7 @@ step, so the optimizer's slots are restored when it makes them), and checks at
 the end that every value of the checkpoint was restored.
 """
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -81,7 +85,8 @@ def split_scope():
 
 
 def custom_loop(tape: bool, optimizer, directory: str, stages: bool = False,
-                split: bool = False, in_function: bool = False, build=model):
+                split: bool = False, in_function: bool = False, build=model,
+                first_trace_variable: bool = False):
     rng = np.random.RandomState(0)
     x_all = rng.randn(40, 4).astype(np.float32)
     y_all = ((rng.rand(40) * CLASSES).astype(np.int64) if split
@@ -105,7 +110,13 @@ def custom_loop(tape: bool, optimizer, directory: str, stages: bool = False,
             logits = net.layers[1](h)
             return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
 
+    counted = []  # a step counter made in the step's first trace, as Keras 3 optimizers do
+
     def step(x, y):  # its tf.function is called 'step' too
+        if first_trace_variable and not counted:
+            counted.append(tf.Variable(tf.constant(0, tf.int64), name="steps_taken"))
+        for counter in counted:
+            counter.assign_add(1)
         if tape:
             with tf.GradientTape() as t:
                 loss = loss_of(x, y)
@@ -127,6 +138,7 @@ def custom_loop(tape: bool, optimizer, directory: str, stages: bool = False,
         losses = [float(step_reading(iterator)) for _ in range(3)]
     else:
         losses = [float(step_function(x, y)) for x, y in ds for _ in range(2)]
+    losses += [float(counter.numpy()) for counter in counted]
     for status in resumed:
         status.assert_consumed()
     tf.train.CheckpointManager(checkpoint, directory, max_to_keep=1).save()
@@ -175,6 +187,16 @@ def functional(split: bool):
         return tf.keras.Model(inputs, tf.keras.layers.Dense(CLASSES if split else 3)(hidden))
 
 
+def tensorboard(logs: str) -> list:
+    """The TensorBoard callback, where TensorBoard is installed (TensorFlow 2.21 no
+    longer brings it; the callback is left out there, and stderr says so)."""
+    if importlib.util.find_spec("tensorboard") is None:
+        print(f"tf2_script: the TensorBoard callback is left out: TensorFlow {tf.__version__} "
+              "has no TensorBoard installed (pip install tensorboard)", file=sys.stderr)
+        return []
+    return [tf.keras.callbacks.TensorBoard(logs)]
+
+
 def keras_fit(directory: str, split: bool = False, stages: bool = False, build=None):
     rng = np.random.RandomState(0)
     x_all = rng.randn(40, 4).astype(np.float32)
@@ -185,8 +207,8 @@ def keras_fit(directory: str, split: bool = False, stages: bool = False, build=N
                 metrics=["accuracy"])
     callbacks = [tf.keras.callbacks.ModelCheckpoint(os.path.join(directory, "weights.h5"),
                                                     save_weights_only=True),
-                 tf.keras.callbacks.EarlyStopping("loss", patience=2),
-                 tf.keras.callbacks.TensorBoard(os.path.join(directory, "logs"))]
+                 tf.keras.callbacks.EarlyStopping("loss", patience=2)]
+    callbacks += tensorboard(os.path.join(directory, "logs"))
     history = net.fit(x_all, y_all, batch_size=16, epochs=3, verbose=0, callbacks=callbacks,
                       validation_data=(x_all[:8], y_all[:8])).history
     evaluated = net.evaluate(x_all, y_all, verbose=0)
@@ -215,6 +237,8 @@ SCENARIOS = {
                                             build=made_in_stages),
     "auto": lambda d: custom_loop(True, tf.keras.optimizers.Adam, d),
     "next_in_step": lambda d: custom_loop(True, tf.keras.optimizers.Adam, d, in_function=True),
+    "made_in_first_trace": lambda d: custom_loop(True, tf.keras.optimizers.Adam, d,
+                                                 first_trace_variable=True),
 }
 # tfpar settings besides the device count.
 CONFIGS = {"pipeline": {"pipeline.num_micro_batch": 4},

@@ -3,8 +3,8 @@ aliases flattened to dotted keys, ``TFPAR_<SECTION>_<KEY>`` environment
 overrides, each value's type and rule, and the mode rules (a key that does
 nothing in the config's mode is an error)."""
 
-__all__ = ["ENV_CONFIG", "check", "check_modes", "does_nothing", "env_overrides", "flatten",
-           "parse_json", "read_json_file", "unknown"]
+__all__ = ["ENV_CONFIG", "ENV_NOT_CONFIG", "check", "check_modes", "does_nothing", "env_overrides",
+           "flatten", "parse_json", "read_json_file", "unknown"]
 
 import copy
 import difflib
@@ -17,6 +17,9 @@ from .config_schema import ACCEPTS, ALIASES, SCHEMA, SECTIONS
 from .errors import ConfigError
 
 ENV_CONFIG = "TFPAR_CONFIG"  # environment variable holding a config path or JSON text
+# TFPAR_* variables that are not config keys: the TensorFlow version gate's escape
+# hatch (tfpar.compat.tf, read when TensorFlow's internals are first imported).
+ENV_NOT_CONFIG = ("TFPAR_ALLOW_UNTESTED_TENSORFLOW",)
 _ENV_VARS = {"TFPAR_" + k.replace(".", "_").upper(): k for k in SCHEMA}
 _BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
@@ -121,10 +124,10 @@ def env_overrides(env):
     """Validated ``{dotted_key: value}`` from ``TFPAR_<SECTION>_<KEY>`` variables."""
     values = {}
     for var, text in env.items():
-        if not var.startswith("TFPAR_") or var == ENV_CONFIG:
+        if not var.startswith("TFPAR_") or var == ENV_CONFIG or var in ENV_NOT_CONFIG:
             continue
         if var not in _ENV_VARS:
-            raise unknown("environment variable", var, [*_ENV_VARS, ENV_CONFIG])
+            raise unknown("environment variable", var, [*_ENV_VARS, ENV_CONFIG, *ENV_NOT_CONFIG])
         key = _ENV_VARS[var]
         value = _parse_env_value(text, SCHEMA[key].type.split("|"), var)
         values[key] = check(key, value, f" (from environment variable {var})")

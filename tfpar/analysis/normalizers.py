@@ -11,7 +11,7 @@ constants alone (a mask of the tokens, a weights feature): ``whole_batch``
 finds those ops. Nothing here mutates.
 """
 import dataclasses
-from typing import Callable, Dict, List, Optional, Set
+from typing import Callable, Dict, Iterator, List, Optional, Set
 
 from tfpar.analysis.graph_index import post_order
 from tfpar.analysis.op_kinds import READ_ONLY_RESOURCE_TYPES, REF_READ_TYPES, is_variable
@@ -68,7 +68,8 @@ def whole_batch(t: tensor_lib.Tensor, sources: Set[tensor_lib.Tensor],
     def expand(op: ops.Operation):
         inputs = inputs_of(op)
         if op.type in SHAPE_ONLY and inputs and _model_computed(inputs[0], within, inputs_of):
-            partner = _partner(op, inputs[0], inputs_of, axis_of)
+            partner = _partner(op, inputs[0], inputs_of, axis_of,
+                               lambda: _rows_alike(inputs[0], sources, within, inputs_of))
             if partner is None:
                 return None, (f"'{op.name}' ({op.type}) reads the shape of '{inputs[0].name}', "
                               "which the model computes")
@@ -111,19 +112,51 @@ def _model_computed(x: tensor_lib.Tensor, within, inputs_of) -> Optional[ops.Ope
     return None
 
 
-def _partner(op: ops.Operation, x: tensor_lib.Tensor, inputs_of, axis_of
+def _partner(op: ops.Operation, x: tensor_lib.Tensor, inputs_of, axis_of,
+             rows_alike: Callable[[], Iterator[tensor_lib.Tensor]]
              ) -> Optional[tensor_lib.Tensor]:
     """A tensor with ``x``'s shape (the same rank and batch axis 0, the same
     other dimensions) that an elementwise op combines with what ``op`` makes
-    of ``x``'s shape (``ones_like(x)``, or ``Fill`` of ``Shape(x)`` in a graph)."""
+    of ``x``'s shape (``ones_like(x)``, or ``Fill`` of ``Shape(x)`` in a graph);
+    else, where ``x``'s other dimensions are known, one of ``rows_alike()`` (computed
+    from the batch inputs alone, which all have the batch's rows) of its shape and
+    dtype: Keras 3's losses divide by the size of the per-example losses they
+    compute, ``[batch]`` like the labels they cast."""
     made = [c.outputs[0] for c in op.outputs[0].consumers() if c.type == "Fill"] or op.outputs
     for reader in [c for t in made for c in t.consumers() if c.type in _VALUE_OPS]:
         for y in inputs_of(reader):
-            if (y not in made and y.shape.rank == x.shape.rank and y.shape.rank
-                    and axis_of(y) == axis_of(x) == 0
-                    and y.shape.as_list()[1:] == x.shape.as_list()[1:]):
+            if y not in made and _alike(x, y, axis_of):
                 return y
-    return None
+    if not x.shape[1:].is_fully_defined():
+        return None
+    return next((y for y in rows_alike() if y.dtype == x.dtype and _alike(x, y, axis_of)),
+                None)
+
+
+def _rows_alike(x: tensor_lib.Tensor, sources, within, inputs_of
+                ) -> Iterator[tensor_lib.Tensor]:
+    """The tensors ``x`` is computed from, nearest first, that the batch inputs alone
+    compute (the batch inputs among them too)."""
+    seen: Set[ops.Operation] = {x.op}
+    queue = [x.op]
+    while queue:
+        for y in inputs_of(queue.pop(0)):
+            if y.op in seen:
+                continue
+            seen.add(y.op)
+            if y in sources:
+                yield y
+            elif within(y.op):
+                queue.append(y.op)
+                if not internals.is_stateful(y.op) and not _model_computed(y, within, inputs_of):
+                    yield y
+
+
+def _alike(x: tensor_lib.Tensor, y: tensor_lib.Tensor, axis_of) -> bool:
+    """Whether ``y`` has ``x``'s rank, batch axis 0 like it, and its other dimensions."""
+    return bool(y.shape.rank == x.shape.rank and y.shape.rank
+                and axis_of(y) == axis_of(x) == 0
+                and y.shape.as_list()[1:] == x.shape.as_list()[1:])
 
 
 def reductions_into_rows(y: tensor_lib.Tensor, batch_dependent: Set[ops.Operation],

@@ -1,18 +1,63 @@
-"""Keras internals tfpar uses (``keras.src``), and the private members it
-reaches, each behind a function named for what it does."""
+"""Keras internals tfpar uses (Keras 2's ``keras.src`` on TensorFlow 2.15, the same
+layout as ``tf_keras.src`` on 2.16+), and the private members it reaches, each behind
+a function named for what it does; and what tells Keras 3 (2.16+'s default
+``tf.keras``) apart."""
 # pylint: disable=protected-access,unused-import
+import collections
+import functools
+import importlib
+import importlib.metadata
+import os
+from typing import Optional
 
-# IMPORTS (every keras.src name tfpar uses)
-from keras.src import backend, constraints, initializers as keras_initializers, regularizers
-from keras.src.engine import base_layer, functional, training, training_v1
-from keras.src.layers.attention import multi_head_attention as keras_attention
-from keras.src.layers.core import dense as keras_dense, einsum_dense as keras_einsum_dense
-from keras.src.layers.normalization import batch_normalization, layer_normalization
-from keras.src.layers.regularization import dropout as keras_dropout
-from keras.src.legacy_tf_layers import base as legacy_layers
-from keras.src.optimizers import optimizer as keras_optimizer
-from keras.src.optimizers.legacy import optimizer_v2 as keras_optimizer_v2
-from keras.src.saving.legacy import hdf5_format
+import tensorflow as _tf
+
+from tfpar.compat.tf import VERSION
+
+
+def _installed_version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+# Keras 2: the keras package up to TensorFlow 2.15; from 2.16, where keras is Keras 3,
+# the tf_keras package (tf.keras is tf_keras there only with TF_USE_LEGACY_KERAS=1;
+# tfpar hooks Keras 2 either way).
+KERAS_2_PACKAGE = "keras" if _installed_version("keras").startswith("2.") else "tf_keras"
+# Whether tf.keras is Keras 3 (TensorFlow's lazy loader decides so, by the same rule).
+TF_KERAS_IS_KERAS_3 = (KERAS_2_PACKAGE == "tf_keras"
+                       and os.environ.get("TF_USE_LEGACY_KERAS") not in ("true", "True", "1"))
+
+
+def _keras_2(module: str):
+    try:
+        return importlib.import_module(f"{KERAS_2_PACKAGE}.src.{module}")
+    except ImportError as error:
+        if KERAS_2_PACKAGE == "tf_keras" and (error.name or "").split(".")[0] == "tf_keras":
+            version = ".".join(str(part) for part in VERSION)
+            raise ImportError(
+                f"tfpar on TensorFlow {_tf.__version__} needs Keras 2, the tf_keras package: "
+                f"pip install tf-keras=={version}.*") from error
+        raise
+
+
+# IMPORTS (every keras.src / tf_keras.src name tfpar uses)
+backend, constraints, keras_initializers, regularizers = (
+    _keras_2(m) for m in ("backend", "constraints", "initializers", "regularizers"))
+base_layer, functional, training, training_v1 = (
+    _keras_2(f"engine.{m}") for m in ("base_layer", "functional", "training", "training_v1"))
+keras_attention = _keras_2("layers.attention.multi_head_attention")
+keras_dense = _keras_2("layers.core.dense")
+keras_einsum_dense = _keras_2("layers.core.einsum_dense")
+batch_normalization = _keras_2("layers.normalization.batch_normalization")
+layer_normalization = _keras_2("layers.normalization.layer_normalization")
+keras_dropout = _keras_2("layers.regularization.dropout")
+legacy_layers = _keras_2("legacy_tf_layers.base")
+keras_optimizer = _keras_2("optimizers.optimizer")
+keras_optimizer_v2 = _keras_2("optimizers.legacy.optimizer_v2")
+hdf5_format = _keras_2("saving.legacy.hdf5_format")
 # END IMPORTS
 
 
@@ -64,3 +109,23 @@ def h5_weight_lister():
     """(module, name) of the function Keras' h5 files list a layer's weights
     with, saving and loading (its trainable weights, then the others)."""
     return hdf5_format, "_legacy_weights"
+
+
+# Keras 3 (TensorFlow 2.16+'s default tf.keras), imported only where keras is Keras 3.
+Keras3 = collections.namedtuple("Keras3", "version layer optimizer trainer")
+
+
+@functools.lru_cache(maxsize=None)
+def keras_3() -> Optional[Keras3]:
+    """Keras 3's version and the classes tfpar hooks (every layer's base, every
+    optimizer's, the TensorFlow trainer behind ``Model.fit``); None where the
+    keras package is Keras 2 (TensorFlow 2.15)."""
+    if KERAS_2_PACKAGE == "keras":
+        return None
+    keras = importlib.import_module("keras")
+    return Keras3(version=keras.__version__,
+                  layer=importlib.import_module("keras.src.layers.layer").Layer,
+                  optimizer=importlib.import_module(
+                      "keras.src.optimizers.base_optimizer").BaseOptimizer,
+                  trainer=importlib.import_module(
+                      "keras.src.backend.tensorflow.trainer").TensorFlowTrainer)

@@ -7,14 +7,21 @@ import os
 
 import tensorflow as _tf
 
-TESTED = "2.15."
+# The TensorFlow versions tfpar is tested on: 2.15 (tf.estimator, Keras 2 as tf.keras) and
+# 2.16-2.21 (no tf.estimator; Keras 3 as tf.keras, Keras 2 as the tf_keras package).
+TESTED_RANGE = ((2, 15), (2, 21))
+TESTED = "2.15-2.21"
 ALLOW_UNTESTED = "TFPAR_ALLOW_UNTESTED_TENSORFLOW"
-if not _tf.__version__.startswith(TESTED) and not os.environ.get(ALLOW_UNTESTED):
+VERSION = tuple(int(part) for part in _tf.__version__.split(".")[:2])
+if (not TESTED_RANGE[0] <= VERSION <= TESTED_RANGE[1]
+        and os.environ.get(ALLOW_UNTESTED, "") in ("", "0")):
     raise ImportError(
-        f"tfpar is built and tested on TensorFlow {TESTED}x, and this is TensorFlow "
-        f"{_tf.__version__}: tfpar rewrites graphs through TensorFlow's internals, which change "
-        f"between versions. Install tensorflow==2.15.1 (or tensorflow-cpu), or set "
-        f"{ALLOW_UNTESTED}=1 to try this version at your own risk")
+        f"tfpar is built and tested on TensorFlow {TESTED} (2.15.x, and 2.16.x to 2.21.x), and "
+        f"this is TensorFlow {_tf.__version__}: tfpar rewrites graphs through TensorFlow's "
+        f"internals, which change between versions. Install tensorflow==2.15.1 or "
+        f"tensorflow==2.21.* (or tensorflow-cpu), or set {ALLOW_UNTESTED}=1 to try this version "
+        f"at your own risk")
+
 
 # IMPORTS (every tensorflow.python / tensorflow.core name tfpar uses)
 from tensorflow.core.framework import attr_value_pb2, function_pb2, graph_pb2

@@ -88,6 +88,10 @@ class GraphCapture:
     # or iterator feeds it one: ``runtime.captured_batches``), chosen in
     # its first trace; its relaxed trace captures them with dimension 0 unknown.
     batch_captured: List[Any] = _new(list)
+    # In the relaxed trace's capture: the first trace's function, kept alive as long as
+    # this trace (TensorFlow empties a dropped function's graph, and the variables it
+    # made, a Keras 3 optimizer's, read their initial values from it).
+    first_trace: Any = None
 
     # -- open scopes and phases (this class's own bookkeeping) -------------------
     _scopes: List[int] = _new(list)

@@ -62,8 +62,10 @@ def _wrap_create_concrete_function(original):
             return concrete
         finally:
             retracing.graph = None
-        # Not rewritten (the step runs on one device): the first trace, as without tfpar.
-        return again if seams.runtime.rewritten(relaxed) else concrete
+        if not seams.runtime.rewritten(relaxed):
+            return concrete  # not rewritten (it runs on one device): as without tfpar
+        capture.first_trace = concrete  # its graph lives on, as long as this trace
+        return again
     return _create_concrete_function
 
 

@@ -11,12 +11,16 @@ session (``backend.get_session``, which every such call goes through) the
 models of that graph first build the training function Keras would build at
 their first step (``_make_train_function``; no session run): the first run
 then rewrites the whole step.
+
+Keras 3's ``fit`` (tf.keras on TensorFlow 2.16+) asks the runtime first
+(``keras_3_fit``), which refuses it where it would train on one device.
 """
 import weakref
 
 from tfpar.compat.keras import backend, training_v1
 from tfpar.compat import keras as keras_internals, tf as internals
 from tfpar.compat.tf import ops
+from tfpar.hooks import seams
 
 __all__ = ["add_keras_patches"]
 
@@ -28,6 +32,18 @@ def add_keras_patches(patches, active) -> None:
     """Wrap ``Model.compile`` and ``backend.get_session`` (``active()``: tfpar is on)."""
     patches.add(training_v1.Model, "compile", lambda original: _remembering(original, active))
     patches.add(backend, "get_session", lambda original: _building_first(original, active))
+    keras_3 = keras_internals.keras_3()
+    if keras_3 is not None:  # Keras 3's fit is refused where it would not run in parallel
+        patches.add(keras_3.trainer, "fit", lambda original: _asking_fit(original,
+                                                                          keras_3.version))
+
+
+def _asking_fit(original, version: str):
+    def fit(self, *args, **kwargs):
+        if seams.runtime is not None:
+            seams.runtime.keras_3_fit(self.name, version)
+        return original(self, *args, **kwargs)
+    return fit
 
 
 def _remembering(original, active):

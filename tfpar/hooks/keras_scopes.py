@@ -10,12 +10,21 @@ one it was made in (a functional model made in a scope does not remember it:
 its layers do). Whenever a TF2 step is traced, each such layer's call is
 wrapped in its scope (``_Scope.reopened``): all layers of one scope form one
 TaskGraph of that step, as the same code inside the step would.
+
+Keras 3's layers (tf.keras on TensorFlow 2.16+) are not remembered yet: one made or
+called in a scope entered in eager code, or called in a ``wh.split`` scope in a step
+(whose patterns shard Keras 2's layers and TensorFlow's ops), raises a ``PlanError``
+naming the layer and the Keras version, rather than running as if the scope were not
+there. Ops of Keras 3 layers called in a ``wh.replicate`` scope in a step are recorded
+like any other ops.
 """
 import threading
 
+from tfpar.compat import keras as keras_internals
 from tfpar.compat.keras import base_layer, functional
 from tfpar.compat.tf import context, ops
-from tfpar.errors import AnnotationError
+from tfpar.errors import AnnotationError, PlanError
+from tfpar.hooks.split_scope import open_split_context
 from tfpar.hooks.step_graphs import is_step_function
 
 __all__ = ["add_keras_scope_patches", "enter_eagerly", "exit_eagerly"]
@@ -45,6 +54,36 @@ def exit_eagerly(scope) -> int:
 def add_keras_scope_patches(patches) -> None:
     patches.add(base_layer.Layer, "__init__", _remembering_made)
     patches.add(base_layer.Layer, "__call__", _reopening)
+    keras_3 = keras_internals.keras_3()
+    if keras_3 is not None:
+        patches.add(keras_3.layer, "__init__", lambda original: _refusing_keras_3(
+            original, keras_3.version, "made"))
+        patches.add(keras_3.layer, "__call__", lambda original: _refusing_keras_3(
+            original, keras_3.version, "called"))
+
+
+_KERAS_2 = ("Use Keras 2 for it (pip install tf-keras; TF_USE_LEGACY_KERAS=1 makes tf.keras "
+            "Keras 2)")
+
+
+def _refusing_keras_3(original, version: str, verb: str):
+    """A Keras 3 layer made or called in a scope entered in eager code, or called in
+    a split scope in a step, is refused (``PlanError``) naming it and Keras' version."""
+    def wrapped(self, *args, **kwargs):
+        made = original(self, *args, **kwargs) if verb == "made" else None
+        what = f"Keras 3 layer '{self.name}' ({type(self).__name__}, keras {version})"
+        if _open() is not None and context.executing_eagerly():
+            raise PlanError(
+                f"tfpar: {what} is {verb} in {_open()[0].describe()} entered in eager code: "
+                "tfpar does not yet carry scopes around building or calling Keras 3 layers "
+                "into the step (the layer would run as if the scope were not there). "
+                f"{_KERAS_2}, or open the scope inside the tf.function step")
+        if verb == "called" and open_split_context() is not None:
+            raise PlanError(
+                f"tfpar: wh.split cannot shard {what} yet: its patterns shard Keras 2's layers "
+                f"and TensorFlow's ops. {_KERAS_2}, or call the layer outside the split scope")
+        return made if verb == "made" else original(self, *args, **kwargs)
+    return wrapped
 
 
 def _remember(layer, called: bool) -> None:

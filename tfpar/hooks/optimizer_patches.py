@@ -1,10 +1,11 @@
 """Optimizer updates as they are built: ``Optimizer.apply_gradients`` (and
 subclasses' overrides) and keras' (``tf.keras.optimizers.legacy``, used by
-``model.fit`` in graph mode) build APPLY ops, recorded (keras' ``iterations``
+``model.fit`` in graph mode; Keras 3's too) build APPLY ops, recorded (keras' ``iterations``
 counts as the global step), loss-scaled with fp16 (``loss_scaling``)."""
 import functools
 from typing import Optional
 
+from tfpar.compat import keras as keras_internals
 from tfpar.compat.keras import keras_optimizer, keras_optimizer_v2
 from tfpar.compat.tf import context, ops, tf_optimizer
 from tfpar.hooks import capture as cap_lib
@@ -22,6 +23,9 @@ def add_optimizer_patches(patches: PatchSet) -> None:
                 functools.partial(_wrap_optimizer_init, patches=patches))
     patches.add(keras_optimizer_v2.OptimizerV2, "apply_gradients", _wrap_keras_apply)
     patches.add(keras_optimizer.Optimizer, "apply_gradients", _wrap_keras_apply)
+    keras_3 = keras_internals.keras_3()
+    if keras_3 is not None:  # Keras 3's optimizers (tf.keras on TensorFlow 2.16+)
+        patches.add(keras_3.optimizer, "apply_gradients", _wrap_keras_3_apply)
 
 
 def _recorded_apply(grads_and_vars, global_step, apply, optimizer=None):
@@ -89,6 +93,23 @@ def _wrap_keras_apply(original):
             return original(self, grads_and_vars, *args, **kwargs)
         return _recorded_apply(grads_and_vars, lambda: self.iterations, lambda gv: original(
             self, gv, *args, **kwargs), self)
+    return apply_gradients
+
+
+def _wrap_keras_3_apply(original):
+    """Keras 3's ``apply_gradients`` returns its ``iterations`` variable: the update
+    recorded is a read of it after the update (automatic control dependencies order
+    the read after the writes)."""
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        if context.executing_eagerly():
+            return original(self, grads_and_vars, *args, **kwargs)
+        returned = []
+
+        def apply(gv):
+            returned.append(original(self, gv, *args, **kwargs))
+            return self.iterations.value.read_value()
+        _recorded_apply(grads_and_vars, lambda: self.iterations, apply, self)
+        return returned[0]
     return apply_gradients
 
 

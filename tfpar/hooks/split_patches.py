@@ -182,12 +182,15 @@ def _constant(x):
 
 
 def _wrap_mat_mul(original):
-    def mat_mul(a, b, transpose_a=False, transpose_b=False, name=None):
+    def mat_mul(a, b, transpose_a=False, transpose_b=False, name=None, **hints):
+        # hints: TensorFlow 2.16+'s grad_a / grad_b (which operand of a forward
+        # matmul's this is the gradient of: a hint to kernels, not to the value)
         equation = ("ki" if transpose_a else "ik") + "," + ("jk" if transpose_b else "kj") + "->ij"
         return _contraction(
             "matmul", equation, [a, b],
             lambda x, y: math_ops.matmul(x, y, transpose_a=transpose_a, transpose_b=transpose_b),
-            lambda: original(a, b, transpose_a=transpose_a, transpose_b=transpose_b, name=name))
+            lambda: original(a, b, transpose_a=transpose_a, transpose_b=transpose_b, name=name,
+                             **hints))
     return mat_mul
 
 
