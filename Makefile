@@ -2,8 +2,9 @@
 # everything (tensorflow-cpu 2.15.1, tensorflow-estimator 2.15.0, numpy<2, ortools 9.9,
 # networkx, pytest, pytest-xdist; `make test` also builds Horovod 0.28.1) before running.
 # The suite runs in PYTEST_WORKERS processes (pytest-xdist, a test file per process at a
-# time: files share their expensive fixtures), then the multi-process tests (marked slow)
-# one at a time.
+# time: files share their expensive fixtures), then the multi-process tests and the
+# benchmarks' quickest modes (marked slow; mostly waiting on their processes) test by test
+# on as many.
 #
 # TF=2.21 (`make test TF=2.21`, `make demo TF=2.21`, `make test-core TF=2.21`) uses the
 # other tested TensorFlow instead: .venv-tf2.21/ with tensorflow-cpu 2.21, tf-keras 2.21
@@ -60,7 +61,7 @@ demo: $(STAMP)
 # The full suite includes the Horovod backend's tests: Horovod is built first.
 test: $(STAMP) $(WITH_HOROVOD) chromium
 	$(PY) -m pytest tests $(PARALLEL) -m "not slow $(NOT_HOROVOD)" $(PYTEST_ARGS)
-	$(PY) -m pytest tests -m "slow $(NOT_HOROVOD)" $(PYTEST_ARGS)
+	$(PY) -m pytest tests -n $(PYTEST_WORKERS) --dist load -m "slow $(NOT_HOROVOD)" $(PYTEST_ARGS)
 
 # The equivalence core (one file at a time, the multi-process tests left out): what must
 # hold on both TensorFlow versions (`make test-core TF=2.21`).
