@@ -303,8 +303,9 @@ def print_table(rows, checks, args):
 
 def print_checks(checks):
     for c in checks:
-        print(f"check {c['setup']:<20} loss {c['first_loss']:.4f} -> {c['last_loss']:.4f} "
-              f"over {c['steps']} steps: {'ok' if c['ok'] else 'FAILED'}")
+        what = c.get("detail") or (f"loss {c['first_loss']:.4f} -> {c['last_loss']:.4f} "
+                                   f"over {c['steps']} steps")
+        print(f"check {c['setup']:<20} {what}: {'ok' if c['ok'] else 'FAILED'}")
 
 
 def parse_args(argv):

@@ -14,6 +14,21 @@
    same model, initial weights, global batch and plain SGD; Whale Fig. 13
    reports the hybrid ahead of DP for big heads. For information, also the
    bytes each moves per step (measured as in 1).
+3. A GPT-2-style stack of ``--blocks`` attention blocks written in raw ops
+   (fused ``qkv`` cut by ``tf.split``, reshapes and transposes to
+   ``--heads`` heads, ``tf.matmul`` scores, a causal mask, softmax, the
+   output projection) in ``wh.split(4)`` (Megatron's attention: each device
+   its heads) vs the same stack on one device: step time (informational:
+   the logical CPUs share this machine's cores, so the split cannot run
+   faster here), and the bytes that cross devices per step as traced (as in
+   1) against what Megatron's split of a block must move: the column-split
+   projection's input to the other devices and its input gradient back, the
+   row-split projection's partial outputs and their gradient, each an
+   activation ``[B, T, hidden]`` to or from each of the other ``n - 1``
+   devices: ``4 (n - 1)`` activations a block (target: at most 1.25 times
+   that; gathering q, k and v for a whole core would move more).
+   ``--check`` also checks that both train from the same step-0 loss and that
+   the cores were built by heads.
 
 How cross-device bytes are measured: one step runs with
 ``RunOptions(trace_level=FULL_TRACE, output_partition_graphs=True)``. In TF 2.15
@@ -32,8 +47,9 @@ The machine may be noisy, so the two sides of a step-time ratio run alternately
 medians are compared; tfpar's hooks are on only while a side runs.
 
 Targets (``TARGETS``, A / B at most): bytes per step SP1 / SP2 1.0 (SP1 ahead, as
-Whale §5.1.4), step time hybrid / DP 1.0 (hybrid ahead, as Whale Fig. 13); the
-hybrid / DP bytes row is informational. ``--check`` prints PASS/FAIL per target
+Whale §5.1.4), step time hybrid / DP 1.0 (hybrid ahead, as Whale Fig. 13), raw-op
+attention bytes traced / Megatron's 1.25; the hybrid / DP bytes row and the
+raw-op attention step time are informational. ``--check`` prints PASS/FAIL per target
 and exits 1 when one is missed or when a setup does not train (loss falls, each
 pair from the same step-0 loss).
 
@@ -63,13 +79,16 @@ SPLIT_CPUS = 8  # logical CPU devices of measurement 1 (the process has this man
 HYBRID_CPUS = 4  # logical CPU devices of measurement 2
 LR = 0.1
 # Targets of the A / B ratios (at most), by measurement.
-TARGETS = {"sp1_sp2_bytes": 1.0, "hybrid_dp_step": 1.0}
+TARGETS = {"sp1_sp2_bytes": 1.0, "hybrid_dp_step": 1.0, "raw_attention_bytes": 1.25}
 SIZES = {"steps": (10, 2, "timed steps per side per round"), "reps": (5, 3, "ABBA rounds"),
          "classes": (100000, 10000, "classes of the split head"),
          "hidden": (256, 64, "backbone width = head input size"),
          "layers": (3, 2, "backbone dense layers (measurement 2)"),
          "batch": (64, 32, "global batch, step time (measurement 2)"),
-         "comm_batch": (16, 16, "batch of the traced step (measurement 1)")}
+         "comm_batch": (16, 16, "batch of the traced step (measurement 1)"),
+         "blocks": (2, 1, "attention blocks (measurement 3)"),
+         "heads": (8, 4, "attention heads (measurement 3)"),
+         "seq": (64, 16, "sequence length (measurement 3)")}
 
 
 def head_kernel(hidden, classes, seed=1234):
@@ -203,16 +222,73 @@ def measure_hybrid(args, trainers):
                 cross_device_bytes(hybrid)[0], cross_device_bytes(dp)[0], "B", labels)]
 
 
+def attention_builder(blocks, heads, seq, hidden, scope=None):
+    """build(x, y): x [B, seq * hidden] as ``blocks`` residual GPT-2-style
+    attention blocks of raw ops (inside ``scope()`` when given), mean-pooled
+    into a 3-class head; plain SGD; seeded initial values."""
+    depth = hidden // heads
+
+    def heads_first(t):
+        return tf.transpose(tf.reshape(t, [-1, seq, heads, depth]), [0, 2, 1, 3])
+
+    def build(x, y):
+        h = tf.reshape(x, [-1, seq, hidden])
+        causal = tf.linalg.band_part(tf.ones([seq, seq]), -1, 0)
+        with scope() if scope is not None else contextlib.nullcontext():
+            for i in range(blocks):
+                with v1.variable_scope(f"h{i}"):
+                    qkv = v1.layers.dense(h, 3 * hidden, name="c_attn",
+                                          kernel_initializer=v1.glorot_uniform_initializer(seed=i))
+                    q, k, v = map(heads_first, tf.split(qkv, 3, axis=-1))
+                    w = tf.matmul(q, k, transpose_b=True) / math.sqrt(depth)
+                    w = tf.nn.softmax(w * causal - 1e10 * (1.0 - causal))
+                    o = tf.reshape(tf.transpose(tf.matmul(w, v), [0, 2, 1, 3]), [-1, seq, hidden])
+                    h = h + v1.layers.dense(o, hidden, name="c_proj", kernel_initializer=(
+                        v1.glorot_uniform_initializer(seed=100 + i)))
+        logits = v1.layers.dense(tf.reduce_mean(h, 1), 3, name="logits",
+                                 kernel_initializer=v1.glorot_uniform_initializer(seed=7))
+        loss = v1.losses.sparse_softmax_cross_entropy(y, logits)
+        return loss, v1.train.GradientDescentOptimizer(LR).minimize(loss)
+    return build
+
+
+def measure_raw_attention(args, trainers):
+    """3. Raw-op attention split by heads over 4 devices vs one device."""
+    data = make_data(args.comm_batch, args.seq * args.hidden, 3, seed=2)
+    split = Trainer(f"raw attention split x{HYBRID_CPUS}",
+                    attention_builder(args.blocks, args.heads, args.seq, args.hidden,
+                                      lambda: wh.split(HYBRID_CPUS)),
+                    data, {"cluster.num_devices": HYBRID_CPUS})
+    with split.sess.graph.as_default(), split.hooks():
+        split.heads_built = [unit for tg in wh.current_plan().task_graphs
+                             for unit, pattern in tg.patterns.items() if pattern == "heads"]
+    one = Trainer("raw attention, 1 device",
+                  attention_builder(args.blocks, args.heads, args.seq, args.hidden), data)
+    trainers += [split, one]
+    t, b = alternate((split.step, split.hooks), (one.step, one.hooks), args.reps, args.steps)
+    desc = (f"{args.blocks} GPT-2 raw-op attention blocks, {args.heads} heads, seq {args.seq}, "
+            f"hidden {args.hidden}, batch {args.comm_batch}")
+    activation = 4 * args.comm_batch * args.seq * args.hidden  # float32 [B, T, hidden]
+    megatron = args.blocks * 4 * (HYBRID_CPUS - 1) * activation
+    return [row(f"step time, split x{HYBRID_CPUS} vs 1 device ({desc})", 1e3 * t, 1e3 * b, "ms",
+                ("split", "1 device")),
+            row(f"bytes/step, traced vs Megatron's ({desc})", cross_device_bytes(split)[0],
+                megatron, "B", ("traced", "Megatron"), TARGETS["raw_attention_bytes"])]
+
+
 def loss_checks(trainers):
     """Loss must fall for every setup (traced steps excluded); the two setups of each
     measurement must start from the same step-0 loss."""
     checks = []
-    for pair in (trainers[0:2], trainers[2:4]):
+    for pair in (trainers[0:2], trainers[2:4], trainers[4:6]):
         first = pair[0].losses[0]
         for t in pair:
             checks.append({"setup": t.name, "first_loss": t.losses[0], "last_loss": t.losses[-1],
                            "steps": len(t.losses), "ok": t.losses[-1] < t.losses[0]
                            and math.isclose(t.losses[0], first, rel_tol=1e-4)})
+    heads = trainers[4].heads_built
+    checks.append({"setup": f"{trainers[4].name}: cores built by heads",
+                   "detail": f"{len(heads)} batched matmuls built by heads", "ok": bool(heads)})
     return checks
 
 
@@ -266,7 +342,8 @@ def main(argv=None):
                                                * SPLIT_CPUS)
     v1.disable_eager_execution()
     trainers = []
-    rows = [measure_patterns(args, trainers), *measure_hybrid(args, trainers)]
+    rows = [measure_patterns(args, trainers), *measure_hybrid(args, trainers),
+            *measure_raw_attention(args, trainers)]
     return finish(rows, trainers, args, print_table, loss_checks)
 
 

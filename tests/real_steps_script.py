@@ -11,7 +11,8 @@ scenario's config), and ``wh.reset()``. It prints one JSON line per scenario:
 the loop's returned values) and every variable (the models', the optimizers'
 slots and iterations, the metric trackers' totals and counts) in a fixed
 order; with tfpar also the devices that ran work in the step's placed graphs,
-the calls of tfpar's task functions on each device (``tasks``), the plan's
+the calls of tfpar's task functions on each device (``tasks``), the batched
+matmuls each device ran (``batch_matmuls``), the plan's
 devices, the FallbackWarnings said, and the error raised, if any.
 
 Scenarios (the keras-io programs they come from, at small sizes; random
@@ -33,7 +34,9 @@ draws are made outside the step, as the same rows must reach both runs):
   static_batch   a step reading its batch size as a Python number
                  (``real.shape[0]``): it runs on one device, said;
   fixed_block    a step concatenating a fixed number of generated rows with
-                 the batch's: refused by name.
+                 the batch's: refused by name;
+and the raw-op attention transformers of ``raw_attention_models.py`` (issue
+64), whose blocks are built in ``wh.split`` scopes under tfpar.
 """
 import json
 import os
@@ -46,6 +49,7 @@ import tensorflow as tf  # noqa: E402
 from tensorflow.python.eager import context  # noqa: E402
 
 import tfpar as wh  # noqa: E402
+from raw_attention_models import SCENARIOS as RAW_ATTENTION  # noqa: E402
 from real_steps_models import SCENARIOS  # noqa: E402
 from tf2_script import planned_devices, working_devices  # noqa: E402
 
@@ -54,7 +58,7 @@ def run(scenario: str) -> dict:
     """Train ``scenario`` once; its logged values and variables."""
     tf.keras.backend.clear_session()
     tf.keras.utils.set_random_seed(7)
-    logged, variables = SCENARIOS[scenario][0]()
+    logged, variables = {**SCENARIOS, **RAW_ATTENTION}[scenario][0]()
     return {"logged": np.asarray(logged, np.float64).ravel().tolist(),
             "variables": [np.asarray(v).tolist() for v in variables]}
 
@@ -62,7 +66,7 @@ def run(scenario: str) -> dict:
 def with_tfpar(scenario: str, devices: int) -> dict:
     """``run`` under ``wh.init``, with what proves the plan ran."""
     context.context().export_run_metadata()  # forget the plain run's graphs
-    wh.init({"cluster.num_devices": devices, **SCENARIOS[scenario][1]})
+    wh.init({"cluster.num_devices": devices, **{**SCENARIOS, **RAW_ATTENTION}[scenario][1]})
     result = {"error": ""}
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always", wh.FallbackWarning)
@@ -74,6 +78,7 @@ def with_tfpar(scenario: str, devices: int) -> dict:
     metadata = context.context().export_run_metadata()
     result["devices"] = working_devices(metadata)
     result["tasks"] = task_calls(metadata)
+    result["batch_matmuls"] = batch_matmuls(metadata)
     result["planned"] = planned_devices()
     wh.reset()
     return result
@@ -86,6 +91,18 @@ def task_calls(metadata) -> list:
                    for function in metadata.function_graphs
                    for graph in function.partition_graphs for node in graph.node
                    if node.op == "StatefulPartitionedCall" and node.name.startswith("tfpar/")})
+
+
+def batch_matmuls(metadata) -> dict:
+    """device -> how many batched matmuls (attention's ``Q K^T`` and ``P V``,
+    forward and backward) it ran in the placed graphs."""
+    counts: dict = {}
+    for function in metadata.function_graphs:
+        for graph in function.partition_graphs:
+            for node in graph.node:
+                if "BatchMatMul" in node.op:  # grappler may rename it (_MklBatchMatMulV2)
+                    counts[node.device] = counts.get(node.device, 0) + 1
+    return counts
 
 
 def main(devices: int, scenarios) -> None:

@@ -64,12 +64,13 @@ def test_overhead_targets_are_the_stated_ones():
                                 "checked": 1.10, "checked_micro": 1.30}
 
 
-@pytest.mark.parametrize("key", ["sp1_sp2_bytes", "hybrid_dp_step"])
+@pytest.mark.parametrize("key", ["sp1_sp2_bytes", "hybrid_dp_step", "raw_attention_bytes"])
 def test_split_check_fails_when_a_ratio_misses_its_target(key):
     rows = [split.row(name, 2.0 if name == key else 1.0, 1.5, "B", ("A", "B"),
                       split.TARGETS[name]) for name in split.TARGETS]
     assert overhead.finish(rows, [], args(), None, lambda trainers: []) == 1
-    assert split.TARGETS == {"sp1_sp2_bytes": 1.0, "hybrid_dp_step": 1.0}
+    assert split.TARGETS == {"sp1_sp2_bytes": 1.0, "hybrid_dp_step": 1.0,
+                             "raw_attention_bytes": 1.25}
 
 
 def planner_rows(plan_96=1.0, o2_o3=1.0, auto_96=1.0, mask_96=1.0):

@@ -1,4 +1,5 @@
-"""Smoke test: benchmarks/split.py --quick --json runs and reports positive numbers."""
+"""Smoke test: benchmarks/split.py --quick --json runs and reports positive numbers;
+raw-op attention split by heads moves no more than Megatron's split must."""
 import json
 import os
 import subprocess
@@ -13,7 +14,7 @@ def test_split_benchmark_quick_json():
                          timeout=300, check=True).stdout
     report = json.loads(out)
     assert set(report) == {"config", "results", "checks"}
-    assert len(report["results"]) == 3
+    assert len(report["results"]) == 5
     for r in report["results"]:
         assert {"measurement", "a", "b", "unit", "a_value", "b_value", "ratio", "target",
                 "met", "estimate"} <= set(r)
@@ -22,3 +23,5 @@ def test_split_benchmark_quick_json():
     assert estimate["sp1_bytes_per_row"] > 0 and estimate["sp2_bytes_per_row"] > 0
     assert estimate["sp1_patterns"]["logits"] == "column"
     assert estimate["sp2_patterns"]["logits"] == "row"
+    megatron = report["results"][4]  # raw-op attention split by heads moves Megatron's bytes
+    assert megatron["b"] == "Megatron" and megatron["met"], megatron

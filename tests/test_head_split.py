@@ -1,7 +1,8 @@
 """Head-parallel attention in the sharding search (``auto.split_heads``):
 attention cores found from the graph's structure, split by heads between a
 column-split Q K V projection and a row-split output projection (Megatron's
-attention), and refused by a training run, which cannot build it yet."""
+attention), offered only where tfpar's split builds them (whole heads per
+device); training such plans: ``test_raw_attention_split.py``."""
 import dataclasses
 
 import pytest
@@ -10,7 +11,6 @@ import tensorflow as tf
 from test_cost_model import graph_view, mlp_block
 from test_expert_plans import DGX_A100, gpt_loss
 
-from equivalence import make_data, plan_of, train
 
 import tfpar as wh
 from tfpar.hooks.capture import existing_capture
@@ -90,27 +90,17 @@ def test_heads_split_as_megatron_splits_them():
     assert split.comm_bytes < whole.comm_bytes
 
 
-def test_a_live_run_refuses_a_plan_that_splits_heads():
-    """tfpar cannot build head-split attention yet: such a plan is for
-    ``tfpar plan`` only, and training says so, naming a layer, also with the
-    plan pinned."""
-    def build(x, y):
-        loss = gpt_loss(1, 256, 4, vocab=64)(x)
-        return loss, v1.train.AdamOptimizer(1e-3).minimize(loss)
-    # Small devices: only column / row splits fit, and they leave the core
-    # behind an all-gather unless it splits by heads.
-    device = {"name": "gpu", "tflops": 10, "memory_gb": 0.01}
-    config = {"auto.auto_parallel": True, "cluster.num_devices": 2, "cluster.hardware": [device],
-              "auto.split_heads": True, "auto.planning_pass": False}
-    plan = plan_of(build, config, dtype=tf.int32, shape=(8, 16))
-    assert plan.sharding["layers"]["h0/attn/Softmax"] == "heads"
-    assert "h0/attn/Softmax -> heads" in plan.summary()
-    tokens = make_data(steps=1, batch=8, features=16, classes=64)[1].reshape(1, 8, 1)
-    data = (tokens.repeat(16, axis=2).astype("int32"), tokens[..., 0])
-    for run in (config, {**config, "plan": plan.to_dict()}):  # searched, then pinned
-        with pytest.raises(wh.PlanError, match=r"splits attention heads \(h0/attn/\w+ and "
-                                               r"\d+ more\), which tfpar cannot build yet"):
-            train(build, data, run, static_batch=True)
+@pytest.mark.parametrize("heads", [12, 16])
+def test_heads_the_tensor_group_does_not_divide_are_not_offered(heads):
+    """tfpar splits a core of raw ops into whole heads per device (test_raw_attention_split
+    trains such plans): 12 heads over 8 devices cannot be, so the search never
+    plans it (before, it planned it and the run refused it); 16 heads are
+    split as above."""
+    view = dataclasses.replace(gpt_view(layers=2, hidden=960, heads=heads, seq=512),
+                               compute_dtype="fp16")
+    assert dict(view.core_heads) == {"h0/attn": heads, "h1/attn": heads}
+    layers = dict(tensor_8(view, True).split_scopes)
+    assert ("heads" in layers.values()) == (heads == 16), layers
 
 
 def test_a_llama_core_with_grouped_heads_and_rotary_embeddings_splits_by_heads():

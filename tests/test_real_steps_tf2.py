@@ -6,7 +6,9 @@ reading its batch size statically and one concatenating rows it makes with
 the batch's. Each is trained plainly and with tfpar on 4 logical devices in
 one process (``real_steps_script.py``), every logged value and every variable
 (optimizer slots, tracker totals and counts) compared, the plan proven from
-the placed graphs that ran."""
+the placed graphs that ran. With them (one process for all), issue 64's TF2
+transformers whose attention is raw ops in ``wh.split``
+(``raw_attention_models.py``)."""
 import functools
 import json
 import os
@@ -20,7 +22,8 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "real_steps_sc
 DEVICES = 4
 PLANNED = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(DEVICES)]
 SCENARIOS = ("gan_fit", "gan_loop", "vae_even", "vae_uneven", "seq2seq_fit", "masked_loop",
-             "static_batch", "fixed_block")
+             "static_batch", "fixed_block", "raw_attention_bert_fit_split2",
+             "raw_attention_gpt2_loop_split4")
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,3 +102,19 @@ def test_rows_a_step_makes_beside_the_batch_are_refused_by_name():
     got = results()["fixed_block"]["tfpar"]
     assert "'concat' joins the batch's rows with" in got["error"], got["error"]
     assert "[4, 6]" in got["error"] and "tf.shape(x)[0]" in got["error"]
+
+
+@pytest.mark.parametrize("scenario", ["raw_attention_bert_fit_split2",
+                                      "raw_attention_gpt2_loop_split4"])
+def test_raw_op_attention_in_a_split_scope_trains_by_heads_in_tf2(scenario):
+    """Keras Dense projections and an attention core of raw ops (BERT's
+    separate q, k, v and padding mask under ``fit``, split over 2 devices
+    twice; GPT-2's fused qkv and causal mask in a ``tf.function`` loop, over
+    4): one device's numbers, and every device ran as many batched matmuls
+    as every other (its heads' scores and weighted sums; a core left whole
+    runs them all on the first device of each split group). Before, the
+    output projection's pattern was chosen in Keras' scratch trace of the
+    block, where the core was whole: column instead of row."""
+    got = assert_one_devices_numbers(scenario)
+    counts = got["batch_matmuls"]
+    assert sorted(counts) == PLANNED and len(set(counts.values())) == 1, counts

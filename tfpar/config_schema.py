@@ -125,9 +125,9 @@ SCHEMA = {
         "memory techniques the planner may choose (sequence_parallel: for split meshes, when "
         "it makes the step faster or makes it fit)"),
     "auto.split_heads": Option("bool", False, (),
-                               "tensor groups may split every attention core by heads "
+                               "tensor groups may split attention cores of raw ops by heads "
                                "(Megatron's attention; keras MultiHeadAttention's are without "
-                               "it, and built; others for plans only: tfpar cannot build them)"),
+                               "it), where the group's devices divide the heads"),
     "auto.planning_pass": Option("bool", True, (),
                                  "a script with auto_parallel plans in a child run first, "
                                  "so sharded layers are built split"),

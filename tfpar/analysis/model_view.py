@@ -77,7 +77,20 @@ def model_view(index: GraphIndex, recorded: Recorded) -> Tuple[List[ops.Operatio
         batch=_declared_batch(graph, recorded), compute_dtype=_compute_dtype(graph, flops),
         traffic_bytes=_traffic(graph, edges),
         kept_bytes=_kept_bytes(index, graph, recorded),
-        optimizer_slots=optimizer_slots(recorded), attention_heads=_attention_heads(order))
+        optimizer_slots=optimizer_slots(recorded), attention_heads=_attention_heads(order),
+        core_heads=_core_heads(order))
+
+
+def _core_heads(order: List[ops.Operation]) -> Tuple[Tuple[str, int], ...]:
+    """(name scope, heads) of each batched contraction among ``order`` with
+    four or more output axes: its second axis (the fewest of a scope's)."""
+    found: dict = {}
+    for op in order:
+        shape = op.outputs[0].shape if "BatchMatMul" in op.type and op.outputs else None
+        if shape is not None and shape.rank is not None and shape.rank >= 4 and shape[1]:
+            scope = op.name.rpartition("/")[0]
+            found[scope] = min(found.get(scope, int(shape[1])), int(shape[1]))
+    return tuple(found.items())
 
 
 def _attention_heads(order: List[ops.Operation]) -> Tuple[Tuple[str, int], ...]:

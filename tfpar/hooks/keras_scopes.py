@@ -18,6 +18,8 @@ naming the layer and the Keras version, rather than running as if the scope were
 there. Ops of Keras 3 layers called in a ``wh.replicate`` scope in a step are recorded
 like any other ops.
 """
+import contextlib
+import functools
 import threading
 
 from tfpar.compat import keras as keras_internals
@@ -99,6 +101,31 @@ def _remember(layer, called: bool) -> None:
     entry[1] += 1
 
 
+@contextlib.contextmanager
+def _call_in_scope(layer, scope):
+    """While a functional model calls ``layer`` on symbolic inputs, keras
+    traces its ``call`` in a scratch graph to learn its outputs, and the
+    weights its sublayers make there are made for good: that trace runs in
+    ``scope`` too, as the step's will (a split pattern chosen there must be
+    the one the step's ops are split for)."""
+    call, own = layer.call, layer.__dict__.get("call")
+
+    def scoped(*args, **kwargs):
+        graph = ops.get_default_graph()
+        if not is_step_function(graph):
+            return call(*args, **kwargs)
+        with scope.reopened(graph, layer.name):
+            return call(*args, **kwargs)
+    object.__setattr__(layer, "call", functools.wraps(call)(scoped))  # untracked by keras
+    try:
+        yield
+    finally:
+        if own is None:
+            object.__delattr__(layer, "call")
+        else:
+            object.__setattr__(layer, "call", own)
+
+
 def _remembering_made(original):
     """A functional model (Sequential too) made in a scope does not remember
     it: its layers remember the scopes they were made or called in."""
@@ -114,7 +141,8 @@ def _reopening(original):
     def __call__(self, *args, **kwargs):
         if _open() is not None and context.executing_eagerly():
             _remember(self, called=True)
-            return original(self, *args, **kwargs)
+            with _call_in_scope(self, _open()[0]):
+                return original(self, *args, **kwargs)
         scope = self.__dict__.get("_tfpar_scope", (None,))[0]
         graph = ops.get_default_graph() if scope is not None else None
         if graph is None or not is_step_function(graph):

@@ -21,12 +21,15 @@ layers are ``split_layer_patches``'.
   row-split table: vocabulary-sharded lookup;
 * ``gen_math_ops.mat_mul`` (``tf.matmul``) and ``gen_linalg_ops.einsum``
   (``tf.einsum``) on split operands: contraction patterns;
-* elementwise activations (relu, tanh, sigmoid, ``tf.nn.silu``) of a split
+* elementwise activations (relu, tanh, sigmoid, ``tf.nn.silu``, negation) of a split
   tensor act on its shards, so it stays split (along the sequence too:
   ``sequence_patches`` keeps the rest of a sequence-parallel region split);
-* products, sums and differences of two tensors split alike along their
-  features (SwiGLU's ``silu(gate) * up`` of two column-split layers) act on
-  their shards too, so the row-split layer after them reads the shards.
+* products, quotients, sums and differences of two tensors split alike
+  along their features (SwiGLU's ``silu(gate) * up`` of two column-split
+  layers), or of a split tensor and one constant along its split axis (an
+  attention scale or mask), act on their shards too, so the row-split layer
+  after them reads the shards;
+* attention built from raw ops stays split by heads (``head_patches``).
 """
 import contextlib
 import functools
@@ -37,12 +40,13 @@ from tfpar.compat.tf import (context, gen_array_ops, gen_linalg_ops, gen_math_op
                              math_ops, ops, silu_exports, special_math_ops, tensor_util,
                              variable_scope)
 from tfpar.errors import ShardingError
+from tfpar.hooks.head_patches import add_head_patches
 from tfpar.hooks.patching import PatchSet
 from tfpar.hooks.sequence_patches import add_sequence_patches
 from tfpar.hooks.split_layer_patches import add_split_layer_patches
 from tfpar.hooks.split_scope import open_split_context
 from tfpar.ir.sharding import ShardingUnit
-from tfpar.patterns import moe
+from tfpar.patterns import heads, moe
 from tfpar.patterns.argmax import sharded_argmax
 from tfpar.patterns.contraction import (CONTRACTION_PATTERNS, GATHER as GATHER_OPERANDS,
                                         contraction_unit, sharded_contraction)
@@ -70,12 +74,13 @@ def add_split_patches(patches: PatchSet) -> None:
     patches.add(gen_math_ops, "mat_mul", _wrap_mat_mul)
     patches.add(gen_linalg_ops, "einsum", _wrap_einsum)
     for module, name in ((gen_nn_ops, "relu"), (gen_math_ops, "tanh"),
-                         (gen_math_ops, "sigmoid")):
+                         (gen_math_ops, "sigmoid"), (gen_math_ops, "neg")):
         patches.add(module, name, _wrap_elementwise)
     for module, name in silu_exports():
         patches.add(module, name, _wrap_silu)
-    for name in ("add_v2", "sub", "mul"):
+    for name in ("add_v2", "sub", "mul", "real_div"):
         patches.add(gen_math_ops, name, _wrap_binary)
+    add_head_patches(patches)
 
 
 def _wrap_xent(original, sparse: bool):
@@ -266,15 +271,26 @@ def _wrap_silu(original):
 
 def _wrap_binary(original):
     """Outside the sequence-parallel patch of the same ops: it sees only
-    what this leaves whole."""
+    what this leaves whole. Two tensors split alike act shard by shard; one
+    split tensor and one constant along its split axis (a scale, a mask)
+    too (``heads.broadcast``)."""
     def binary(x, y, name=None):
         if context.executing_eagerly():  # no split scope: the hot path of eager code
             return original(x, y, name=name)
         ctx = open_split_context()
-        pair = [ctx.lookup(t) for t in (x, y)] if ctx is not None else [None]
-        if None in pair or not _alike(*pair):
+        pair = [ctx.lookup(t) for t in (x, y)] if ctx is not None else [None, None]
+        if None not in pair and _alike(*pair):
+            return _on_shards(ctx, pair, pair[0], original)
+        if pair.count(None) != 1:
             return original(x, y, name=name)
-        return _on_shards(ctx, pair, pair[0], original)
+        first = pair[0] is not None
+        with ctx.building():
+            result = heads.broadcast(ctx, pair[0] if first else pair[1], y if first else x,
+                                     name, original, first)
+        if result is None:
+            return original(x, y, name=name)
+        ctx.forced_pattern(ops.get_default_graph().get_name_scope())  # a planned heads layer
+        return result
     return binary
 
 

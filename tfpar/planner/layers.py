@@ -75,8 +75,11 @@ class Layer:
       ops: indices of its ops in the model view.
       signature: kind, costs and op types as the layer was read from the
         graph (``identity`` is what makes equal subproblems).
-      heads: the heads of the keras MultiHeadAttention an attention core's
-        layer is in (0: none), which tfpar's split builds by heads.
+      heads: the heads of the attention core a layer is in (0: none or
+        unknown): of its keras MultiHeadAttention (``keras_heads``: tfpar's
+        split builds them by heads), or of its raw ops' ``Q K^T`` (split by
+        heads with ``auto.split_heads``, when the group's devices divide them:
+        each must hold whole heads).
     """
 
     scope: str
@@ -90,13 +93,14 @@ class Layer:
     signature: Tuple
     scopes: Tuple[str, ...] = ()
     heads: int = 0
+    keras_heads: bool = False
 
     @property
     def identity(self) -> Tuple:
         """Equal identities are equal subproblems: the signature with the
         kind and the inputs from outside as they are now (``attention_layers``
         and ``subgraph`` change them)."""
-        return (self.signature, self.kind, self.input_bytes, self.heads)
+        return (self.signature, self.kind, self.input_bytes, self.heads, self.keras_heads)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,10 +151,17 @@ def layer_graph(view) -> LayerGraph:
     layers = tuple(_layer(tuple(dict.fromkeys(key[i] for i in members[g])), members[g], view,
                           outgoing[position[g]]) for g in order)
     edges = tuple((a, b, s) for (a, b), s in sorted(volume.items()))
-    core = set(attention_layers(layers, edges, view.types))
-    heads = dict(view.attention_heads)
-    layers = tuple(dataclasses.replace(layer, kind="attention",
-                                       heads=heads.get(_parent(layer.scope), 0))
+    keras, raw = dict(view.attention_heads), dict(view.core_heads)
+    core = {}
+    for group in attention_layers(layers, edges, view.types):
+        parents = {_parent(scope) for k in group for scope in layers[k].scopes or
+                   (layers[k].scope,)}
+        found = [raw[p] for p in parents if p in raw]
+        for k in group:
+            parent = _parent(layers[k].scope)
+            core[k] = ({"heads": keras[parent], "keras_heads": True} if parent in keras
+                       else {"heads": min(found, default=0)})
+    layers = tuple(dataclasses.replace(layer, kind="attention", **core[k])
                    if k in core and layer.kind == "other" else layer
                    for k, layer in enumerate(layers))
     return LayerGraph(layers, edges, state_per_weight(view.optimizer_slots))
@@ -167,16 +178,15 @@ def keras_attention(scopes: Iterable[str]) -> Set[str]:
     return {parent for parent, names in found.items() if len(names) == len(KERAS_PROJECTIONS)}
 
 
-def heads_units(planned: Mapping[str, str]) -> Tuple[Dict[str, str], List[str]]:
-    """A plan's layers split by ``heads`` (``planned``: scope -> candidate):
-    the keras MultiHeadAttention layers they are in, as the units tfpar's
-    split builds by heads (scope -> "heads"), and the scopes of the others,
-    which it cannot build (``auto.split_heads``' plans of hand-written
-    attention)."""
+def heads_units(planned: Mapping[str, str]) -> Dict[str, str]:
+    """A plan's layers split by ``heads`` (``planned``: scope -> candidate)
+    as tfpar's split builds them (scope -> "heads"): a keras
+    MultiHeadAttention's core as the layer it is in, an attention core of
+    raw ops (``auto.split_heads``) as its own ops' scopes (the split of
+    their inputs by heads carries through them: ``hooks/head_patches.py``)."""
     keras = keras_attention(planned)
     heads = [scope for scope, how in planned.items() if how == "heads"]
-    return ({_parent(scope): "heads" for scope in heads if _parent(scope) in keras},
-            [scope for scope in heads if _parent(scope) not in keras])
+    return {(_parent(scope) if _parent(scope) in keras else scope): "heads" for scope in heads}
 
 
 def _parent(scope: str) -> str:
@@ -184,8 +194,8 @@ def _parent(scope: str) -> str:
 
 
 def attention_layers(layers: Sequence[Layer], edges: Sequence[Tuple[int, int, float]],
-                     types: Sequence[str]) -> List[int]:
-    """The layers of attention cores: weightless layers of ``HEAD_OPS``
+                     types: Sequence[str]) -> List[List[int]]:
+    """The layers of each attention core: weightless layers of ``HEAD_OPS``
     connected (by edges that carry rows) into a group that holds a weightless
     contraction (``Q K^T``), is fed only by weighted contractions (the Q K V
     projection: not by the model's inputs) and feeds only weighted
@@ -212,7 +222,7 @@ def attention_layers(layers: Sequence[Layer], edges: Sequence[Tuple[int, int, fl
         feeds = all(layers[j].kind == "matmul" for k in group for j in consumers[k]
                     if j not in group)
         if contracts and fed and feeds:
-            core += sorted(group)
+            core.append(sorted(group))
     return core
 
 

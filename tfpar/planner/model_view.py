@@ -42,6 +42,10 @@ class ModelView:
         optimizer made it (SGD 0, Momentum 1, Adam 2); Adam's when unknown.
       attention_heads: (name scope, heads) of each keras MultiHeadAttention
         (read from its query kernel, ``[model, heads, width]``).
+      core_heads: (name scope, heads) of each batched contraction of four or
+        more axes (an attention core's ``Q K^T``, ``[B, heads, T, T]``; with
+        grouped queries ``[B, kv heads, group, T, T]``): how many heads a
+        core of raw ops is split along (``hooks/head_patches.py``).
     """
 
     flops: Sequence[float]
@@ -58,6 +62,7 @@ class ModelView:
     kept_bytes: Optional[Sequence[float]] = None
     optimizer_slots: float = SLOTS
     attention_heads: Tuple[Tuple[str, int], ...] = ()
+    core_heads: Tuple[Tuple[str, int], ...] = ()
 
     @property
     def kept(self) -> Sequence[float]:

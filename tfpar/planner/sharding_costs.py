@@ -156,10 +156,17 @@ class Problem:
             return [("dp",)] * len(self.graph.layers)
         allowed = [CANDIDATES[layer.kind] if layer.kind != "elementwise" or not layer.param_bytes
                    else ("dp", "whole") for layer in self.graph.layers]
-        allowed = [options if self.split_heads or layer.heads >= self.mesh.tensor
-                   else tuple(c for c in options if c != "heads")
+        allowed = [options if self._by_heads(layer) else tuple(c for c in options if c != "heads")
                    for options, layer in zip(allowed, self.graph.layers)]
         return [options[1:] for options in allowed] if self.split_only else allowed
+
+    def _by_heads(self, layer) -> bool:
+        """Whether tfpar's split builds ``layer``'s core by heads on this
+        mesh: a keras MultiHeadAttention of at least one head per device;
+        raw ops (``split_heads``) whose heads the devices divide."""
+        if layer.keras_heads:
+            return layer.heads >= self.mesh.tensor
+        return self.split_heads and layer.heads % self.mesh.tensor == 0 and layer.heads > 0
 
     def rows(self, candidate: str, kept: bool = False, sliced: bool = False) -> float:
         """Rows per device a layer with ``candidate`` computes on or, ``kept``,

@@ -35,7 +35,7 @@ def make_split_context(capture: GraphCapture, spec: TaskGraphSpec, rt: Runtime,
     return SplitContext(spec.name, devices, rt.config.get("split.patterns"),
                         capture.sharded_tensors, shard_shares(rt, spec.index, devices),
                         {**{scope: how for scope, how in (planned or {}).items()
-                            if how in ("column", "row")}, **heads_units(planned or {})[0]},
+                            if how in ("column", "row")}, **heads_units(planned or {})},
                         rt.config.get("split.sequence_parallel")
                         or bool(pinned_sharding(rt).get("sequence_parallel")))
 

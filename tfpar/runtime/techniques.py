@@ -8,10 +8,9 @@ from tfpar.compat.tf import ops
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture
 from tfpar.ir.plan import pinned_plan
-from tfpar.planner.layers import heads_units
 from tfpar.planner.memory import Techniques
 from tfpar.analysis.analysed import Analysed
-from tfpar.runtime.automatic import Automatic, automatic_plan, pinned_sharding
+from tfpar.runtime.automatic import Automatic, automatic_plan
 from tfpar.runtime.context import Runtime
 from tfpar.runtime.planning import analysed_now
 from tfpar.runtime.precision import applied
@@ -73,9 +72,8 @@ def planned_techniques(automatic: Optional[Automatic], rt: Runtime) -> Technique
 
 def refuse_planning_only(automatic: Optional[Automatic], rt: Runtime) -> None:
     """A plan that needs memory techniques (``auto.memory_techniques``) tfpar
-    does not apply to the graph (``unapplied``) or splits attention heads
-    (``auto.split_heads``) outside keras MultiHeadAttention layers cannot
-    train here: raise, naming them; a pinned plan too."""
+    does not apply to the graph (``unapplied``) cannot train here: raise,
+    naming them; a pinned plan too."""
     chosen = [c for c in (automatic.best, automatic.runnable) if c is not None] \
         if automatic is not None else []
     low = applied(rt.config, rt.device_type) is not None
@@ -89,10 +87,4 @@ def refuse_planning_only(automatic: Optional[Automatic], rt: Runtime) -> None:
     if pinned:
         raise PlanError(f"tfpar: the pinned plan needs {', '.join(pinned)} (its estimate's "
                         "memory_techniques), which tfpar cannot apply here")
-    heads = [scope for c in chosen for scope in heads_units(dict(c.split_scopes))[1]]
-    heads += heads_units(pinned_sharding(rt).get("layers", {}))[1]
-    if heads:
-        raise PlanError(f"tfpar: the planner's plan splits attention heads ({heads[0]}"
-                        f"{f' and {len(heads) - 1} more' if len(heads) > 1 else ''}), which "
-                        "tfpar cannot build yet outside keras MultiHeadAttention: "
-                        "auto.split_heads is for planning (tfpar plan); set it false to train")
+
