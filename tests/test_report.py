@@ -103,14 +103,19 @@ def test_the_fullest_devices_memory_splits_as_the_memory_model_counts():
     assert abs(parts["activations"] - 3 * GB) < 1
 
 
-def test_the_report_key_writes_after_a_step_that_runs_the_train_op_alone(tmp_path):
+def test_the_report_key_writes_after_a_step_that_runs_the_train_op_alone(
+        tmp_path, capsys, caplog):
     """``wh.init({"report": path})``: the first training step is traced and
     the report written after it, also when the script fetches only the
-    optimizer's train op (before, such a run was not seen as the step)."""
+    optimizer's train op (before, such a run was not seen as the step).
+    Its path is said once, also to a script that logs at INFO (before,
+    it was printed and logged, so such a script showed it twice)."""
+    import logging  # pylint: disable=import-outside-toplevel
     import numpy as np  # pylint: disable=import-outside-toplevel
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     import tfpar as wh  # pylint: disable=import-outside-toplevel
     v1 = tf.compat.v1
+    caplog.set_level(logging.INFO)
     path = tmp_path / "report.html"
     graph = tf.Graph()
     with graph.as_default():
@@ -125,3 +130,5 @@ def test_the_report_key_writes_after_a_step_that_runs_the_train_op_alone(tmp_pat
     wh.reset()
     text = path.read_text(encoding="utf-8")
     assert "traced step: " in text and "CPU:1" in text
+    said = capsys.readouterr().out + caplog.text
+    assert said.count("plan report written") == 1, said
