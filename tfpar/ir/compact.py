@@ -1,10 +1,11 @@
 """Compact text for plans of thousands of devices and layers: device ranges
-(``GPU:0-7``) and names that differ only in one number written once
-(``h{0..95}/attn/c_attn``)."""
+(``GPU:0-7``), names that differ only in one number written once
+(``h{0..95}/attn/c_attn``) and numbers without an exponent (``19170``)."""
+import math
 import re
 from typing import Dict, List, Sequence, Tuple
 
-__all__ = ["device_ranges", "numbered"]
+__all__ = ["device_ranges", "numbered", "plain"]
 
 _NUMBER = re.compile(r"\d+")
 
@@ -78,3 +79,13 @@ def _join(pieces: Sequence[str], numbers: Sequence) -> str:
     for number, piece in zip(numbers, pieces[1:]):
         out += [str(number), piece]
     return "".join(out)
+
+
+def plain(value: float, digits: int = 4) -> str:
+    """``value`` to ``digits`` significant digits as ``:g`` writes it, but
+    never with an exponent: ``19170``, ``12.35``, ``0.5``, ``0.001234``."""
+    if value == 0 or not math.isfinite(value):
+        return f"{value:g}"
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(value))))
+    text = f"{value:.{decimals}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text

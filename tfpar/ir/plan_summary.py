@@ -36,7 +36,7 @@ def summary(plan) -> str:
     for name, group in groups:
         lines += [f"  {name}: {line}" for line in numbered(
             [f"{unit} -> {pattern}" for tg in group
-             for unit, pattern in sorted(tg.patterns.items())])]
+             for unit, pattern in tg.patterns.items()])]
     if plan.sharding:
         sequence = ", sequence parallel" if plan.sharding.get("sequence_parallel") else ""
         lines.append(f"sharded layers (tensor degree {plan.sharding['tensor_degree']}"
