@@ -259,3 +259,23 @@ def test_nothing_cites_a_design_document_the_repository_lacks():
               for path in sorted((ROOT / folder).rglob("*"))
               if path.suffix in (".py", ".md") and missing in path.read_text()]
     assert not (ROOT / missing).exists() and not citing, citing
+
+
+def test_devices_of_different_workers_stay_apart():
+    """Issue 64: devices of two workers were both written ``CPU:0``; their
+    job and task now tell them apart, in a placement of both and beside
+    one another (one worker alone keeps the short names)."""
+    workers = [[f"/job:worker/replica:0/task:{t}/device:CPU:{i}" for i in range(4)]
+               for t in range(2)]
+    assert device_ranges([workers[0][0], workers[1][0]]) == "worker0:CPU:0,worker1:CPU:0"
+    assert device_ranges(workers[1]) == "CPU:0-3"
+    assert device_ranges(workers[1], workers[0] + workers[1]) == "worker1:CPU:0-3"
+    plan = Plan((TaskGraphPlan("stage_0", "replicate", 1, tuple((d,) for d in workers[0])),
+                 TaskGraphPlan("stage_1", "replicate", 1, tuple((d,) for d in workers[1])),
+                 TaskGraphPlan("both", "replicate", 1, ((workers[0][0],), (workers[1][0],)))),
+                4)
+    lines = plan.summary().splitlines()
+    assert {line.split()[0]: line.split()[-1] for line in lines[3:6]} == {
+        "stage_0": "worker0:CPU:0-3", "stage_1": "worker1:CPU:0-3",
+        "both": "worker0:CPU:0,worker1:CPU:0"}, plan.summary()
+    assert lines[6].startswith("devices: logical CPU devices of each of 2 hosts,"), lines[6]

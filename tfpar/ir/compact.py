@@ -5,17 +5,24 @@ import math
 import re
 from typing import Dict, List, Sequence, Tuple
 
-__all__ = ["device_ranges", "numbered", "plain"]
+__all__ = ["device_ranges", "numbered", "plain", "task_of"]
 
 _NUMBER = re.compile(r"\d+")
+_TASK = re.compile(r"/job:([^/]+)/(?:replica:\d+/)?task:(\d+)")
 
 
-def device_ranges(devices: Sequence[str]) -> str:
+def device_ranges(devices: Sequence[str], among: Sequence[str] = ()) -> str:
     """``.../device:CPU:3`` as ``CPU:3``; three or more consecutive devices
-    of one type as a range: ``CPU:0-3,GPU:0,GPU:1``."""
+    of one type as a range: ``CPU:0-3,GPU:0,GPU:1``. When ``devices`` (or
+    ``among``, the devices the text must tell them apart from) are on more
+    than one task, each is written with its job and task:
+    ``worker0:CPU:0-3,worker1:CPU:0-3``."""
+    tasks = {task_of(d) for d in (among or devices)}
     runs: List[Tuple[str, int, int]] = []  # (type, first, last); a name without a number: -1
     for device in devices:
         short = device.rsplit("device:", 1)[-1]
+        if len(tasks) > 1:
+            short = "".join(task_of(device)) + ":" + short
         kind, _, index = short.rpartition(":")
         if not index.isdigit():
             runs.append((short, -1, -1))
@@ -32,6 +39,12 @@ def device_ranges(devices: Sequence[str]) -> str:
         else:
             parts += [f"{kind}:{n}" for n in range(first, last + 1)]
     return ",".join(parts)
+
+
+def task_of(device: str) -> Tuple[str, str]:
+    """The job and task of a device name (empty strings when it names none)."""
+    found = _TASK.search(device)
+    return (found.group(1), found.group(2)) if found else ("", "")
 
 
 def numbered(names: Sequence[str]) -> List[str]:

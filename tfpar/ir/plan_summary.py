@@ -4,7 +4,7 @@ what it assumes and how it was found, its devices, measurements and notes."""
 import re
 from typing import Any, Dict, List, Sequence, Tuple
 
-from tfpar.ir.compact import device_ranges, numbered
+from tfpar.ir.compact import device_ranges, numbered, task_of
 from tfpar.ir.measured import human_bytes as _human_bytes, table as _measured_table
 from tfpar.ir.outcome import Outcome
 
@@ -24,9 +24,10 @@ def summary(plan) -> str:
         ("est. time", "memory/dev", "comm") if estimated else ())
     rows = [header]
     groups = _alike(plan.task_graphs, estimated)
+    every = [d for tg in plan.task_graphs for d in tg.devices]
     for name, group in groups:
         columns = _columns(group[0], estimated)
-        placement = device_ranges([d for tg in group for d in tg.devices])
+        placement = device_ranges([d for tg in group for d in tg.devices], every)
         rows.append((name,) + columns[:4] + (placement,) + columns[4:])
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for i, row in enumerate(rows):
@@ -107,7 +108,9 @@ def _logical_devices(plan) -> List[str]:
     what = (f"standing in for the {described} devices described"
             if described is not None and not described.startswith("host-CPU")
             else "sharing its cores (no GPU is visible)")
-    return [f"devices: logical CPU devices of one host, {what}, e.g. {device_ranges(logical)}"]
+    hosts = len({task_of(d) for d in logical})
+    where = "one host" if hosts == 1 else f"each of {hosts} hosts"
+    return [f"devices: logical CPU devices of {where}, {what}, e.g. {device_ranges(logical)}"]
 
 
 def _stated(est: Dict[str, Any]) -> List[str]:

@@ -39,7 +39,9 @@ def layers_table(plan, stages: Sequence[Stage]) -> str:
     for entry in numbered(entries):
         scope, how, stage = entry.split("\t")
         if stage not in where:
-            where[stage] = (device_ranges(stages[int(stage)].devices) if stage.isdigit()
+            where[stage] = (device_ranges(stages[int(stage)].devices,
+                                          [d for s in stages for d in s.devices])
+                            if stage.isdigit()
                             else f"every stage's tensor groups of {plan.sharding['tensor_degree']}")
         rows.append((scope, how, stage, where[stage]))
     count = len(entries)
