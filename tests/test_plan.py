@@ -279,3 +279,38 @@ def test_devices_of_different_workers_stay_apart():
         "stage_0": "worker0:CPU:0-3", "stage_1": "worker1:CPU:0-3",
         "both": "worker0:CPU:0,worker1:CPU:0"}, plan.summary()
     assert lines[6].startswith("devices: logical CPU devices of each of 2 hosts,"), lines[6]
+
+
+def test_a_gpts_sharded_layers_are_folded_across_layers_and_wrapped():
+    """Issue 64: a GPT sharded by the search (one split TaskGraph per
+    block's attention) listed each block's Reshape and transpose units on
+    lines of their own and its sharded layers on one line of thousands of
+    characters. Repeated lines are now written once for every block, and
+    long lines are broken between layers."""
+    units = ["q", "Reshape", "Reshape_1", "Reshape_2", "Reshape_3", "transpose",
+             "transpose_1", "transpose_2", "transpose_3", "k", "v", "Softmax", "out"]
+    cpus = tuple((f"/job:localhost/replica:0/task:0/device:CPU:{i}",) for i in range(8))
+    tgs, layers = [], {}
+    for block in range(24):
+        patterns = {f"layer_{block}/attention/{u}": "heads" for u in units}
+        layers.update(patterns)
+        tgs += [TaskGraphPlan(f"split_{2 * block + 1}", "split", 8, (sum(cpus, ()),),
+                              patterns, num_ops=40 + block),
+                TaskGraphPlan(f"default_{2 * block + 2}", "replicate", 1, cpus, num_ops=3)]
+    lines = Plan(tuple(tgs), 8, sharding={"tensor_degree": 8, "layers": layers}
+                 ).summary().splitlines()
+    units_said = [line for line in lines if line.startswith("  split")]
+    assert "  split_{1,3..47}: layer_{0..23}/attention/Reshape_{1..3} -> heads" in units_said
+    assert len(units_said) == 9, units_said  # q, Reshape, _{1..3}, transpose, ..., out
+    assert max(len(line) for line in lines) <= 100, max(lines, key=len)
+    said = " ".join(lines[lines.index(next(line for line in lines
+                                           if line.startswith("sharded layers"))):])
+    assert "layer_{0..23}/attention/transpose_{1..3} -> heads," in said
+
+
+def test_numbers_rising_together_and_sets_are_folded_once_more():
+    assert numbered([f"split_{2 * i + 1}: h{i}/q" for i in range(3)]) == ["split_{1,3,5}: h{0..2}/q"]
+    assert numbered([f"h{i}/Reshape_{k}" for i in range(4) for k in (1, 2, 3)]) == [
+        "h{0..3}/Reshape_{1..3}"]
+    assert numbered([f"d_{i}" for i in range(0, 20, 4)]) == ["d_{0,4..16}"]
+    assert numbered(["x1y2", "x2y3", "x3y3"]) == ["x1y2", "x2y3", "x3y3"]  # y does not rise

@@ -34,16 +34,16 @@ def summary(plan) -> str:
         lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
-    for name, group in groups:
-        lines += [f"  {name}: {line}" for line in numbered(
-            [f"{unit} -> {pattern}" for tg in group
-             for unit, pattern in tg.patterns.items()])]
+    # A TaskGraph's patterns folded (h{0..95}/mlp/c_fc), then alike lines of
+    # TaskGraphs (split_{1,5}: layer_{0,1}/attention/q).
+    lines += [f"  {line}" for line in numbered(
+        [f"{name}: {line}" for name, group in groups for line in numbered(
+            [f"{unit} -> {pattern}" for tg in group for unit, pattern in tg.patterns.items()])])]
     if plan.sharding:
         sequence = ", sequence parallel" if plan.sharding.get("sequence_parallel") else ""
-        lines.append(f"sharded layers (tensor degree {plan.sharding['tensor_degree']}"
-                     f"{sequence}): "
-                     + ", ".join(numbered([f"{scope} -> {how}" for scope, how
-                                           in plan.sharding["layers"].items()])))
+        lines += _wrapped(f"sharded layers (tensor degree {plan.sharding['tensor_degree']}"
+                          f"{sequence}):", numbered([f"{scope} -> {how}" for scope, how
+                                                     in plan.sharding["layers"].items()]))
     for tg in plan.task_graphs:
         if tg.shard_shares:
             lines.append(f"{tg.name} shards per device (hardware-aware, Whale §3.3.1): "
@@ -143,6 +143,19 @@ def _stated(est: Dict[str, Any]) -> List[str]:
         if key in est:
             found.append(f"{what} {Outcome.from_dict(est[key]).describe()}")
     return lines + (["search: " + "; ".join(found)] if found else [])
+
+
+def _wrapped(head: str, items: Sequence[str], width: int = 100) -> List[str]:
+    """``head`` and ``items`` separated by commas, in lines of about
+    ``width`` characters broken between items, the later ones indented."""
+    lines, line = [], head
+    for k, item in enumerate(items):
+        piece = item + ("," if k + 1 < len(items) else "")
+        if len(line) + 1 + len(piece) > width and line.strip() != head:
+            lines.append(line)
+            line = "   "
+        line += " " + piece
+    return lines + [line]
 
 
 def _percentages(shares: Sequence[int]) -> str:
