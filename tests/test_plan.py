@@ -314,3 +314,21 @@ def test_numbers_rising_together_and_sets_are_folded_once_more():
         "h{0..3}/Reshape_{1..3}"]
     assert numbered([f"d_{i}" for i in range(0, 20, 4)]) == ["d_{0,4..16}"]
     assert numbered(["x1y2", "x2y3", "x3y3"]) == ["x1y2", "x2y3", "x3y3"]  # y does not rise
+
+
+def test_the_assumed_batch_gives_way_to_the_one_a_measured_step_was_fed():
+    """Issue 64: the summary said "batch 32 (assumed: ...)" above a
+    measured table of the same run saying "batch 64, fed"."""
+    tg = TaskGraphPlan("replicate_all", "replicate", 1, (("/cpu:0",),),
+                       estimate={"time_s": 0.5, "memory_bytes": 1, "comm_bytes": 1})
+    assumed = "assumed: neither the model's inputs nor auto.global_batch declare one"
+    plan = Plan((tg,), 1, estimate={
+        "step_time_s": 0.5, "memory_bytes_per_device": [1], "comm_bytes": 1,
+        "assumptions": {"device": "host-CPU", "devices": 1, "compute_dtype": "fp32",
+                        "peak_dtype": "fp32", "peak_tflops": 0.05, "efficiency": 1,
+                        "global_batch": 32, "batch_from": assumed}},
+        measured={"step": 3, "batch": 64, "batch_from": "fed", "hardware": "host-CPU",
+                  "tolerance": 0.5, "task_graphs": []})
+    text = plan.summary()
+    assert f"; batch 64 (fed; the estimate assumed 32: {assumed})" in text, text
+    assert "batch 64, fed" in text

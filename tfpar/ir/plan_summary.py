@@ -63,7 +63,7 @@ def summary(plan) -> str:
                if est.get("memory_techniques") else ""))
         if step is None:
             lines.append("  (not costed: tfpar costs the plans it makes for a graph)")
-        lines += _stated(est)
+        lines += _stated(est, plan.measured or {})
     lines += _logical_devices(plan)
     lines += [_measured_table(plan.measured)] if plan.measured else []
     lines += [f"note: {note}" for note in plan.notes]
@@ -113,10 +113,16 @@ def _logical_devices(plan) -> List[str]:
     return [f"devices: logical CPU devices of {where}, {what}, e.g. {device_ranges(logical)}"]
 
 
-def _stated(est: Dict[str, Any]) -> List[str]:
-    """Summary lines of what an estimate assumes and how its plan was found."""
+def _stated(est: Dict[str, Any], measured: Dict[str, Any]) -> List[str]:
+    """Summary lines of what an estimate assumes (the batch a measured step
+    was fed, when it was) and how its plan was found."""
     lines, said = [], est.get("assumptions")
     if said:
+        batch = f"batch {said['global_batch']} ({said['batch_from']})"
+        if measured.get("batch_from") == "fed":
+            batch = f"batch {measured['batch']} (fed" + (
+                ")" if measured["batch"] == said["global_batch"] else
+                f"; the estimate assumed {said['global_batch']}: {said['batch_from']})")
         node = f", {said['devices_per_node']} a node" if said.get("devices_per_node") else ""
         dtype, peak = said["compute_dtype"], said["peak_dtype"]
         why = {"tf32": " (float32 matmuls as TF32, TensorFlow's default on Ampere and later)",
@@ -124,8 +130,7 @@ def _stated(est: Dict[str, Any]) -> List[str]:
             f" ({said['device']} runs {dtype} at its {peak} peak)")
         lines.append(f"assumes: {said['devices']} x {said['device']}{node}; {dtype} at "
                      f"{said['peak_tflops']:g} TFLOP/s peak x efficiency "
-                     f"{said['efficiency']:g}{why}; batch {said['global_batch']} "
-                     f"({said['batch_from']})")
+                     f"{said['efficiency']:g}{why}; {batch}")
     if "flops_per_step" in est:
         again = est["recomputed_flops_per_step"]
         lines.append(f"FLOPs: {est['flops_per_step']:.3g} a step (model FLOPs: 3 x forward), "
