@@ -259,3 +259,76 @@ def test_nothing_cites_a_design_document_the_repository_lacks():
               for path in sorted((ROOT / folder).rglob("*"))
               if path.suffix in (".py", ".md") and missing in path.read_text()]
     assert not (ROOT / missing).exists() and not citing, citing
+
+
+def test_devices_of_different_workers_stay_apart():
+    """Issue 64: devices of two workers were both written ``CPU:0``; their
+    job and task now tell them apart, in a placement of both and beside
+    one another (one worker alone keeps the short names)."""
+    workers = [[f"/job:worker/replica:0/task:{t}/device:CPU:{i}" for i in range(4)]
+               for t in range(2)]
+    assert device_ranges([workers[0][0], workers[1][0]]) == "worker0:CPU:0,worker1:CPU:0"
+    assert device_ranges(workers[1]) == "CPU:0-3"
+    assert device_ranges(workers[1], workers[0] + workers[1]) == "worker1:CPU:0-3"
+    plan = Plan((TaskGraphPlan("stage_0", "replicate", 1, tuple((d,) for d in workers[0])),
+                 TaskGraphPlan("stage_1", "replicate", 1, tuple((d,) for d in workers[1])),
+                 TaskGraphPlan("both", "replicate", 1, ((workers[0][0],), (workers[1][0],)))),
+                4)
+    lines = plan.summary().splitlines()
+    assert {line.split()[0]: line.split()[-1] for line in lines[3:6]} == {
+        "stage_0": "worker0:CPU:0-3", "stage_1": "worker1:CPU:0-3",
+        "both": "worker0:CPU:0,worker1:CPU:0"}, plan.summary()
+    assert lines[6].startswith("devices: logical CPU devices of each of 2 hosts,"), lines[6]
+
+
+def test_a_gpts_sharded_layers_are_folded_across_layers_and_wrapped():
+    """Issue 64: a GPT sharded by the search (one split TaskGraph per
+    block's attention) listed each block's Reshape and transpose units on
+    lines of their own and its sharded layers on one line of thousands of
+    characters. Repeated lines are now written once for every block, and
+    long lines are broken between layers."""
+    units = ["q", "Reshape", "Reshape_1", "Reshape_2", "Reshape_3", "transpose",
+             "transpose_1", "transpose_2", "transpose_3", "k", "v", "Softmax", "out"]
+    cpus = tuple((f"/job:localhost/replica:0/task:0/device:CPU:{i}",) for i in range(8))
+    tgs, layers = [], {}
+    for block in range(24):
+        patterns = {f"layer_{block}/attention/{u}": "heads" for u in units}
+        layers.update(patterns)
+        tgs += [TaskGraphPlan(f"split_{2 * block + 1}", "split", 8, (sum(cpus, ()),),
+                              patterns, num_ops=40 + block),
+                TaskGraphPlan(f"default_{2 * block + 2}", "replicate", 1, cpus, num_ops=3)]
+    lines = Plan(tuple(tgs), 8, sharding={"tensor_degree": 8, "layers": layers}
+                 ).summary().splitlines()
+    units_said = [line for line in lines if line.startswith("  split")]
+    assert "  split_{1,3..47}: layer_{0..23}/attention/Reshape_{1..3} -> heads" in units_said
+    assert len(units_said) == 9, units_said  # q, Reshape, _{1..3}, transpose, ..., out
+    assert max(len(line) for line in lines) <= 100, max(lines, key=len)
+    said = " ".join(lines[lines.index(next(line for line in lines
+                                           if line.startswith("sharded layers"))):])
+    assert "layer_{0..23}/attention/transpose_{1..3} -> heads," in said
+
+
+def test_numbers_rising_together_and_sets_are_folded_once_more():
+    assert numbered([f"split_{2 * i + 1}: h{i}/q" for i in range(3)]) == ["split_{1,3,5}: h{0..2}/q"]
+    assert numbered([f"h{i}/Reshape_{k}" for i in range(4) for k in (1, 2, 3)]) == [
+        "h{0..3}/Reshape_{1..3}"]
+    assert numbered([f"d_{i}" for i in range(0, 20, 4)]) == ["d_{0,4..16}"]
+    assert numbered(["x1y2", "x2y3", "x3y3"]) == ["x1y2", "x2y3", "x3y3"]  # y does not rise
+
+
+def test_the_assumed_batch_gives_way_to_the_one_a_measured_step_was_fed():
+    """Issue 64: the summary said "batch 32 (assumed: ...)" above a
+    measured table of the same run saying "batch 64, fed"."""
+    tg = TaskGraphPlan("replicate_all", "replicate", 1, (("/cpu:0",),),
+                       estimate={"time_s": 0.5, "memory_bytes": 1, "comm_bytes": 1})
+    assumed = "assumed: neither the model's inputs nor auto.global_batch declare one"
+    plan = Plan((tg,), 1, estimate={
+        "step_time_s": 0.5, "memory_bytes_per_device": [1], "comm_bytes": 1,
+        "assumptions": {"device": "host-CPU", "devices": 1, "compute_dtype": "fp32",
+                        "peak_dtype": "fp32", "peak_tflops": 0.05, "efficiency": 1,
+                        "global_batch": 32, "batch_from": assumed}},
+        measured={"step": 3, "batch": 64, "batch_from": "fed", "hardware": "host-CPU",
+                  "tolerance": 0.5, "task_graphs": []})
+    text = plan.summary()
+    assert f"; batch 64 (fed; the estimate assumed 32: {assumed})" in text, text
+    assert "batch 64, fed" in text

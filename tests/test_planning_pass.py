@@ -32,7 +32,7 @@ def test_no_pass(config, caller, env, monkeypatch, tmp_path):
         monkeypatch.setenv(key, value)
     ran = []
     monkeypatch.setattr(planning_pass, "_run_pass", lambda *a: ran.append(a) or {})
-    assert planning_pass.pinned_by_planning_pass(config, caller) is config
+    assert planning_pass.pinned_by_planning_pass(config, caller) == (config, False)
     assert not ran
 
 
@@ -83,3 +83,31 @@ def test_current_plan_in_an_auto_script_searches_once(tmp_path):
     assert done.stderr.count("tfpar auto [1/") == 1, done.stderr[-3000:]
     assert "before: ['replicate', 'split']" in done.stdout
     assert "after: ['replicate', 'split']" in done.stdout
+
+
+UNSHARDED_SCRIPT = '''
+import numpy as np, tensorflow as tf
+import tfpar as wh
+v1 = tf.compat.v1
+v1.disable_eager_execution()
+wh.init({"cluster.num_devices": 2, "auto.auto_parallel": True})
+x = v1.placeholder(tf.float32, [None, 4])
+loss = tf.reduce_mean(v1.layers.dense(v1.layers.dense(x, 8), 1) ** 2)
+train = v1.train.AdamOptimizer(0.1).minimize(loss)
+with v1.Session() as sess:
+    sess.run(v1.global_variables_initializer())
+    sess.run(train, {x: np.ones((8, 4), np.float32)})
+'''
+
+
+@pytest.mark.slow
+def test_a_pass_that_shards_nothing_says_the_search_once(tmp_path):
+    """Issue 64: when the pass's plan shards nothing, this process plans
+    again; before, its search printed every progress line a second time."""
+    script = tmp_path / "train.py"
+    script.write_text(UNSHARDED_SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "tfpar auto: planning pass:" in done.stderr
+    assert done.stderr.count("tfpar auto [1/") == 1, done.stderr[-3000:]

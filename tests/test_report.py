@@ -103,14 +103,19 @@ def test_the_fullest_devices_memory_splits_as_the_memory_model_counts():
     assert abs(parts["activations"] - 3 * GB) < 1
 
 
-def test_the_report_key_writes_after_a_step_that_runs_the_train_op_alone(tmp_path):
+def test_the_report_key_writes_after_a_step_that_runs_the_train_op_alone(
+        tmp_path, capsys, caplog):
     """``wh.init({"report": path})``: the first training step is traced and
     the report written after it, also when the script fetches only the
-    optimizer's train op (before, such a run was not seen as the step)."""
+    optimizer's train op (before, such a run was not seen as the step).
+    Its path is said once, also to a script that logs at INFO (before,
+    it was printed and logged, so such a script showed it twice)."""
+    import logging  # pylint: disable=import-outside-toplevel
     import numpy as np  # pylint: disable=import-outside-toplevel
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     import tfpar as wh  # pylint: disable=import-outside-toplevel
     v1 = tf.compat.v1
+    caplog.set_level(logging.INFO)
     path = tmp_path / "report.html"
     graph = tf.Graph()
     with graph.as_default():
@@ -125,3 +130,21 @@ def test_the_report_key_writes_after_a_step_that_runs_the_train_op_alone(tmp_pat
     wh.reset()
     text = path.read_text(encoding="utf-8")
     assert "traced step: " in text and "CPU:1" in text
+    said = capsys.readouterr().out + caplog.text
+    assert said.count("plan report written") == 1, said
+
+
+def test_layers_keep_model_order_and_times_have_no_exponent():
+    """Issue 64: the layer table sorted a TaskGraph's units by name (the
+    head before the embedding) and times read ``1.917e+04 ms``."""
+    units = {"wte": "vocab", **{f"h{i}/mlp/c_fc": "column" for i in range(12)},
+             "lm_head": "column"}
+    tg = TaskGraphPlan("split_0", "split", 2, (("/device:GPU:0", "/device:GPU:1"),),
+                       patterns=units, estimate={"time_s": 19.17, "memory_bytes": GB})
+    rows = candidate_rows([_candidate(1, 2, 1, 19.17, 40)], _candidate(1, 2, 1, 19.17, 40),
+                          CATALOG["A100-80GB"])
+    page = render_report(Plan((tg,), 1, estimate={"step_time_s": 19.17, "candidates": rows}))
+    layers = re.findall(r"<tr><td>([^<]*)</td><td>(?:vocab|column)</td>", page)
+    assert layers == ["wte", "h{0..11}/mlp/c_fc", "lm_head"], layers
+    assert "e+" not in page
+    assert "estimated step 19170 ms" in page and "<td>19170 ms</td>" in page

@@ -34,7 +34,7 @@ def init(config: Any = None) -> Config:
     from tfpar.runtime import precision  # pylint: disable=import-outside-toplevel
 
     caller = sys._getframe(1).f_globals  # pylint: disable=protected-access
-    cfg = planning_pass.pinned_by_planning_pass(Config.load(config), caller)
+    cfg, searched = planning_pass.pinned_by_planning_pass(Config.load(config), caller)
     pinned_plan(cfg)  # a pinned plan is checked here, once
     fallback.configure(cfg.get("strict"))
     if cfg.get("communication.backend") == "horovod":
@@ -56,7 +56,7 @@ def init(config: Any = None) -> Config:
     cluster = _cluster(previous, cfg, device_type, len(devices))
     runtime = context.Runtime(config=cfg, devices=devices, device_type=device_type,
                               default_strategy=default, cluster=cluster,
-                              devices_per_worker=len(devices))
+                              devices_per_worker=len(devices), search_said=searched)
     if cluster is not None:
         runtime.devices = cluster.device_names(device_type, len(devices))
 

@@ -4,7 +4,7 @@ what it assumes and how it was found, its devices, measurements and notes."""
 import re
 from typing import Any, Dict, List, Sequence, Tuple
 
-from tfpar.ir.compact import device_ranges, numbered
+from tfpar.ir.compact import device_ranges, numbered, task_of
 from tfpar.ir.measured import human_bytes as _human_bytes, table as _measured_table
 from tfpar.ir.outcome import Outcome
 
@@ -24,25 +24,26 @@ def summary(plan) -> str:
         ("est. time", "memory/dev", "comm") if estimated else ())
     rows = [header]
     groups = _alike(plan.task_graphs, estimated)
+    every = [d for tg in plan.task_graphs for d in tg.devices]
     for name, group in groups:
         columns = _columns(group[0], estimated)
-        placement = device_ranges([d for tg in group for d in tg.devices])
+        placement = device_ranges([d for tg in group for d in tg.devices], every)
         rows.append((name,) + columns[:4] + (placement,) + columns[4:])
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for i, row in enumerate(rows):
         lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
-    for name, group in groups:
-        lines += [f"  {name}: {line}" for line in numbered(
-            [f"{unit} -> {pattern}" for tg in group
-             for unit, pattern in sorted(tg.patterns.items())])]
+    # A TaskGraph's patterns folded (h{0..95}/mlp/c_fc), then alike lines of
+    # TaskGraphs (split_{1,5}: layer_{0,1}/attention/q).
+    lines += [f"  {line}" for line in numbered(
+        [f"{name}: {line}" for name, group in groups for line in numbered(
+            [f"{unit} -> {pattern}" for tg in group for unit, pattern in tg.patterns.items()])])]
     if plan.sharding:
         sequence = ", sequence parallel" if plan.sharding.get("sequence_parallel") else ""
-        lines.append(f"sharded layers (tensor degree {plan.sharding['tensor_degree']}"
-                     f"{sequence}): "
-                     + ", ".join(numbered([f"{scope} -> {how}" for scope, how
-                                           in plan.sharding["layers"].items()])))
+        lines += _wrapped(f"sharded layers (tensor degree {plan.sharding['tensor_degree']}"
+                          f"{sequence}):", numbered([f"{scope} -> {how}" for scope, how
+                                                     in plan.sharding["layers"].items()]))
     for tg in plan.task_graphs:
         if tg.shard_shares:
             lines.append(f"{tg.name} shards per device (hardware-aware, Whale §3.3.1): "
@@ -62,7 +63,7 @@ def summary(plan) -> str:
                if est.get("memory_techniques") else ""))
         if step is None:
             lines.append("  (not costed: tfpar costs the plans it makes for a graph)")
-        lines += _stated(est)
+        lines += _stated(est, plan.measured or {})
     lines += _logical_devices(plan)
     lines += [_measured_table(plan.measured)] if plan.measured else []
     lines += [f"note: {note}" for note in plan.notes]
@@ -107,13 +108,21 @@ def _logical_devices(plan) -> List[str]:
     what = (f"standing in for the {described} devices described"
             if described is not None and not described.startswith("host-CPU")
             else "sharing its cores (no GPU is visible)")
-    return [f"devices: logical CPU devices of one host, {what}, e.g. {device_ranges(logical)}"]
+    hosts = len({task_of(d) for d in logical})
+    where = "one host" if hosts == 1 else f"each of {hosts} hosts"
+    return [f"devices: logical CPU devices of {where}, {what}, e.g. {device_ranges(logical)}"]
 
 
-def _stated(est: Dict[str, Any]) -> List[str]:
-    """Summary lines of what an estimate assumes and how its plan was found."""
+def _stated(est: Dict[str, Any], measured: Dict[str, Any]) -> List[str]:
+    """Summary lines of what an estimate assumes (the batch a measured step
+    was fed, when it was) and how its plan was found."""
     lines, said = [], est.get("assumptions")
     if said:
+        batch = f"batch {said['global_batch']} ({said['batch_from']})"
+        if measured.get("batch_from") == "fed":
+            batch = f"batch {measured['batch']} (fed" + (
+                ")" if measured["batch"] == said["global_batch"] else
+                f"; the estimate assumed {said['global_batch']}: {said['batch_from']})")
         node = f", {said['devices_per_node']} a node" if said.get("devices_per_node") else ""
         dtype, peak = said["compute_dtype"], said["peak_dtype"]
         why = {"tf32": " (float32 matmuls as TF32, TensorFlow's default on Ampere and later)",
@@ -121,8 +130,7 @@ def _stated(est: Dict[str, Any]) -> List[str]:
             f" ({said['device']} runs {dtype} at its {peak} peak)")
         lines.append(f"assumes: {said['devices']} x {said['device']}{node}; {dtype} at "
                      f"{said['peak_tflops']:g} TFLOP/s peak x efficiency "
-                     f"{said['efficiency']:g}{why}; batch {said['global_batch']} "
-                     f"({said['batch_from']})")
+                     f"{said['efficiency']:g}{why}; {batch}")
     if "flops_per_step" in est:
         again = est["recomputed_flops_per_step"]
         lines.append(f"FLOPs: {est['flops_per_step']:.3g} a step (model FLOPs: 3 x forward), "
@@ -140,6 +148,19 @@ def _stated(est: Dict[str, Any]) -> List[str]:
         if key in est:
             found.append(f"{what} {Outcome.from_dict(est[key]).describe()}")
     return lines + (["search: " + "; ".join(found)] if found else [])
+
+
+def _wrapped(head: str, items: Sequence[str], width: int = 100) -> List[str]:
+    """``head`` and ``items`` separated by commas, in lines of about
+    ``width`` characters broken between items, the later ones indented."""
+    lines, line = [], head
+    for k, item in enumerate(items):
+        piece = item + ("," if k + 1 < len(items) else "")
+        if len(line) + 1 + len(piece) > width and line.strip() != head:
+            lines.append(line)
+            line = "   "
+        line += " " + piece
+    return lines + [line]
 
 
 def _percentages(shares: Sequence[int]) -> str:

@@ -5,6 +5,7 @@ from typing import Optional, Sequence, Tuple
 
 from tfpar.cluster.hardware import Hardware
 from tfpar.errors import PlanError
+from tfpar.ir.compact import plain
 from tfpar.planner.candidate import Candidate
 
 __all__ = ["HINT_SPEED_UP", "TENSOR_TOLERANCE", "TOLERANCE", "choose",
@@ -72,6 +73,6 @@ def faster_with_techniques(candidates: Sequence[Candidate], chosen: Optional[Can
                                techniques=best.techniques, schedule=best.schedule,
                                group_size=best.group_size).describe()
     allowed = candidate.search.techniques if candidate.search else ()
-    return (speed_up, f"{what}, estimated {best.step_time_s * 1e3:.4g} ms/step",
+    return (speed_up, f"{what}, estimated {plain(best.step_time_s * 1e3)} ms/step",
             tuple(name for name in best.techniques.names if name not in allowed))
 

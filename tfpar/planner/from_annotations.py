@@ -123,7 +123,7 @@ def _say_devices(tgs: Sequence[TaskGraphPlan], devices: Sequence[str], share: bo
         fallback.fall_back(
             f"{len(tgs)} TaskGraphs asking for {sum(counts)} devices in all, on {k}",
             "they share devices: " + "; ".join(
-                ", ".join(f"'{tg.name}'" for tg in run) + f" on {device_ranges(run[0].devices)}"
+                ", ".join(f"'{tg.name}'" for tg in run) + f" on {device_ranges(run[0].devices, devices)}"
                 for run in runs),
             f"For devices of their own, use {sum(counts)} devices (cluster.num_devices) or "
             "fewer scopes", graph)
@@ -131,7 +131,7 @@ def _say_devices(tgs: Sequence[TaskGraphPlan], devices: Sequence[str], share: bo
     idle = [d for d in devices if d not in used]
     if idle:
         fallback.fall_back(
-            f"{k} devices", f"{device_ranges(idle)} left idle: one copy of the model uses "
+            f"{k} devices", f"{device_ranges(idle, devices)} left idle: one copy of the model uses "
             f"{len(used)}, and {k} is not a multiple of {len(used)}, so the model is not "
             "replicated on the rest (nested data parallelism)",
             f"Use a multiple of {len(used)} devices (cluster.num_devices), or ask for the idle "

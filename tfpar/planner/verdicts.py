@@ -3,6 +3,7 @@
 from typing import Any, Dict, List, Optional, Sequence
 
 from tfpar.cluster.hardware import Hardware
+from tfpar.ir.compact import plain
 from tfpar.planner.candidate import Candidate
 from tfpar.planner.choice import TENSOR_TOLERANCE, TOLERANCE
 from tfpar.planner.memory import SLOTS, state_parts
@@ -67,8 +68,8 @@ def _interleaving(c: Candidate, chosen: Candidate) -> str:
 
     def terms(x: Candidate) -> str:
         return (f"{x.virtual_stages} virtual stage{'s' if x.virtual_stages > 1 else ''}: "
-                f"bubble {x.bubble_s * 1e3:.3g} ms, waits for transfers "
-                f"{x.transfer_s * 1e3:.3g} ms")
+                f"bubble {plain(x.bubble_s * 1e3, 3)} ms, waits for transfers "
+                f"{plain(x.transfer_s * 1e3, 3)} ms")
     return f" ({terms(c)}; chosen {terms(chosen)})"
 
 

@@ -134,7 +134,8 @@ def _search(rt: Runtime, view, count: Optional[int], time_limit: float):
     micro = cfg.get("pipeline.num_micro_batch")
     candidates = search_all(view, len(rt.devices), hardware, planning_batch(rt, view),
                             None if micro == 1 and known else micro, count, time_limit,
-                            progress, cfg.get("auto.opt_level"), batch_known=known,
+                            (lambda line: None) if rt.search_said and not rt.searches
+                            else progress, cfg.get("auto.opt_level"), batch_known=known,
                             techniques=cfg.get("auto.memory_techniques"),
                             split_heads=cfg.get("auto.split_heads"),
                             precision=True if applied(cfg, rt.device_type) else None,

@@ -34,6 +34,9 @@ class Runtime:
       searches: forward op names -> (best, runnable, candidates) of the ``auto_parallel``
         search of that model (a TF2 step is traced more than once, an
         Estimator builds a graph per call; the search runs once).
+      search_said: the planning pass (``runtime.planning_pass``) said the
+        progress lines of this process's first search (it searched the same
+        model): that search runs without them.
     """
 
     config: Config
@@ -47,6 +50,7 @@ class Runtime:
     function_pick: Any = None
     measured_steps: Dict[str, Any] = dataclasses.field(default_factory=dict)
     searches: Dict[Any, Any] = dataclasses.field(default_factory=dict)
+    search_said: bool = False
 
 
 _active: Optional[Runtime] = None

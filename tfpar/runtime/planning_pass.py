@@ -7,7 +7,8 @@ the script once more in a child process, as ``tfpar plan --out FILE`` does:
 the child builds the model plainly, the planner searches, and the child stops
 at the first training step. If the plan it found shards layers, this process
 goes on with that plan pinned (config key ``plan``); otherwise it plans again
-itself, as without a planning pass. Scripts' output during the pass is
+itself, as without a planning pass, without saying the search's progress
+lines a second time. Scripts' output during the pass is
 discarded; the planner's progress lines (``runtime.progress``) and errors
 go to stderr. A pass that
 fails or times out is an error (``PlanError``), never a quiet fallback to a
@@ -18,7 +19,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 from tfpar.config import Config
 from tfpar.errors import PlanError
@@ -31,8 +32,10 @@ ENV = "_TFPAR_PLANNING_PASS"  # set in the child (and by `tfpar plan`): no neste
 TIMEOUT_S = 900
 
 
-def pinned_by_planning_pass(cfg: Config, caller_globals: Dict[str, Any]) -> Config:
-    """``cfg`` with the planning pass's plan pinned when it shards layers; the
+def pinned_by_planning_pass(cfg: Config, caller_globals: Dict[str, Any]
+                            ) -> Tuple[Config, bool]:
+    """``cfg`` with the planning pass's plan pinned when it shards layers,
+    and whether a pass ran (then it said the search's progress lines); the
     pass runs only for ``wh.init`` called from a script (``__main__``) run
     as a single process (no TF_CONFIG cluster or Horovod job)."""
     script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
@@ -40,11 +43,11 @@ def pinned_by_planning_pass(cfg: Config, caller_globals: Dict[str, Any]) -> Conf
             or cfg.plan is not None or os.environ.get(ENV) or "TF_CONFIG" in os.environ
             or cfg.get("communication.backend") == "horovod"
             or caller_globals.get("__name__") != "__main__" or not os.path.isfile(script)):
-        return cfg
+        return cfg, False
     plan = _run_pass(script, sys.argv[1:])
     if not plan or not Plan.from_dict(plan).sharding:
-        return cfg
-    return cfg.replace({"plan": plan})
+        return cfg, True
+    return cfg.replace({"plan": plan}), True
 
 
 def _run_pass(script: str, args) -> Dict[str, Any]:

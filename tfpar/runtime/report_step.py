@@ -1,7 +1,6 @@
 """The plan report the config's ``report`` key asks for: the first training
 step of a graph tfpar rewrote is traced, and after it the report (with that
 step's timeline beside the simulated one) is written and its path said."""
-import logging
 from typing import Optional
 
 from tfpar.compat.tf import config_pb2, ops
@@ -11,8 +10,6 @@ from tfpar.runtime.graph_state import existing_state
 from tfpar.runtime.step_trace import step_timeline
 
 __all__ = ["after_step", "report_due", "rewrite_report"]
-
-log = logging.getLogger("tfpar")
 
 
 def report_due(graph: Optional[ops.Graph]) -> bool:
@@ -43,5 +40,4 @@ def rewrite_report(graph: ops.Graph, run_metadata: config_pb2.RunMetadata) -> No
     except PlanError:  # the trace holds no task of the step
         traced = None
     existing_state(graph).plan.to_html(path, traced)
-    log.info("tfpar: plan report written to %s", path)
     print(f"tfpar: plan report written to {path}")

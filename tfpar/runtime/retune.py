@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Sequence
 
 from tfpar.planner.grouper import (PipelineProfile, group_lengths, preferred_group_size,
                                    profile_pipeline)
+from tfpar.ir.compact import plain
 from tfpar.ir.simulate import TimedTask
 
 __all__ = ["GroupRetuner", "Retuning"]
@@ -96,7 +97,7 @@ class GroupRetuner:
         log.info("tfpar: Ada-Grouper profiled step %d: cross-stage transfer %.3g ms (%d "
                  "waited for), pipeline %.3g ms with k=%d; predicted: %s", self.steps,
                  profile.transfer / 1e3, profile.samples, profile.length / 1e3, before,
-                 ", ".join(f"k={k} {v / 1e3:.3g} ms" for k, v in sorted(lengths.items())))
+                 ", ".join(f"k={k} {plain(v / 1e3, 3)} ms" for k, v in sorted(lengths.items())))
         if after == before:
             return None
         self.group_size = after

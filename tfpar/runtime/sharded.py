@@ -8,6 +8,7 @@ from tfpar import fallback
 from tfpar.compat.tf import ops
 from tfpar.errors import PlanError
 from tfpar.hooks.capture import GraphCapture, constant_op, layer_of
+from tfpar.ir.compact import plain
 from tfpar.ir.plan import Plan
 from tfpar.ir.taskgraph import Phase, Strategy, TaskGraphSpec
 from tfpar.planner.from_annotations import plan_from_annotations
@@ -96,7 +97,7 @@ def warn_unbuilt_sharding(automatic: Optional[Automatic]) -> None:
         return
     best = automatic.best
     what = (f"the planner shards {', '.join(scope for scope, _ in best.split_scopes)} over "
-            f"{best.tensor} devices (estimated {best.step_time_s * 1e3:.3g} ms/step), but this "
+            f"{best.tensor} devices (estimated {plain(best.step_time_s * 1e3, 3)} ms/step), but this "
             "graph was built before the plan existed")
     how = ("run the script itself (its planning pass pins the plan) or pin "
            "wh.current_plan(to_pin=True).to_json() as the config's 'plan'")
@@ -105,5 +106,5 @@ def warn_unbuilt_sharding(automatic: Optional[Automatic]) -> None:
                         f"memory; {how}")
     fallback.fall_back(what, f"it runs the best plan without sharding "
                        f"({automatic.runnable.describe()}, "
-                       f"{automatic.runnable.step_time_s * 1e3:.3g} ms/step)",
+                       f"{plain(automatic.runnable.step_time_s * 1e3, 3)} ms/step)",
                        f"To shard, {how}", automatic.order[0].graph)

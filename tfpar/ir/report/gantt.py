@@ -3,6 +3,7 @@ and, when the plan has run, the traced step's beside it, each with its
 bubble share."""
 from typing import Optional, Sequence, Tuple
 
+from tfpar.ir.compact import plain
 from tfpar.ir.report.grid import Stage
 from tfpar.ir.report.svg import esc, rect, svg, text
 from tfpar.ir.schedule import build_schedule
@@ -43,10 +44,10 @@ def _chart(result: SimulationResult, unit: str, label: str) -> str:
         x = _LEFT + t.start * scale
         body.append(rect(x, 30 + t.stage * _ROW, (t.end - t.start) * scale, _ROW - 4, fill,
                          f"stage {t.stage}: {what} of micro-batch {t.task.micro_batch}, "
-                         f"{t.start:.4g}-{t.end:.4g} {unit}", stroke="#fff"))
+                         f"{plain(t.start)}-{plain(t.end)} {unit}", stroke="#fff"))
         if (t.end - t.start) * scale > 14:
             body.append(text(x + 2, 30 + t.stage * _ROW + 12, f"{t.task}", 9, fill="#fff"))
-    body.append(text(4, 16, f"{label}: {result.length:.4g} {unit}, bubble "
+    body.append(text(4, 16, f"{label}: {plain(result.length)} {unit}, bubble "
                             f"{result.bubble_fraction:.1%}", 12))
     return svg(_WIDTH, 40 + rows * _ROW, "".join(body), label)
 

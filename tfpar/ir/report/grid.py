@@ -97,7 +97,7 @@ def device_grid(plan, stages: Sequence[Stage]) -> str:
     legend = "".join(
         f'<li><span class="swatch" style="background:{colour(s.index)}"></span>'
         f'<span class="swatch" style="background:{colour(s.index, 1)}"></span> '
-        f"stage {s.index}: {esc(s.name)} on {esc(device_ranges(s.devices))} "
+        f"stage {s.index}: {esc(s.name)} on {esc(device_ranges(s.devices, devices))} "
         f"({len(s.devices)} devices)</li>" for s in stages)
     return (f"<p>{len(devices)} devices on {len(nodes)} node(s); a cell's colour is its stage, "
             "its shade its tensor group (or replica): rest the pointer on a cell or node "

@@ -1,7 +1,7 @@
 """The report page: its sections in order, its style, written to one file."""
 from typing import Optional
 
-from tfpar.ir.compact import device_ranges
+from tfpar.ir.compact import device_ranges, plain
 from tfpar.ir.report.gantt import schedule_section
 from tfpar.ir.report.grid import device_grid, stages_of
 from tfpar.ir.report.svg import esc
@@ -28,7 +28,7 @@ def _headline(plan) -> str:
     est = plan.estimate
     step = est.get("step_time_s")
     said = est.get("assumptions") or {}
-    costed = (f"; estimated step {step * 1e3:.4g} ms on {said.get('devices', len(devices))} x "
+    costed = (f"; estimated step {plain(step * 1e3)} ms on {said.get('devices', len(devices))} x "
               f"{said.get('device', 'devices')}" if step is not None else "; not costed")
     return (f"{len(plan.task_graphs)} TaskGraph(s) on {len(devices)} devices "
             f"({esc(device_ranges(devices)) if len(devices) <= 64 else 'see the grid'}), "

@@ -2,7 +2,7 @@
 written for reading (repeated blocks folded into one row)."""
 from typing import Any, Dict, List, Sequence
 
-from tfpar.ir.compact import device_ranges, numbered
+from tfpar.ir.compact import device_ranges, numbered, plain
 from tfpar.ir.measured import table as measured_table
 from tfpar.ir.report.grid import Stage
 from tfpar.ir.report.svg import colour, esc, rect, svg, text
@@ -33,13 +33,15 @@ def layers_table(plan, stages: Sequence[Stage]) -> str:
         entries.append(f"{scope}\t{how}\t{placed.get(scope, 0) if placed else 'all'}")
     if not layers:
         for tg in plan.task_graphs:
-            units = sorted(tg.patterns.items()) or [("(whole TaskGraph)", tg.strategy)]
+            units = list(tg.patterns.items()) or [("(whole TaskGraph)", tg.strategy)]
             entries += [f"{unit}\t{pattern}\t{stage_of[tg.name].index}" for unit, pattern in units]
     rows = []
     for entry in numbered(entries):
         scope, how, stage = entry.split("\t")
         if stage not in where:
-            where[stage] = (device_ranges(stages[int(stage)].devices) if stage.isdigit()
+            where[stage] = (device_ranges(stages[int(stage)].devices,
+                                          [d for s in stages for d in s.devices])
+                            if stage.isdigit()
                             else f"every stage's tensor groups of {plan.sharding['tensor_degree']}")
         rows.append((scope, how, stage, where[stage]))
     count = len(entries)
@@ -110,7 +112,7 @@ def candidates_table(plan) -> str:
     table = [(f"{r['data']} x {r['tensor']} x {r['pipeline']}",
               _schedule(r) if "schedule" in r else "-", r.get("micro_batches", "-"),
               r.get("techniques", "-"),
-              f"{r['step_time_s'] * 1e3:.4g} ms" if "step_time_s" in r else "-",
+              f"{plain(r['step_time_s'] * 1e3)} ms" if "step_time_s" in r else "-",
               f"{r['memory_bytes'] / _GB:.2f} GB" if "memory_bytes" in r else "-", r["why"])
              for r in rows]
     said = (f"{search.get('planned', '?')} of {search.get('meshes', '?')} meshes planned in "
