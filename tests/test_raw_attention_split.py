@@ -2,7 +2,9 @@
 (q, k, v projections by columns, the core by heads, the output projection by
 rows) of BERT-style (separate q, k, v; a ``[B, 1, T, T]`` padding mask added
 to the scores, google-research BERT's way) and GPT-2-style (one fused ``qkv``
-cut by ``tf.split``; a causal ``[T, T]`` mask) blocks, trained to one
+cut by ``tf.split``, by index, ``unstack`` or heads-interleaved, rotary
+embeddings; a causal ``[T, T]`` mask) and Llama-style (grouped-query heads,
+``tf.split`` by sizes) blocks, trained to one
 device's numbers, with a traced step proving each device computed the
 scores of its heads only."""
 import contextlib
@@ -26,12 +28,15 @@ def attention(h, mask, style, seed):
     "bert" (separate q, k, v; ``mask`` [B, 1, T, T] of 0/1 turned into an
     additive -10000 bias) or "gpt2..." (fused qkv cut as ``fused_qkv`` says;
     ``mask`` [T, T] causal; "gpt2_rotary": rotary embeddings on q and k, as
-    Llama's: their halves split, negated and joined)."""
+    Llama's: their halves split, negated and joined) or "llama"
+    (``grouped_attention``)."""
     hidden = int(h.shape[-1])
     dh = hidden // HEADS
 
     def heads_first(t):  # [B, T, H*D] -> [B, H, T, D]
         return tf.transpose(tf.reshape(t, [-1, SEQ, HEADS, dh]), [0, 2, 1, 3])
+    if style == "llama":
+        return grouped_attention(h, seed)
     if style == "bert":
         q, k, v = (heads_first(layer(h, hidden, name, seed + i))
                    for i, name in enumerate(("query", "key", "value")))
@@ -46,6 +51,27 @@ def attention(h, mask, style, seed):
     probs = tf.nn.softmax(scores)
     context = tf.reshape(tf.transpose(tf.matmul(probs, v), [0, 2, 1, 3]), [-1, SEQ, hidden])
     return layer(context, hidden, "output", seed + 7)
+
+
+def grouped_attention(h, seed, kv_heads=2):
+    """Llama's grouped-query attention with rotary embeddings and a causal
+    mask: one fused projection cut by ``tf.split`` into q (``HEADS`` heads)
+    and k, v (``kv_heads`` heads, each shared by a group of query heads),
+    heads as ``[B, kv_heads, group, T, D]`` (split along the key/value
+    heads)."""
+    hidden = int(h.shape[-1])
+    dh, group = hidden // HEADS, HEADS // kv_heads
+
+    def heads_first(t, per_group):  # [B, T, kv * per_group * D] -> [B, kv, per_group, T, D]
+        return tf.transpose(tf.reshape(t, [-1, SEQ, kv_heads, per_group, dh]), [0, 2, 3, 1, 4])
+    q, k, v = tf.split(layer(h, hidden + 2 * kv_heads * dh, "qkv", seed),
+                       [hidden, kv_heads * dh, kv_heads * dh], axis=-1)
+    q, k = rotary(heads_first(q, group), SEQ, dh), rotary(heads_first(k, 1), SEQ, dh)
+    causal = tf.linalg.band_part(tf.ones([SEQ, SEQ]), -1, 0)
+    scores = tf.matmul(q, k, transpose_b=True) / math.sqrt(dh)
+    probs = tf.nn.softmax(scores * causal - 1e10 * (1.0 - causal))
+    context = tf.transpose(tf.matmul(probs, heads_first(v, 1)), [0, 3, 1, 2, 4])
+    return layer(tf.reshape(context, [-1, SEQ, hidden]), hidden, "output", seed + 7)
 
 
 def fused_qkv(qkv, style, hidden):
@@ -133,16 +159,23 @@ def _exists(graph, name):
 
 @pytest.mark.parametrize("style,devices", [
     ("bert", 2), ("bert", 4), ("gpt2", 2), ("gpt2", 4), ("gpt2_index", 2), ("gpt2_unstack", 4),
-    ("gpt2_megatron", 2), ("gpt2_rotary", 2)])
+    ("gpt2_megatron", 2), ("gpt2_rotary", 2), ("gpt2_sequence_parallel", 2), ("llama", 2)])
 def test_raw_op_attention_in_a_split_scope_runs_each_devices_heads(style, devices):
-    config = {"cluster.num_devices": devices}
+    """``gpt2_sequence_parallel``: with ``split.sequence_parallel`` the output
+    projection's partial sums are reduce-scattered along the sequence (the
+    residual add runs on each device's half) and the next block's q k v
+    projection gathers the halves."""
+    config = {"cluster.num_devices": devices,
+              "split.sequence_parallel": style.endswith("sequence_parallel")}
+    style = style.replace("_sequence_parallel", "")
     reference = train(transformer(style), DATA)
     split = transformer(style, lambda: wh.split(devices))
     assert_equivalent(reference, train(split, DATA, config), rtol=1e-4, atol=1e-5)
     found = scores_devices(split, config)
     assert sorted(found) == [f"CPU:{i}" for i in range(devices)], found
+    heads = 2 if style == "llama" else HEADS  # Llama's split is by key/value heads
     for shapes in found.values():  # per block, its heads' scores only
-        assert [s[1] for s in shapes] == [HEADS // devices] * 2, found
+        assert [s[1] for s in shapes] == [heads // devices] * 2, found
 
 
 @pytest.mark.parametrize("memory_gb,tensor,data", [(0.003, 2, 2), (0.002, 4, 1)])

@@ -565,3 +565,20 @@ def test_swiglu_acts_on_shards_between_its_column_and_row_layers(style):
     assert sorted(d for op in down for d in executed[op.inputs[0].op.name]) == [
         f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in (0, 1)]
     assert_equivalent(train(swiglu_mlp(False, style), DATA), result)
+
+
+def test_an_optimizer_applied_inside_a_split_scope_keeps_one_slot_per_slice():
+    """``minimize`` inside the scope (a model builder that trains itself, as
+    ``tfpar/models/llama.py``'s does): Adam makes its slots of each slice of
+    a ``get_variable`` weight with ``get_variable`` too, which the scope
+    split again. Before: AttributeError ``'ShardedVariable' object has no
+    attribute '_set_save_slice_info'``."""
+    def build(tfpar):
+        def model(x, y):
+            with scope(tfpar, "split", 2):
+                logits = dense(x, 10, "logits", seed=2)  # a get_variable kernel: split
+                loss = v1.losses.sparse_softmax_cross_entropy(y, logits)
+                return loss, v1.train.AdamOptimizer(0.01).minimize(loss)
+        return model
+    assert_equivalent(train(build(False), DATA),
+                      train(build(True), DATA, {"cluster.num_devices": 2}))

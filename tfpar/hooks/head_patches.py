@@ -26,6 +26,7 @@ def add_head_patches(patches: PatchSet) -> None:
     patches.add(gen_array_ops, "transpose", _wrap_transpose)
     patches.add(gen_nn_ops, "softmax", _wrap_softmax)
     patches.add(gen_array_ops, "split", _wrap_split)
+    patches.add(gen_array_ops, "split_v", _wrap_split_v)
     patches.add(gen_array_ops, "unpack", _wrap_unpack)
     patches.add(gen_array_ops, "strided_slice", _wrap_strided_slice)
     patches.add(gen_array_ops, "concat_v2", _wrap_concat)
@@ -99,27 +100,53 @@ def _wrap_softmax(original):
 
 
 def _wrap_split(original):
-    """``tf.split(value, n, axis)``: along the split axis (a fused ``qkv``),
-    each piece re-cut by heads (``heads.redistributed``); along another, on
-    each shard."""
+    """``tf.split(value, n, axis)``: see ``_split_pieces``."""
     def split(axis, value, num_split, name=None):
-        ctx, sharded, unit = _split_input(value, name or "split")
-        along = tensor_util.constant_value(axis) if ctx is not None else None
-        whole = functools.partial(original, axis, value, num_split, name=name)
-        if along is None:
-            return whole()
-        along = int(along) % sharded.full.shape.rank
-        if along != sharded.axis:
-            return _built(ctx, unit, lambda: heads.split_alongside(
-                ctx, sharded, name, lambda shard, local: original(along, shard, num_split,
-                                                                  name=local)), whole)
-        size = sharded.full.shape[along]
-        if size is None or int(size) % num_split:
-            return whole()
-        width = int(size) // num_split
-        return _built(ctx, unit, lambda: [heads.redistributed(ctx, sharded, k * width, width)
-                                          for k in range(num_split)], whole)
+        return _split_pieces(
+            value, axis, name, lambda width: [width // num_split] * num_split
+            if width % num_split == 0 else None,
+            lambda x, along, local: original(along, x, num_split, name=local),
+            functools.partial(original, axis, value, num_split, name=name))
     return split
+
+
+def _wrap_split_v(original):
+    """``tf.split(value, [sizes], axis)`` (Llama's fused ``qkv`` of grouped
+    heads: q's width, then k's and v's): see ``_split_pieces``."""
+    def split_v(value, size_splits, axis, num_split, name=None):
+        def widths(width):
+            sizes = tensor_util.constant_value(size_splits)
+            if sizes is None or list(sizes).count(-1) > 1:
+                return None
+            sizes = [int(s) for s in sizes]
+            return [width - sum(s for s in sizes if s >= 0) if s < 0 else s for s in sizes]
+        return _split_pieces(
+            value, axis, name, widths,
+            lambda x, along, local: original(x, size_splits, along, num_split, name=local),
+            functools.partial(original, value, size_splits, axis, num_split, name=name))
+    return split_v
+
+
+def _split_pieces(value, axis, name, widths, split, whole):
+    """A split (op ``name``) of ``value`` along ``axis``: along the split
+    axis (a fused ``qkv``), each piece (``widths(full width)``) re-cut by
+    heads (``heads.redistributed``); along another, ``split(shard, axis,
+    name)`` on each shard; else ``whole()``."""
+    ctx, sharded, unit = _split_input(value, name or "split")
+    along = tensor_util.constant_value(axis) if ctx is not None else None
+    if along is None:
+        return whole()
+    along = int(along) % sharded.full.shape.rank
+    if along != sharded.axis:
+        return _built(ctx, unit, lambda: heads.split_alongside(
+            ctx, sharded, name, lambda shard, local: split(shard, along, local)), whole)
+    size = sharded.full.shape[along]
+    pieces = widths(int(size)) if size is not None else None
+    if pieces is None:
+        return whole()
+    starts = [sum(pieces[:k]) for k in range(len(pieces))]
+    return _built(ctx, unit, lambda: [heads.redistributed(ctx, sharded, start, width)
+                                      for start, width in zip(starts, pieces)], whole)
 
 
 def _wrap_unpack(original):
