@@ -13,7 +13,8 @@ ShardingUnit ``heads`` under its op's name.
 """
 import functools
 
-from tfpar.compat.tf import gen_array_ops, gen_math_ops, gen_nn_ops, ops, tensor_util
+from tfpar.compat.tf import (context, gen_array_ops, gen_math_ops, gen_nn_ops, ops,
+                             tensor_util)
 from tfpar.hooks.patching import PatchSet
 from tfpar.hooks.split_scope import open_split_context
 from tfpar.patterns import heads
@@ -41,6 +42,8 @@ def _split_input(x, op_name):
     else (None, None, None). ``op_name``: the op's name when the call gives
     none (TensorFlow opens no name scope for these ops: a planned layer is
     found by the op's own name)."""
+    if context.executing_eagerly():  # no split scope: the hot path of eager code
+        return None, None, None
     name = _op_name(op_name)
     ctx = open_split_context(name)
     sharded = ctx.lookup(x) if ctx is not None else None
@@ -187,6 +190,8 @@ def _wrap_concat(original):
     shard (a rotary embedding's rotated halves)."""
     def concat_v2(values, axis, name=None):
         whole = functools.partial(original, values, axis, name=name)
+        if context.executing_eagerly():
+            return whole()
         ctx = open_split_context(_op_name(name or "concat"))
         parts = [ctx.lookup(v) for v in values] if ctx is not None else [None]
         along = tensor_util.constant_value(axis) if None not in parts else None
@@ -201,9 +206,11 @@ def _wrap_concat(original):
 
 def _wrap_batch_matmul(original):
     def batch_matmul(x, y, adj_x=False, adj_y=False, name=None, **kwargs):
+        whole = functools.partial(original, x, y, adj_x=adj_x, adj_y=adj_y, name=name, **kwargs)
+        if context.executing_eagerly():
+            return whole()
         unit = _op_name(name or "MatMul")
         ctx = open_split_context(unit)
-        whole = functools.partial(original, x, y, adj_x=adj_x, adj_y=adj_y, name=name, **kwargs)
         if ctx is None or (ctx.lookup(x) is None and ctx.lookup(y) is None):
             return whole()
         result = _built(ctx, unit, lambda: heads.batch_matmul(ctx, x, y, name, lambda a, b, local:
