@@ -61,7 +61,8 @@ class FetchTranslator:
 
     def __call__(self, fetches: Any) -> Any:
         self.stepped = False
-        if self.rewrite.trivial:
+        if self.rewrite.trivial:  # nothing to translate; a training step may still run
+            _map_fetches(self._notice_step, fetches)
             return fetches
         with self._editing():
             if self._graph.version != self._version:
@@ -106,6 +107,21 @@ class FetchTranslator:
         with graph_edit.unfinalized(self._graph), self._graph.as_default(), self._unrecorded():
             yield
 
+    def _notice_step(self, fetch: Any) -> Any:
+        """``fetch``, noting whether it runs the training step (``stepped``)."""
+        element = fetch
+        if isinstance(fetch, (str, bytes)):
+            try:
+                element = self._graph.as_graph_element(fetch)
+            except (KeyError, ValueError, TypeError):
+                return fetch
+        if isinstance(element, (ops.Operation, tensor_lib.Tensor)):
+            self.stepped |= self._steps(getattr(element, "op", element))
+        return fetch
+
+    def _steps(self, op: ops.Operation) -> bool:
+        return op in self._step or op in self._update or op in self._train_ops
+
     def _translate(self, fetch: Any) -> Any:
         if isinstance(fetch, (str, bytes)):
             try:
@@ -119,8 +135,7 @@ class FetchTranslator:
 
     def _translate_element(self, fetch: Any) -> Any:
         if isinstance(fetch, (ops.Operation, tensor_lib.Tensor)):
-            op = fetch if isinstance(fetch, ops.Operation) else fetch.op
-            self.stepped |= op in self._step or op in self._update or op in self._train_ops
+            self.stepped |= self._steps(fetch if isinstance(fetch, ops.Operation) else fetch.op)
         if isinstance(fetch, ops.Operation):
             return self._translate_op(fetch)
         if isinstance(fetch, tensor_lib.Tensor):
