@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from test_cost_model import graph_view, mlp_block
 from test_expert_plans import DGX_A100, gpt_loss
+from test_raw_attention_split import fused_qkv
 
 
 import tfpar as wh
@@ -137,29 +138,14 @@ def _fused_attention(style):
     seq, hidden, heads = 16, 64, 4
     dh = hidden // heads
 
-    def to_heads(t):  # [B, S, heads, dh] -> [B, heads, S, dh]
-        return tf.transpose(t, [0, 2, 1, 3])
-
-    def qkv(fused):
-        if style == "split":
-            return [to_heads(tf.reshape(t, [-1, seq, heads, dh]))
-                    for t in tf.split(fused, 3, axis=-1)]
-        if style == "index":
-            t = tf.reshape(fused, [-1, seq, 3, heads, dh])
-            return [to_heads(t[:, :, i]) for i in range(3)]
-        if style == "unstack":
-            return tf.unstack(tf.transpose(tf.reshape(fused, [-1, seq, 3, heads, dh]),
-                                           [2, 0, 3, 1, 4]))
-        return [to_heads(t) for t in tf.split(tf.reshape(fused, [-1, seq, heads, 3 * dh]), 3,
-                                               axis=-1)]
-
     def loss():
         h = v1.placeholder(tf.float32, [8, seq, hidden])
         for i in range(2):
             with v1.variable_scope(f"block{i}"):
-                q, k, v = qkv(v1.layers.dense(h, 3 * hidden, name="qkv"))
+                qkv = v1.layers.dense(h, 3 * hidden, name="qkv")
+                q, k, v = fused_qkv(qkv, style, seq, heads)
                 att = tf.nn.softmax(tf.matmul(q, k, transpose_b=True) / dh ** 0.5)
-                ctx = tf.reshape(to_heads(tf.matmul(att, v)), [-1, seq, hidden])
+                ctx = tf.reshape(tf.transpose(tf.matmul(att, v), [0, 2, 1, 3]), [-1, seq, hidden])
                 h = h + v1.layers.dense(ctx, hidden, name="out")
         return tf.reduce_mean(h ** 2)
     return loss

@@ -26,7 +26,8 @@ SEQ, HIDDEN, HEADS = 6, 16, 4
 def attention(h, mask, style, seed):
     """One raw-op attention of ``h`` [B, SEQ, hidden] as ``style`` writes it:
     "bert" (separate q, k, v; ``mask`` [B, 1, T, T] of 0/1 turned into an
-    additive -10000 bias) or "gpt2..." (fused qkv cut as ``fused_qkv`` says;
+    additive -10000 bias) or "gpt2..." (fused qkv cut as ``fused_qkv`` does:
+    "gpt2" by split, "gpt2_index", "gpt2_unstack", "gpt2_megatron";
     ``mask`` [T, T] causal; "gpt2_rotary": rotary embeddings on q and k, as
     Llama's: their halves split, negated and joined) or "llama"
     (``grouped_attention``)."""
@@ -43,7 +44,9 @@ def attention(h, mask, style, seed):
         scores = tf.multiply(tf.matmul(q, k, transpose_b=True), 1.0 / math.sqrt(dh))
         scores += (1.0 - mask) * -10000.0
     else:
-        q, k, v = fused_qkv(layer(h, 3 * hidden, "c_attn", seed), style, hidden)
+        cut = style[len("gpt2_"):] if style in ("gpt2_index", "gpt2_unstack",
+                                                 "gpt2_megatron") else "split"
+        q, k, v = fused_qkv(layer(h, 3 * hidden, "c_attn", seed), cut)
         if style == "gpt2_rotary":
             q, k = (rotary(t, SEQ, dh) for t in (q, k))
         scores = tf.matmul(q, k, transpose_b=True) / math.sqrt(dh)
@@ -74,25 +77,25 @@ def grouped_attention(h, seed, kv_heads=2):
     return layer(tf.reshape(context, [-1, SEQ, hidden]), hidden, "output", seed + 7)
 
 
-def fused_qkv(qkv, style, hidden):
-    """q, k, v [B, H, T, D] of a fused projection [B, T, 3 x hidden] cut as
-    ``style`` says: by ``tf.split`` ("gpt2", "gpt2_rotary"), by index after a
-    reshape (GPT-2 ports' ``qkv[:, :, i]``), by ``unstack``, or
-    heads-interleaved (Megatron's ``[B, T, H, 3 x D]`` split)."""
-    dh = hidden // HEADS
+def fused_qkv(qkv, cut, seq=SEQ, heads=HEADS):
+    """q, k, v ``[B, heads, seq, D]`` of a fused projection ``[B, seq, 3 x
+    heads x D]`` cut as scripts write it: by ``tf.split`` ("split"), by index
+    after a reshape (GPT-2 ports' ``qkv[:, :, i]``, "index"), by ``unstack``,
+    or heads-interleaved (Megatron's ``[B, T, H, 3 x D]`` split, "megatron")."""
+    dh = int(qkv.shape[-1]) // (3 * heads)
 
     def to_heads(t):  # [B, T, H, D] -> [B, H, T, D]
         return tf.transpose(t, [0, 2, 1, 3])
-    if style == "gpt2_index":
-        t = tf.reshape(qkv, [-1, SEQ, 3, HEADS, dh])
+    if cut == "index":
+        t = tf.reshape(qkv, [-1, seq, 3, heads, dh])
         return [to_heads(t[:, :, i]) for i in range(3)]
-    if style == "gpt2_unstack":
-        return tf.unstack(tf.transpose(tf.reshape(qkv, [-1, SEQ, 3, HEADS, dh]),
+    if cut == "unstack":
+        return tf.unstack(tf.transpose(tf.reshape(qkv, [-1, seq, 3, heads, dh]),
                                        [2, 0, 3, 1, 4]))
-    if style == "gpt2_megatron":
-        return [to_heads(t) for t in tf.split(tf.reshape(qkv, [-1, SEQ, HEADS, 3 * dh]), 3,
+    if cut == "megatron":
+        return [to_heads(t) for t in tf.split(tf.reshape(qkv, [-1, seq, heads, 3 * dh]), 3,
                                                axis=-1)]
-    return [to_heads(tf.reshape(t, [-1, SEQ, HEADS, dh])) for t in tf.split(qkv, 3, axis=-1)]
+    return [to_heads(tf.reshape(t, [-1, seq, heads, dh])) for t in tf.split(qkv, 3, axis=-1)]
 
 
 def transformer(style, split=None, blocks=2, hidden=HIDDEN):

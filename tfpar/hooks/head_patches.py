@@ -75,11 +75,8 @@ def _built(ctx, unit, build, whole):
 def _wrap_reshape(original):
     def reshape(tensor, shape, name=None):
         ctx, sharded, unit = _split_input(tensor, name or "Reshape")
-        def build():
-            result = heads.reshaped(ctx, sharded, shape, name, original)
-            return result if result is not None else heads.regrouped(ctx, sharded, shape, name,
-                                                                     original)
-        return _built(ctx, unit, build, lambda: original(tensor, shape, name=name))
+        return _built(ctx, unit, lambda: heads.reshaped(ctx, sharded, shape, name, original),
+                      lambda: original(tensor, shape, name=name))
     return reshape
 
 
@@ -168,8 +165,9 @@ def _wrap_unpack(original):
 
 def _wrap_strided_slice(original):
     """``t[:, :, i]`` keeping the split axis whole, on each shard."""
-    def strided_slice(input, begin, end, strides, begin_mask=0, end_mask=0,  # pylint: disable=redefined-builtin
-                      ellipsis_mask=0, new_axis_mask=0, shrink_axis_mask=0, name=None):
+    def strided_slice(input, begin, end, strides,  # pylint: disable=redefined-builtin
+                      begin_mask=0, end_mask=0, ellipsis_mask=0, new_axis_mask=0,
+                      shrink_axis_mask=0, name=None):
         masks = dict(begin_mask=begin_mask, end_mask=end_mask, ellipsis_mask=ellipsis_mask,
                      new_axis_mask=new_axis_mask, shrink_axis_mask=shrink_axis_mask)
         whole = functools.partial(original, input, begin, end, strides, name=name, **masks)
@@ -192,13 +190,14 @@ def _wrap_concat(original):
         whole = functools.partial(original, values, axis, name=name)
         if context.executing_eagerly():
             return whole()
-        ctx = open_split_context(_op_name(name or "concat"))
+        unit = _op_name(name or "concat")
+        ctx = open_split_context(unit)
         parts = [ctx.lookup(v) for v in values] if ctx is not None else [None]
         along = tensor_util.constant_value(axis) if None not in parts else None
         if along is None:
             return whole()
         along = int(along) % parts[0].full.shape.rank
-        return _built(ctx, _op_name(name or "concat"), lambda: heads.joined(
+        return _built(ctx, unit, lambda: heads.joined(
             ctx, parts, along, name, lambda shards, local: original(shards, along, name=local)),
             whole)
     return concat_v2

@@ -31,7 +31,6 @@ layers are ``split_layer_patches``'.
   after them reads the shards;
 * attention built from raw ops stays split by heads (``head_patches``).
 """
-import contextlib
 import functools
 import inspect
 
@@ -52,7 +51,7 @@ from tfpar.patterns.contraction import (CONTRACTION_PATTERNS, GATHER as GATHER_O
                                         contraction_unit, sharded_contraction)
 from tfpar.patterns.embedding import vocab_lookup
 from tfpar.patterns.matcher import choose
-from tfpar.patterns.sharded import creation_slices, shard_being_created
+from tfpar.patterns.sharded import creation_slices, on_each_device, shard_being_created
 from tfpar.patterns.sharded_variable import ShardedVariable, sharded_variable
 from tfpar.patterns.softmax_xent import GATHER, XENT_PATTERNS, softmax_xent
 
@@ -309,9 +308,6 @@ def _on_shards(ctx, operands, lead, compute):
     names a whole op would (those a pinned plan knows them by), the others'
     a name scope of their own."""
     with ctx.building():
-        shards = []
-        for i, device in enumerate(ctx.devices):
-            scope = ops.name_scope(f"tfpar_shard_{i}") if i else contextlib.nullcontext()
-            with ops.device(device), scope:
-                shards.append(compute(*(operand.shards[i] for operand in operands)))
+        shards = on_each_device(ctx, None, lambda *parts: compute(*parts[:-1]),
+                                *(operand.shards for operand in operands))
         return ctx.sharded(shards, lead.axis, lead.sequence)

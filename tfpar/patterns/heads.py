@@ -6,9 +6,9 @@ A split tensor stays split (each device runs TensorFlow's op on its shard,
 no communication) through:
 
 * ``reshaped``: a reshape that cuts the split axis into heads and their
-  width, or merges them back, when every shard holds whole heads;
-  ``regrouped``: one that cuts it into q/k/v, heads and their width (each
-  device gathers its heads of q, k and v);
+  width, or merges them back, when every shard holds whole heads, or that
+  cuts it into q/k/v, heads and their width (each device gathers its heads
+  of q, k and v first);
 * ``transposed``: a transpose (the split axis moves);
 * ``batch_matmul``: a batched matmul split along a batch axis (``Q K^T`` and
   ``softmax(.) V`` per head); the other operand is split alike, broadcast
@@ -22,20 +22,18 @@ no communication) through:
   ``qkv`` projection into q, k and v), re-cut so device i holds its heads
   of that piece (the columns it lacks move between devices).
 
-Each op runs as ``compute(*operands, name)``: device 0's op takes the name
-the whole op would (the name a pinned plan knows its layer by, and the one
-the next op's default name counts on), the others' and tfpar's own slices
-and joins name scopes of their own.
+Each op runs as ``compute(*operands, name)`` (``sharded.on_each_device``:
+device 0's op takes the whole op's name); tfpar's own slices and joins
+take name scopes of their own.
 """
-import contextlib
 import math
 from typing import Callable, List, Optional, Sequence
 
 from tfpar.compat.tf import array_ops, constant_op, ops, tensor_util
-from tfpar.patterns.sharded import ShardedTensor, slice_along
+from tfpar.patterns.sharded import ShardedTensor, on_each_device, pieces_alongside, slice_along
 
-__all__ = ["batch_matmul", "broadcast", "joined", "per_shard", "redistributed", "regrouped",
-           "reshaped", "reshaped_axis", "sliced_axis", "split_alongside", "transposed"]
+__all__ = ["batch_matmul", "broadcast", "joined", "per_shard", "redistributed", "reshaped",
+           "reshaped_axis", "sliced_axis", "split_alongside", "transposed"]
 
 
 def _widths(sharded: ShardedTensor) -> Optional[List[int]]:
@@ -46,17 +44,6 @@ def _widths(sharded: ShardedTensor) -> Optional[List[int]]:
 def _own_scope(index: int):
     """The name scope of tfpar's ops for device ``index``."""
     return ops.name_scope(f"tfpar_shard_{index}" if index else "tfpar_heads")
-
-
-def _each_device(ctx, name, compute: Callable, *per_device: Sequence) -> List:
-    """``compute(*(items[i] for items in per_device), name_i)`` on each
-    device i; ``name_i`` is ``name`` on device 0 (the whole op's), None in a
-    name scope of device i's own elsewhere."""
-    results = []
-    for i, device in enumerate(ctx.devices):
-        with ops.device(device), _own_scope(i) if i else contextlib.nullcontext():
-            results.append(compute(*(items[i] for items in per_device), name if not i else None))
-    return results
 
 
 def reshaped_axis(shape: Sequence[Optional[int]], axis: int, target: Sequence[Optional[int]],
@@ -90,8 +77,8 @@ def reshaped_axis(shape: Sequence[Optional[int]], axis: int, target: Sequence[Op
 
 def reshaped(ctx, sharded: ShardedTensor, shape, name, reshape: Callable) -> Optional[object]:
     """``reshape(shard, shard_shape, name)`` on each device when the reshape
-    to ``shape`` keeps the shards whole blocks (``reshaped_axis``); else
-    None."""
+    to ``shape`` keeps the shards whole blocks (``reshaped_axis``), or after
+    regrouping them by heads (``_regrouped``); else None."""
     widths = _widths(sharded)
     if widths is None or sharded.full.shape.rank is None:
         return None
@@ -102,7 +89,7 @@ def reshaped(ctx, sharded: ShardedTensor, shape, name, reshape: Callable) -> Opt
         return None
     found = reshaped_axis(sharded.full.shape.as_list(), sharded.axis, target.as_list(), widths)
     if found is None:
-        return None
+        return _regrouped(ctx, sharded, shape, target.as_list(), name, reshape)
     axis, new_widths = found
     constant = tensor_util.constant_value(shape)
 
@@ -115,7 +102,7 @@ def reshaped(ctx, sharded: ShardedTensor, shape, name, reshape: Callable) -> Opt
     for i, (width, device) in enumerate(zip(new_widths, ctx.devices)):
         with ops.device(device), _own_scope(i):
             shapes.append(local(width))
-    return ctx.sharded(_each_device(ctx, name, reshape, sharded.shards, shapes), axis)
+    return ctx.sharded(on_each_device(ctx, name, reshape, sharded.shards, shapes), axis)
 
 
 def transposed(ctx, sharded: ShardedTensor, perm, name, transpose: Callable) -> Optional[object]:
@@ -132,7 +119,7 @@ def per_shard(ctx, sharded: ShardedTensor, name, compute: Callable,
               axis: Optional[int] = None):
     """``compute(shard, name)`` on each device, split along ``axis`` (None:
     as ``sharded``)."""
-    return ctx.sharded(_each_device(ctx, name, compute, sharded.shards),
+    return ctx.sharded(on_each_device(ctx, name, compute, sharded.shards),
                        sharded.axis if axis is None else axis)
 
 
@@ -141,7 +128,7 @@ def split_alongside(ctx, sharded: ShardedTensor, name, split: Callable,
     """``split(shard, name)`` (pieces along another axis) on each device:
     the k-th pieces of every device, split along ``axis`` (None: as
     ``sharded``)."""
-    pieces = _each_device(ctx, name, split, sharded.shards)
+    pieces = on_each_device(ctx, name, split, sharded.shards)
     axis = sharded.axis if axis is None else axis
     return [ctx.sharded(list(part), axis) for part in zip(*pieces)]
 
@@ -155,7 +142,7 @@ def joined(ctx, parts: Sequence[ShardedTensor], axis: int, name, concat: Callabl
     if widths is None or axis == lead.axis or any(
             p.axis != lead.axis or _widths(p) != widths for p in parts):
         return None
-    return ctx.sharded(_each_device(ctx, name, lambda *shards: concat(
+    return ctx.sharded(on_each_device(ctx, name, lambda *shards: concat(
         list(shards[:-1]), shards[-1]), *[p.shards for p in parts]), lead.axis)
 
 
@@ -173,19 +160,18 @@ def sliced_axis(rank: int, axis: int, strides: Sequence[int], begin_mask: int,
     return axis - sum(shrink_axis_mask >> i & 1 for i in range(min(axis, len(strides))))
 
 
-def regrouped(ctx, sharded: ShardedTensor, shape, name, reshape: Callable) -> Optional[object]:
-    """A reshape cutting the split axis into several axes of which a middle
-    one is the heads (``[B, S, 3 x H x D]`` to ``[B, S, 3, H, D]``: a fused
-    projection GPT-2 ports index or unstack): each device gathers its heads'
-    columns of every outer block (``redistributed``) and reshapes them; None
-    when the split axis is no such group or its shards' widths would not
-    be whole heads."""
-    full = sharded.full.shape.as_list()
-    with _own_scope(0):
-        shape = ops.convert_to_tensor(shape)
-    target = tensor_util.constant_value_as_shape(shape).as_list()
-    group = _target_group(full, sharded.axis, target)
-    if group is None or tensor_util.constant_value(shape) is None:
+def _regrouped(ctx, sharded: ShardedTensor, shape, target, name,
+               reshape: Callable) -> Optional[object]:
+    """A reshape to ``shape`` (a tensor; ``target`` its known entries)
+    cutting the split axis into several axes of which a middle one is the
+    heads (``[B, S, 3 x H x D]`` to ``[B, S, 3, H, D]``: a fused projection
+    GPT-2 ports index or unstack): each device gathers its heads' columns of
+    every outer block (``redistributed``) and reshapes them; None when the
+    split axis is no such group or its shards' widths would not be whole
+    heads."""
+    group = _target_group(sharded.full.shape.as_list(), sharded.axis, target)
+    constant = tensor_util.constant_value(shape)
+    if group is None or constant is None:
         return None
     first, last = group
     for heads in range(first + 1, last):
@@ -194,16 +180,14 @@ def regrouped(ctx, sharded: ShardedTensor, shape, name, reshape: Callable) -> Op
         shares = ctx.widths(target[heads])
         if min(shares) < 1 or [w * inner for w in shares] != ctx.widths(block):
             continue
-        outer = math.prod(target[first:heads])
         pieces = [ctx.lookup(redistributed(ctx, sharded, o * block, block)).shards
-                  for o in range(outer)]
-        constant = [int(d) for d in tensor_util.constant_value(shape)]
+                  for o in range(math.prod(target[first:heads]))]
         joined_shards = []
         for i, device in enumerate(ctx.devices):
             with ops.device(device), _own_scope(i):
                 joined_shards.append(array_ops.concat([p[i] for p in pieces], sharded.axis))
-        shapes = [[w if j == heads else d for j, d in enumerate(constant)] for w in shares]
-        return ctx.sharded(_each_device(ctx, name, reshape, joined_shards, shapes), heads)
+        shapes = [[w if j == heads else int(d) for j, d in enumerate(constant)] for w in shares]
+        return ctx.sharded(on_each_device(ctx, name, reshape, joined_shards, shapes), heads)
     return None
 
 
@@ -233,25 +217,17 @@ def _target_group(shape, axis: int, target) -> Optional[tuple]:
     return None
 
 
-def _aligned(ctx, other, axis_from_end: int, widths: Sequence[int]) -> Optional[List]:
-    """``other`` as each device reads it when combined, broadcasting, with a
-    tensor split along the axis ``axis_from_end`` places from its last:
-    its shards (split alike), itself (no such axis, or of size 1), or its
-    local pieces (the split axis whole); None when none of these holds."""
-    rank = getattr(getattr(other, "shape", None), "rank", 0)
-    if rank is None:
-        return None
-    axis = rank - axis_from_end
-    if axis < 0 or other.shape[axis] == 1:
-        return [other] * ctx.size
+def _aligned(ctx, other, sharded: ShardedTensor, widths: Sequence[int]) -> Optional[List]:
+    """``other`` as each device reads it when combined, broadcasting, with
+    ``sharded``: its shards where it is split alike, else as a whole tensor
+    (``pieces_alongside``); None when neither holds."""
     found = ctx.lookup(other)
     if found is not None:
-        return (found.shards if found.axis == axis and _widths(found) == list(widths)
-                else None)
-    if other.shape[axis] is None or int(other.shape[axis]) != sum(widths):
-        return None
+        at = sharded.axis - (sharded.full.shape.rank - found.full.shape.rank)
+        if at >= 0 and other.shape[at] != 1:
+            return found.shards if found.axis == at and _widths(found) == list(widths) else None
     with _own_scope(0):
-        return ctx.cut(other, axis, widths)
+        return pieces_alongside(ctx, other, sharded.full, sharded.axis, widths)
 
 
 def broadcast(ctx, sharded: ShardedTensor, other, name, compute: Callable,
@@ -263,12 +239,12 @@ def broadcast(ctx, sharded: ShardedTensor, other, name, compute: Callable,
     widths, rank = _widths(sharded), sharded.full.shape.rank
     if widths is None or rank is None:
         return None
-    pieces = _aligned(ctx, other, rank - sharded.axis, widths)
+    pieces = _aligned(ctx, other, sharded, widths)
     if pieces is None:
         return None
     out_rank = max(rank, getattr(getattr(other, "shape", None), "rank", 0))
     pairs = (sharded.shards, pieces) if sharded_first else (pieces, sharded.shards)
-    return ctx.sharded(_each_device(ctx, name, compute, *pairs), sharded.axis + out_rank - rank)
+    return ctx.sharded(on_each_device(ctx, name, compute, *pairs), sharded.axis + out_rank - rank)
 
 
 def batch_matmul(ctx, x, y, name, compute: Callable) -> Optional[object]:

@@ -15,7 +15,7 @@ activations.
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from tfpar.compat.tf import math_ops, ops
-from tfpar.patterns.sharded import slice_along
+from tfpar.patterns.sharded import pieces_alongside, slice_along
 
 __all__ = ["applies", "binary", "per_shard", "reduce_scatter"]
 
@@ -77,7 +77,8 @@ def binary(ctx, compute: Callable, x, y) -> Optional[object]:
     for t, sharded in zip((x, y), found):
         if sharded is not None and [int(s.shape[1]) for s in sharded.shards] != widths:
             return None
-        parts = sharded.shards if sharded is not None else _slices(ctx, t, lead.full, widths)
+        parts = (sharded.shards if sharded is not None
+                 else pieces_alongside(ctx, t, lead.full, 1, widths))
         if parts is None:
             return None
         operands.append(parts)
@@ -86,18 +87,3 @@ def binary(ctx, compute: Callable, x, y) -> Optional[object]:
         with ops.device(device):
             shards.append(compute(a, b))
     return ctx.sharded(shards, 1, sequence=True)
-
-
-def _slices(ctx, t, full, widths: Sequence[int]) -> Optional[List]:
-    """A whole operand of an elementwise op with ``full`` as each device
-    reads it: cut along its axis aligned with the sequence, or whole where it
-    broadcasts along it; None when neither."""
-    t = ops.convert_to_tensor(t, dtype=full.dtype)
-    if t.shape.rank is None:
-        return None
-    axis = 1 - (full.shape.rank - t.shape.rank)
-    if axis < 0 or t.shape[axis] == 1:
-        return [t] * ctx.size
-    if t.shape[axis] is None or int(t.shape[axis]) != sum(widths):
-        return None
-    return ctx.cut(t, axis, widths)

@@ -24,7 +24,8 @@ from tfpar.errors import ShardingError
 from tfpar.ir.sharding import ShardingInfo
 
 __all__ = ["ShardCreation", "ShardedTensor", "SplitContext", "creation_slices",
-           "shard_being_created", "slice_along", "slice_offsets"]
+           "on_each_device", "pieces_alongside", "shard_being_created", "slice_along",
+           "slice_offsets"]
 
 
 @dataclasses.dataclass
@@ -287,6 +288,35 @@ class ShardCreation:
 
 
 _creations: List[ShardCreation] = []
+
+
+def on_each_device(ctx, name, compute, *per_device: Sequence) -> List:
+    """``compute(*(items[i] for items in per_device), name_i)`` on each of
+    ``ctx``'s devices i: device 0's op takes ``name`` (the name a whole op
+    would: a pinned plan knows its layer by it, and the next op's default
+    name counts on it), the others' None, in a name scope of their own."""
+    results = []
+    for i, device in enumerate(ctx.devices):
+        with ops.device(device), (ops.name_scope(f"tfpar_shard_{i}") if i
+                                  else contextlib.nullcontext()):
+            results.append(compute(*(items[i] for items in per_device), name if not i else None))
+    return results
+
+
+def pieces_alongside(ctx, t, full, axis: int, widths: Sequence[int]) -> Optional[List]:
+    """A whole operand ``t`` of a broadcasting elementwise op with ``full``
+    (split along ``axis`` into ``widths``) as each device reads it: itself
+    where it broadcasts along that axis (it lacks it, or has size 1), cut
+    along it where it spans it; None when neither."""
+    t = ops.convert_to_tensor(t, dtype=full.dtype)
+    if t.shape.rank is None:
+        return None
+    at = axis - (full.shape.rank - t.shape.rank)
+    if at < 0 or t.shape[at] == 1:
+        return [t] * ctx.size
+    if t.shape[at] is None or int(t.shape[at]) != sum(widths):
+        return None
+    return ctx.cut(t, at, widths)
 
 
 def slice_along(t, axis: int, offset: int, width: int):

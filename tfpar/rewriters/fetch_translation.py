@@ -107,14 +107,19 @@ class FetchTranslator:
         with graph_edit.unfinalized(self._graph), self._graph.as_default(), self._unrecorded():
             yield
 
+    def _element(self, fetch: Any) -> Any:
+        """The graph element a fetch given by name names (None: none), else
+        ``fetch``."""
+        if not isinstance(fetch, (str, bytes)):
+            return fetch
+        try:
+            return self._graph.as_graph_element(fetch)
+        except (KeyError, ValueError, TypeError):
+            return None
+
     def _notice_step(self, fetch: Any) -> Any:
         """``fetch``, noting whether it runs the training step (``stepped``)."""
-        element = fetch
-        if isinstance(fetch, (str, bytes)):
-            try:
-                element = self._graph.as_graph_element(fetch)
-            except (KeyError, ValueError, TypeError):
-                return fetch
+        element = self._element(fetch)
         if isinstance(element, (ops.Operation, tensor_lib.Tensor)):
             self.stepped |= self._steps(getattr(element, "op", element))
         return fetch
@@ -124,9 +129,8 @@ class FetchTranslator:
 
     def _translate(self, fetch: Any) -> Any:
         if isinstance(fetch, (str, bytes)):
-            try:
-                element = self._graph.as_graph_element(fetch)
-            except (KeyError, ValueError, TypeError):
+            element = self._element(fetch)
+            if element is None:
                 return fetch
             new = self._translate(element)
             return fetch if new is element else new.name
