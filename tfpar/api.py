@@ -11,6 +11,7 @@ from tfpar.config import Config
 from tfpar.config_rules import does_nothing
 from tfpar.errors import AnnotationError, ConfigError, PlanError
 from tfpar.ir.plan import Plan, pinned_plan
+from tfpar.ir.plan_fit import fit_to_devices
 from tfpar.ir.taskgraph import Strategy
 
 __all__ = ["current_plan", "init", "replicate", "reset", "set_default_strategy", "split"]
@@ -47,18 +48,18 @@ def init(config: Any = None) -> Config:
     if device_type == "CPU" and tf.executing_eagerly():
         _make_eager_cpus(len(devices))
     previous = context.active()
+    cluster = _cluster(previous, cfg, device_type, len(devices))
+    names = cluster.device_names(device_type, len(devices)) if cluster is not None else devices
+    cfg = _pinned_here(cfg, names)
     if previous is not None and previous.config != cfg:
         changed = previous.config.changes(cfg)
         log.warning("tfpar: wh.init() called again with another config; it replaces the "
                     "previous one for every graph not yet rewritten (%s)", ", ".join(
                         f"{key}: {old!r} -> {new!r}" for key, (old, new) in changed.items()))
     default = previous.default_strategy if previous is not None else None
-    cluster = _cluster(previous, cfg, device_type, len(devices))
-    runtime = context.Runtime(config=cfg, devices=devices, device_type=device_type,
+    runtime = context.Runtime(config=cfg, devices=names, device_type=device_type,
                               default_strategy=default, cluster=cluster,
                               devices_per_worker=len(devices), search_said=searched)
-    if cluster is not None:
-        runtime.devices = cluster.device_names(device_type, len(devices))
 
     tf_patches.install(engine)
     context.activate(runtime)
@@ -79,6 +80,23 @@ def reset() -> None:
     capture.reset_captures()
     graph_state.reset_states()
     fallback.reset()
+
+
+def _pinned_here(cfg: Config, devices) -> Config:
+    """``cfg``, its pinned plan made for more devices than ``devices`` built
+    on them (``ir.plan_fit``: fewer copies of the model), said."""
+    plan = pinned_plan(cfg)
+    fitted = fit_to_devices(plan, devices) if plan is not None else None
+    if fitted is None:
+        return cfg
+    plan, planned = fitted
+    fallback.fall_back(
+        f"the pinned plan was made for {planned} devices",
+        f"it is built on the {len(devices)} here with {plan.data_parallel_degree} cop"
+        f"{'y' if plan.data_parallel_degree == 1 else 'ies'} of the model, each TaskGraph split "
+        "and staged as planned (one device's numbers as before; its estimate is the planned "
+        "cluster's)", "Pin a plan made for these devices to run as planned here")
+    return cfg.replace(plan=plan.to_dict())
 
 
 def _start_horovod() -> None:

@@ -8,7 +8,8 @@ layers are ``split_layer_patches``'.
   ``tf.compat.v1.losses`` variant ends there) on class-split logits;
 * ``gen_math_ops.arg_max`` (``tf.argmax``) over the split dimension;
 * ``VariableScope.get_variable``: a variable made inside a split scope without a
-  partitioner is split along its first dimension (a ``ShardedVariable``),
+  partitioner is split along its first dimension (a ``ShardedVariable``), or
+  a matrix along its last where a pinned plan splits its scope by columns,
   keeping its regularizer and constraint;
 * ``_VariableStore._get_single_variable``: while a sharded variable is made,
   TensorFlow builds each slice here; the slice goes to its shard's device and is
@@ -133,12 +134,13 @@ def _wrap_get_variable(original):
                 f"tfpar: variable '{full_name}' is made with tf.compat.v1.get_variable inside "
                 "wh.split in a TF2 tf.function; tfpar splits keras Dense layers there. Use "
                 "tf.keras.layers.Dense, or build the model in graph mode")
+        axis = rank - 1 if rank == 2 and ctx.forced_pattern(self.name) == "column" else 0
         with ctx.building():
             partitioned = sharded_variable(
-                ctx, name, initializer.shape if shape is None else shape, 0, dtype, initializer,
-                getter=functools.partial(original, self, var_store),
+                ctx, name, initializer.shape if shape is None else shape, axis, dtype,
+                initializer, getter=functools.partial(original, self, var_store),
                 owner=f"variable '{full_name}': constraint", **given)
-        return ShardedVariable(partitioned, ctx)
+        return ShardedVariable(partitioned, ctx, axis)
     return get_variable
 
 

@@ -26,12 +26,15 @@ def check_shardable(name: str, shape: Sequence[int], axis: int, count: int) -> N
 class ShardedVariable:
     """What ``tf.compat.v1.get_variable`` returns inside a split scope: a
     partitioned variable split along its first dimension (vocabulary, experts,
-    input features), slice i on device i. Read as a tensor it is a sharded
+    input features), or its last where a pinned plan splits its layer by
+    columns, slice i on device i. Read as a tensor it is a sharded
     tensor, so embedding lookups, matmuls and einsums on it use patterns."""
 
-    def __init__(self, partitioned: variables_lib.PartitionedVariable, ctx: SplitContext):
+    def __init__(self, partitioned: variables_lib.PartitionedVariable, ctx: SplitContext,
+                 axis: int = 0):
         self._partitioned = partitioned
         self._ctx = ctx
+        self._axis = axis
 
     name = property(lambda self: self._partitioned.name)
     shape = property(lambda self: self._partitioned.get_shape())
@@ -45,12 +48,12 @@ class ShardedVariable:
         return iter(self._partitioned)
 
     def value(self) -> tensor_lib.Tensor:
-        """The full view of the slices (registered as split along dimension 0)."""
+        """The full view of the slices (registered as split along their axis)."""
         reads = []
         for part in self._partitioned:
             with ops.device(self._ctx.device_of(part)):
                 reads.append(part.value())
-        return self._ctx.sharded(reads, 0)
+        return self._ctx.sharded(reads, self._axis)
 
 
 tensor_conversion_registry.register_tensor_conversion_function(

@@ -180,8 +180,9 @@ def _pinned_task_graphs(plan: Plan, specs: Sequence[TaskGraphSpec], devices: Seq
     for tg, spec in zip(plan.task_graphs, specs):
         unknown = [d for d in tg.devices if d not in devices]
         if unknown:
-            raise PlanError(f"tfpar: pinned plan TaskGraph '{tg.name}' uses devices {unknown} "
-                            f"that do not exist; available: {list(devices)}")
+            raise PlanError(f"tfpar: pinned plan TaskGraph '{tg.name}' uses devices "
+                            f"{device_ranges(unknown)} that do not exist; available: "
+                            f"{device_ranges(devices)}")
         if tg.strategy != spec.strategy.value:
             raise PlanError(f"tfpar: pinned plan TaskGraph '{tg.name}' has strategy "
                             f"'{tg.strategy}' but the model's is '{spec.strategy.value}'")
