@@ -13,9 +13,12 @@ Adam on a Sequential model, over batches of 16, the last one of 8);
 ``keras_loss`` (``loop`` with Keras 3's SparseCategoricalCrossentropy, which
 divides the sum by the size of the per-example losses it computes);
 ``stages`` (that step calling its two layers in two ``wh.replicate(1)``
-scopes, 2 micro-batches); refused with a ``PlanError``: ``eager_scope`` (a
-layer made in ``wh.replicate(1)`` in eager code), ``split`` (the head called
-in ``wh.split()`` in the step), ``fit`` (``Model.fit``).
+scopes, 2 micro-batches); ``fit`` (``Model.fit`` with an accuracy metric, 2
+epochs, then ``evaluate`` and ``predict``: "losses" are every value logged
+and predicted); ``fit_jit`` (``fit`` compiled with ``jit_compile=True``,
+under ``strict``); refused with a ``PlanError``: ``eager_scope`` (a layer made
+in ``wh.replicate(1)`` in eager code), ``split`` (the head called in
+``wh.split()`` in the step).
 """
 import contextlib
 import json
@@ -30,7 +33,7 @@ from tensorflow.python.eager import context  # noqa: E402
 import tfpar as wh  # noqa: E402
 from tf2_script import planned_devices, strategies, working_devices  # noqa: E402
 
-CONFIGS = {"stages": {"pipeline.num_micro_batch": 2}}
+CONFIGS = {"stages": {"pipeline.num_micro_batch": 2}, "fit_jit": {"strict": True}}
 
 
 def scope(kind: str, devices: int):
@@ -49,10 +52,15 @@ def train(scenario: str, devices: int):
         body = tf.keras.layers.Dense(8, activation="relu")
     head = tf.keras.layers.Dense(4)
     net = tf.keras.Sequential([tf.keras.Input((4,)), body, head])
-    if scenario == "fit":
+    if scenario.startswith("fit"):  # every logged value: the loss and accuracy of each epoch
         net.compile(tf.keras.optimizers.Adam(0.01),
-                    tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        return net.fit(x_all, y_all, batch_size=16, epochs=2, verbose=0).history["loss"], net
+                    tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                    metrics=["accuracy"], jit_compile=scenario == "fit_jit")
+        logged = net.fit(x_all, y_all, batch_size=16, epochs=2, verbose=0).history
+        evaluated = net.evaluate(x_all, y_all, batch_size=16, verbose=0)
+        predicted = net.predict(x_all, batch_size=16, verbose=0)
+        return (logged["loss"] + logged["accuracy"] + evaluated
+                + predicted.ravel().tolist()), net
     opt = tf.keras.optimizers.Adam(0.01)
     keras_loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 

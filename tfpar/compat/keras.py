@@ -129,3 +129,24 @@ def keras_3() -> Optional[Keras3]:
                       "keras.src.optimizers.base_optimizer").BaseOptimizer,
                   trainer=importlib.import_module(
                       "keras.src.backend.tensorflow.trainer").TensorFlowTrainer)
+
+
+def keras_3_step_by_step(model, step_function):
+    """A Keras 3 model's train or test function (``function(iterator)``, what
+    ``TensorFlowTrainer._make_function`` returns) that calls ``step_function``
+    as a tf.function of one batch from eager code, ``steps_per_execution``
+    times, where Keras calls it inside a while loop of another tf.function;
+    StopIteration when the iterator has no batch left, as Keras' does."""
+    step = _tf.function(step_function, reduce_retracing=True)
+
+    def function(iterator):
+        batches, outputs = iter(iterator), None
+        for _ in range(model.steps_per_execution):
+            data = next(batches, None)
+            if data is None:
+                break
+            outputs = step(data)
+        if outputs is None:
+            raise StopIteration
+        return outputs
+    return function

@@ -12,8 +12,10 @@ models of that graph first build the training function Keras would build at
 their first step (``_make_train_function``; no session run): the first run
 then rewrites the whole step.
 
-Keras 3's ``fit`` (tf.keras on TensorFlow 2.16+) asks the runtime first
-(``keras_3_fit``), which refuses it where it would train on one device.
+Keras 3 (tf.keras on TensorFlow 2.16+) calls its step in a tf.function nested
+in another (its ``steps_per_execution`` loop); where tfpar runs in parallel
+(``keras_3_steps``), its train and test functions call the step as a
+tf.function of one batch from eager code instead, as Keras 2's do.
 """
 import weakref
 
@@ -33,17 +35,18 @@ def add_keras_patches(patches, active) -> None:
     patches.add(training_v1.Model, "compile", lambda original: _remembering(original, active))
     patches.add(backend, "get_session", lambda original: _building_first(original, active))
     keras_3 = keras_internals.keras_3()
-    if keras_3 is not None:  # Keras 3's fit is refused where it would not run in parallel
-        patches.add(keras_3.trainer, "fit", lambda original: _asking_fit(original,
-                                                                          keras_3.version))
+    if keras_3 is not None:
+        patches.add(keras_3.trainer, "_make_function",
+                    lambda original: _step_by_step(original, keras_3.version))
 
 
-def _asking_fit(original, version: str):
-    def fit(self, *args, **kwargs):
-        if seams.runtime is not None:
-            seams.runtime.keras_3_fit(self.name, version)
-        return original(self, *args, **kwargs)
-    return fit
+def _step_by_step(original, version: str):
+    def make_function(self, step_function):
+        if seams.runtime is not None and seams.runtime.keras_3_steps(
+                self.name, version, bool(self.jit_compile)):
+            return keras_internals.keras_3_step_by_step(self, step_function)
+        return original(self, step_function)
+    return make_function
 
 
 def _remembering(original, active):

@@ -28,8 +28,9 @@ It provides:
   function_gradients: called with the default graph when a tf.GradientTape,
     or tf.gradients inside a tf.function, computes gradients that tfpar
     does not record.
-  keras_3_fit: (model name, keras version) -> None, before a Keras 3 model's
-    ``fit`` trains (may raise: tfpar does not parallelise it yet).
+  keras_3_steps: (model name, keras version, jit_compile) -> bool, as a Keras
+    3 model makes its train or test function: whether to make it of a
+    tf.function called from eager code per batch (tfpar parallelises those).
   rewrite_function: called with each tf.function traced from eager code,
     before TensorFlow makes it a function (it may rewrite the graph).
   before_call: FuncGraph -> None, before each call of a tf.function from

@@ -39,12 +39,12 @@ from tfpar.runtime.sessions import run_failed, run_options, session_config, sess
 from tfpar.runtime.sharded import sharded_plan, warn_unbuilt_sharding
 from tfpar.runtime.split_contexts import check_forced_units, setup_capture
 from tfpar.runtime.techniques import prepared
-from tfpar.runtime.tf2_functions import (before_call, function_gradients, keras_3_fit,
+from tfpar.runtime.tf2_functions import (before_call, function_gradients, keras_3_steps,
                                          retrace_failed, retraces_relaxed)
 
 # The seams, as ``hooks.seams`` documents them.
 __all__ = ["after_run", "before_call", "before_run", "eager_dataset", "function_gradients",
-           "keras_3_fit", "loss_scaled", "made_callable",
+           "keras_3_steps", "loss_scaled", "made_callable",
            "make_iterator", "measured_call", "ran_before_rewrite", "retrace_failed",
            "retraces_relaxed",
            "rewrite_function", "rewrites_next", "rewritten", "run_failed", "run_options",

@@ -4,7 +4,6 @@ train on one device, saying why."""
 from typing import Any, Callable, Optional
 
 from tfpar import fallback
-from tfpar.errors import PlanError
 from tfpar.compat.tf import context, ops
 from tfpar.hooks.capture import GraphCapture, existing_capture
 from tfpar.ir.plan import Plan, TaskGraphPlan
@@ -17,7 +16,7 @@ from tfpar.runtime.graph_state import existing_state, state_of
 from tfpar.runtime.measured_calls import taken_over
 from tfpar.runtime.planning import plan_for
 
-__all__ = ["before_call", "function_gradients", "keras_3_fit", "retrace_failed",
+__all__ = ["before_call", "function_gradients", "keras_3_steps", "retrace_failed",
            "retraces_relaxed", "rewrite_function"]
 
 _PASS_THE_BATCH = ("Pass the batch to the step as arguments (step(x, y)), or read it from a "
@@ -216,17 +215,19 @@ def function_gradients(graph: ops.Graph) -> None:
     train_on_one_device(rt, None if eager else step, why, remedy)
 
 
-def keras_3_fit(model_name: str, version: str) -> None:
-    """``Model.fit`` of a Keras 3 model is about to train: it takes its gradients in
-    a tf.function nested in the one it calls (``steps_per_execution``'s loop), which
-    tfpar does not parallelise yet; refused unless any plan runs the step as it is."""
+def keras_3_steps(model_name: str, version: str, jit_compile: bool) -> bool:
+    """Whether a Keras 3 model's ``fit`` / ``evaluate`` runs its step as a
+    tf.function called from eager code per batch (``hooks.keras_patches``), as
+    Keras 2's does, so tfpar parallelises it: Keras 3 nests that tf.function in
+    another (its ``steps_per_execution`` loop), whose gradients tfpar would not
+    see. Not where any plan runs the step as it is. Such a step is not
+    compiled by XLA: said when ``jit_compile`` asked for it."""
     rt = active()
     if rt is None or _plan_changes_nothing(rt):
-        return
-    raise PlanError(
-        f"tfpar: Model.fit of the Keras 3 model '{model_name}' (keras {version}), data "
-        f"parallel over {len(rt.devices)} devices: Keras 3's fit takes its gradients in a "
-        "tf.function nested in the one it calls (its steps_per_execution loop), which tfpar "
-        "does not parallelise yet. Use Keras 2 for it (pip install tf-keras; "
-        "TF_USE_LEGACY_KERAS=1 makes tf.keras Keras 2), or train with a custom loop: a "
-        "tf.function step with tf.GradientTape and the Keras 3 optimizer")
+        return False
+    if jit_compile:
+        fallback.fall_back(
+            f"the Keras 3 model '{model_name}' (keras {version}) asks for jit_compile",
+            f"its steps run on {len(rt.devices)} devices uncompiled: tfpar does not rewrite "
+            "XLA-compiled functions", "Compile the model with jit_compile=False to silence this")
+    return True
