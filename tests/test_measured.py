@@ -150,6 +150,26 @@ def test_off_by_more_than_the_tolerance_warns_and_calibration_brings_it_within(t
     assert "off by more" not in tfpar_log.getvalue()
 
 
+def test_described_gpus_measured_on_cpus_are_not_comparable(capsys, tmp_path, tfpar_log):
+    """Issue 64: a plan for A100s run on this CPU host was compared with the
+    CPUs' timings, flagged OFF and warned about, and calibration fitted the
+    A100 entry to them. Now the table says the prediction is for the
+    devices described and the ratios are no check of the cost model, no
+    TaskGraph is OFF, nothing is warned and nothing calibrated."""
+    path = tmp_path / "calibrated.json"
+    plan = train({"cluster.hardware": "2 x A100-80GB", "measure.after_steps": 2,
+                  "measure.calibrate": str(path)}, steps=2)
+    measured, err = plan.measured, capsys.readouterr().err
+    assert compare.off_rows(measured) == [] and not path.exists()
+    assert (measured["ran_on"], measured["comparable"]) == ("CPU", False)
+    assert "OFF" not in err and "not comparable" in err, err
+    assert ("not comparable: predicted for A100-80GB devices, measured on CPU devices: the "
+            "ratios do not check the cost model") in err
+    assert ("measure.calibrate: nothing written: the A100-80GB entry is not fitted to timings of "
+            "CPU devices") in err
+    assert "off by more" not in tfpar_log.getvalue()
+
+
 def test_on_cpus_the_host_s_measured_throughput_is_the_device(capsys):
     plan = train({"measure.after_steps": 1}, steps=1)
     assert plan.measured["hardware"].startswith("host-CPU (measured ")

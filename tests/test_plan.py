@@ -109,7 +109,7 @@ def test_a_summary_of_thousands_of_devices_stays_short():
         "tensor_degree": 8, "layers": {f"h{i}/{name}": how for i in range(96) for name, how
                                        in (("mlp/c_fc", "column"), ("mlp/c_proj", "row"))}})
     lines = plan.summary().splitlines()
-    assert len(lines) == 8, plan.summary()
+    assert len(lines) == 10, plan.summary()  # 2 of them the columns' note
     assert any(line.startswith("stage_{0..6}") and "GPU:0-895" in line for line in lines)
     assert any(line.startswith("stage_7") and "GPU:896-1023" in line for line in lines)
     assert "  stage_{0..6}: h{0..83}/mlp/c_fc -> column" in lines
@@ -332,3 +332,25 @@ def test_the_assumed_batch_gives_way_to_the_one_a_measured_step_was_fed():
     text = plan.summary()
     assert f"; batch 64 (fed; the estimate assumed 32: {assumed})" in text, text
     assert "batch 64, fed" in text
+
+
+def test_the_task_graph_columns_say_what_they_count():
+    """Issue 64: a pipeline's rows said 29.9 s a stage beside a 19.2 s step,
+    unexplained. With several TaskGraphs a note under the table says the
+    time is each one's busy time (the step adds bubble and waits), the
+    memory is per device (TaskGraphs on the same devices add up) and the
+    traffic leaves out the transfers between stages; one TaskGraph, whose
+    row is the estimate, has no note."""
+    def plan_of(count):
+        tgs = tuple(TaskGraphPlan(f"stage_{i}", "replicate", 1, ((f"/cpu:{i}",),),
+                                  estimate={"time_s": 0.5, "memory_bytes": 1, "comm_bytes": 1})
+                    for i in range(count))
+        return Plan(tgs, 1, estimate={"step_time_s": 0.75, "memory_bytes_per_device": [1] * count,
+                                      "comm_bytes": 3})
+    lines = plan_of(2).summary().splitlines()
+    assert lines[5:7] == [
+        "(est. time: a TaskGraph's busy time a step, every micro-batch; the step adds bubble and "
+        "waits)",
+        "(memory/dev: on each of its devices, TaskGraphs on the same ones add up; comm: without "
+        "transfers)"], lines
+    assert "(est. time" not in plan_of(1).summary()

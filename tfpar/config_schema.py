@@ -63,8 +63,10 @@ SCHEMA = {
     "cluster.hardware": Option("list|str|None", None, _HARDWARE,
                                "per-device specs; None: not described, so the planner "
                                "assumes every device is a generic host CPU "
-                               f"({HOST_CPU.tflops:g} TFLOPS, {HOST_CPU.memory_gb:g} GB; "
-                               "nothing is detected, GPUs included) and balances none"),
+                               f"({HOST_CPU.memory_gb:g} GB; on CPU devices at this host's "
+                               "measured float32 matmul throughput, else "
+                               f"{HOST_CPU.tflops:g} TFLOPS; nothing is detected, GPUs "
+                               "included) and balances none"),
     "cluster.devices_per_node": Option("int|None", None, _at_least(1),
                                        "devices per node of cluster.hardware (collectives "
                                        "beyond a node use its inter-node bandwidth); None: "

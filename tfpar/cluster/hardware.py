@@ -41,7 +41,8 @@ from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
 from tfpar.errors import ConfigError
 
 __all__ = ["CATALOG", "DTYPES", "EFFICIENCY", "HOST_CPU", "LINK_KEYS", "NODE_SIZES", "OPTIONAL_KEYS",
-           "PEAK_KEYS", "Hardware", "default_node", "device_hardware", "expand", "slowest"]
+           "PEAK_KEYS", "Hardware", "default_node", "device_hardware", "device_kind", "expand",
+           "slowest"]
 
 DTYPES = ("fp64", "fp32", "tf32", "fp16", "bf16")
 EFFICIENCY = 0.7
@@ -151,6 +152,13 @@ def default_node(devices: Sequence[Hardware]) -> Optional[int]:
 # device): 0.05 TFLOPS is what one sustains, so efficiency 1.
 HOST_CPU = Hardware("host-CPU", tflops=0.05, memory_gb=16, intra_node_gbps=10,
                     inter_node_gbps=1.25, efficiency=1.0)
+
+
+def device_kind(hardware: Hardware) -> Optional[str]:
+    """"GPU" for a catalog entry (calibrated or not), "CPU" for the host CPU
+    (generic, measured or calibrated), None for an entry of another name."""
+    name = hardware.name.split(" (")[0]
+    return "GPU" if name in CATALOG else "CPU" if name == HOST_CPU.name else None
 
 
 def _resolve(spec: Any) -> Hardware:

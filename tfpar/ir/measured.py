@@ -58,8 +58,11 @@ def row(name: str, devices: Sequence[str], predicted: Tuple[float, float],
 
 
 def off_rows(measured: Dict[str, Any]) -> List[str]:
-    """'name: time 3.1x' per TaskGraph off by more than the tolerance."""
+    """'name: time 3.1x' per TaskGraph off by more than the tolerance (none
+    when the device predicted on is not the kind that ran: ``comparable``)."""
     said = []
+    if measured.get("comparable") is False:
+        return said
     for r in measured.get("task_graphs", []):
         parts = [f"{what} {_times(r[f'{what}_ratio'])}" for what in ("time", "memory")
                  if r[f"{what}_within"] is False]
@@ -77,18 +80,23 @@ def table(measured: Dict[str, Any]) -> str:
              f"{measured['hardware']}; tolerance {measured['tolerance']:.0%})"]
     rows = [("TaskGraph", "devices", "time pred.", "measured", "ratio", "memory pred.",
              "measured", "ratio", "")]
+    comparable = measured.get("comparable") is not False
     for r in measured["task_graphs"]:
         ok = r["time_within"] is not False and r["memory_within"] is not False
+        verdict = ("within" if ok else "OFF") if comparable else "not comparable"
         rows.append((r["name"], _devices(r["devices"]), _ms(r["predicted_time_s"]),
                      _unmeasured(r["measured_time_s"], _ms), _times(r["time_ratio"]),
                      human_bytes(r["predicted_memory_bytes"]),
                      _unmeasured(r["measured_memory_bytes"], human_bytes),
-                     _times(r["memory_ratio"]), "within" if ok else "OFF"))
+                     _times(r["memory_ratio"]), verdict))
     widths = [max([least] + [len(r[i]) for r in rows]) for i, least in enumerate(_WIDTHS)]
     for i, cells in enumerate(rows):
         lines.append("  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip())
         if i == 0:
             lines.append("  ".join("-" * w for w in widths).rstrip())
+    if not comparable:
+        lines.append(f"not comparable: predicted for {measured['hardware']} devices, measured on "
+                     f"{measured['ran_on']} devices: the ratios do not check the cost model")
     if measured.get("not_measured"):
         lines.append(f"not measured: {measured['not_measured']}")
     return "\n".join(lines)

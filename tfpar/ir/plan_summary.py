@@ -34,6 +34,7 @@ def summary(plan) -> str:
         lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
+    lines += _footnote(plan) if estimated else []
     # A TaskGraph's patterns folded (h{0..95}/mlp/c_fc), then alike lines of
     # TaskGraphs (split_{1,5}: layer_{0,1}/attention/q).
     lines += [f"  {line}" for line in numbered(
@@ -76,6 +77,19 @@ def _columns(tg, estimated: bool) -> Tuple[str, ...]:
     return (tg.strategy, str(len(tg.devices)), str(tg.num_ops), _human_bytes(tg.param_bytes)) + ((
         f"{est.get('time_s', 0) * 1e3:.3f} ms", _human_bytes(est.get("memory_bytes", 0)),
         _human_bytes(est.get("comm_bytes", 0))) if estimated else ())
+
+
+def _footnote(plan) -> List[str]:
+    """What the columns of several TaskGraphs' estimates count, where the
+    estimate line counts otherwise: a TaskGraph's busy time (the step waits
+    besides), its part of its devices' memory (theirs is the sum), its
+    traffic but the activations sent between stages."""
+    if len(plan.task_graphs) < 2:
+        return []
+    return ["(est. time: a TaskGraph's busy time a step, every micro-batch; "
+            "the step adds bubble and waits)",
+            "(memory/dev: on each of its devices, TaskGraphs on the same ones add up; "
+            "comm: without transfers)"]
 
 
 def _alike(task_graphs: Sequence[Any], estimated: bool

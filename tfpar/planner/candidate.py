@@ -1,14 +1,15 @@
 """What the automatic search answers: a ``Candidate`` mesh with its estimates,
 its ``Part``s, and the ``SearchRecord`` of how the search went (no TensorFlow)."""
+import collections
 import dataclasses
-from typing import Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from tfpar.cluster.hardware import Hardware
 from tfpar.ir.outcome import Outcome
 from tfpar.planner.memory import SLOTS, Techniques
 from tfpar.planner.step_model import Setting
 
-__all__ = ["ALL_TECHNIQUES", "Candidate", "Part", "SearchRecord"]
+__all__ = ["ALL_TECHNIQUES", "Candidate", "Part", "SearchRecord", "shared_out"]
 
 ALL_TECHNIQUES = ("recompute", "zero", "mixed_precision", "offload")
 
@@ -23,6 +24,41 @@ class Part:
     memory_bytes: float
     comm_bytes: float
     ops: Tuple[int, ...] = ()
+
+
+def shared_out(setting: Setting, groups: int, stage_of: Sequence[int],
+               before: Sequence[Part], state: Sequence[float]) -> Tuple[Part, ...]:
+    """Parts with ``setting``'s estimates - its micro-batches, memory
+    techniques and schedule, as the plan's estimate counts them - shared out
+    among the pieces ``before`` (each of stage ``stage_of``, with its
+    estimates before them, and ``state`` bytes of its weights, gradients and
+    slots): a stage's busy seconds and bytes sent in proportion to its
+    pieces' own, and the bytes of a device group's devices (its stages'
+    ``s % groups``: interleaved stages share them) - weights, gradients and
+    slots, and the rest - in proportion to its pieces' state and
+    activations. A stage's pieces add up to the stage, and the pieces on a
+    device group's devices to their bytes."""
+    group_of = [s % groups for s in stage_of]
+    seconds = _shares([p.seconds for p in before], stage_of)
+    comm = _shares([p.comm_bytes for p in before], stage_of)
+    held = _shares(state, group_of)
+    active = _shares([p.memory_bytes - w for p, w in zip(before, state)], group_of)
+    return tuple(
+        Part(setting.stage_seconds[s] * t,
+             setting.state_bytes[g] * h + (setting.memory_bytes[g] - setting.state_bytes[g]) * a,
+             setting.stage_comm[s] * c, p.ops)
+        for p, s, g, t, c, h, a in zip(before, stage_of, group_of, seconds, comm, held, active))
+
+
+def _shares(values: Sequence[float], together: Sequence[int]) -> List[float]:
+    """Each value's share of the sum of those with its key in ``together``
+    (equal shares when they sum to nothing)."""
+    sums: Dict[int, float] = collections.defaultdict(float)
+    for value, key in zip(values, together):
+        sums[key] += value
+    counts = collections.Counter(together)
+    return [value / sums[key] if sums[key] else 1 / counts[key]
+            for value, key in zip(values, together)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from tfpar.cluster.hardware import Hardware
 from tfpar.ir.outcome import Outcome
-from tfpar.planner.candidate import ALL_TECHNIQUES, Candidate, Part
+from tfpar.planner.candidate import ALL_TECHNIQUES, Candidate, Part, shared_out
 from tfpar.planner.choice import TOLERANCE
 from tfpar.planner.comm import Cost, allreduce
 from tfpar.planner.interleaved import virtual_stage_counts
@@ -215,8 +215,8 @@ class MeshCosting:
                   for ops, forward, params in zip(members, per_row.forward_s, per_row.param_bytes)]
         best, faster = self._setting(models, d, rows, counts, per_row.cut_bytes,
                                      hardware.link(p), virtual)
-        parts = tuple(Part(seconds, memory, stage.grads.bytes) for seconds, memory, stage
-                      in zip(best.stage_seconds, best.memory_bytes, models))
+        pieces = [Part(1.0, m.param_bytes + m.kept[0], 1.0) for m in models]  # one a stage
+        parts = shared_out(best, p, range(p * virtual), pieces, [m.param_bytes for m in models])
         return self._made(best, faster, d, 1, p, tuple(stages), parts)
 
     def _split(self, t: int, p: int, d: int, rows: float, counts: Sequence[int],
@@ -263,17 +263,19 @@ class MeshCosting:
         if best is None:
             return None
         final = rows / best.micro_batches
-        parts, split, stages = [], [], []
+        before, state, of_stage, split, stages = [], [], [], [], []
         for s, (shape, graph, candidates) in enumerate(zip(shapes, graphs, chosen)):
             plan = self._plan(shape, graph, candidates, t, p, d, final, p == 1, sequence)
-            for layer, c, cost, memory in zip(graph.layers, candidates, plan.layer_costs,
-                                              plan.layer_memory):
-                parts.append(Part(cost.seconds * best.micro_batches, memory,
-                                  cost.bytes * best.micro_batches, layer.ops))
+            before += [Part(cost.seconds, memory, cost.bytes, layer.ops) for layer, cost, memory
+                       in zip(graph.layers, plan.layer_costs, plan.layer_memory)]
+            state += plan.layer_weights
+            of_stage += [s] * len(graph.layers)
+            for layer, c in zip(graph.layers, candidates):
                 if p > 1 or c != "dp":
                     split += [(scope, c) for scope in layer.scopes]
                     stages += [s] * len(layer.scopes) if p > 1 else []
-        return self._made(best, faster, d, t, p, tuple(op_stage), tuple(parts),
+        parts = shared_out(best, p, of_stage, before, state)
+        return self._made(best, faster, d, t, p, tuple(op_stage), parts,
                           split_scopes=tuple(split), split_stages=tuple(stages),
                           sharding_search=outcome, sequence_parallel=sequence)
 
@@ -368,7 +370,6 @@ class MeshCosting:
         return StageModel(compute, per_row - compute, two.comm_bytes - one.comm_bytes,
                           one.step_time_s - per_row + self._launches(ops), params, grads,
                           **self._terms(ops, activations / unsplit))
-
 
 
 def _relieves(setting: Setting, plain: Setting, capacity: float, tolerance: float) -> bool:

@@ -102,8 +102,9 @@ class Mesh:
 
 @dataclasses.dataclass(frozen=True)
 class ShardingPlan:
-    """Candidate per layer and the estimates (whole step and per layer);
-    ``optimal`` when the solver proved it, ``outcome`` how it was found."""
+    """Candidate per layer and the estimates (whole step and per layer; of
+    its bytes, ``layer_weights`` those of weights, gradients and optimizer
+    slots); ``optimal`` when the solver proved it, ``outcome`` how it was found."""
 
     candidates: Tuple[str, ...]
     step_time_s: float
@@ -114,6 +115,7 @@ class ShardingPlan:
     layer_memory: Tuple[float, ...] = ()
     weight_memory: float = 0.0
     outcome: Optional[Outcome] = None
+    layer_weights: Tuple[float, ...] = ()
 
 
 
@@ -333,9 +335,9 @@ class Problem:
         costs = self.layer_costs(chosen)
         step = _sum_costs(costs) + self._bucket_latency(chosen)
         memory = self.layer_memory(chosen)
-        weights = sum(self.layer_memory(chosen, activations=False))
+        weights = self.layer_memory(chosen, activations=False)
         return ShardingPlan(tuple(chosen), step.seconds, sum(memory), step.bytes, optimal,
-                            tuple(costs), tuple(memory), weights, outcome)
+                            tuple(costs), tuple(memory), sum(weights), outcome, tuple(weights))
 
 
 

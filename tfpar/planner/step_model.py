@@ -119,8 +119,9 @@ class Setting:
     """The estimates of one mesh with ``micro_batches``, ``techniques`` and a
     pipeline ``schedule`` (kFkB's ``group_size``) over ``virtual_stages``
     per device: step seconds, bytes per device (per stage: its device's),
-    bytes sent per step; of the step, the bubble and the waits for
-    transfers (the module docstring)."""
+    bytes sent per step (``stage_comm``: each stage's collectives and
+    gradients, without the activations sent between stages); of the step,
+    the bubble and the waits for transfers (the module docstring)."""
 
     micro_batches: int
     techniques: Techniques
@@ -134,6 +135,7 @@ class Setting:
     virtual_stages: int = 1
     bubble_s: float = 0.0
     transfer_s: float = 0.0
+    stage_comm: Tuple[float, ...] = ()
 
     @property
     def peak_memory(self) -> float:
@@ -279,8 +281,9 @@ def _settings(stages: Sequence[StageModel], data: int, rows_per_replica: float, 
     grads = [stage.grads for stage in stages]  # float32: the variables' dtype
     state = tuple(state_bytes(stage.param_bytes, data, tech.zero, tech.offload,
                               stage.optimizer_slots) for stage in stages)
-    sent = sum(stage.collective_bytes * rows * scale * micro + g.bytes
-               for stage, g in zip(stages, grads)) + 2 * cut_bytes * rows * scale * micro
+    comm = tuple(stage.collective_bytes * rows * scale * micro + g.bytes
+                 for stage, g in zip(stages, grads))
+    sent = sum(comm) + 2 * cut_bytes * rows * scale * micro
     host = [offload_seconds(stage.param_bytes) if tech.offload else 0.0 for stage in stages]
     busy = tuple(t * micro + g.seconds + h for t, g, h in zip(times, grads, host))
     kept = [rows * scale * stage.kept[mode] for stage in stages]
@@ -290,7 +293,7 @@ def _settings(stages: Sequence[StageModel], data: int, rows_per_replica: float, 
                                state, [g.seconds + h for g, h in zip(grads, host)], kept,
                                transient, cutoff)
         if setting is not None:
-            yield setting
+            yield dataclasses.replace(setting, stage_comm=comm)
         return
     reduce_s = max(g.seconds + h for g, h in zip(grads, host))
     for name, k in _schedules(space, micro, times, transfer):
@@ -299,7 +302,8 @@ def _settings(stages: Sequence[StageModel], data: int, rows_per_replica: float, 
         length = pipeline_length(times, micro, transfer, name, k)
         still = pipeline_length(times, micro, 0.0, name, k)
         yield Setting(micro, tech, length + reduce_s, memory, sent, busy, state, name, k,
-                      bubble_s=still - micro * max(times), transfer_s=length - still)
+                      bubble_s=still - micro * max(times), transfer_s=length - still,
+                      stage_comm=comm)
 
 
 def _interleaved(virtual: int, micro: int, tech: Techniques, times: Sequence[float],

@@ -7,6 +7,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 from tfpar import fallback
 from tfpar.cluster.hardware import HOST_CPU, Hardware, default_node, device_hardware, slowest
+from tfpar.cluster.host_speed import host_cpu
 from tfpar.compat.tf import ops
 from tfpar.errors import ConfigError, PlanError
 from tfpar.hooks.capture import GraphCapture
@@ -204,10 +205,12 @@ def _unsharded(candidates, hardware: Hardware):
 
 
 def cluster_hardware(rt: Runtime) -> Hardware:
-    """The slowest, smallest device of ``cluster.hardware`` (a generic host CPU
-    when unset), with ``cluster.devices_per_node``, else the devices per
-    worker of a TF_CONFIG cluster, else (``_described_nodes``) the size of
-    the nodes such devices come in.
+    """The slowest, smallest device of ``cluster.hardware`` - when unset, on
+    CPUs the host's measured matmul throughput (``cluster.host_speed``),
+    else a generic host CPU - with ``cluster.devices_per_node``, else the
+    devices per worker of a TF_CONFIG cluster, else (``_described_nodes``)
+    the size of the nodes such devices come in. The one device the search,
+    the plan's estimate and the predicted-vs-measured table cost on.
 
     Raises:
       ConfigError: a described cluster of more devices than a node of any
@@ -218,7 +221,7 @@ def cluster_hardware(rt: Runtime) -> Hardware:
         rt.devices_per_worker if rt.cluster is not None else None)
     if described is not None and per_node is None:
         per_node = _described_nodes(described)
-    return slowest(described or [HOST_CPU], per_node)
+    return slowest(described or [host_cpu() if rt.device_type == "CPU" else HOST_CPU], per_node)
 
 
 def _described_nodes(devices: Sequence[Hardware]) -> Optional[int]:

@@ -19,6 +19,7 @@ import numpy as np
 from tfpar.analysis.op_kinds import is_variable
 from tfpar.analysis.variables import variable_bytes
 from tfpar.cluster.devices import short_name
+from tfpar.cluster.hardware import device_kind
 from tfpar.compat.tf import ops
 from tfpar.ir import measured as compare
 from tfpar.ir.plan import Plan
@@ -86,8 +87,11 @@ def concluded(state, rows: List[int], not_measured: str = "") -> Dict[str, Any]:
     measured = _compared(state, rows, cfg.get("measure.tolerance"))
     if not_measured:
         measured["not_measured"] = not_measured
-    if cfg.get("measure.calibrate"):
+    if cfg.get("measure.calibrate") and measured["comparable"]:
         measured["calibrated"] = _calibrate(cfg.get("measure.calibrate"), state.predicted, measured)
+    elif cfg.get("measure.calibrate"):
+        measured["not_calibrated"] = (f"the {measured['hardware']} entry is not fitted to "
+                                      f"timings of {measured['ran_on']} devices")
     state.plan = dataclasses.replace(state.plan, measured=measured)
     _say(measured)
     return measured
@@ -96,7 +100,9 @@ def concluded(state, rows: List[int], not_measured: str = "") -> Dict[str, Any]:
 def _compared(state, rows: List[int], tolerance: float) -> Dict[str, Any]:
     """``Plan.measured``: each TaskGraph's prediction for the fed batch beside
     the shortest time and largest memory of the steps measured (None: memory
-    not measured)."""
+    not measured); the kind of device that ran (``ran_on``) and whether it
+    is the kind predicted on (``comparable``: not when GPUs were described
+    and CPUs ran; an entry of another name is taken to be what ran)."""
     batch, batch_from = _batch(rows, state.predicted.batch)
     steps = traced_steps(state.training_steps)
     predicted = per_task_graph(state.plan, state.predicted.costs, state.predicted.launch_s,
@@ -111,9 +117,12 @@ def _compared(state, rows: List[int], tolerance: float) -> Dict[str, Any]:
                                      (time_s, memory), measured, tolerance),
                          predicted_launch_s=state.predicted.launch_s[i] * state.plan.num_micro_batch))
     launches = sum(row["predicted_launch_s"] for row in rows)
+    ran_on = active().device_type
     return {"step": state.training_steps, "steps": [steps[0], steps[-1]], "batch": batch,
             "batch_from": batch_from, "hardware": state.predicted.hardware.name,
-            "tolerance": tolerance, "task_graphs": rows, "launch_s": launches}
+            "tolerance": tolerance, "task_graphs": rows, "launch_s": launches,
+            "ran_on": ran_on,
+            "comparable": device_kind(state.predicted.hardware) in (None, ran_on)}
 
 
 def _measured(graph: ops.Graph, plan: Plan, run_metadata, held: Dict[str, int]
@@ -190,6 +199,8 @@ def _say(measured: Dict[str, Any]) -> None:
                  f"(tflops {said['entry']['tflops']:g}, efficiency "
                  f"{said['entry']['efficiency']:g}: {said['from']}); plan with it: "
                  f"cluster.hardware \"{said['path']}\"")
+    elif "not_calibrated" in measured:
+        text += f"\ntfpar: measure.calibrate: nothing written: {measured['not_calibrated']}"
     log.info("%s", text)
     print(text, file=sys.stderr)  # stdout stays the script's (a --json output, say)
     off = compare.off_rows(measured)

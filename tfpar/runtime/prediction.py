@@ -8,7 +8,6 @@ from typing import Tuple
 
 from tfpar.analysis.analysed import Analysed
 from tfpar.cluster.hardware import Hardware
-from tfpar.cluster.host_speed import host_cpu
 from tfpar.ir.plan import Plan
 from tfpar.planner.plan_costs import plan_estimate
 from tfpar.planner.stage_costs import StageCosts, stage_costs
@@ -17,7 +16,7 @@ from tfpar.runtime.automatic import cluster_hardware, planning_batch
 from tfpar.runtime.context import Runtime
 from tfpar.runtime.stated import assumptions, batch_from
 
-__all__ = ["Predicted", "costed", "predict", "prediction_hardware"]
+__all__ = ["Predicted", "costed", "predict"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,19 +35,11 @@ class Predicted:
     compute_dtype: str = "fp32"
 
 
-def prediction_hardware(rt: Runtime) -> Hardware:
-    """The device the prediction assumes: ``cluster.hardware``'s, else on
-    CPUs the host's measured matmul throughput (``cluster.host_speed``)."""
-    if rt.config.get("cluster.hardware") is None and rt.device_type == "CPU":
-        return host_cpu()
-    return cluster_hardware(rt)
-
-
 def predict(analysed: Analysed, rt: Runtime, plan: Plan, stage_of) -> Predicted:
     """The cost model of ``plan``'s TaskGraphs, as ``stage_of`` places the
     model's ops."""
     order, view = analysed.view
-    hardware = prediction_hardware(rt)
+    hardware = cluster_hardware(rt)  # the search's and the summary's device
     batch, said_batch = planning_batch(rt, view), batch_from(rt, bool(view.batch))
     stages = [stage_of.get(op, 0) for op in order]
     costs = stage_costs(view, stages, len(plan.task_graphs), 1.0, hardware)
