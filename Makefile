@@ -42,7 +42,7 @@ NOT_HOROVOD := and not horovod
 endif
 CORE := tests/test_versions.py tests/test_data_parallel.py tests/test_pipeline.py \
 	tests/test_split.py tests/test_tf2.py tests/test_checkpoint.py tests/test_batch_norm.py \
-	tests/test_real_steps.py tests/test_real_steps_tf2.py
+	tests/test_real_steps.py tests/test_real_steps_tf2.py tests/test_keras3.py
 
 .PHONY: demo test test-fast test-core bench horovod chromium clean
 
