@@ -16,7 +16,8 @@ divides the sum by the size of the per-example losses it computes);
 scopes, 2 micro-batches); ``fit`` (``Model.fit`` with an accuracy metric, 2
 epochs, then ``evaluate`` and ``predict``: "losses" are every value logged
 and predicted); ``fit_jit`` (``fit`` compiled with ``jit_compile=True``,
-under ``strict``); refused with a ``PlanError``: ``eager_scope`` (a layer made
+under ``strict``); ``fit_bn`` (``fit`` of the model with a Keras 3
+BatchNormalization between its layers, under ``batch_norm.sync``); refused with a ``PlanError``: ``eager_scope`` (a layer made
 in ``wh.replicate(1)`` in eager code), ``split`` (the head called in
 ``wh.split()`` in the step).
 """
@@ -33,7 +34,8 @@ from tensorflow.python.eager import context  # noqa: E402
 import tfpar as wh  # noqa: E402
 from tf2_script import planned_devices, strategies, working_devices  # noqa: E402
 
-CONFIGS = {"stages": {"pipeline.num_micro_batch": 2}, "fit_jit": {"strict": True}}
+CONFIGS = {"stages": {"pipeline.num_micro_batch": 2}, "fit_jit": {"strict": True},
+           "fit_bn": {"batch_norm.sync": True}}
 
 
 def scope(kind: str, devices: int):
@@ -51,7 +53,8 @@ def train(scenario: str, devices: int):
     with scope("stages" if scenario == "eager_scope" else "", devices):
         body = tf.keras.layers.Dense(8, activation="relu")
     head = tf.keras.layers.Dense(4)
-    net = tf.keras.Sequential([tf.keras.Input((4,)), body, head])
+    middle = [tf.keras.layers.BatchNormalization()] if scenario.endswith("_bn") else []
+    net = tf.keras.Sequential([tf.keras.Input((4,)), body, *middle, head])
     if scenario.startswith("fit"):  # every logged value: the loss and accuracy of each epoch
         net.compile(tf.keras.optimizers.Adam(0.01),
                     tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -32,7 +32,8 @@ def run(scenario: str, devices: int) -> dict:
 
 
 @pytest.mark.parametrize("scenario,devices", [("loop", 2), ("loop", 4), ("stages", 2),
-                                               ("keras_loss", 4), ("fit", 2), ("fit", 4)])
+                                               ("keras_loss", 4), ("fit", 2), ("fit", 4),
+                                               ("fit_bn", 2)])
 def test_a_keras_3_model_trains_in_parallel_with_the_single_device_numbers(scenario, devices):
     """Before: the Keras 3 optimizer's variables, made in the step's first trace,
     lost their initializers when tfpar dropped that trace
@@ -41,11 +42,15 @@ def test_a_keras_3_model_trains_in_parallel_with_the_single_device_numbers(scena
     refused (its labels now stand in for their rows); and ``fit`` was refused
     (Keras 3 nests its step in its steps_per_execution loop's tf.function).
     ``fit``: its loss and accuracy of each epoch (batches of 16, 16 and 8),
-    then ``evaluate``'s and ``predict``'s values."""
-    plain, got = run("fit" if scenario == "fit" else "loop", 0), run(scenario, devices)
+    then ``evaluate``'s and ``predict``'s values; ``fit_bn``: with a Keras 3
+    BatchNormalization under ``batch_norm.sync`` (its moving statistics among
+    the weights compared; before, the setting did nothing to Keras 3 layers:
+    each replica normalized by its own rows' statistics)."""
+    fits = scenario.startswith("fit")
+    plain, got = run(scenario if fits else "loop", 0), run(scenario, devices)
     assert got["keras"].startswith("3."), got["keras"]
     np.testing.assert_allclose(got["losses"], plain["losses"], rtol=1e-5, atol=1e-6)
-    later = 1 if scenario == "fit" else 3  # the second epoch's loss, the fourth step's
+    later = 1 if fits else 3  # the second epoch's loss, the fourth step's
     assert not np.isclose(plain["losses"][0], plain["losses"][later]), "nothing trained"
     for a, b in zip(plain["weights"], got["weights"]):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)

@@ -112,14 +112,14 @@ def h5_weight_lister():
 
 
 # Keras 3 (TensorFlow 2.16+'s default tf.keras), imported only where keras is Keras 3.
-Keras3 = collections.namedtuple("Keras3", "version layer optimizer trainer")
+Keras3 = collections.namedtuple("Keras3", "version layer optimizer trainer batch_normalization")
 
 
 @functools.lru_cache(maxsize=None)
 def keras_3() -> Optional[Keras3]:
     """Keras 3's version and the classes tfpar hooks (every layer's base, every
-    optimizer's, the TensorFlow trainer behind ``Model.fit``); None where the
-    keras package is Keras 2 (TensorFlow 2.15)."""
+    optimizer's, the TensorFlow trainer behind ``Model.fit``, BatchNormalization);
+    None where the keras package is Keras 2 (TensorFlow 2.15)."""
     if KERAS_2_PACKAGE == "keras":
         return None
     keras = importlib.import_module("keras")
@@ -128,7 +128,9 @@ def keras_3() -> Optional[Keras3]:
                   optimizer=importlib.import_module(
                       "keras.src.optimizers.base_optimizer").BaseOptimizer,
                   trainer=importlib.import_module(
-                      "keras.src.backend.tensorflow.trainer").TensorFlowTrainer)
+                      "keras.src.backend.tensorflow.trainer").TensorFlowTrainer,
+                  batch_normalization=importlib.import_module(
+                      "keras.src.layers.normalization.batch_normalization").BatchNormalization)
 
 
 def keras_3_step_by_step(model, step_function):

@@ -13,6 +13,10 @@ the rewrite replaces by a sum over the replicas of the same micro-batch
 normalizes with, and their gradients, are the whole batch's: with one
 micro-batch the numbers are one device's.
 
+Keras 3's layers (``keras_3``), synchronized or under ``batch_norm.sync``,
+take their statistics the same way in their ``_moments`` (they have no
+fused kernel).
+
 A layer ``batch_norm.sync`` synchronizes that one device would run with the
 fused kernel (Keras' choice for 4D and 5D inputs unless told otherwise)
 computes unfused, as Keras' synchronized layers do, but keeps the fused
@@ -23,7 +27,7 @@ layer over few values (MobileNetV2's 1x1 maps at 32x32 inputs, 8 per
 channel) moved 8/7 times less than on one device. Keras' own synchronized
 layers are unfused on one device too, and keep the batch's variance.
 """
-from tfpar.compat.keras import batch_normalization
+from tfpar.compat.keras import batch_normalization, keras_3
 from tfpar import fallback
 from tfpar.compat.tf import (array_ops, context, custom_gradient, distribute_lib, math_ops,
                               ops)
@@ -39,6 +43,10 @@ def add_sync_batch_norm_patches(patches, sync_all) -> None:
     patches.add(base, "__init__", lambda original: _synchronizing(original, sync_all))
     patches.add(base, "_sync_calculate_mean_and_var", _over_replicas)
     patches.add(base, "_assign_moving_average", _with_fused_variance)
+    keras3 = keras_3()
+    if keras3 is not None:
+        patches.add(keras3.batch_normalization, "_moments",
+                    lambda original: _over_replicas_3(original, sync_all))
 
 
 def _synchronizing(original, sync_all):
@@ -66,17 +74,14 @@ def _over_replicas(original):
     def _sync_calculate_mean_and_var(self, x, reduction_axes, keep_dims, mask=None):
         self._tfpar_unbiasing = None  # what the moving variance's update multiplies
         graph = ops.get_default_graph()
-        if context.executing_eagerly() or cap_lib.existing_capture(graph) is None:
+        if not _in_step(graph):
             mean, variance = original(self, x, reduction_axes, keep_dims, mask=mask)
             if mask is None and _fused_alone(self, x) and not distribute_lib.has_strategy():
                 self._tfpar_unbiasing = _bessel(math_ops.cast(
                     array_ops.size(x) // array_ops.size(mean), x.dtype))
             return mean, variance
         if mask is not None:
-            fallback.fall_back(
-                f"BatchNormalization '{self.name}' is synchronized and called with a mask",
-                "its statistics are each replica's own", "Call it without a mask to "
-                "synchronize it", graph)
+            _unsynchronized(self, graph)
             return original(self, x, reduction_axes, keep_dims, mask=mask)
         with ops.name_scope("moments"):
             mean, variance, count = _moments(x, reduction_axes, keep_dims)
@@ -84,6 +89,32 @@ def _over_replicas(original):
             self._tfpar_unbiasing = _bessel(count)
         return mean, variance
     return _sync_calculate_mean_and_var
+
+
+def _in_step(graph) -> bool:
+    """Whether ops built now are in a graph tfpar captures (not eager)."""
+    return not context.executing_eagerly() and cap_lib.existing_capture(graph) is not None
+
+
+def _unsynchronized(layer, graph) -> None:
+    fallback.fall_back(
+        f"BatchNormalization '{layer.name}' is synchronized and called with a mask",
+        "its statistics are each replica's own", "Call it without a mask to synchronize it",
+        graph)
+
+
+def _over_replicas_3(original, sync_all):
+    def moments(self, inputs, mask):
+        graph = ops.get_default_graph()
+        if not (self.synchronized or sync_all()) or not _in_step(graph):
+            return original(self, inputs, mask)
+        if mask is not None:
+            _unsynchronized(self, graph)
+            return original(self, inputs, mask)
+        with ops.name_scope("moments"):
+            mean, variance, _ = _moments(inputs, self._reduction_axes, False)
+        return mean, variance
+    return moments
 
 
 def _bessel(count):
