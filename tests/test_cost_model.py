@@ -338,8 +338,10 @@ def test_data_parallel_estimate_by_hand():
       + 3 kernel launches of each of the 10 ops that compute, with forward
       FLOPs per row l0 2x6x16+16+16, l1 2x16x16+16+16, logits 2x16x3+3,
       loss 1, mean 1 = 869."""
+    host = {"name": "host-CPU", "tflops": 0.05, "memory_gb": 16, "intra_node_gbps": 10,
+            "inter_node_gbps": 1.25, "efficiency": 1.0}  # HOST_CPU, not this host's rate
     plan = plan_of(adam_mlp, {"auto.auto_parallel": True, "cluster.num_devices": 4,
-                              "auto.num_task_graph": 1})
+                              "auto.num_task_graph": 1, "cluster.hardware": [host]})
     assert plan.data_parallel_degree == 4 and not plan.sharding
     weights = (6 * 16 + 16 + 16 * 16 + 16 + 16 * 3 + 3) * 4  # kernels and biases
     # kept per row: l0's and l1's Relu (16 floats each; their MatMul and
