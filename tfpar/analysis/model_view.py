@@ -193,10 +193,10 @@ class _Read:
         outputs keep ``samples`` for a ``Fill`` or a random draw's shape."""
         shapes = set()
         for j, (ins, outs) in enumerate(zip(self.inputs, self.outputs)):
-            small = outs and all(t.dtype.is_integer and t.shape.rank in (0, 1) for t in outs)
-            if self.types[j] in SHAPE_READS or (small and ins and all(
+            if self.types[j] in SHAPE_READS or (ins and outs and all(
                     self.producer.get(id(t)) in shapes or not self.samples.get(id(t))
-                    for t in ins)):
+                    for t in ins) and all(
+                    t.dtype.is_integer and t.shape.rank in (0, 1) for t in outs)):
                 shapes.add(j)
         return shapes
 
