@@ -10,7 +10,8 @@ merged dimensions: a ``[batch * seq, d]`` reshape of ``[batch, seq, d]`` still
 holds ``seq * d`` elements per sample, and a dense layer on it
 (``[None, None]`` statically) multiplies them by ``units / depth``. Tensors
 that do not depend on the inputs (weights, constants, shapes of weights) hold
-nothing per sample, and neither do scalars (a batch mean is one value).
+nothing per sample, and neither do scalars (a batch mean is one value) nor
+shapes; shape arithmetic and views (no device kernels) cost no FLOPs.
 """
 import math
 from typing import Dict, List, Optional, Tuple
@@ -128,8 +129,8 @@ class _Read:
     """The ops' inputs, outputs and types, and per tensor (by ``id``: the
     graph keeps each tensor object): the op of ``order`` producing it, the
     model's inputs (``fed``) and variables among the others, its elements
-    per sample and its bytes per sample (0 for a scalar: one value for the
-    whole batch, not one per sample)."""
+    per sample and its bytes per sample (0 for a scalar, one value for the
+    whole batch, and for a shape: ``shapes``, the ops computing them)."""
 
     def __init__(self, order: List[ops.Operation]):
         self.types = [op.type for op in order]
@@ -149,7 +150,8 @@ class _Read:
                             if op.type in CONTRACTIONS}
         self.views = [_is_view(op) for op in order]
         self.samples = self._per_sample(order)
-        self.nbytes = {}
+        self.shapes = self._shape_ops()
+        self.nbytes = {id(t): 0.0 for j in self.shapes for t in self.outputs[j]}
         for tensors in (self.inputs, self.outputs):
             for ts in tensors:
                 for t in ts:
@@ -182,6 +184,21 @@ class _Read:
             for out in self.outputs[j]:
                 samples[id(out)] = base * self._ratio(j, main, out) if base else 0.0
         return samples
+
+    def _shape_ops(self) -> set:
+        """The ops computing shapes: shape reads, and integer ops of at most
+        one axis reading only shapes and tensors holding nothing per sample
+        (tensordot's gathers, products and concatenations of sizes): host
+        memory and no gradient in TensorFlow, so no device kernel. Their
+        outputs keep ``samples`` for a ``Fill`` or a random draw's shape."""
+        shapes = set()
+        for j, (ins, outs) in enumerate(zip(self.inputs, self.outputs)):
+            if self.types[j] in SHAPE_READS or (ins and outs and all(
+                    self.producer.get(id(t)) in shapes or not self.samples.get(id(t))
+                    for t in ins) and all(
+                    t.dtype.is_integer and t.shape.rank in (0, 1) for t in outs)):
+                shapes.add(j)
+        return shapes
 
     def _ratio(self, j: int, main, out) -> float:
         """Elements of ``out`` per element of op j's main (largest) input."""
@@ -348,7 +365,9 @@ def _contraction_sizes(op: ops.Operation) -> Tuple[Optional[int], Optional[int]]
 
 def _flops(j: int, op: ops.Operation, graph: _Read) -> float:
     """FLOPs per sample of op j: 2 x multiply-adds of contractions and
-    convolutions, output elements otherwise."""
+    convolutions, none for views and shapes, output elements otherwise."""
+    if graph.views[j] or j in graph.shapes:
+        return 0.0
     outs = graph.outputs[j]
     out = graph.samples.get(id(outs[0]), 0.0) if outs else 0.0
     if j in graph.contraction:

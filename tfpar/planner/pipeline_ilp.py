@@ -25,7 +25,7 @@ from typing import Dict, Hashable, List, NamedTuple, Optional
 import networkx as nx
 from ortools.sat.python import cp_model
 
-from tfpar.planner.solving import cp_solver, status_of
+from tfpar.planner.solving import add_linear, cp_solver, minimize, status_of
 
 __all__ = ["StageSolution", "stage_ilp"]
 
@@ -71,11 +71,11 @@ def stage_ilp(dag: nx.DiGraph, num_stages: int, epsilon: float = 0.5,
     cuts = []
     for (i, j), size in zip(dag.edges, volume):
         cut = model.NewBoolVar(f"F_{len(cuts)}")
-        model.Add(stage[j] - stage[i] >= cut)
-        model.Add(stage[j] - stage[i] <= (num_stages - 1) * cut)
-        cuts.append((cut, size))
+        add_linear(model, [(1, stage[j]), (-1, stage[i]), (-1, cut)], low=0)
+        add_linear(model, [(1, stage[j]), (-1, stage[i]), (1 - num_stages, cut)], high=0)
+        cuts.append((size, cut))
     _balance(model, nodes, stage, weight, num_stages, math.floor((1 + epsilon) * balanced))
-    model.Minimize(sum(size * cut for cut, size in cuts))
+    minimize(model, cuts)
     for n, s in (hint or {}).items():
         model.AddHint(stage[n], s)
     solver = cp_solver(time_limit_s, deadline)
@@ -91,12 +91,12 @@ def _balance(model, nodes, stage, weight, num_stages: int, capacity: int) -> Non
     for n in nodes:
         flags = [model.NewBoolVar("") for _ in range(num_stages)]
         model.AddExactlyOne(flags)
-        model.Add(stage[n] == sum(s * flag for s, flag in enumerate(flags)))
+        add_linear(model, [(1, stage[n])] + [(-s, flag) for s, flag in enumerate(flags)], 0, 0)
         for s, flag in enumerate(flags):
-            member[s].append((flag, weight[n]))
+            member[s].append((weight[n], flag))
     for s in range(num_stages):
-        model.Add(sum(w * flag for flag, w in member[s]) <= max(capacity, max(weight.values())))
-        model.AddBoolOr([flag for flag, _ in member[s]])
+        add_linear(model, member[s], high=max(capacity, max(weight.values())))
+        model.AddBoolOr([flag for _, flag in member[s]])
 
 
 def _integers(values: List[float]) -> List[int]:

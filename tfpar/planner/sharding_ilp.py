@@ -6,7 +6,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from ortools.sat.python import cp_model
 
 from tfpar.planner.sharding_costs import Problem
-from tfpar.planner.solving import cp_solver, status_of
+from tfpar.planner.solving import add_linear, cp_solver, minimize, status_of
 
 __all__ = ["solve_ilp"]
 
@@ -36,20 +36,20 @@ def solve_ilp(problem: Problem, allowed: Sequence[Tuple[str, ...]],
     pick = {(i, c): model.NewBoolVar(f"x{i}_{c}") for i in nodes for c in options[i]}
     for i in nodes:
         model.AddExactlyOne(pick[i, c] for c in options[i])
-    objective = [round(cost / unit) * pick[key] for key, cost in node_cost.items()]
+    objective = [(round(cost / unit), pick[key]) for key, cost in node_cost.items()]
     for e, (i, j, _) in enumerate(edges):
         pair = {(a, b): model.NewBoolVar(f"y{e}_{a}_{b}") for a in options[i] for b in options[j]}
-        for a in options[i]:
-            model.Add(sum(pair[a, b] for b in options[j]) == pick[i, a])
+        for a in options[i]:  # sum_b pair[a, b] == pick[i, a]
+            add_linear(model, [(1, pair[a, b]) for b in options[j]] + [(-1, pick[i, a])], 0, 0)
         for b in options[j]:
-            model.Add(sum(pair[a, b] for a in options[i]) == pick[j, b])
-        objective += [round(edge_cost[e, a, b] / unit) * var for (a, b), var in pair.items()]
+            add_linear(model, [(1, pair[a, b]) for a in options[i]] + [(-1, pick[j, b])], 0, 0)
+        objective += [(round(edge_cost[e, a, b] / unit), var) for (a, b), var in pair.items()]
     if memory_limit is not None:
         memory = {key: problem.memory_of(*key, problem.limit_activations) for key in pick}
         scale = max(max(memory.values(), default=0.0), memory_limit, 1.0) / _RESOLUTION
-        model.Add(sum(int(memory[key] / scale) * var for key, var in pick.items())
-                  <= int(memory_limit / scale))
-    model.Minimize(sum(objective))
+        add_linear(model, [(int(memory[key] / scale), var) for key, var in pick.items()],
+                   high=int(memory_limit / scale))
+    minimize(model, objective)
     if hint is not None:
         for (i, c), var in pick.items():
             model.AddHint(var, hint[i] == c)
@@ -65,7 +65,8 @@ def solve_ilp(problem: Problem, allowed: Sequence[Tuple[str, ...]],
         if status not in ("optimal", "feasible"):
             found.append((None, status))
             continue
-        chosen = [next(c for c in options[i] if solver.Value(pick[i, c])) for i in nodes]
+        solution = solver.ResponseProto().solution
+        chosen = [next(c for c in options[i] if solution[pick[i, c].Index()]) for i in nodes]
         found.append((chosen, status))
     return found
 

@@ -121,7 +121,9 @@ class Setting:
     per device: step seconds, bytes per device (per stage: its device's),
     bytes sent per step (``stage_comm``: each stage's collectives and
     gradients, without the activations sent between stages); of the step,
-    the bubble and the waits for transfers (the module docstring)."""
+    the bubble and the waits for transfers (the module docstring; of
+    interleaved settings, told apart for the one ``best_setting`` returns,
+    the others' waits all counted as bubble: each would cost another replay)."""
 
     micro_batches: int
     techniques: Techniques
@@ -225,11 +227,22 @@ def best_setting(stages: Sequence[StageModel], data: int, rows_per_replica: floa
             settings.append(setting)
             if setting.peak_memory <= capacity:
                 cutoff = min(cutoff, setting.step_time_s * (1 + SCHEDULE_TOLERANCE))
+    chosen = _chosen(settings, space.schedules, capacity)
+    if space.virtual_stages == 1:
+        return chosen
+    # Its bubble and waits for transfers told apart (one more replay).
+    return next(_settings(stages, data, rows_per_replica, chosen.micro_batches,
+                          chosen.techniques, space, cut_bytes, transfer_bandwidth, speed_up,
+                          waits=True))
+
+
+def _chosen(settings: Sequence[Setting], schedules: Sequence[str], capacity: float) -> Setting:
+    """``best_setting``'s choice among ``settings``."""
     fitting = [s for s in settings if s.peak_memory <= capacity]
     if not fitting:
         return min(settings, key=lambda s: (s.peak_memory, s.step_time_s))
     fastest = min(s.step_time_s for s in fitting)
-    order = {name: i for i, name in enumerate(space.schedules)}
+    order = {name: i for i, name in enumerate(schedules)}
 
     def plainness(setting: Setting) -> Tuple[int, int]:
         return order[setting.schedule], setting.group_size
@@ -267,11 +280,12 @@ def _schedules(space: Space, micro: int, times: Sequence[float], transfer: float
 
 def _settings(stages: Sequence[StageModel], data: int, rows_per_replica: float, micro: int,
               tech: Techniques, space: Space, cut_bytes: float, bandwidth: float,
-              speed_up: float, cutoff: float = math.inf) -> Iterator[Setting]:
+              speed_up: float, cutoff: float = math.inf, waits: bool = False) -> Iterator[Setting]:
     """One setting per schedule of ``space`` (one, 1F1B, without a pipeline
     or with virtual stages: none when even its busiest group's work takes
     longer than ``cutoff``, a step another setting beats, so that its
-    schedule is not replayed)."""
+    schedule is not replayed; its waits for transfers told apart from its
+    bubble if ``waits``)."""
     rows = rows_per_replica / micro
     mode = RECOMPUTE.index(tech.recompute)
     speed, scale = (speed_up, MIXED_ACTIVATIONS) if tech.mixed_precision else (1.0, 1.0)
@@ -291,7 +305,7 @@ def _settings(stages: Sequence[StageModel], data: int, rows_per_replica: float, 
     if space.virtual_stages > 1:
         setting = _interleaved(space.virtual_stages, micro, tech, times, transfer, sent, busy,
                                state, [g.seconds + h for g, h in zip(grads, host)], kept,
-                               transient, cutoff)
+                               transient, cutoff, waits)
         if setting is not None:
             yield dataclasses.replace(setting, stage_comm=comm)
         return
@@ -309,13 +323,15 @@ def _settings(stages: Sequence[StageModel], data: int, rows_per_replica: float, 
 def _interleaved(virtual: int, micro: int, tech: Techniques, times: Sequence[float],
                  transfer: float, sent: float, busy: Tuple[float, ...],
                  state: Tuple[float, ...], reduce: Sequence[float], kept: Sequence[float],
-                 transient: Sequence[float], cutoff: float = math.inf) -> Optional[Setting]:
+                 transient: Sequence[float], cutoff: float = math.inf,
+                 waits: bool = False) -> Optional[Setting]:
     """The interleaved 1F1B setting of ``times`` per stage (G V of them,
     stage s on group ``s % G``): each device holds its V stages' state, its
     group's peak of activations and its largest transient, all-reduces its
     stages' gradients (``reduce``: seconds per stage) one after the other.
     None, unreplayed, when its busiest group's work and gradients alone
-    take longer than ``cutoff``."""
+    take longer than ``cutoff``. ``waits``: its waits for transfers told
+    apart from its bubble (replayed without transfers), else counted in it."""
     groups = len(times) // virtual
     members = [range(g, len(times), groups) for g in range(groups)]
     slowest = max(sum(times[s] for s in stages) for stages in members)
@@ -326,7 +342,7 @@ def _interleaved(virtual: int, micro: int, tech: Techniques, times: Sequence[flo
     device = [h + peak + max(transient[s] for s in stages)
               for h, peak, stages in zip(held, group_peaks(kept, groups, micro), members)]
     length = interleaved_length(times, groups, micro, transfer)
-    still = interleaved_length(times, groups, micro, 0.0)
+    still = interleaved_length(times, groups, micro, 0.0) if waits else length
     return Setting(micro, tech, length + reduce_s,
                    tuple(device[s % groups] for s in range(len(times))), sent, busy,
                    tuple(held[s % groups] for s in range(len(times))), "1f1b", 1, virtual,
