@@ -208,7 +208,7 @@ def feature_columns(categorical, tags=False):
     return deep, wide
 
 
-class InitialValues(tf.estimator.SessionRunHook):
+class InitialValues(v1.train.SessionRunHook):
     """Every variable's value before the first training step."""
 
     def __init__(self):
@@ -221,14 +221,14 @@ class InitialValues(tf.estimator.SessionRunHook):
         self.values = variable_values(session, self.variables)
 
 
-class StepLosses(tf.estimator.SessionRunHook):
+class StepLosses(v1.train.SessionRunHook):
     """The loss of every training step (``loss`` is the estimator's fetched one)."""
 
     def __init__(self):
         self.losses = []
 
     def before_run(self, run_context):
-        return tf.estimator.SessionRunArgs(v1.get_collection(v1.GraphKeys.LOSSES)[-1])
+        return v1.train.SessionRunArgs(v1.get_collection(v1.GraphKeys.LOSSES)[-1])
 
     def after_run(self, run_context, run_values):
         self.losses.append(run_values.results)
@@ -257,6 +257,7 @@ def canned(config, estimator, categorical, drop_remainder, model_dir, parsed=Fal
     return initial.values, np.array(losses.losses), final
 
 
+@pytest.mark.estimator
 @pytest.mark.parametrize("estimator,categorical,drop_remainder", [
     ("dnn", "vocabulary", True), ("dnn", "hash", False), ("wide_and_deep", "vocabulary", False),
     ("wide_and_deep", "hash", True)])  # every pair of values of two of the three, once
@@ -265,6 +266,7 @@ def test_canned_estimator(estimator, categorical, drop_remainder, tmp_path):
     compare(canned(None, estimator, categorical, drop_remainder, tmp_path / "plain"), parallel)
 
 
+@pytest.mark.estimator
 @pytest.mark.parametrize("estimator,drop_remainder", [("dnn", False), ("wide_and_deep", True)])
 def test_canned_estimator_on_parsed_examples(estimator, drop_remainder, tmp_path):
     """The tag list is a SparseTensor from the input pipeline (issue 12, cause 3)."""
@@ -273,6 +275,7 @@ def test_canned_estimator_on_parsed_examples(estimator, drop_remainder, tmp_path
             parallel)
 
 
+@pytest.mark.estimator
 @DROP
 def test_wide_and_deep_in_a_two_stage_pipeline(drop_remainder, tmp_path):
     parallel = canned(PIPELINE, "wide_and_deep", "hash", drop_remainder, tmp_path / "tfpar")

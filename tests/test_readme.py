@@ -373,10 +373,12 @@ def test_make_targets_exist():
 # -- Sample outputs ---------------------------------------------------------------
 
 def line_pattern(line: str) -> str:
-    """A sample output line as a regex: numbers match numbers, ``...`` anything."""
-    parts = re.split(r"(\.\.\.|\d+(?:\.\d+)?)", line.rstrip())
+    """A sample output line as a regex: numbers match numbers, ``...``
+    anything, two spaces or more (a table's column gap, which a number of
+    another width moves) two or more."""
+    parts = re.split(r"(\.\.\.|\d+(?:\.\d+)?| {2,})", line.rstrip())
     return "".join(".*" if p == "..." else r"\d+(?:\.\d+)?" if p and p[0].isdigit()
-                   else re.escape(p) for p in parts)
+                   else " {2,}" if p.startswith("  ") else re.escape(p) for p in parts)
 
 
 def output_blocks():

@@ -52,7 +52,7 @@ def solve_ilp(problem: Problem, allowed: Sequence[Tuple[str, ...]],
     minimize(model, objective)
     if hint is not None:
         for (i, c), var in pick.items():
-            model.AddHint(var, hint[i] == c)
+            model.AddHint(var, int(hint[i] == c))  # protobuf 5+ takes no bools
     found = []
     for fixing in fixings:
         model.ClearAssumptions()
