@@ -40,6 +40,16 @@ v1 = tf.compat.v1
 GPUS = {"cluster.hardware": ["V100-32GB"], "cluster.devices_per_node": 8,
         "auto.auto_parallel": True}
 
+# The step times pinned below are TensorFlow 2.15's graphs' estimates. 2.16+
+# builds the same models with other ops (gelu from erfc, other gradient ops),
+# which the cost model estimates 4-5% slower: there they are held to 6%.
+PINNED_GRAPHS = tf.__version__.startswith("2.15.")
+
+
+def as_pinned(seconds: float):
+    """``seconds``, to 0.1% on the graphs it was pinned on, else to 6%."""
+    return pytest.approx(seconds, rel=1e-3 if PINNED_GRAPHS else 0.06)
+
 
 def mlp(width, layers=3):
     """build(x, y): ``layers`` dense ReLU layers of ``width``, 10 classes."""
@@ -247,12 +257,12 @@ def test_gpt_1_7b_on_32_a100s_is_data_parallel():
     assert gpt_parameters(24, 2304) == 1_652_230_656
     assert state == 16 * gpt_parameters(24, 2304)
     assert memory_gib == pytest.approx(79.93, abs=0.01)
-    assert step_s == pytest.approx(2.7761, rel=1e-3)
+    assert step_s == as_pinned(2.7761)
     assert 2.65 < step_s < 2.65 * 1.25
     others = [c.step_time_s for c in candidates if c is not best]
     assert len(others) == len(candidates) - 1 and min(others) > step_s
     fastest_pipeline = min(c.step_time_s for c in candidates if c.pipeline > 1)
-    assert fastest_pipeline == pytest.approx(2.9354, rel=1e-3)
+    assert fastest_pipeline == as_pinned(2.9354)
 
 
 @pytest.mark.slow
@@ -283,7 +293,7 @@ def test_gpt_3_6b_on_64_a100s_needs_no_tensor_split_with_zero():
     megatron_s = megatron.step_time_s
     assert state == gpt_parameters(30, 3072) * (4 + 4 + 8 / 64)
     assert memory_gib == pytest.approx(72.68, abs=0.01)
-    assert step_s == pytest.approx(2.8257, rel=1e-3)
-    assert megatron_s == pytest.approx(2.8252, rel=1e-3)
+    assert step_s == as_pinned(2.8257)
+    assert megatron_s == as_pinned(2.8252)
     assert megatron_s <= step_s * (1 + TENSOR_TOLERANCE)
     assert 2.77 < step_s < 2.77 * 1.25 and 2.77 < megatron_s < 2.77 * 1.25

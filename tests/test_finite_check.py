@@ -135,7 +135,7 @@ def test_a_tf2_step_names_a_non_finite_gradient(devices, where):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("job", ["tf_config", "horovod"])
+@pytest.mark.parametrize("job", ["tf_config", pytest.param("horovod", marks=pytest.mark.horovod)])
 def test_a_non_finite_gradient_is_named_with_its_worker(job, tmp_path):
     """The NaN of row 5 of step 2: 2 TF_CONFIG workers x 2 devices fail the
     chief's step 3 naming replica 2, worker 1's first device; 2 Horovod

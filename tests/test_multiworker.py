@@ -244,6 +244,7 @@ def test_hosts_form_prints_each_hosts_tf_config():
     assert "train.py --x 1" in text
 
 
+@pytest.mark.horovod
 @pytest.mark.parametrize("mode", ["dp", "dp-data", "dp-shard"])
 def test_horovod_backend_on_two_processes(mode, tmp_path):
     """communication.backend 'horovod' under horovodrun (Gloo): every process is

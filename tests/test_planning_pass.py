@@ -79,7 +79,8 @@ def test_current_plan_in_an_auto_script_searches_once(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "failed" not in done.stderr
+    said = [line for line in done.stderr.splitlines() if "tfpar" in line]  # not TF's own log
+    assert not [line for line in said if "failed" in line], done.stderr[-3000:]
     assert done.stderr.count("tfpar auto [1/") == 1, done.stderr[-3000:]
     assert "before: ['replicate', 'split']" in done.stdout
     assert "after: ['replicate', 'split']" in done.stdout
