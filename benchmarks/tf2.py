@@ -116,7 +116,8 @@ def make_model(args):
         + [tf.keras.layers.Dense(CLASSES)])
 
 
-def loss_object(reduction=tf.keras.losses.Reduction.AUTO):
+def loss_object(reduction="sum_over_batch_size"):
+    """The loss (``reduction`` by the name Keras 2 and Keras 3 both take)."""
     return tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
 
 
@@ -135,7 +136,7 @@ def loop_step(model, optimizer, strategy, global_batch):
             return loss
         return step
 
-    per_example_fn = loss_object(tf.keras.losses.Reduction.NONE)
+    per_example_fn = loss_object("none")
 
     def replica_step(x, y):
         with tf.GradientTape() as tape:
