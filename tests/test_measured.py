@@ -5,7 +5,6 @@ warns when off by more than ``measure.tolerance``, and ``measure.calibrate``
 fits a device entry that brings the next run's prediction within it."""
 import contextlib
 import json
-import logging
 import time
 
 import numpy as np

@@ -11,7 +11,6 @@ import tensorflow as tf
 from test_cost_model import graph_view
 from test_expert_plans import gpt_loss
 
-from equivalence import make_data, plan_of, train
 
 import tfpar as wh
 from tfpar.cluster.hardware import Hardware
