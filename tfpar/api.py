@@ -36,7 +36,7 @@ def init(config: Any = None) -> Config:
 
     caller = sys._getframe(1).f_globals  # pylint: disable=protected-access
     cfg, searched = planning_pass.pinned_by_planning_pass(Config.load(config), caller)
-    pinned_plan(cfg)  # a pinned plan is checked here, once
+    pinned = pinned_plan(cfg)  # a pinned plan is checked here, once
     fallback.configure(cfg.get("strict"))
     if cfg.get("communication.backend") == "horovod":
         _start_horovod()
@@ -50,7 +50,7 @@ def init(config: Any = None) -> Config:
     previous = context.active()
     cluster = _cluster(previous, cfg, device_type, len(devices))
     names = cluster.device_names(device_type, len(devices)) if cluster is not None else devices
-    cfg = _pinned_here(cfg, names)
+    cfg = _pinned_here(cfg, pinned, names)
     if previous is not None and previous.config != cfg:
         changed = previous.config.changes(cfg)
         log.warning("tfpar: wh.init() called again with another config; it replaces the "
@@ -82,10 +82,9 @@ def reset() -> None:
     fallback.reset()
 
 
-def _pinned_here(cfg: Config, devices) -> Config:
-    """``cfg``, its pinned plan made for more devices than ``devices`` built
-    on them (``ir.plan_fit``: fewer copies of the model), said."""
-    plan = pinned_plan(cfg)
+def _pinned_here(cfg: Config, plan: Optional[Plan], devices) -> Config:
+    """``cfg``, its pinned ``plan`` made for more devices than ``devices``
+    built on them (``ir.plan_fit``: fewer copies of the model), said."""
     fitted = fit_to_devices(plan, devices) if plan is not None else None
     if fitted is None:
         return cfg

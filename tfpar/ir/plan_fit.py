@@ -32,8 +32,8 @@ def fit_to_devices(plan: Plan, devices: Sequence[str]) -> Optional[Tuple[Plan, i
     named = _named(plan)
     if set(named) <= set(devices):
         return None
-    unknown = [d for d in named if d not in devices]
     if len(named) <= len(devices):
+        unknown = [d for d in named if d not in devices]
         raise PlanError(f"tfpar: the pinned plan uses devices {device_ranges(unknown)} that do "
                         f"not exist here (available: {device_ranges(devices)})")
     copies = _copies(plan)
