@@ -14,7 +14,6 @@ normalized alone, the statistics updated with the ghosts' mean), fed the rows
 so that each ghost batch holds one replica's rows.
 """
 import os
-import subprocess
 import sys
 import warnings
 import json
@@ -28,6 +27,7 @@ import tfpar as wh
 from batch_norm_script import mobilenet_v2, trained
 from equivalence import assert_equivalent, variable_values
 from proof import assert_parallel
+import warm_python
 
 v1 = tf.compat.v1
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "batch_norm_script.py")
@@ -59,8 +59,7 @@ def test_mobilenet_v2_statistics_follow_mirrored_strategy_in_tf2_and_graph_mode(
 
 def started(runs, script=SCRIPT):
     """``script``'s (``batch_norm_script.py``) runs, by name, started side by side."""
-    return {name: subprocess.Popen([sys.executable, script, *args], stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, text=True)
+    return {name: warm_python.start([sys.executable, script, *args])
             for name, args in runs.items()}
 
 

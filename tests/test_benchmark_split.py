@@ -2,16 +2,16 @@
 raw-op attention split by heads moves no more than Megatron's split must."""
 import json
 import os
-import subprocess
 import sys
+import warm_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_split_benchmark_quick_json():
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "split.py"),
-                          "--quick", "--json"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300, check=True).stdout
+    out = warm_python.run([sys.executable, os.path.join(ROOT, "benchmarks", "split.py"),
+                           "--quick", "--json"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, check=True).stdout
     report = json.loads(out)
     assert set(report) == {"config", "results", "checks"}
     assert len(report["results"]) == 5

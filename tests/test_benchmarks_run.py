@@ -7,10 +7,10 @@ processes or take over 20 s in their quickest mode run with the multi-process
 tests (marked slow)."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+import warm_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = ["memory", "overhead", "plan_quality", "planner", "retune"]
@@ -18,9 +18,9 @@ LONGER = ["batch_norm", "multiworker", "plan_scale", "startup", "tf2"]
 
 
 def run_quick(name: str) -> dict:
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", f"{name}.py"),
-                           "--quick", "--json"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
+    done = warm_python.run([sys.executable, os.path.join(ROOT, "benchmarks", f"{name}.py"),
+                            "--quick", "--json"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=600)
     assert done.returncode == 0, f"{name}.py --quick --json:\n{done.stderr[-3000:]}"
     report = json.loads(done.stdout[done.stdout.index("{"):])
     assert report.get("results"), f"{name}.py reported no results: {report}"

@@ -7,10 +7,10 @@ did work on both devices, which ``wh.current_plan()`` names)."""
 import functools
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
+import warm_python
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tf2_blocks_script.py")
 DEVICES = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(2)]
@@ -19,8 +19,7 @@ DEVICES = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(2)]
 @functools.lru_cache(maxsize=None)
 def plain_and_tfpar(scenario: str):
     """((plain results, its stderr), (results on 2 devices, its stderr))."""
-    runs = [subprocess.Popen([sys.executable, SCRIPT, scenario, str(devices)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    runs = [warm_python.start([sys.executable, SCRIPT, scenario, str(devices)])
             for devices in (0, 2)]
     done = []
     for run in runs:

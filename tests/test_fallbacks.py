@@ -3,7 +3,6 @@
 ``strict: true``; what cannot run correctly is refused."""
 import contextlib
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -13,6 +12,7 @@ from tensorflow.python.eager import context
 
 import tfpar as wh
 from equivalence import assert_equivalent, dense, fed_graph, make_data, plan_of, train
+import warm_python
 
 v1 = tf.compat.v1
 
@@ -328,8 +328,8 @@ def test_a_legacy_optimizers_split_slots_are_refused_under_strict():
             "    opt.apply_gradients(zip(tape.gradient(loss, head.trainable_variables),"
             " head.trainable_variables))\n"
             "step(tf.ones([8, 4]))\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    done = warm_python.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert done.returncode != 0
     assert "PlanError: tfpar: checkpoints of legacy optimizer 'Adam' to hold its slots" \
         in done.stderr, done.stderr[-3000:]

@@ -11,11 +11,11 @@ suite may run with Keras 2 as tf.keras)."""
 import functools
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
+import warm_python
 
 pytestmark = pytest.mark.keras3
 
@@ -25,8 +25,8 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "keras3_script
 @functools.lru_cache(maxsize=None)
 def run(scenario: str, devices: int) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TF_USE_LEGACY_KERAS"}
-    done = subprocess.run([sys.executable, SCRIPT, scenario, str(devices)], env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = warm_python.run([sys.executable, SCRIPT, scenario, str(devices)], env=env,
+                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -16,6 +16,7 @@ import pytest
 
 from test_faults import read_until
 from test_multiworker import launch
+import warm_python
 
 pytestmark = pytest.mark.slow
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multiworker_tf2_script.py")
@@ -29,9 +30,9 @@ def worker_devices(task: int, count: int) -> list:
 def plain(mode: str, directory: str) -> dict:
     """The script on one device, without tfpar (``loop`` for a pipeline)."""
     out = os.path.join(directory, f"plain_{mode}.npz")
-    done = subprocess.run([sys.executable, SCRIPT, out, "--mode",
-                           "loop" if mode == "pipeline" else mode, "--plain"],
-                          capture_output=True, text=True, timeout=240)
+    done = warm_python.run([sys.executable, SCRIPT, out, "--mode",
+                            "loop" if mode == "pipeline" else mode, "--plain"],
+                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     return dict(np.load(out, allow_pickle=True))
 
@@ -87,8 +88,8 @@ def test_a_tf2_checkpoint_of_two_workers_restores_on_one_device(tmp_path):
     out = launch(SCRIPT, str(tmp_path / "out.npz"), "--checkpoint-dir", ckpt, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     restored = tmp_path / "restored.npz"
-    done = subprocess.run([sys.executable, SCRIPT, str(restored), "--plain",
-                           "--checkpoint-dir", ckpt], capture_output=True, text=True, timeout=240)
+    done = warm_python.run([sys.executable, SCRIPT, str(restored), "--plain",
+                            "--checkpoint-dir", ckpt], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     got, back = saved(tmp_path / "out.npz"), saved(restored)
     for name in ("v0", "v1", "v2", "v3"):  # the model's (the optimizer makes slots at a step)

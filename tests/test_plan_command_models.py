@@ -2,7 +2,6 @@
 cluster without a script; the options change the graph built as they say;
 bad arguments are refused naming the one at fault."""
 import json
-import subprocess
 import sys
 
 import pytest
@@ -13,6 +12,7 @@ from tfpar.cluster.hardware import CATALOG
 from tfpar.models import MODELS, builder
 from tfpar.models.bert import default_predictions
 from tfpar.models.llama import default_ffn
+import warm_python
 
 v1 = tf.compat.v1
 SMALL = ["--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "16", "--vocab", "96",
@@ -236,6 +236,6 @@ def test_missing_shape_and_script_or_model(capsys):
 def test_argparse_refuses_unknown_models_and_non_positive_sizes():
     for argv, message in ((["--model", "t5"], "invalid choice: 't5'"),
                           (["--model", "gpt", "--layers", "0"], "--layers: 0 is not >= 1")):
-        done = subprocess.run([sys.executable, "-m", "tfpar.cli", "plan", *argv],
-                              capture_output=True, text=True, timeout=120)
+        done = warm_python.run([sys.executable, "-m", "tfpar.cli", "plan", *argv],
+                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and message in done.stderr, done.stderr

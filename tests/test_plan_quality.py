@@ -3,8 +3,8 @@ the papers state, and ``--quick --json`` runs in a fresh process and prints ever
 row with its targets (whether they are met is the benchmark's ``--check``)."""
 import json
 import os
-import subprocess
 import sys
+import warm_python  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -35,9 +35,9 @@ def test_gpt_medium_has_the_size_rhino_states():
 
 
 def test_quick_json_prints_every_row_and_its_targets():
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "plan_quality.py"),
-                           "--quick", "--json"], capture_output=True, text=True, timeout=120,
-                          cwd=ROOT)
+    done = warm_python.run([sys.executable, os.path.join(ROOT, "benchmarks", "plan_quality.py"),
+                            "--quick", "--json"], capture_output=True, text=True, timeout=120,
+                           cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout)
     assert out["config"] == {"batch_per_gpu": 32, "seq": 128, "time_limit": 20}

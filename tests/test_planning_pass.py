@@ -1,7 +1,6 @@
 """The planning pass of auto_parallel scripts: when it runs, and that a failed
 pass is an error. The pass itself: test_structure's example."""
 import os
-import subprocess
 import sys
 
 import pytest
@@ -9,6 +8,7 @@ import pytest
 from tfpar.config import Config
 from tfpar.errors import PlanError
 from tfpar.runtime import planning_pass
+import warm_python
 
 AUTO = Config({"auto.auto_parallel": True})
 SCRIPT = {"__name__": "__main__"}
@@ -76,8 +76,8 @@ def test_current_plan_in_an_auto_script_searches_once(tmp_path):
     per mesh), nothing fails, and both calls show the split plan it built."""
     script = tmp_path / "train.py"
     script.write_text(CURRENT_PLAN_SCRIPT)
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    done = warm_python.run([sys.executable, str(script)], capture_output=True, text=True,
+                           timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert done.returncode == 0, done.stderr[-3000:]
     said = [line for line in done.stderr.splitlines() if "tfpar" in line]  # not TF's own log
     assert not [line for line in said if "failed" in line], done.stderr[-3000:]
@@ -107,8 +107,8 @@ def test_a_pass_that_shards_nothing_says_the_search_once(tmp_path):
     again; before, its search printed every progress line a second time."""
     script = tmp_path / "train.py"
     script.write_text(UNSHARDED_SCRIPT)
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    done = warm_python.run([sys.executable, str(script)], capture_output=True, text=True,
+                           timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "tfpar auto: planning pass:" in done.stderr
     assert done.stderr.count("tfpar auto [1/") == 1, done.stderr[-3000:]

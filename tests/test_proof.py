@@ -2,9 +2,9 @@
 (``TEST_REWRITE_OFF=1``, see conftest.py) a representative subset of them must
 fail, each on the proof, not on some accident."""
 import os
-import subprocess
 import sys
 from xml.etree import ElementTree
+import warm_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,9 +42,9 @@ SUBSET = [
 def test_equivalence_tests_fail_when_tfpar_does_nothing(tmp_path):
     env = {**os.environ, "TEST_REWRITE_OFF": "1"}
     report = tmp_path / "report.xml"
-    out = subprocess.run([sys.executable, "-m", "pytest", *SUBSET, "-q", "-p", "no:logging",
-                          f"--junitxml={report}"], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=900)
+    out = warm_python.run([sys.executable, "-m", "pytest", *SUBSET, "-q", "-p", "no:logging",
+                           f"--junitxml={report}"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=900)
     cases = list(ElementTree.parse(report).getroot().iter("testcase"))
     assert len(cases) == len(SUBSET), out.stdout[-3000:]
     # Skipped: a test this TensorFlow cannot run (tf.estimator on 2.16+), named by its marker.

@@ -26,6 +26,7 @@ import pytest
 
 from tfpar import config_schema as tfpar_config
 from tfpar import errors
+import warm_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
@@ -255,8 +256,8 @@ def test_python_snippet_runs_and_its_plan_ran(fixture, snippet, tmp_path):
     script = tmp_path / "snippet.py"
     script.write_text(completed(snippet, FIXTURES[fixture]))
     # Run where the files a snippet writes (a plan report) stay out of the tree.
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=ENV,
-                          capture_output=True, text=True, timeout=300)
+    done = warm_python.run([sys.executable, str(script)], cwd=tmp_path, env=ENV,
+                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, script.read_text() + "\n" + done.stderr[-3000:]
     assert "ran:" in done.stdout
 
@@ -340,8 +341,8 @@ def all_commands():
 def help_of(command: tuple) -> subprocess.CompletedProcess:
     """What ``command`` (a ``--help``) printed, run once per process (59 usage
     lines name 24 commands)."""
-    return subprocess.run(list(command), cwd=ROOT, env=ENV, capture_output=True, text=True,
-                          timeout=120)
+    return warm_python.run(list(command), cwd=ROOT, env=ENV, capture_output=True, text=True,
+                           timeout=120)
 
 
 @pytest.mark.parametrize("command", all_commands())
@@ -357,8 +358,8 @@ def test_command_exists_with_the_flags_it_names(command):
     missing = [f for f in usage_flags(command) if f not in done.stdout]
     assert not missing, f"{command}: its --help does not know {missing}"
     if RUN_IN_FULL.match(command):
-        run = subprocess.run([sys.executable, "-m", "tfpar.cli", *words[1:]], cwd=ROOT, env=ENV,
-                             capture_output=True, text=True, timeout=300)
+        run = warm_python.run([sys.executable, "-m", "tfpar.cli", *words[1:]], cwd=ROOT, env=ENV,
+                              capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, f"{command}:\n{run.stderr[-2000:]}"
 
 
@@ -392,8 +393,8 @@ def output_blocks():
 @pytest.mark.parametrize("command,samples", output_blocks())
 def test_sample_output_matches_the_command(command, samples):
     words = concrete(command)
-    done = subprocess.run([sys.executable, *words[1:]], cwd=ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=600)
+    done = warm_python.run([sys.executable, *words[1:]], cwd=ROOT, env=ENV, capture_output=True,
+                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     printed = (done.stdout + "\n" + done.stderr).split("\n")
     for block in samples:

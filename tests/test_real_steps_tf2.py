@@ -12,11 +12,11 @@ transformers whose attention is raw ops in ``wh.split``
 import functools
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
+import warm_python
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "real_steps_script.py")
 DEVICES = 4
@@ -29,8 +29,8 @@ SCENARIOS = ("gan_fit", "gan_loop", "vae_even", "vae_uneven", "seq2seq_fit", "ma
 @functools.lru_cache(maxsize=None)
 def results() -> dict:
     """scenario -> its plain and tfpar runs (one process for all)."""
-    done = subprocess.run([sys.executable, SCRIPT, str(DEVICES), *SCENARIOS],
-                          capture_output=True, text=True, timeout=900)
+    done = warm_python.run([sys.executable, SCRIPT, str(DEVICES), *SCENARIOS],
+                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     runs = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     return {run["scenario"]: run for run in runs}

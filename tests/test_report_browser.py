@@ -2,7 +2,6 @@
 the demo's report and a 1024-GPU described plan's render with no console
 error, a screenshot that is not blank, and no request but the file itself."""
 import os
-import subprocess
 import sys
 
 import pytest
@@ -11,6 +10,7 @@ import tensorflow as tf
 import tfpar as wh
 from browser import CHROMIUM, colours, load
 from test_expert_plans import gpt_loss
+import warm_python
 
 pytestmark = pytest.mark.skipif(
     CHROMIUM is None, reason="chromium is not installed: `make test` installs Debian's "
@@ -49,9 +49,9 @@ def test_a_page_that_errs_or_fetches_is_caught(tmp_path):
 
 def test_the_demos_report_renders(tmp_path):
     report = tmp_path / "demo_report.html"
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "data_parallel_mlp.py"),
-                          "--devices", "2", "--steps", "2", "--report", str(report)],
-                         capture_output=True, text=True, timeout=300, check=True).stdout
+    out = warm_python.run([sys.executable, os.path.join(ROOT, "examples", "data_parallel_mlp.py"),
+                           "--devices", "2", "--steps", "2", "--report", str(report)],
+                          capture_output=True, text=True, timeout=300, check=True).stdout
     assert out.rstrip().endswith(f"plan report (open it in a browser): {report}")
     assert "traced step: " in report.read_text()
     _check(str(report), str(tmp_path / "demo_report.png"))

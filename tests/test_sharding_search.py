@@ -274,21 +274,20 @@ def test_a_causal_mask_every_layer_reads_costs_the_search_nothing(monkeypatch):
     monkeypatch.setattr(sharding, "_solve_segment",
                         lambda *args: solved.append(args[2:]) or original(*args))
     mesh = Mesh(devices=8, tensor=8, batch=8, hardware=Hardware("gpu", 100.0, 80.0, 300, 25))
-    counts, plans = {}, {}
+    counts, plans, graphs = {}, {}, {}
     for mask in ("shared", "per_layer"):
         for layers in (4, 12):
             solved.clear()
-            graph = _gpt_layers(layers, mask)
+            graph = graphs[mask, layers] = _gpt_layers(layers, mask)
             assert len(critical_layers(graph)) > 2 * layers  # segments within every block
             plans[mask, layers] = plan_sharding(graph, mesh, 1e12, "O2")
             counts[mask, layers] = len(solved)
             assert plans[mask, layers].optimal
     assert counts["shared", 4] == counts["shared", 12] == counts["per_layer", 12]
     for layers in (4, 12):
-        shared = {layer.scope: c for layer, c in zip(_gpt_layers(layers, "shared").layers,
-                                                     plans["shared", layers].candidates)}
-        per_layer = {layer.scope: c for layer, c in zip(_gpt_layers(layers, "per_layer").layers,
-                                                        plans["per_layer", layers].candidates)}
+        shared, per_layer = ({layer.scope: c for layer, c in zip(graphs[mask, layers].layers,
+                                                                 plans[mask, layers].candidates)}
+                             for mask in ("shared", "per_layer"))
         common = set(shared) & set(per_layer)
         assert len(common) > 20 * layers
         assert {s: shared[s] for s in common} == {s: per_layer[s] for s in common}

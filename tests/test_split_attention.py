@@ -7,7 +7,6 @@ rows) and the feed-forward ``Dense`` layers column then row."""
 import contextlib
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -18,6 +17,7 @@ from equivalence import assert_equivalent, plan_of, train, variable_values
 from keras_transformer import block, fit, text_classifier
 
 import tfpar as wh
+import warm_python
 
 v1 = tf.compat.v1
 PATTERNS = {"query": "column", "key": "column", "value": "column",
@@ -141,9 +141,8 @@ def tf2_fits(tmp_path, devices, heads, modes=None):
     """``tf2_attention_script.py`` for each device count (0: plain) and mode
     (default: split), in fresh processes run side by side: their results."""
     modes = modes or ["split"] * len(devices)
-    runs = [subprocess.Popen([sys.executable, SCRIPT, str(n), str(heads),
-                              str(tmp_path / f"{n}{mode}"), mode],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    runs = [warm_python.start([sys.executable, SCRIPT, str(n), str(heads),
+                               str(tmp_path / f"{n}{mode}"), mode])
             for n, mode in zip(devices, modes)]
     results = []
     for run in runs:

@@ -12,12 +12,12 @@ and a plain model.
 and then split (it loads the plain run's files), in two fresh processes."""
 import json
 import os
-import subprocess
 import sys
 
 import h5py
 import numpy as np
 import pytest
+import warm_python
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tf2_weights_script.py")
 KINDS = ("functional", "subclassed")
@@ -25,8 +25,8 @@ FORMATS = ("h5", "tf", "keras_v3")
 
 
 def _run(*args) -> dict:
-    run = subprocess.run([sys.executable, SCRIPT, *map(str, args)], capture_output=True,
-                         text=True, timeout=300, check=False)
+    run = warm_python.run([sys.executable, SCRIPT, *map(str, args)], capture_output=True,
+                          text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 

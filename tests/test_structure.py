@@ -14,6 +14,7 @@ from equivalence import mlp_classifier
 from proof import assert_parallel
 
 import tfpar as wh
+import warm_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -94,8 +95,8 @@ def test_fetches_are_merged():
 
 
 def _run(*args, timeout=300):
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    return warm_python.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                           timeout=timeout)
 
 
 def test_example_runs_and_is_equivalent():

@@ -11,7 +11,6 @@ mode). The others run their script eagerly inside ``context.eager_mode()``."""
 import functools
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -21,6 +20,7 @@ from tensorflow.python.eager import context
 
 import tfpar as wh
 from tfpar.runtime.context import active
+import warm_python
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tf2_script.py")
 RNG = np.random.RandomState(0)
@@ -30,12 +30,12 @@ X, Y = RNG.randn(40, 4).astype(np.float32), RNG.randn(40, 2).astype(np.float32)
 def run_script(scenario: str, devices: int, late_init: bool = False, directory=None,
                restore=None, resume=None):
     """(results, stderr) of ``tf2_script.py`` in a fresh process."""
-    done = subprocess.run([sys.executable, SCRIPT, scenario, str(devices)]
-                          + (["--late-init"] if late_init else [])
-                          + (["--dir", str(directory)] if directory else [])
-                          + (["--restore", str(restore)] if restore else [])
-                          + (["--resume", str(resume)] if resume else []),
-                          capture_output=True, text=True, timeout=300)
+    done = warm_python.run([sys.executable, SCRIPT, scenario, str(devices)]
+                           + (["--late-init"] if late_init else [])
+                           + (["--dir", str(directory)] if directory else [])
+                           + (["--restore", str(restore)] if restore else [])
+                           + (["--resume", str(resume)] if resume else []),
+                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 
@@ -56,8 +56,8 @@ def batch(devices: int) -> dict:
     ``devices`` CPUs, trained plainly and with tfpar in one process
     (``tf2_script.py --batch``: a process per scenario cost ~4 s each)."""
     scenarios = [s for s, d in PARALLEL if d == devices]
-    done = subprocess.run([sys.executable, SCRIPT, "--batch", str(devices), *scenarios],
-                          capture_output=True, text=True, timeout=600)
+    done = warm_python.run([sys.executable, SCRIPT, "--batch", str(devices), *scenarios],
+                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     runs = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     return {run["scenario"]: run for run in runs}
@@ -218,8 +218,8 @@ def run_eager(code: str) -> str:
                "import tfpar as wh\n"
                "logging.getLogger('tfpar').addHandler(logging.StreamHandler(sys.stderr))\n"
                "X = np.random.RandomState(0).randn(40, 4).astype(np.float32)\n")
-    done = subprocess.run([sys.executable, "-c", prelude + code], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    done = warm_python.run([sys.executable, "-c", prelude + code], capture_output=True,
+                           text=True, timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert done.returncode == 0, done.stderr[-4000:]
     return done.stdout + done.stderr
 

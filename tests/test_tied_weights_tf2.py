@@ -8,17 +8,17 @@ copy of its stage, silently."""
 import json
 import os
 import re
-import subprocess
 import sys
 
 import numpy as np
+import warm_python
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tf2_tied_script.py")
 
 
 def run(devices: int) -> dict:
-    done = subprocess.run([sys.executable, SCRIPT, str(devices)], capture_output=True,
-                          text=True, timeout=300)
+    done = warm_python.run([sys.executable, SCRIPT, str(devices)], capture_output=True,
+                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

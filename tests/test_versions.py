@@ -4,7 +4,6 @@ another version unless ``TFPAR_ALLOW_UNTESTED_TENSORFLOW=1``, which then
 really lets ``wh.init()`` run (the config does not take it for an unknown key).
 The gate's tests fake another version in a fresh process."""
 import os
-import subprocess
 import sys
 
 import pytest
@@ -13,6 +12,7 @@ import tensorflow as tf
 import tfpar as wh
 from tfpar.compat import keras as keras_internals, tf as internals
 from tfpar.config_rules import ENV_NOT_CONFIG
+import warm_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAKED = """
@@ -29,10 +29,10 @@ else:
 
 
 def run_faked(**env) -> str:
-    done = subprocess.run([sys.executable, "-c", FAKED], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "3",
-                               **env})
+    done = warm_python.run([sys.executable, "-c", FAKED], capture_output=True, text=True,
+                           timeout=300, cwd=ROOT,
+                           env={**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "3",
+                                **env})
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.strip().splitlines()[-1]
 
