@@ -3,6 +3,7 @@ raw-op attention split by heads moves no more than Megatron's split must."""
 import json
 import os
 import sys
+
 import warm_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,6 +10,7 @@ import os
 import sys
 
 import numpy as np
+
 import warm_python
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tf2_blocks_script.py")

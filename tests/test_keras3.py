@@ -15,6 +15,7 @@ import sys
 
 import numpy as np
 import pytest
+
 import warm_python
 
 pytestmark = pytest.mark.keras3

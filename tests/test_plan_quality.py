@@ -4,7 +4,8 @@ row with its targets (whether they are met is the benchmark's ``--check``)."""
 import json
 import os
 import sys
-import warm_python  # noqa: E402
+
+import warm_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))

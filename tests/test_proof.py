@@ -1,9 +1,14 @@
 """The equivalence tests prove the plan ran: with tfpar's rewrite switched off
 (``TEST_REWRITE_OFF=1``, see conftest.py) a representative subset of them must
-fail, each on the proof, not on some accident."""
+fail, each on the proof, not on some accident. It runs them in a pytest process
+of its own (half a minute), so it is marked slow: ``make test`` and CI run it,
+``make test-fast`` leaves it out."""
 import os
 import sys
 from xml.etree import ElementTree
+
+import pytest
+
 import warm_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,6 +44,7 @@ SUBSET = [
 ]
 
 
+@pytest.mark.slow
 def test_equivalence_tests_fail_when_tfpar_does_nothing(tmp_path):
     env = {**os.environ, "TEST_REWRITE_OFF": "1"}
     report = tmp_path / "report.xml"

@@ -16,6 +16,7 @@ import sys
 
 import numpy as np
 import pytest
+
 import warm_python
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "real_steps_script.py")

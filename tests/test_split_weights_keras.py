@@ -17,6 +17,7 @@ import sys
 import h5py
 import numpy as np
 import pytest
+
 import warm_python
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tf2_weights_script.py")

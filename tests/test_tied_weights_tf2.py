@@ -11,6 +11,7 @@ import re
 import sys
 
 import numpy as np
+
 import warm_python
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tf2_tied_script.py")
