@@ -12,6 +12,7 @@ points, costs a few arrays of a few entries; a graph too entangled for that
 (a table of more than ``MAX_ENTRIES``) is not eliminated.
 """
 import dataclasses
+import heapq
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy
@@ -66,27 +67,33 @@ def _eliminate(sizes: Sequence[int], factors: List[_Factor], kept: Set[int]):
     smallest first: (the factors left, over ``kept`` alone; per elimination
     in order, the variable, the scope of its table and its best value for
     each assignment of that scope), or None past ``MAX_ENTRIES``."""
-    neighbours = {v: set() for v in range(len(sizes))}
+    touching: Dict[int, List[_Factor]] = {v: [] for v in range(len(sizes))}
+    neighbours = {v: {v} for v in range(len(sizes))}
     for factor in factors:
         for v in factor.scope:
+            touching[v].append(factor)
             neighbours[v].update(factor.scope)
-    free = {v for v in range(len(sizes)) if v not in kept}
-    steps = []
-    while free:
-        v = min(free, key=lambda u: (_entries(sizes, neighbours[u]), u))
-        if _entries(sizes, neighbours[v]) > MAX_ENTRIES:
+    queue = [(_entries(sizes, neighbours[v]), v) for v in range(len(sizes)) if v not in kept]
+    heapq.heapify(queue)
+    steps, constants = [], []
+    while queue:
+        entries, v = heapq.heappop(queue)
+        if v not in neighbours or entries != _entries(sizes, neighbours[v]):
+            continue  # eliminated, or its table has grown or shrunk since: queued again
+        if entries > MAX_ENTRIES:
             return None
-        free.discard(v)
-        mine = [f for f in factors if v in f.scope]
-        factors = [f for f in factors if v not in f.scope]
         scope = tuple(sorted(neighbours.pop(v) - {v}))
+        reduced, best = _minimised(sizes, touching.pop(v), scope, v)
         for u in scope:
+            touching[u] = [f for f in touching[u] if v not in f.scope] + [reduced]
             neighbours[u].discard(v)
             neighbours[u].update(scope)
-        reduced, best = _minimised(sizes, mine, scope, v)
-        factors.append(reduced)
+            if u not in kept:
+                heapq.heappush(queue, (_entries(sizes, neighbours[u]), u))
+        constants += [] if scope else [reduced]
         steps.append((v, scope, best))
-    return factors, steps
+    left = {id(f): f for k in kept for f in touching[k]}
+    return constants + list(left.values()), steps
 
 
 def _entries(sizes: Sequence[int], variables: Set[int]) -> int:
