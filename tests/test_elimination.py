@@ -58,6 +58,16 @@ def test_a_graph_too_entangled_is_not_eliminated(monkeypatch):
     assert unique_minima([2] * 3, [[0, 1]] * 3, chain + [(0, 2, differ)], [{}]) == [None]
 
 
+def test_a_variable_that_costs_nothing_whatever_its_value_ties_every_optimum():
+    """A layer in no edge whose candidates cost the same (a constant): every
+    optimum ties, told before anything is eliminated."""
+    sizes, pairs = [2, 2, 2], [(0, 1, [[0, 2], [2, 0]])]
+    fixings = [{0: 0}, {0: 1}]
+    assert unique_minima(sizes, [[0, 1], [1, 0], [3, 3]], pairs, fixings) == [None, None]
+    assert unique_minima(sizes, [[0, 1], [1, 0], [3, 4]], pairs, fixings) == [[0, 0, 0],
+                                                                             [1, 1, 0]]
+
+
 @pytest.mark.parametrize("seed,count,skips", [(0, 6, 2), (1, 8, 3), (2, 9, 4), (3, 7, 5)])
 def test_segments_eliminated_are_the_ones_cp_sat_solves(seed, count, skips):
     """Every fixing of a segment's ends: the candidates elimination gives

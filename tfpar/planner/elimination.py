@@ -43,6 +43,8 @@ def unique_minima(sizes: Sequence[int], unary: Sequence[Sequence[int]], pairs: S
     ``pairs``' costs, when it is the only one reaching that minimum; None
     when several do, or when the graph is too entangled to eliminate."""
     kept = set(fixings[0]) if fixings else set()
+    if _loose_tie(unary, pairs, kept):
+        return [None] * len(fixings)
     factors = [_Factor((v,), numpy.asarray(costs, dtype=numpy.int64),
                        numpy.ones(len(costs), dtype=numpy.int64))
                for v, costs in enumerate(unary)]
@@ -52,6 +54,15 @@ def unique_minima(sizes: Sequence[int], unary: Sequence[Sequence[int]], pairs: S
         return [None] * len(fixings)
     rest, steps = eliminated
     return [_recovered(rest, steps, fixing) for fixing in fixings]
+
+
+def _loose_tie(unary: Sequence[Sequence[int]], pairs: Sequence[Pair], kept: Set[int]) -> bool:
+    """Whether a variable in no pair, not fixed, reaches its least cost with
+    two values (a layer that costs nothing whatever its candidate: a
+    constant): then every optimum ties, and eliminating the rest is wasted."""
+    paired = {v for u, w, _ in pairs for v in (u, w)}
+    return any(v not in paired and v not in kept and costs.count(min(costs)) > 1
+               for v, costs in enumerate(unary))
 
 
 def _pair(u: int, v: int, costs: Sequence[Sequence[int]]) -> _Factor:

@@ -48,6 +48,8 @@ def solve_ilp(problem: Problem, allowed: Sequence[Tuple[str, ...]],
     assumptions) within ``time_limit_s`` each and ``deadline``, the model
     built once for the fixings that need it; ``hint`` (a candidate per
     layer) is where the solver starts; ``workers`` CP-SAT search workers.
+    Without ``memory_limit``, a fixing whose optimum is unique is answered
+    by elimination, "optimal" (what CP-SAT proves within its limits).
     Returns per fixing (candidate per layer of ``nodes``, or None) and its
     ``solving.status_of``."""
     costs = _Costs(problem, allowed, range(len(allowed)) if nodes is None else nodes)
