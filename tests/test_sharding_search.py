@@ -16,7 +16,7 @@ from tfpar.hooks.capture import existing_capture
 from tfpar.models.gpt import gpt_train_op
 
 from tfpar.cluster.hardware import Hardware
-from tfpar.planner import sharding
+from tfpar.planner import elimination, sharding
 from tfpar.planner.auto import search
 from tfpar.planner.model_view import ModelView
 from tfpar.planner.layers import Layer, LayerGraph, layer_graph
@@ -176,16 +176,21 @@ def test_the_plan_says_whether_the_search_proved_it():
     assert "Rhino §4.4" in forced.outcome.why and "auto.opt_level O3" in forced.outcome.why
 
 
-def test_a_deadline_bounds_the_sharding_search():
+def test_a_deadline_bounds_the_sharding_search(monkeypatch):
     """96 masked blocks on 8 devices: O2's one segment of 386 layers takes
-    3.5 s here to solve (24 blocks once took 75 s, six ILP solves of up to
-    10 s each, whatever the search's time limit, before CP-SAT's presolve
-    was left out of these ILPs); no solve runs past the caller's deadline
-    (0.5 s) and the plan says a time limit decided it."""
+    CP-SAT 2.6-3.5 s here to solve (24 blocks once took 75 s, six ILP solves
+    of up to 10 s each, whatever the search's time limit, before CP-SAT's
+    presolve was left out of these ILPs); variable elimination, 0.05 s, the
+    same plan. With CP-SAT solving it (``elimination.MAX_ENTRIES`` 0: no
+    segment eliminated), no solve runs past the caller's deadline (0.5 s)
+    and the plan says a time limit decided it."""
     graph = layer_graph(masked_mlp(96))
     last = len(graph.layers) - 1
     assert critical_layers(graph) == [0, last - 1, last]  # the mask, the last block, the loss
     mesh = Mesh(devices=8, tensor=8, batch=64, hardware=Hardware("gpu", 100.0, 80.0, 300, 25))
+    eliminated = plan_sharding(graph, mesh, 1e12, "O2", deadline=time.monotonic() + 2.0)
+    assert (eliminated.outcome.path, eliminated.optimal) == ("optimal", True)
+    monkeypatch.setattr(elimination, "MAX_ENTRIES", 0)
     start = time.monotonic()
     plan = plan_sharding(graph, mesh, 1e12, "O2", deadline=start + 0.5)
     assert time.monotonic() - start < 6.0  # a loaded machine runs late; before: 75 s

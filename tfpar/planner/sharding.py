@@ -9,7 +9,9 @@ Solvers:
   * ``O2``: Rhino §4.3: critical layers (no edge jumps over them) cut the
     graph into segments; dynamic programming over the critical layers'
     candidates stitches segments, each solved for every pair of end
-    candidates (a chain by dynamic programming, else the ILP). Segments with
+    candidates (a chain by dynamic programming, else the ILP, whose unique
+    optima variable elimination finds without CP-SAT: ``sharding_ilp``,
+    ``elimination``). Segments with
     the same signature — the repeated blocks TAP's pruning finds (§IV-B/C) —
     are solved once and their plan reused, so planning grows with the number
     of distinct blocks, not layers. Memory: Rhino §4.4, the layers with the
