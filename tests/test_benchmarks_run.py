@@ -16,9 +16,9 @@ import warm_python
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = ["memory", "overhead", "plan_quality", "planner", "retune"]
 LONGER = ["batch_norm", "multiworker", "plan_scale", "startup", "tf2"]
-# Fewer timed rounds than --quick where a benchmark takes them as flags: every
-# part still runs end to end (what the suite checks); the timings are not read.
-FEWEST = {"overhead": ["--steps", "1", "--reps", "1"]}
+# Fewer timed rounds and a smaller model than --quick, where a benchmark takes them
+# as flags: every part still runs end to end (what the suite checks).
+FEWEST = {"overhead": ["--steps", "1", "--reps", "1"], "memory": ["--layers", "1", "--batch", "2"]}
 
 
 def run_quick(name: str) -> dict:
