@@ -2,9 +2,10 @@
 # everything (tensorflow-cpu 2.15.1, tensorflow-estimator 2.15.0, numpy<2, ortools 9.9,
 # networkx, pytest, pytest-xdist; `make test` also builds Horovod 0.28.1) before running.
 # The suite runs in PYTEST_WORKERS processes (pytest-xdist, a test file per process at a
-# time: files share their expensive fixtures), then the multi-process tests and the
-# benchmarks' quickest modes (marked slow; mostly waiting on their processes) test by test
-# on as many.
+# time, the longest first: files share their expensive fixtures), then the multi-process
+# tests and the benchmarks' quickest modes (marked slow; mostly waiting on their processes)
+# test by test on as many. The scripts a test runs start as forks of a process that
+# imported TensorFlow once (tests/warm_python.py), not as fresh Pythons.
 #
 # TF=2.21 (`make test TF=2.21`, `make demo TF=2.21`, `make test-core TF=2.21`) uses the
 # other tested TensorFlow instead: .venv-tf2.21/ with tensorflow-cpu 2.21, tf-keras 2.21

@@ -272,7 +272,7 @@ def test_a_causal_mask_every_layer_reads_costs_the_search_nothing(monkeypatch):
     """A GPT written the usual way builds its causal mask once: before, the
     mask's edges left no critical layer, and a tensor-8 mesh of 16 blocks
     was one ILP (58 s, 1 s with a mask per block). Now the search solves as
-    many segments for 4 blocks as for 12, shared mask or not, and plans the
+    many segments for 4 blocks as for 8, shared mask or not, and plans the
     shared-mask model as the per-block one."""
     solved = []
     original = sharding._solve_segment
@@ -281,15 +281,15 @@ def test_a_causal_mask_every_layer_reads_costs_the_search_nothing(monkeypatch):
     mesh = Mesh(devices=8, tensor=8, batch=8, hardware=Hardware("gpu", 100.0, 80.0, 300, 25))
     counts, plans, graphs = {}, {}, {}
     for mask in ("shared", "per_layer"):
-        for layers in (4, 12):
+        for layers in (4, 8):
             solved.clear()
             graph = graphs[mask, layers] = _gpt_layers(layers, mask)
             assert len(critical_layers(graph)) > 2 * layers  # segments within every block
             plans[mask, layers] = plan_sharding(graph, mesh, 1e12, "O2")
             counts[mask, layers] = len(solved)
             assert plans[mask, layers].optimal
-    assert counts["shared", 4] == counts["shared", 12] == counts["per_layer", 12]
-    for layers in (4, 12):
+    assert counts["shared", 4] == counts["shared", 8] == counts["per_layer", 8]
+    for layers in (4, 8):
         shared, per_layer = ({layer.scope: c for layer, c in zip(graphs[mask, layers].layers,
                                                                  plans[mask, layers].candidates)}
                              for mask in ("shared", "per_layer"))

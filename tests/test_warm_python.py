@@ -95,3 +95,11 @@ def test_another_import_environment_gets_another_server(probe):
 def test_interpreter_options_start_cold():
     done = warm_python.run([sys.executable, "-S", "-c", "import sys; print('site' in sys.modules)"])
     assert done.stdout == "False\n"
+
+
+
+def test_a_server_that_cannot_import_tensorflow_says_why(tmp_path):
+    (tmp_path / "tensorflow.py").write_text("raise ImportError('no TensorFlow here')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    with pytest.raises(RuntimeError, match="(?s)server exited.*no TensorFlow here"):
+        warm_python.run([sys.executable, "-c", "print('ran')"], env=env)

@@ -116,11 +116,14 @@ def _warm_form(args: List[str]) -> bool:
 
 
 class _Server:
-    """One warm server: a subprocess answering JSON lines on its stdin/stdout."""
+    """One warm server: a subprocess answering JSON lines on its stdin/stdout;
+    what it prints itself (TensorFlow's import log) is kept for its failure."""
 
     def __init__(self, env: Dict[str, str]):
+        self._log = tempfile.TemporaryFile()  # pylint: disable=consider-using-with
         self.process = subprocess.Popen([sys.executable, __file__], env=env, text=True,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=self._log)
         self._lock = threading.Lock()
 
     def ask(self, request: dict) -> dict:
@@ -129,10 +132,13 @@ class _Server:
             self.process.stdin.flush()
             line = self.process.stdout.readline()
         if not line:
-            raise RuntimeError(f"the warm Python server exited ({self.process.wait()})")
+            self._log.seek(0)
+            raise RuntimeError(f"the warm Python server exited ({self.process.wait()}):\n"
+                               + self._log.read().decode(errors="replace")[-3000:])
         return json.loads(line)
 
     def stop(self):
+        self._log.close()
         self.process.stdin.close()
         try:
             self.process.wait(timeout=30)
