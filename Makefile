@@ -2,7 +2,7 @@
 # everything (tensorflow-cpu 2.15.1, tensorflow-estimator 2.15.0, numpy<2, ortools 9.9,
 # networkx, pytest, pytest-xdist; `make test` also builds Horovod 0.28.1) before running.
 # The suite runs in PYTEST_WORKERS processes (pytest-xdist, a test file per process at a
-# time, the longest first: files share their expensive fixtures), then the multi-process
+# time: files share their expensive fixtures), then the multi-process
 # tests and the benchmarks' quickest modes (marked slow; mostly waiting on their processes)
 # test by test on as many. The scripts a test runs start as forks of a process that
 # imported TensorFlow once (tests/warm_python.py), not as fresh Pythons.

@@ -30,22 +30,11 @@ _NEEDS = {
 }
 
 
-# The longest files (``make test-fast --durations``, 2026-11-29: 20-55 s each) run
-# first: pytest-xdist hands files to its workers in collection order, and a long
-# one handed out last keeps one worker busy while the other has nothing left.
-LONGEST_FIRST = ["test_tf2.py", "test_corpus.py", "test_building_blocks_graph.py",
-                 "test_benchmarks_run.py", "test_batch_norm.py", "test_zero.py",
-                 "test_raw_attention_split.py", "test_structure.py",
-                 "test_cluster_plan_here.py", "test_real_steps_tf2.py", "test_readme.py"]
-
-
 def pytest_collection_modifyitems(config, items):  # pylint: disable=unused-argument
     for item in items:
         for name, reason in _NEEDS.items():
             if reason and item.get_closest_marker(name):
                 item.add_marker(pytest.mark.skip(reason=reason))
-    rank = {name: k for k, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
 
 
 @pytest.fixture(autouse=True)

@@ -232,10 +232,14 @@ def test_zero_without_mirrored_variables_is_refused(config, why):
 
 
 class DecayedAdam(v1.train.AdamOptimizer):
-    """Adam with a weight decay written as an op of its own before each update."""
+    """Adam with a weight decay written as an op of its own before each update
+    (after the gradient: the forward pass has read the variable by then;
+    before, the decay could run first, and the step's loss varied)."""
 
     def _resource_apply_dense(self, grad, var):
-        with tf.control_dependencies([var.assign_sub(0.01 * var)]):
+        with tf.control_dependencies([grad]):
+            decay = var.assign_sub(0.01 * var)
+        with tf.control_dependencies([decay]):
             return super()._resource_apply_dense(grad, var)
 
 
