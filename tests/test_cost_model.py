@@ -182,7 +182,7 @@ def test_split_layers_communication_by_hand():
       * column reading the model's input (fed split by rows): all-gathered
         forward, its gradient gathered back in the backward pass:
         2 x [(t-1) alpha + (t-1)/t x rows x in_bytes / bandwidth]."""
-    rows, out_bytes, in_bytes, bandwidth = 64, 4096.0, 1024.0, 10e9
+    rows, out_bytes, in_bytes = 64, 4096.0, 1024.0  # over 10 GB/s
     layer = Layer("fc", "matmul", flops=0.0, out_bytes=out_bytes, activation_bytes=0.0,
                   param_bytes=1e6, input_bytes=in_bytes, ops=(0,), signature=())
     hardware = Hardware("test", 1.0, 16.0, intra_node_gbps=10)

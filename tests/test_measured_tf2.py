@@ -6,7 +6,6 @@ the time its ops ran on its devices in the profiled calls, as for graphs
 function's ops on CPUs, is said to be not measured. The scripts run in
 fresh processes (``tf2_script.py``; config keys by environment variables)."""
 import json
-import os
 
 import numpy as np
 import pytest

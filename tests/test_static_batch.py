@@ -3,7 +3,6 @@
 and code that reads the batch from static shapes (BERT's ``get_shape_list``)
 train like one device. Before, the rewrite died with ``Cannot update edge,
 incompatible shapes: [2,6] and [8,6]``."""
-import numpy as np
 import pytest
 import tensorflow as tf
 

@@ -1,7 +1,5 @@
 """Graphs as users write them (issue 12): control flow in the loss path, Keras
 optimizers' variable names, queue-based input."""
-import io
-import logging
 
 import numpy as np
 import pytest
