@@ -16,7 +16,8 @@ atexit.register(lambda: print("atexit ran"))
 print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0],
                   "name": __name__, "probe": os.environ.get("PROBE"),
                   "random": [random.random(), float(np.random.rand())],
-                  "group": os.getpgrp() == os.getpid()}))
+                  "group": os.getpgrp() == os.getpid(),
+                  "descriptors": sorted(os.listdir("/proc/self/fd"))}))
 sys.stderr.write("to stderr\\n")
 os.write(2, b"on the descriptor\\n")
 if len(sys.argv) > 1 and sys.argv[1] == "fail":
@@ -95,7 +96,6 @@ def test_another_import_environment_gets_another_server(probe):
 def test_interpreter_options_start_cold():
     done = warm_python.run([sys.executable, "-S", "-c", "import sys; print('site' in sys.modules)"])
     assert done.stdout == "False\n"
-
 
 
 def test_a_server_that_cannot_import_tensorflow_says_why(tmp_path):

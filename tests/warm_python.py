@@ -39,7 +39,7 @@ from typing import Dict, List, Optional, Sequence
 _IMPORT_PREFIXES = ("PYTHON", "TF_", "CUDA", "KERAS", "OMP_", "MKL", "OPENBLAS", "LD_", "XLA",
                     "HOME", "TMPDIR")
 _RUNTIME_ONLY = ("TF_CONFIG",)
-_MAXSERVERS = 3  # import environments kept warm at once (each holds TensorFlow: ~0.5 GB)
+_MAX_SERVERS = 3  # import environments kept warm at once (each holds TensorFlow: ~0.5 GB)
 
 
 def import_environment(env: Dict[str, str]) -> tuple:
@@ -77,10 +77,15 @@ def start(args: Sequence[str], cwd=None, env=None, text: bool = True):
     """``subprocess.Popen(args, stdout=PIPE, stderr=PIPE, ...)`` for ``args``
     (``[sys.executable, ...]``), warm (a ``Run``) where it can be."""
     args = [str(a) for a in args]
-    env = dict(os.environ if env is None else env)
     if not _warm_form(args):
         return subprocess.Popen(args, cwd=cwd, env=env, text=text, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE)
+    return _forked(args, cwd, env, text)
+
+
+def _forked(args: List[str], cwd, env, text: bool) -> Run:
+    """``args`` (of ``_warm_form``) started in the server of their environment."""
+    env = dict(os.environ if env is None else env)
     server = _server_for(env)
     out, err = (_output_file(kind) for kind in (".out", ".err"))
     reply = server.ask({"start": args[1:], "cwd": os.path.abspath(cwd or os.getcwd()),
@@ -97,10 +102,11 @@ def _output_file(suffix: str) -> str:
 def run(args: Sequence[str], cwd=None, env=None, capture_output: bool = True,
         text: bool = True, timeout: Optional[float] = None, check: bool = False, **kwargs):
     """``subprocess.run(args, capture_output=True, ...)``, warm where it can be."""
-    if not _warm_form([str(a) for a in args]) or kwargs or not capture_output:
+    args = [str(a) for a in args]
+    if not _warm_form(args) or kwargs or not capture_output:
         return subprocess.run(args, cwd=cwd, env=env, capture_output=capture_output,
                               text=text, timeout=timeout, check=check, **kwargs)
-    started = start(args, cwd=cwd, env=env, text=text)
+    started = _forked(args, cwd, env, text)
     out, err = started.communicate(timeout)
     done = subprocess.CompletedProcess(started.args, started.returncode, out, err)
     if check:
@@ -152,7 +158,7 @@ SERVERS: Dict[tuple, _Server] = {}
 def _server_for(env: Dict[str, str]) -> _Server:
     key = import_environment(env)
     if key not in SERVERS or SERVERS[key].process.poll() is not None:
-        if len(SERVERS) >= _MAXSERVERS:
+        if len(SERVERS) >= _MAX_SERVERS:
             SERVERS.pop(next(iter(SERVERS))).stop()
         SERVERS[key] = _Server(env)
     else:
@@ -181,9 +187,9 @@ def _preload():
 
 
 def _serve():
-    """Answer ``start`` (fork a run: its pid) and ``wait`` (its exit status, or
-    timed out: killed, as ``subprocess.run`` kills it) until stdin closes; then kill the
-    runs still going."""
+    """Answer ``start`` (fork a run: its pid) and ``wait`` (its exit status,
+    or timed out: killed, as ``subprocess.run`` kills it) until stdin closes;
+    then kill the runs still going."""
     _preload()
     requests, replies = sys.stdin, sys.stdout
     running = set()
@@ -235,8 +241,10 @@ def _child(request: dict):
         for fd, path, mode in ((0, os.devnull, os.O_RDONLY),
                                (1, request["out"], os.O_WRONLY | os.O_TRUNC),
                                (2, request["err"], os.O_WRONLY | os.O_TRUNC)):
-            os.dup2(os.open(path, mode), fd)
-        sys.stdin = open(os.devnull)  # pylint: disable=consider-using-with  (read ahead)
+            opened = os.open(path, mode)
+            os.dup2(opened, fd)
+            os.close(opened)
+        sys.stdin = open(0, closefd=False)  # pylint: disable=consider-using-with  (read ahead)
         random.seed()
         sys.modules["numpy"].random.seed()
         code = _exit_code(request["start"])
