@@ -18,11 +18,11 @@ from tfpar.errors import FallbackWarning, PlanError
 from tfpar.models.gpt import gpt_train_op
 
 v1 = tf.compat.v1
-# The planned GPT: 4 blocks wide enough that 1024 A100s split each by heads.
-PLANNED = ["--model", "gpt", "--layers", "4", "--hidden", "12288", "--heads", "96", "--seq",
+# The planned GPT: 2 blocks wide enough that 1024 A100s split each by heads.
+PLANNED = ["--model", "gpt", "--layers", "2", "--hidden", "12288", "--heads", "96", "--seq",
            "2048", "--vocab", "51200", "--batch", "1024", "--cluster", "1024 x A100-80GB"]
 # The GPT built here: the same blocks (so the same names), small.
-LAYERS, HIDDEN, SEQ, VOCAB, HEADS, BATCH = 4, 32, 8, 48, 8, 8
+LAYERS, HIDDEN, SEQ, VOCAB, HEADS, BATCH = 2, 32, 8, 48, 8, 8
 
 
 def planned(tmp_path_factory, *options):
@@ -107,7 +107,7 @@ def test_a_plan_one_copy_of_which_needs_more_devices_than_are_here_is_refused(
     plan = planned(tmp_path_factory)
     assert plan["sharding"]["tensor_degree"] == 4
     with pytest.raises(PlanError, match=r"made for 1024 devices; one copy of the model in it "
-                                        r"needs 4 \(tensor 4 x 18 TaskGraphs\), more than the 2 "
+                                        r"needs 4 \(tensor 4 x 10 TaskGraphs\), more than the 2 "
                                         "here"):
         gpt_steps({"cluster.num_devices": 2, "plan": plan}, steps=1)
     wh.reset()

@@ -4,13 +4,14 @@ test suite itself runs in graph mode.
 
     python tf2_script.py SCENARIO DEVICES [--late-init] [--dir DIR] [--restore DIR]
                          [--resume DIR]
-    python tf2_script.py --batch DEVICES SCENARIO [SCENARIO ...]
+    python tf2_script.py --batch DEVICES [--plain FILE] SCENARIO [SCENARIO ...]
 
 DEVICES 0 runs the script plainly; otherwise ``wh.init({"cluster.num_devices":
 DEVICES, ...})`` comes first (``--late-init``: after the script ran its first
 op). ``--dir``: where checkpoints and logs go (custom loops save a
 ``tf.train.Checkpoint`` of the model and optimizer there at the end).
-``--batch``: each scenario plainly and with tfpar in one process (``batch``).
+``--batch``: each scenario plainly and with tfpar in one process (``batch``;
+``--plain``: a JSON file of plain runs by scenario, not run again).
 Prints one JSON line: the losses, the final weights, and the devices that ran
 work in the training step's placed graphs (TensorFlow's partition graphs of
 every function run, collected from the first step on) and the plan's predicted
@@ -344,15 +345,15 @@ def planned_devices() -> list:
     return sorted({d for tg in plan.task_graphs for d in tg.devices})
 
 
-def batch(devices: int, scenarios) -> None:
-    """Each of ``scenarios`` trained plainly (no tfpar) and with tfpar on
-    ``devices`` logical CPUs, in this one process (``wh.reset()`` between):
-    one JSON line per scenario, {"scenario", "plain", "tfpar"}. TensorFlow makes
-    its logical devices at the first op, so they are made first."""
+def batch(devices: int, scenarios, plain_runs: dict) -> None:
+    """Each of ``scenarios`` trained plainly (no tfpar; unless ``plain_runs``
+    has its run already) and with tfpar on ``devices`` logical CPUs, in this
+    one process (``wh.reset()`` between): one JSON line per scenario,
+    {"scenario", "plain", "tfpar"}. TensorFlow makes its logical devices at
+    the first op, so they are made first."""
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(
         cpu, [tf.config.LogicalDeviceConfiguration()] * devices)
-    plain_runs = {}
     for scenario in scenarios:
         alike = "tape_adam" if scenario in ("pipeline", "pipeline_interleaved", "auto") else scenario
         if alike not in plain_runs:
@@ -379,7 +380,11 @@ def _fresh(run):
 if __name__ == "__main__":
     args = sys.argv[1:]
     if args[0] == "--batch":
-        batch(int(args[1]), args[2:])
+        known, scenarios = {}, args[2:]
+        if scenarios[0] == "--plain":
+            with open(scenarios[1], encoding="utf-8") as f:
+                known, scenarios = json.load(f), scenarios[2:]
+        batch(int(args[1]), scenarios, known)
         sys.exit(0)
     out = args[args.index("--dir") + 1] if "--dir" in args else tempfile.mkdtemp()
     source = args[args.index("--restore") + 1] if "--restore" in args else ""

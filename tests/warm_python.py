@@ -143,13 +143,20 @@ class _Server:
                                + self._log.read().decode(errors="replace")[-3000:])
         return json.loads(line)
 
-    def stop(self):
+    def close(self):
+        """Ask the server to end (its stdin closes); ``wait`` for it."""
         self._log.close()
         self.process.stdin.close()
+
+    def wait(self):
         try:
             self.process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.process.kill()
+
+    def stop(self):
+        self.close()
+        self.wait()
 
 
 SERVERS: Dict[tuple, _Server] = {}
@@ -167,9 +174,12 @@ def _server_for(env: Dict[str, str]) -> _Server:
 
 
 @atexit.register
-def _stop_servers():
+def stop_servers():
+    """All servers asked first, then waited for: they end together."""
     for server in SERVERS.values():
-        server.stop()
+        server.close()
+    for server in SERVERS.values():
+        server.wait()
     SERVERS.clear()
 
 
@@ -189,7 +199,8 @@ def _preload():
 def _serve():
     """Answer ``start`` (fork a run: its pid) and ``wait`` (its exit status,
     or timed out: killed, as ``subprocess.run`` kills it) until stdin closes;
-    then kill the runs still going."""
+    then kill the runs still going and exit at once (the server holds nothing
+    to clean up, and tearing its TensorFlow down took about a second)."""
     _preload()
     requests, replies = sys.stdin, sys.stdout
     running = set()
@@ -209,6 +220,7 @@ def _serve():
         replies.flush()
     for pid in running:
         _kill(pid)
+    os._exit(0)  # pylint: disable=protected-access
 
 
 def _wait(pid: int, timeout: Optional[float]) -> dict:
