@@ -62,6 +62,17 @@ def _clean_tfpar(monkeypatch):
     wh.reset()
 
 
+@pytest.fixture(autouse=True)
+def _keras_session_closed():
+    """Keras' graph-mode session (``keras.backend.get_session()``'s) ends with
+    the test that made it, rather than when a later test's first Keras call
+    replaces it."""
+    yield
+    keras = sys.modules.get(KERAS_2_PACKAGE)
+    if keras is not None and not tf.executing_eagerly():
+        keras.backend.clear_session()
+
+
 class _Said:
     """The FallbackWarnings caught so far, read as text."""
 
