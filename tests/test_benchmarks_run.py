@@ -18,7 +18,9 @@ QUICK = ["memory", "overhead", "plan_quality", "planner", "retune"]
 LONGER = ["batch_norm", "multiworker", "plan_scale", "startup", "tf2"]
 # Fewer timed rounds and a smaller model than --quick, where a benchmark takes them
 # as flags: every part still runs end to end (what the suite checks).
-FEWEST = {"overhead": ["--steps", "1", "--reps", "1"], "memory": ["--layers", "1", "--batch", "2"]}
+FEWEST = {"overhead": ["--steps", "1", "--reps", "1", "--layers", "1", "--width", "16",
+                       "--batch", "8"],
+          "memory": ["--layers", "1", "--batch", "2"]}
 
 
 def run_quick(name: str) -> dict:
