@@ -64,10 +64,12 @@ def batch(devices: int) -> dict:
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump({s: run["plain"] for s, run in batch(2).items()}, f)
         known = ["--plain", f.name]
-    done = warm_python.run([sys.executable, SCRIPT, "--batch", str(devices), *known, *scenarios],
-                           capture_output=True, text=True, timeout=600)
-    if known:
-        os.remove(known[1])
+    try:
+        done = warm_python.run([sys.executable, SCRIPT, "--batch", str(devices), *known,
+                                *scenarios], capture_output=True, text=True, timeout=600)
+    finally:
+        if known:
+            os.remove(known[1])
     assert done.returncode == 0, done.stderr[-4000:]
     runs = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     return {run["scenario"]: run for run in runs}
